@@ -1,0 +1,82 @@
+"""What every attention backend class declares about itself, and picking one by priority."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from latentserve.attention.backend_registry import BackendEnum
+
+
+@dataclass(frozen=True)
+class SelectorConfig:
+    """What a backend is chosen for."""
+
+    dtype: torch.dtype
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+class BackendCapabilities:
+    """Class-level facts a selector asks a backend before constructing it."""
+
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_device_types: tuple[str, ...] = ("cpu", "cuda")
+
+    @classmethod
+    def get_name(cls) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in cls.supported_dtypes
+
+    @classmethod
+    def supports_device(cls, device: torch.device | str) -> bool:
+        return torch.device(device).type in cls.supported_device_types
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    @classmethod
+    def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:
+        """Every reason this backend cannot serve the configuration; empty when it can."""
+        reasons = []
+        if not cls.is_available():
+            reasons.append(f"{cls.get_name()} is not available in this installation")
+        if not cls.supports_device(device):
+            reasons.append(f"{cls.get_name()} does not support device {torch.device(device).type!r}")
+        if not cls.supports_dtype(selector_config.dtype):
+            reasons.append(f"{cls.get_name()} does not support dtype {selector_config.dtype}")
+        return reasons
+
+
+def select_backend(
+    enum_cls: type[BackendEnum],
+    priorities: Sequence[BackendEnum],
+    device: torch.device | str,
+    selector_config: SelectorConfig,
+    selected: BackendEnum | str | None = None,
+) -> type:
+    """The explicitly `selected` backend if valid, else the first valid one in `priorities`."""
+    kind = enum_cls.__name__
+    if selected is not None:
+        member = enum_cls.lookup(selected) if isinstance(selected, str) else selected
+        cls = member.get_class()
+        reasons = cls.validate_configuration(device, selector_config)
+        if reasons:
+            raise ValueError(f"{kind} {member.name} cannot be used: " + "; ".join(reasons))
+        return cls
+    rejected = []
+    for member in priorities:
+        cls = member.get_class()
+        reasons = cls.validate_configuration(device, selector_config)
+        if not reasons:
+            return cls
+        rejected.append(f"{member.name}: " + "; ".join(reasons))
+    raise ValueError(f"no valid {kind} for device {device} and {selector_config}: " + " | ".join(rejected))

@@ -1,0 +1,158 @@
+"""`MLAMetadataBuilder`: CommonAttentionMetadata -> MLAMetadata, one builder per ubatch."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from latentserve.attention.kv_cache import slots_for_positions
+from latentserve.attention.metadata import (
+    ChunkedContextMetadata,
+    CommonAttentionMetadata,
+    MLADecodeMetadata,
+    MLAMetadata,
+    MLAPrefillMetadata,
+)
+from latentserve.config import AttentionConfig, MLAConfig
+
+
+def is_decode(query_len: int, context_len: int, decode_threshold: int) -> bool:
+    """Decodes are requests with a few new tokens over some cached context."""
+    return 0 < query_len <= decode_threshold and context_len > 0
+
+
+def reorder_decodes_first(query_lens: list[int], seq_lens: list[int], decode_threshold: int) -> list[int]:
+    """A stable permutation of request indices that puts decodes before prefills."""
+    kinds = [is_decode(q, s - q, decode_threshold) for q, s in zip(query_lens, seq_lens)]
+    return [i for i, d in enumerate(kinds) if d] + [i for i, d in enumerate(kinds) if not d]
+
+
+def count_decodes(common: CommonAttentionMetadata, decode_threshold: int) -> int:
+    """Number of leading decode requests; raises if a decode follows a prefill."""
+    query_lens = common.query_lens_cpu.tolist()
+    context_lens = common.num_computed_tokens_cpu.tolist()
+    num_decodes = 0
+    for i, (q, c) in enumerate(zip(query_lens, context_lens)):
+        if q == 0:
+            raise ValueError(f"request {i} has no new tokens in this batch")
+        if is_decode(q, c, decode_threshold):
+            if num_decodes != i:
+                raise ValueError(
+                    f"batch is not ordered decodes first: request {i} is a decode after a prefill; "
+                    "order it with reorder_decodes_first()"
+                )
+            num_decodes += 1
+    return num_decodes
+
+
+class MLAMetadataBuilder:
+    """Builds the MLA metadata of one ubatch and owns the prefill backend instance it prepares."""
+
+    def __init__(
+        self,
+        layer_names: list[str],
+        static_ctx: Mapping[str, object],
+        mla: MLAConfig,
+        attn_config: AttentionConfig,
+        device: torch.device | str = "cpu",
+        builder_id: int = 0,
+    ) -> None:
+        if not layer_names:
+            raise ValueError("MLAMetadataBuilder needs at least one attention layer name")
+        missing = [n for n in layer_names if n not in static_ctx]
+        if missing:
+            raise ValueError(f"attention layers {missing} are not in the static forward context")
+        self.layer_names = list(layer_names)
+        self.mla = mla
+        self.attn_config = attn_config
+        self.device = torch.device(device)
+        self.builder_id = builder_id
+        layer = static_ctx[layer_names[0]]
+        # The seed's fix: prepare_metadata() stores per-batch state on the backend, so each
+        # builder (one per ubatch) prepares and runs its own instance, never the layer's shared one.
+        self.prefill_backend = layer.prefill_backend.clone()
+        self.prefill_backend.claim(self)
+        self.workspace = torch.empty(
+            attn_config.workspace_tokens, mla.kv_cache_dim, dtype=layer.kv_cache_dtype, device=self.device
+        )
+
+    def __repr__(self) -> str:
+        return f"MLAMetadataBuilder(id={self.builder_id})"
+
+    def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
+        num_decodes = count_decodes(common, self.attn_config.decode_threshold)
+        qsl = common.query_start_loc_cpu.tolist()
+        num_decode_tokens = qsl[num_decodes]
+        num_prefills = common.num_reqs - num_decodes
+        decode = self._build_decode(common, num_decodes) if num_decodes else None
+        prefill = self._build_prefill(common, num_decodes) if num_prefills else None
+        if prefill is not None:
+            self.prefill_backend.prepare_metadata(prefill)
+        return MLAMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping,
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            num_prefills=num_prefills,
+            decode=decode,
+            prefill=prefill,
+            builder_id=self.builder_id,
+        )
+
+    def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
+        seq_lens_cpu = common.seq_lens_cpu[:num_decodes]
+        query_lens = common.query_lens_cpu[:num_decodes]
+        return MLADecodeMetadata(
+            block_table=common.block_table[:num_decodes],
+            seq_lens=common.seq_lens[:num_decodes],
+            query_start_loc=common.query_start_loc[: num_decodes + 1],
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens_cpu.max()),
+        )
+
+    def _build_prefill(self, common: CommonAttentionMetadata, num_decodes: int) -> MLAPrefillMetadata:
+        qsl_cpu = common.query_start_loc_cpu[num_decodes:] - common.query_start_loc_cpu[num_decodes]
+        context_lens = common.num_computed_tokens_cpu[num_decodes:].tolist()
+        query_lens = (qsl_cpu[1:] - qsl_cpu[:-1]).tolist()
+        chunked = None
+        if any(context_lens):
+            chunked = self._plan_context_chunks(common.block_table[num_decodes:], context_lens)
+        return MLAPrefillMetadata(
+            query_start_loc=qsl_cpu.to(self.device),
+            query_start_loc_cpu=qsl_cpu.tolist(),
+            context_lens_cpu=context_lens,
+            max_query_len=max(query_lens),
+            chunked_context=chunked,
+            backend=self.prefill_backend,
+        )
+
+    def _plan_context_chunks(self, block_table: torch.Tensor, context_lens: list[int]) -> ChunkedContextMetadata:
+        """Split every prefill's context into chunks so that one chunk of all of them fits the workspace."""
+        num_prefills = len(context_lens)
+        chunk_size = self.attn_config.workspace_tokens // num_prefills
+        if chunk_size == 0:
+            raise ValueError(
+                f"workspace_tokens={self.attn_config.workspace_tokens} is smaller than the {num_prefills} "
+                "prefill requests in this batch; raise it to at least max_num_seqs"
+            )
+        num_chunks = -(-max(context_lens) // chunk_size)
+        block_size = self.attn_config.block_size
+        bt_cpu = block_table.cpu()
+        slots, cu_seq_lens, cu_cpu = [], [], []
+        for c in range(num_chunks):
+            start = c * chunk_size
+            lens = [max(0, min(chunk_size, ctx - start)) for ctx in context_lens]
+            chunk_slots = [
+                slots_for_positions(bt_cpu[r], torch.arange(start, start + n), block_size)
+                for r, n in enumerate(lens)
+                if n
+            ]
+            cu = [0]
+            for n in lens:
+                cu.append(cu[-1] + n)
+            slots.append(torch.cat(chunk_slots).to(self.device))
+            cu_seq_lens.append(torch.tensor(cu, dtype=torch.int32, device=self.device))
+            cu_cpu.append(cu)
+        return ChunkedContextMetadata(
+            chunk_size=chunk_size, slots=slots, cu_seq_lens=cu_seq_lens, cu_seq_lens_cpu=cu_cpu, workspace=self.workspace
+        )

@@ -1,0 +1,45 @@
+"""TORCH: batched absorbed MQA over the gathered latent rows (never per-head K/V)."""
+from __future__ import annotations
+
+import torch
+
+from latentserve.attention.decode.base import MLADecodeBackend
+from latentserve.attention.metadata import MLADecodeMetadata
+
+
+class TorchMQADecodeBackend(MLADecodeBackend):
+    @classmethod
+    def get_name(cls) -> str:
+        return "TORCH"
+
+    def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
+        num_reqs = metadata.seq_lens.shape[0]
+        block_size = kv_cache.shape[1]
+        num_blocks = -(-metadata.max_seq_len // block_size)
+        kv = kv_cache[metadata.block_table[:, :num_blocks].long()].reshape(num_reqs, num_blocks * block_size, -1)
+        kv = kv.to(q.dtype)
+        positions = torch.arange(kv.shape[1], device=q.device)
+        seq_lens = metadata.seq_lens.long()
+        # Slots past a request's length may hold anything (even NaN); zero them so 0-weights stay 0.
+        kv.masked_fill_((positions[None, :] >= seq_lens[:, None]).unsqueeze(-1), 0.0)
+
+        req_idx, col_idx = _token_coordinates(metadata, q.shape[0])
+        qp = q.new_zeros(num_reqs, metadata.max_query_len, q.shape[1], q.shape[2])
+        qp[req_idx, col_idx] = q
+        width = metadata.max_query_len * q.shape[1]
+        scores = torch.matmul(qp.view(num_reqs, width, -1), kv.transpose(1, 2)).mul_(self.scale)
+        scores = scores.view(num_reqs, metadata.max_query_len, q.shape[1], -1)
+        query_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).long()
+        last_key = (seq_lens - query_lens)[:, None] + torch.arange(metadata.max_query_len, device=q.device)[None, :]
+        scores.masked_fill_(positions[None, None, None, :] > last_key[:, :, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_reqs, width, -1)
+        out = torch.matmul(probs, kv[..., : self.kv_lora_rank])
+        return out.view(num_reqs, metadata.max_query_len, q.shape[1], -1)[req_idx, col_idx]
+
+
+def _token_coordinates(metadata: MLADecodeMetadata, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request index, index within the request) of every decode token."""
+    qsl = metadata.query_start_loc.long()
+    tokens = torch.arange(num_tokens, device=qsl.device)
+    req_idx = torch.searchsorted(qsl[1:], tokens, right=True)
+    return req_idx, tokens - qsl[req_idx]

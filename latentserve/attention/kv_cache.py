@@ -1,0 +1,50 @@
+"""Paged latent KV cache: one `[num_blocks, block_size, kv_lora_rank + rope_dim]` tensor per MLA layer."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+
+def allocate_kv_caches(
+    static_ctx: Mapping[str, object],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Allocate a cache for every MLA layer in the static forward context and bind it to the layer."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+    caches = {}
+    for name, layer in static_ctx.items():
+        dim = layer.mla.kv_cache_dim
+        caches[name] = torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
+        layer.kv_cache = caches[name]
+    return caches
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each token's `[c_kv ‖ k_pe]` at its slot; slot -1 marks padding and is skipped."""
+    rows = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        flat.index_copy_(0, slot_mapping, rows)
+    else:
+        flat.index_copy_(0, slot_mapping[keep], rows[keep])
+
+
+def slots_for_positions(block_table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat cache slots of token positions of one request."""
+    return block_table_row[positions // block_size].long() * block_size + positions % block_size
+
+
+def gather_kv_cache(kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of the cache at flat `slots`, into `out` when given (a bounded workspace)."""
+    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    if out is None:
+        return flat.index_select(0, slots)
+    return torch.index_select(flat, 0, slots, out=out[: slots.numel()])

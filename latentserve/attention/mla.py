@@ -1,0 +1,126 @@
+"""`MLAAttention`: the attention of one MLA layer over its paged latent cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.decode.selector import get_mla_decode_backend
+from latentserve.attention.kv_cache import gather_kv_cache, write_kv_cache
+from latentserve.attention.merge import merge_attn_states
+from latentserve.attention.metadata import MLADecodeMetadata, MLAMetadata, MLAPrefillMetadata
+from latentserve.attention.prefill.base import OwnershipError
+from latentserve.attention.prefill.selector import get_mla_prefill_backend
+from latentserve.config import AttentionConfig, MLAConfig
+from latentserve.forward_context import StaticForwardContext, get_forward_context
+
+
+class MLAAttention(nn.Module):
+    """Takes projected queries and latents, returns per-head values `[T, N*V]` (before o_proj).
+
+    Decode tokens go through the absorbed MQA path over the cache; prefill tokens through the
+    expanded MHA path, with cached context read chunk by chunk and merged by log-sum-exp.
+    """
+
+    def __init__(
+        self,
+        layer_name: str,
+        mla: MLAConfig,
+        scale: float,
+        attn_config: AttentionConfig,
+        static_ctx: StaticForwardContext,
+        kv_cache_dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.layer_name = layer_name
+        self.mla = mla
+        self.scale = scale
+        self.kv_cache_dtype = kv_cache_dtype
+        self.debug = attn_config.debug_ownership
+        self.kv_b_proj = nn.Linear(
+            mla.kv_lora_rank, mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False, device=device
+        )
+        selector_config = SelectorConfig(
+            kv_cache_dtype, mla.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        )
+        prefill_cls = get_mla_prefill_backend(device, selector_config, attn_config.prefill_backend)
+        decode_cls = get_mla_decode_backend(device, selector_config, attn_config.decode_backend)
+        # A prototype only: metadata builders run clones of it, never this instance.
+        self.prefill_backend = prefill_cls(
+            mla.num_heads, scale, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+            attn_config,
+        )
+        self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config)
+        self.kv_cache: torch.Tensor | None = None
+        self.W_UK_T: torch.Tensor | None = None
+        self.W_UV: torch.Tensor | None = None
+        static_ctx.register(layer_name, self)
+
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj into the absorbed decode weights W_UK_T `[N, P, L]` and W_UV `[N, L, V]`."""
+        m = self.mla
+        w = self.kv_b_proj.weight.detach().view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        self.W_UK_T = w[:, : m.qk_nope_head_dim, :].contiguous()
+        self.W_UV = w[:, m.qk_nope_head_dim :, :].transpose(1, 2).contiguous()
+
+    def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """q `[T, N, P+R]`, kv_c_normed `[T, L]`, k_pe `[T, R]` (rope applied) -> `[T, N*V]`."""
+        if self.kv_cache is None or self.W_UK_T is None:
+            raise RuntimeError(f"{self.layer_name}: bind a KV cache and call process_weights_after_loading() first")
+        md = self._metadata()
+        num_tokens = md.num_actual_tokens
+        if q.shape[0] != num_tokens:
+            raise ValueError(f"{self.layer_name}: got {q.shape[0]} tokens but the metadata describes {num_tokens}")
+        write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
+        out = q.new_empty(num_tokens, self.mla.num_heads, self.mla.v_head_dim)
+        nd = md.num_decode_tokens
+        if md.decode is not None:
+            out[:nd] = self._forward_decode(q[:nd], md.decode)
+        if md.prefill is not None:
+            out[nd:] = self._forward_prefill(q[nd:], kv_c_normed[nd:], k_pe[nd:], md.prefill)
+        return out.flatten(1)
+
+    def _metadata(self) -> MLAMetadata:
+        ctx = get_forward_context()
+        md = ctx.attn_metadata.get(self.layer_name)
+        if md is None:
+            raise RuntimeError(f"no attention metadata for layer {self.layer_name!r} in the forward context")
+        if self.debug and ctx.ubatch_id is not None and md.builder_id != ctx.ubatch_id:
+            raise OwnershipError(
+                f"{self.layer_name}: ubatch {ctx.ubatch_id} is reading metadata built for ubatch {md.builder_id}"
+            )
+        return md
+
+    def _up_project(self, kv_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.mla
+        kv = self.kv_b_proj(kv_c).view(-1, m.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+        return kv.split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+
+    def _expand_keys(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k_nope, v = self._up_project(kv_c)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.mla.num_heads, -1)], dim=-1)
+        return k, v
+
+    def _forward_prefill(
+        self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, md: MLAPrefillMetadata
+    ) -> torch.Tensor:
+        backend = md.backend
+        backend.check_prepared_for(md)
+        k, v = self._expand_keys(kv_c, k_pe)
+        chunked = md.chunked_context
+        if chunked is None:
+            return backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=False)
+        out, lse = backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
+        for i, slots in enumerate(chunked.slots):
+            rows = gather_kv_cache(self.kv_cache, slots, out=chunked.workspace).to(q.dtype)
+            ctx_k, ctx_v = self._expand_keys(*rows.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1))
+            ctx_out, ctx_lse = backend.run_prefill_context_chunk(i, q, ctx_k, ctx_v)
+            out, lse = merge_attn_states(ctx_out, ctx_lse, out, lse)
+        return out
+
+    def _forward_decode(self, q: torch.Tensor, md: MLADecodeMetadata) -> torch.Tensor:
+        q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("tnp,npl->tnl", q_nope, self.W_UK_T)
+        o_latent = self.decode_backend.forward(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, md)
+        return torch.einsum("tnl,nlv->tnv", o_latent, self.W_UV)

@@ -1,0 +1,34 @@
+"""TORCH_SDPA: PyTorch's fused flash attention, which also returns the log-sum-exp."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from latentserve.attention.prefill.varlen import VarlenPrefillBackend
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """q, k, v `[1, N, S, D]` with one head dim -> out `[1, N, Sq, D]`, lse `[1, N, Sq]`."""
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+class TorchSDPAPrefillBackend(VarlenPrefillBackend):
+    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "TORCH_SDPA"
+
+    def _attend(self, q, k, v, causal):
+        if causal and q.shape[0] != k.shape[0]:
+            raise ValueError(f"causal prefill needs as many keys as queries, got {q.shape[0]} and {k.shape[0]}")
+        v_dim = v.shape[-1]
+        if v_dim != q.shape[-1]:
+            # The fused kernel needs one head dim for q, k and v: pad v with zeros, drop them after.
+            v = F.pad(v, (0, q.shape[-1] - v_dim))
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        out, lse = _flash_with_lse(qh, kh, vh, causal, self.scale)
+        return out[0].transpose(0, 1)[..., :v_dim], lse[0].transpose(0, 1).float()

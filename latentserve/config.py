@@ -1,0 +1,52 @@
+"""Shapes and knobs of MLA attention, shared by the layer, builders and backends."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """The dimensions of one MLA layer (DESIGN.md §1 names)."""
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Values cached per token per layer: the latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Per-engine attention settings."""
+
+    block_size: int = 16
+    decode_threshold: int = 1
+    # Tokens of cached context gathered at once per prefill step (the chunked-context workspace).
+    workspace_tokens: int = 8192
+    prefill_backend: str | None = None
+    decode_backend: str | None = None
+    # Ownership checks that catch state shared across ubatches; cheap, so on by default.
+    debug_ownership: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.decode_threshold <= 0:
+            raise ValueError(f"decode_threshold must be positive, got {self.decode_threshold}")
+        if self.workspace_tokens <= 0:
+            raise ValueError(f"workspace_tokens must be positive, got {self.workspace_tokens}")

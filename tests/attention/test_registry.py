@@ -1,0 +1,129 @@
+"""Registry and selector behaviour of prefill (and decode) backends."""
+import pytest
+import torch
+
+from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.decode.registry import MLADecodeBackendEnum, register_mla_decode_backend
+from latentserve.attention.decode.selector import get_mla_decode_backend
+from latentserve.attention.prefill.reference import ReferencePrefillBackend
+from latentserve.attention.prefill.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
+from latentserve.attention.prefill.selector import get_mla_prefill_backend
+from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend
+
+CFG = SelectorConfig(torch.float32, 4, 32, 16, 8, 12)
+
+
+class CustomPrefill(ReferencePrefillBackend):
+    @classmethod
+    def get_name(cls):
+        return "CUSTOM_TEST"
+
+
+class CudaOnlyPrefill(ReferencePrefillBackend):
+    supported_device_types = ("cuda",)
+    supported_dtypes = (torch.bfloat16,)
+
+    @classmethod
+    def get_name(cls):
+        return "CUDA_ONLY"
+
+
+PATH = f"{__name__}.CustomPrefill"
+CUDA_PATH = f"{__name__}.CudaOnlyPrefill"
+
+
+@pytest.fixture(autouse=True)
+def _clean_overrides():
+    yield
+    for enum_cls in (MLAPrefillBackendEnum, MLADecodeBackendEnum):
+        for member in enum_cls:
+            member.clear_override()
+
+
+def test_builtins_resolve_to_classes():
+    assert MLAPrefillBackendEnum.TORCH_SDPA.get_class() is TorchSDPAPrefillBackend
+    assert MLAPrefillBackendEnum.REFERENCE.get_class() is ReferencePrefillBackend
+    assert MLAPrefillBackendEnum.TORCH_SDPA.get_class().get_name() == "TORCH_SDPA"
+
+
+def test_custom_must_be_registered_before_use():
+    with pytest.raises(ValueError, match="must be registered before use"):
+        MLAPrefillBackendEnum.CUSTOM.get_path()
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, PATH)
+    assert MLAPrefillBackendEnum.CUSTOM.is_overridden()
+    assert MLAPrefillBackendEnum.CUSTOM.get_class() is CustomPrefill
+    MLAPrefillBackendEnum.CUSTOM.clear_override()
+    assert not MLAPrefillBackendEnum.CUSTOM.is_overridden()
+    with pytest.raises(ValueError, match="must be registered before use"):
+        MLAPrefillBackendEnum.CUSTOM.get_class()
+
+
+def test_override_builtin_and_clear():
+    register_mla_prefill_backend("torch_sdpa", PATH)
+    assert MLAPrefillBackendEnum.TORCH_SDPA.get_class() is CustomPrefill
+    MLAPrefillBackendEnum.TORCH_SDPA.clear_override()
+    assert MLAPrefillBackendEnum.TORCH_SDPA.get_class() is TorchSDPAPrefillBackend
+
+
+def test_decorator_registration_adds_member():
+    @register_mla_prefill_backend("MY_DECORATED")
+    class Decorated(ReferencePrefillBackend):
+        pass
+
+    member = MLAPrefillBackendEnum.MY_DECORATED
+    assert member in list(MLAPrefillBackendEnum)
+    assert member.get_path().endswith("Decorated")
+    assert MLAPrefillBackendEnum.lookup("my_decorated") is member
+
+
+def test_register_rejects_duplicates_and_bad_names():
+    MLAPrefillBackendEnum.register("RUNTIME_ONE", PATH)
+    assert MLAPrefillBackendEnum.RUNTIME_ONE.get_class() is CustomPrefill
+    with pytest.raises(ValueError, match="already exists"):
+        MLAPrefillBackendEnum.register("RUNTIME_ONE", PATH)
+    for bad in ["", "lower", "1ABC", "HAS-DASH", None]:
+        with pytest.raises(ValueError, match="invalid backend name"):
+            MLAPrefillBackendEnum.register(bad, PATH)
+
+
+def test_unknown_name_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown MLAPrefillBackendEnum name 'NOPE'.*TORCH_SDPA.*REFERENCE"):
+        MLAPrefillBackendEnum.lookup("NOPE")
+
+
+def test_selector_picks_first_valid_by_priority():
+    assert get_mla_prefill_backend("cpu", CFG) is TorchSDPAPrefillBackend
+    register_mla_prefill_backend(MLAPrefillBackendEnum.TORCH_SDPA, CUDA_PATH)
+    # TORCH_SDPA now points at a CUDA/bf16-only class: the selector falls through to REFERENCE.
+    assert get_mla_prefill_backend("cpu", CFG) is ReferencePrefillBackend
+
+
+def test_explicit_choice_refused_with_every_reason():
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, CUDA_PATH)
+    with pytest.raises(ValueError) as e:
+        get_mla_prefill_backend("cpu", CFG, "custom")
+    assert "device 'cpu'" in str(e.value) and "dtype torch.float32" in str(e.value)
+    assert get_mla_prefill_backend("cpu", CFG, "REFERENCE") is ReferencePrefillBackend
+
+
+def test_validate_configuration_lists_reasons():
+    assert TorchSDPAPrefillBackend.validate_configuration("cpu", CFG) == []
+    assert TorchSDPAPrefillBackend.supports_dtype(torch.bfloat16)
+    assert len(CudaOnlyPrefill.validate_configuration("cpu", CFG)) == 2
+
+
+def test_decode_registry_and_selector():
+    assert get_mla_decode_backend("cpu", CFG).get_name() == "TORCH"
+    assert get_mla_decode_backend("cpu", CFG, "reference").get_name() == "REFERENCE"
+    with pytest.raises(ValueError, match="must be registered before use"):
+        MLADecodeBackendEnum.CUSTOM.get_class()
+    register_mla_decode_backend(MLADecodeBackendEnum.CUSTOM, "latentserve.attention.decode.reference.ReferenceDecodeBackend")
+    assert get_mla_decode_backend("cpu", CFG, MLADecodeBackendEnum.CUSTOM).get_name() == "REFERENCE"
+    with pytest.raises(ValueError, match="valid names"):
+        get_mla_decode_backend("cpu", CFG, "FLASHMLA_NOT_HERE")
+
+
+def test_bad_class_path_is_a_clear_import_error():
+    register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, "no_such_module.Backend")
+    with pytest.raises(ImportError, match="no_such_module.Backend"):
+        MLAPrefillBackendEnum.CUSTOM.get_class()
