@@ -50,3 +50,18 @@ class AttentionConfig:
             raise ValueError(f"decode_threshold must be positive, got {self.decode_threshold}")
         if self.workspace_tokens <= 0:
             raise ValueError(f"workspace_tokens must be positive, got {self.workspace_tokens}")
+
+
+@dataclass(frozen=True)
+class DBOConfig:
+    """Dual batch overlap: split a step into two ubatches above a token threshold (vLLM's names and defaults)."""
+
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32  # for batches of decodes only
+    dbo_prefill_token_threshold: int = 512  # for batches with any prefill
+
+    def __post_init__(self) -> None:
+        for name in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ValueError(f"{name} must be an int >= 2 (a split needs two tokens), got {value!r}")

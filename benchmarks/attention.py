@@ -1,0 +1,99 @@
+"""MLA attention throughput: prefill tokens/s and decode step time, fast backends beside the references.
+
+Decode also reports the bytes/s it achieves reading the latent cache, as a ratio of the copy
+bandwidth measured in the same run. DeepSeek-V2-Lite head dims (16 heads, L=512, R=64, P=V=128).
+Run: `.venv/bin/python benchmarks/attention.py [--quick]`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import best_time, copy_bandwidth  # noqa: E402
+from latentserve.attention.builder import MLAMetadataBuilder  # noqa: E402
+from latentserve.attention.kv_cache import allocate_kv_caches, slots_for_positions  # noqa: E402
+from latentserve.attention.metadata import CommonAttentionMetadata  # noqa: E402
+from latentserve.attention.mla import MLAAttention  # noqa: E402
+from latentserve.config import AttentionConfig, MLAConfig  # noqa: E402
+from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context  # noqa: E402
+
+MLA = MLAConfig(num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+BLOCK = 64
+
+
+def make_runner(prefill: str, decode: str, query_lens: list[int], seq_lens: list[int]):
+    config = AttentionConfig(block_size=BLOCK, prefill_backend=prefill, decode_backend=decode, workspace_tokens=8192)
+    static_ctx = StaticForwardContext()
+    layer = MLAAttention("bench", MLA, MLA.qk_head_dim**-0.5, config, static_ctx)
+    layer.process_weights_after_loading()
+    blocks = [-(-s // BLOCK) for s in seq_lens]
+    cache = allocate_kv_caches(static_ctx, sum(blocks), BLOCK, torch.float32)["bench"]
+    cache.normal_()
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = torch.randperm(n) + start
+        start += n
+    slots = torch.cat([
+        slots_for_positions(table[r], torch.arange(s - q, s), BLOCK) for r, (q, s) in enumerate(zip(query_lens, seq_lens))
+    ])
+    common = CommonAttentionMetadata.from_lists(query_lens, seq_lens, table, slots)
+    md = MLAMetadataBuilder(["bench"], static_ctx, MLA, config).build(common)
+    t = common.num_actual_tokens
+    q = torch.randn(t, MLA.num_heads, MLA.qk_head_dim)
+    kv_c, k_pe = torch.randn(t, MLA.kv_lora_rank), torch.randn(t, MLA.qk_rope_head_dim)
+
+    def run():
+        with torch.no_grad(), set_forward_context(ForwardContext({"bench": md})):
+            layer(q, kv_c, k_pe)
+
+    return run
+
+
+def bench_prefill(cases: list[tuple[int, int]]) -> None:
+    print("\n## Prefill (batch x new tokens, no context): tokens/s")
+    print("| batch | tokens | TORCH_SDPA tok/s | REFERENCE tok/s | ratio |")
+    print("|---|---|---|---|---|")
+    for batch, length in cases:
+        lens = [length] * batch
+        fast = best_time(make_runner("TORCH_SDPA", "TORCH", lens, lens), repeats=3)
+        ref = best_time(make_runner("REFERENCE", "TORCH", lens, lens), repeats=3)
+        tokens = batch * length
+        print(f"| {batch} | {length} | {tokens / fast:,.0f} | {tokens / ref:,.0f} | {ref / fast:.2f}x |")
+
+
+def bench_decode(cases: list[tuple[int, int]], bandwidth: float) -> None:
+    print(f"\n## Decode (one token per request over a cached context); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| batch | context | TORCH step ms | REFERENCE step ms | speedup | cache read GB/s | of copy bw |")
+    print("|---|---|---|---|---|---|---|")
+    for batch, context in cases:
+        q_lens, s_lens = [1] * batch, [context + 1] * batch
+        fast = best_time(make_runner("TORCH_SDPA", "TORCH", q_lens, s_lens))
+        ref = best_time(make_runner("TORCH_SDPA", "REFERENCE", q_lens, s_lens), repeats=2)
+        cache_bytes = batch * (context + 1) * MLA.kv_cache_dim * 4
+        rate = cache_bytes / fast
+        print(f"| {batch} | {context} | {fast * 1e3:.2f} | {ref * 1e3:.2f} | {ref / fast:.1f}x "
+              f"| {rate / 1e9:.2f} | {rate / bandwidth:.0%} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.quick:
+        bench_prefill([(1, 128)])
+        bench_decode([(4, 512)], copy_bandwidth(64 << 20))
+        return
+    bench_prefill([(1, 512), (4, 512), (1, 2048)])
+    bench_decode([(1, 1024), (8, 1024), (32, 1024), (1, 8192), (8, 4096), (32, 4096)], copy_bandwidth())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Timing helpers shared by the benchmarks."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+def best_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    """Fastest of `repeats` runs in seconds (the machine is noisy; the minimum is the steadiest)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def copy_bandwidth(num_bytes: int = 256 << 20) -> float:
+    """Bytes moved per second (read + write) by a plain tensor copy of `num_bytes`."""
+    src = torch.empty(num_bytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / best_time(lambda: dst.copy_(src))

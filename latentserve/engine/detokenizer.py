@@ -1,0 +1,142 @@
+"""Tokenizer loading and incremental detokenization with stop strings."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+# Tokens of the prompt's tail decoded with the first output tokens, so that the
+# output text starts the way it would in a full decode (e.g. a leading space).
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+def _token_content(value: object) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class TokenizerInfo:
+    """A checkpoint's tokenizer and what its config says about special tokens."""
+
+    tokenizer: Tokenizer
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # tokenizer.json alone may not add the BOS that tokenizer_config.json asks for.
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
+    """Load `tokenizer.json` (and `tokenizer_config.json` if present) from a checkpoint folder, offline."""
+    model_dir = Path(model_dir)
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"no tokenizer.json in {model_dir}: latentserve needs a fast (tokenizers) tokenizer file")
+    tokenizer = Tokenizer.from_file(str(path))
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+    def token_id(key: str) -> int | None:
+        content = _token_content(config.get(key))
+        if content is None:
+            return None
+        found = tokenizer.token_to_id(content)
+        if found is None:
+            raise ValueError(f"{config_path}: {key} {content!r} is not in the vocabulary of {path}")
+        return found
+
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: use the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return TokenizerInfo(
+        tokenizer=tokenizer,
+        bos_token_id=token_id("bos_token"),
+        eos_token_id=token_id("eos_token"),
+        add_bos_token=bool(config.get("add_bos_token", False)),
+        chat_template=template if isinstance(template, str) else None,
+    )
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text as they arrive, and finds its stop strings.
+
+    Text is emitted only once it decodes to whole characters: a UTF-8 character
+    split across tokens shows up when its last byte arrives, never as U+FFFD.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.output_text = ""
+        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        # token_ids[prefix_offset:read_offset] decodes to text already emitted (or prompt context).
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token's text; return the stop string it completed (the text is cut before it), if any."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return None  # nothing new yet, or an incomplete character
+        new_text = text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.output_text += new_text
+        return self._find_stop(len(new_text)) if check_stop else None
+
+    def _find_stop(self, num_new_chars: int) -> str | None:
+        """Earliest stop string ending in the new text; truncates output_text at its start."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            start = max(len(self.output_text) - num_new_chars - len(stop) + 1, 0)
+            index = self.output_text.find(stop, start)
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        self.output_text = self.output_text[: best[0]]
+        return best[1]
+
+    def flush(self) -> None:
+        """At the end of a request, emit what is left even if it is not a whole character."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(text) > len(prefix_text):
+            self.output_text += text[len(prefix_text) :]
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+
+    def get_output_text(self, finished: bool) -> str:
+        """Text safe to show now: while running, hold back a tail that could start a stop string."""
+        if finished or not self.stop:
+            return self.output_text
+        hold = max(len(s) for s in self.stop) - 1
+        return self.output_text[: len(self.output_text) - hold] if hold else self.output_text

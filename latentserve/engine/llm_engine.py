@@ -1,0 +1,160 @@
+"""`LLMEngine`: requests in, one scheduled step at a time, `RequestOutput`s out."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from latentserve.config import AttentionConfig, DBOConfig
+from latentserve.engine.block_manager import BlockManager
+from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, load_tokenizer
+from latentserve.engine.model_runner import ModelRunner
+from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.request import Request
+from latentserve.engine.scheduler import Scheduler, SchedulerConfig
+from latentserve.models.loader import load_model
+from latentserve.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32  # fp32 compute is the fast path on CPU
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` accepts besides the model path (vLLM's names)."""
+
+    dtype: str | torch.dtype = "auto"
+    kv_cache_dtype: str | torch.dtype = "auto"  # auto: the model dtype
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30  # used when num_kv_blocks is None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    prefill_backend: str | None = None
+    decode_backend: str | None = None
+    workspace_tokens: int = 8192
+    seed: int = 0
+    device: str = "cpu"
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, config: EngineConfig) -> None:
+        model_dir = Path(model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        torch.manual_seed(config.seed)
+        dtype = parse_dtype(config.dtype)
+        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
+        attn_config = AttentionConfig(
+            block_size=config.block_size,
+            workspace_tokens=config.workspace_tokens,
+            prefill_backend=config.prefill_backend,
+            decode_backend=config.decode_backend,
+        )
+        dbo_config = DBOConfig(config.enable_dbo, config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+        self.model = load_model(model_dir, dtype, attn_config, config.device)
+        model_len = self.model.config.max_position_embeddings
+        max_model_len = config.max_model_len or model_len
+        if max_model_len > model_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_len}")
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config, cache_dtype)
+        self.tokenizer: TokenizerInfo | None = (
+            load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                decode_threshold=attn_config.decode_threshold,
+            ),
+            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+        )
+        self.runner = ModelRunner(self.model, attn_config, dbo_config, num_blocks, cache_dtype, config.device)
+        self._ids = itertools.count()
+
+    def _blocks_for_memory(self, config: EngineConfig, cache_dtype: torch.dtype) -> int:
+        per_block = (
+            config.block_size * self.model.mla_config.kv_cache_dim * len(self.model.attention_layer_names)
+            * cache_dtype.itemsize
+        )
+        blocks = config.kv_cache_memory_bytes // per_block
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")
+        return blocks
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        return list(prompt)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and tokenize one prompt into a request (not yet scheduled)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+        stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, stop)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        return Request(request_id, token_ids, params, eos, prompt if isinstance(prompt, str) else None, detokenizer)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request = self.make_request(prompt, params, request_id)
+        self.scheduler.add_request(request)
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; the outputs of every request that advanced or ended."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return [RequestOutput.from_request(r) for r in self.scheduler.update(out, [])]
+        result = self.runner.execute_model(out)
+        updated = self.scheduler.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
+        return [RequestOutput.from_request(r) for r in updated]

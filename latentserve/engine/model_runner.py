@@ -1,0 +1,94 @@
+"""`ModelRunner`: one scheduled step through the model — metadata, (DBO) forward, logits, sampling."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentserve.attention.builder import MLAMetadataBuilder
+from latentserve.attention.kv_cache import allocate_kv_caches
+from latentserve.config import AttentionConfig, DBOConfig
+from latentserve.engine.request import Logprobs
+from latentserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from latentserve.engine.scheduler import SchedulerOutput
+from latentserve.models.deepseek import DeepseekForCausalLM
+from latentserve.ubatch.dbo import run_forward
+from latentserve.ubatch.slicing import should_ubatch, split_ubatches
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: list[int]  # one per sampling request, in SchedulerOutput.sampling_requests order
+    logprobs: list[Logprobs | None]
+    prompt_logprobs: dict[str, list[Logprobs]]  # request id -> logprobs of this step's prompt positions
+    num_ubatches: int
+
+
+class ModelRunner:
+    """Owns the KV caches and one metadata builder per ubatch (two when DBO is on)."""
+
+    def __init__(
+        self,
+        model: DeepseekForCausalLM,
+        attn_config: AttentionConfig,
+        dbo_config: DBOConfig,
+        num_blocks: int,
+        kv_cache_dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.model = model
+        self.attn_config = attn_config
+        self.dbo_config = dbo_config
+        self.device = torch.device(device)
+        self.kv_caches = allocate_kv_caches(
+            model.static_forward_context, num_blocks, attn_config.block_size, kv_cache_dtype, device
+        )
+        num_builders = 2 if dbo_config.enable_dbo else 1
+        self.builders = [
+            MLAMetadataBuilder(
+                model.attention_layer_names, model.static_forward_context, model.mla_config, attn_config, device, i
+            )
+            for i in range(num_builders)
+        ]
+        self.sampler = Sampler()
+
+    @torch.no_grad()
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        common = out.common_attention_metadata(self.device)
+        input_ids = torch.tensor(out.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(out.positions, dtype=torch.long, device=self.device)
+        slices = self._ubatch_slices(common)
+        hidden = run_forward(self.model, [input_ids, positions], common, self.builders, slices)
+
+        requests = out.sampling_requests
+        logits = self.model.compute_logits(hidden[out.logits_indices])
+        metadata = SamplingMetadata.from_requests(requests, logits.shape[-1], self.device)
+        sampled = self.sampler(logits, metadata)
+        return ModelRunnerOutput(
+            sampled_token_ids=sampled.sampled_token_ids,
+            logprobs=sampled.logprobs,
+            prompt_logprobs=self._prompt_logprobs(out, hidden),
+            num_ubatches=len(slices) if slices else 1,
+        )
+
+    def _ubatch_slices(self, common):
+        dbo = self.dbo_config
+        threshold = self.attn_config.decode_threshold
+        if not dbo.enable_dbo or not should_ubatch(
+            common, threshold, dbo.dbo_decode_token_threshold, dbo.dbo_prefill_token_threshold
+        ):
+            return None
+        return split_ubatches(common, threshold)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[Logprobs]]:
+        result = {}
+        start = 0
+        for s in out.scheduled:
+            request = s.request
+            k = request.sampling_params.prompt_logprobs
+            if k is not None and s.num_computed_tokens < request.num_prompt_tokens:
+                targets = request.prompt_logprob_targets(s.num_computed_tokens, s.num_new_tokens)
+                logits = self.model.compute_logits(hidden[start : start + len(targets)])
+                result[request.request_id] = compute_prompt_logprobs(logits, targets, k)
+            start += s.num_new_tokens
+        return result

@@ -1,0 +1,169 @@
+"""Next-token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentserve.engine.request import Logprobs, Request
+from latentserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one batch, as tensors on the logits' device."""
+
+    temperature: torch.Tensor  # [B] fp32; 1.0 on greedy rows (they take the argmax instead)
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where off; None if no row uses it
+    top_p: torch.Tensor | None  # [B] fp32, 1.0 where off; None if no row uses it
+    generators: dict[int, torch.Generator]  # row -> the seeded request's own stream
+    num_logprobs: list[int | None]  # per row: top-k logprobs wanted, None for none
+    banned_token_ids: dict[int, list[int]]  # row -> tokens it may not sample (stop tokens before min_tokens)
+    all_greedy: bool
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        banned_token_ids: list[list[int]] | None = None,
+    ) -> "SamplingMetadata":
+        if len(params) != len(generators):
+            raise ValueError(f"{len(params)} sampling params but {len(generators)} generators")
+        banned = banned_token_ids or [[] for _ in params]
+        for row_banned in banned:
+            for token_id in row_banned:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(f"stop token id {token_id} is outside the vocabulary (size {vocab_size})")
+        greedy = [p.is_greedy for p in params]
+        temperature = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_k = top_p = None
+        if any(p.top_k_enabled for p in params):
+            top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params], device=device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device)
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=top_k,
+            top_p=top_p,
+            generators={i: g for i, (g, gr) in enumerate(zip(generators, greedy)) if g is not None and not gr},
+            num_logprobs=[p.logprobs for p in params],
+            banned_token_ids={i: b for i, b in enumerate(banned) if b},
+            all_greedy=all(greedy),
+        )
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device | str = "cpu") -> "SamplingMetadata":
+        """The metadata of the requests that sample this step, one row each in order."""
+        return cls.from_params(
+            [r.sampling_params for r in requests],
+            [r.generator(device) for r in requests],
+            vocab_size,
+            device,
+            [r.banned_token_ids() for r in requests],
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: list[int]
+    logprobs: list[Logprobs | None]  # per row; None where the request did not ask
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the logits at least as large as the row's k-th largest (ties kept)."""
+    # A full sort rather than topk(max k): reading max k back to the host would sync the device.
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    threshold = sorted_logits.gather(-1, (top_k - 1).unsqueeze(-1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep, per row, the most likely tokens until their probability reaches top_p (at least one)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 keep everything: round-off must not drop their tail.
+    drop = (mass_before >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+    drop = torch.zeros_like(drop).scatter(-1, order, drop)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """Exp(1) noise; a seeded row draws from its own generator, so its draw ignores the rest of the batch."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return noise
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]) -> list[Logprobs | None]:
+    """Per row: the given token's logprob plus the row's top-k (vLLM's dict shape)."""
+    wanted = [k for k in num_logprobs if k is not None]
+    if not wanted:
+        return [None] * len(num_logprobs)
+    max_k = min(max(wanted), logprobs.shape[-1])
+    top = logprobs.topk(max_k, dim=-1)
+    top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1).tolist()
+    ids = token_ids.tolist()
+    result: list[Logprobs | None] = []
+    for row, k in enumerate(num_logprobs):
+        if k is None:
+            result.append(None)
+            continue
+        entry = {ids[row]: chosen[row]}
+        for token_id, value in zip(top_ids[row][:k], top_values[row][:k]):
+            entry.setdefault(token_id, value)
+        result.append(entry)
+    return result
+
+
+class Sampler:
+    """Samples one token per row of fp32 logits [num_reqs, vocab]."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
+            raise ValueError(f"logits must be [{metadata.temperature.shape[0]}, vocab], got {tuple(logits.shape)}")
+        raw_logits = logits.float()
+        logits = raw_logits
+        if metadata.banned_token_ids:
+            logits = raw_logits.clone()
+            for row, token_ids in metadata.banned_token_ids.items():
+                logits[row, token_ids] = float("-inf")
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            sampled = torch.where(metadata.greedy, sampled, self._sample_random(logits, metadata))
+        # Logprobs of the raw logits, before temperature and truncation (vLLM's default).
+        logprobs: list[Logprobs | None] = [None] * logits.shape[0]
+        if any(k is not None for k in metadata.num_logprobs):
+            logprobs = gather_logprobs(raw_logits.log_softmax(dim=-1), sampled, metadata.num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
+
+    @staticmethod
+    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        logits = logits / metadata.temperature.unsqueeze(-1)
+        if metadata.top_k is not None:
+            logits = apply_top_k(logits, metadata.top_k)
+        if metadata.top_p is not None:
+            logits = apply_top_p(logits, metadata.top_p)
+        probs = logits.softmax(dim=-1)
+        # argmax(p / E) with E ~ Exp(1) samples from p (the exponential race), without a device sync.
+        noise = _exponential_noise(probs.shape, metadata.generators, probs.device)
+        return (probs / noise).argmax(dim=-1)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int], num_logprobs: int) -> list[Logprobs]:
+    """Logprobs of prompt tokens: row i of `logits` predicts target_token_ids[i] (rows past the targets ignored)."""
+    n = len(target_token_ids)
+    if n > logits.shape[0]:
+        raise ValueError(f"{n} prompt tokens to score but only {logits.shape[0]} rows of logits")
+    if n == 0:
+        return []
+    logprobs = logits[:n].float().log_softmax(dim=-1)
+    targets = torch.tensor(target_token_ids, device=logits.device)
+    return gather_logprobs(logprobs, targets, [num_logprobs] * n)  # type: ignore[return-value]

@@ -1,0 +1,332 @@
+"""Continuous batching: which requests run each step, with how many new tokens."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from latentserve.attention.metadata import CommonAttentionMetadata
+from latentserve.engine.block_manager import BlockManager
+from latentserve.engine.request import Logprobs, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192  # token budget of one step
+    max_model_len: int = 4096  # prompt + output tokens of one request
+    enable_chunked_prefill: bool = True
+    # Requests with at most this many new tokens and some context are decodes (batched first).
+    decode_threshold: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_threshold"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) so that every prompt fits in one step"
+            )
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's part of a step: `num_new_tokens` tokens after `num_computed_tokens` cached ones."""
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    token_ids: list[int]  # the tokens fed this step
+    slot_mapping: list[int]  # KV cache slot of each new token
+    block_ids: list[int]  # the block table for this step
+    do_sample: bool  # False for a prefill chunk that leaves part of the prompt for later
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed_tokens + self.num_new_tokens
+
+    @property
+    def positions(self) -> range:
+        return range(self.num_computed_tokens, self.seq_len)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch, decodes first; everything the model runner needs to run it."""
+
+    scheduled: list[ScheduledRequest]
+    num_decodes: int
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # ended while scheduling (could never fit)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [s.num_new_tokens for s in self.scheduled]
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [s.seq_len for s in self.scheduled]
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [t for s in self.scheduled for t in s.token_ids]
+
+    @property
+    def positions(self) -> list[int]:
+        return [p for s in self.scheduled for p in s.positions]
+
+    @property
+    def slot_mapping(self) -> list[int]:
+        return [slot for s in self.scheduled for slot in s.slot_mapping]
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """Requests that sample a token this step, in the order of `logits_indices`."""
+        return [s.request for s in self.scheduled if s.do_sample]
+
+    @property
+    def logits_indices(self) -> list[int]:
+        """Flat index of the last new token of each sampling request."""
+        indices, end = [], 0
+        for s in self.scheduled:
+            end += s.num_new_tokens
+            if s.do_sample:
+                indices.append(end - 1)
+        return indices
+
+    def block_table_tensor(self) -> torch.Tensor:
+        """[num_reqs, max_blocks] int32, padded with block 0 (never read past seq_len)."""
+        width = max((len(s.block_ids) for s in self.scheduled), default=0)
+        table = torch.zeros(len(self.scheduled), width, dtype=torch.int32)
+        for i, s in enumerate(self.scheduled):
+            table[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        return table
+
+    def common_attention_metadata(self, device: torch.device | str = "cpu") -> CommonAttentionMetadata:
+        return CommonAttentionMetadata.from_lists(
+            self.query_lens,
+            self.seq_lens,
+            self.block_table_tensor(),
+            torch.tensor(self.slot_mapping, dtype=torch.int64),
+            device=device,
+        )
+
+
+class Scheduler:
+    """FCFS continuous batching with chunked prefill, prefix caching and preemption by recompute."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # oldest first; preemption takes from the back
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        if request.sampling_params.stop and request.detokenizer is None:
+            raise ValueError(f"request {request.request_id!r} has stop strings but no detokenizer to find them")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request as aborted, freeing its blocks; None if it is unknown or already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> None:
+        request.status = status
+        request.error = error
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks; it recomputes prompt and outputs when it runs again."""
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _never_fits(self, request: Request, num_tokens: int) -> str | None:
+        """Why the request cannot run even with the whole pool to itself, if it cannot."""
+        bm = self.block_manager
+        needed = bm.num_blocks_needed(num_tokens)
+        if needed <= bm.num_blocks:
+            return None
+        return (
+            f"request {request.request_id!r} needs {needed} KV blocks for {num_tokens} tokens, but the KV cache "
+            f"holds only {bm.num_blocks} blocks of {bm.block_size} tokens"
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        finished: list[Request] = []
+
+        # Running requests first: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            error = self._never_fits(request, request.num_computed_tokens + num_new)
+            if error is not None:
+                self.running.pop(i)
+                self._finish(request, RequestStatus.FINISHED_ERROR, error)
+                finished.append(request)
+                continue
+            while not self.block_manager.append_slots(request, num_new):
+                victim = self.running.pop()  # the newest; not yet scheduled this step
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, num_new))
+                budget -= num_new
+                i += 1
+
+        # Then waiting requests, oldest first, while blocks last; not in a step that had to preempt.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            error = self._never_fits(request, request.num_tokens)
+            if error is not None:
+                self.waiting.popleft()
+                self._finish(request, RequestStatus.FINISHED_ERROR, error)
+                finished.append(request)
+                continue
+            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+            if request.sampling_params.prompt_logprobs is None:
+                computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
+            else:
+                computed_blocks, num_cached = [], 0
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.can_allocate(request, num_new, computed_blocks):
+                break
+            self.block_manager.allocate(request, num_new, computed_blocks)
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        batch = [self._scheduled_request(r, n) for r, n in scheduled]
+        # Decodes first (stable): the model runner splits the batch there.
+        batch.sort(key=lambda s: not self._is_decode(s))
+        num_decodes = sum(1 for s in batch if self._is_decode(s))
+        return SchedulerOutput(scheduled=batch, num_decodes=num_decodes, preempted=preempted, finished=finished)
+
+    def _is_decode(self, s: ScheduledRequest) -> bool:
+        return s.num_new_tokens <= self.config.decode_threshold and s.num_computed_tokens > 0
+
+    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        bs = self.block_manager.block_size
+        blocks = list(request.block_ids)
+        return ScheduledRequest(
+            request=request,
+            num_computed_tokens=start,
+            num_new_tokens=num_new,
+            token_ids=request.all_token_ids[start : start + num_new],
+            slot_mapping=[blocks[p // bs] * bs + p % bs for p in range(start, start + num_new)],
+            block_ids=blocks,
+            do_sample=start + num_new == request.num_tokens,
+        )
+
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: list[int],
+        logprobs: list[Logprobs | None] | None = None,
+        prompt_logprobs: dict[str, list[Logprobs]] | None = None,
+    ) -> list[Request]:
+        """Record a step's results: one sampled token per sampling request (in `sampling_requests` order),
+        their logprobs if asked, and per request id the prompt logprobs of its new positions.
+
+        Returns the requests with something new for the user: a token, or their end.
+        """
+        num_samples = sum(1 for s in output.scheduled if s.do_sample)
+        if len(sampled_token_ids) != num_samples:
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {num_samples} sampling requests")
+        if logprobs is not None and len(logprobs) != num_samples:
+            raise ValueError(f"{len(logprobs)} logprobs entries for {num_samples} sampling requests")
+        updated = list(output.finished)
+        row = 0
+        for s in output.scheduled:
+            request = s.request
+            if s.do_sample:
+                token_id, token_logprobs = sampled_token_ids[row], logprobs[row] if logprobs is not None else None
+                row += 1
+            if request.is_finished:  # aborted after this step was scheduled
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_blocks(request)
+            if prompt_logprobs is not None and request.request_id in prompt_logprobs:
+                request.append_prompt_logprobs(s.num_computed_tokens + 1, prompt_logprobs[request.request_id])
+            if not s.do_sample:
+                continue
+            request.append_output_token(token_id, token_logprobs)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        """The final status the new token puts the request in, if any (sets its stop_reason)."""
+        params = request.sampling_params
+        may_stop = request.num_output_tokens >= params.min_tokens
+        detok = request.detokenizer
+        if may_stop and not params.ignore_eos and token_id == request.eos_token_id:
+            status = RequestStatus.FINISHED_STOPPED
+        elif may_stop and token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            status = RequestStatus.FINISHED_STOPPED
+        else:
+            stop = detok.add_token(token_id, check_stop=may_stop) if detok is not None else None
+            if stop is not None:
+                request.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+            hit_max = params.max_tokens is not None and request.num_output_tokens >= params.max_tokens
+            if not hit_max and request.num_tokens < self.config.max_model_len:
+                return None
+            status = RequestStatus.FINISHED_LENGTH
+        if detok is not None:  # the stop token itself is not part of the text
+            detok.flush()
+        return status

@@ -1,0 +1,163 @@
+"""DeepSeek mixture-of-experts: top-k routing (V2 softmax, V3 sigmoid + bias), routed and shared experts."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from latentserve.forward_context import dbo_yield
+from latentserve.layers.mlp import GatedMLP
+
+# scoring function -> the top-k methods DeepSeek pairs with it
+TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How a token picks its experts; field names follow DeepSeek's config.json."""
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int | None = None
+    topk_group: int | None = None
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring_func not in TOPK_METHODS:
+            raise ValueError(f"scoring_func must be one of {tuple(TOPK_METHODS)}, got {self.scoring_func!r}")
+        if self.topk_method not in TOPK_METHODS[self.scoring_func]:
+            raise ValueError(
+                f"topk_method {self.topk_method!r} does not go with scoring_func {self.scoring_func!r}; "
+                f"expected one of {TOPK_METHODS[self.scoring_func]}"
+            )
+        if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, n_routed_experts={self.n_routed_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.topk_method != "greedy":
+            self._check_groups()
+
+    def _check_groups(self) -> None:
+        n_group, topk_group = self.n_group, self.topk_group
+        if not isinstance(n_group, int) or n_group <= 0 or self.n_routed_experts % n_group:
+            raise ValueError(
+                f"n_group must be a positive divisor of n_routed_experts={self.n_routed_experts} "
+                f"for topk_method {self.topk_method!r}, got {n_group!r}"
+            )
+        if not isinstance(topk_group, int) or not 0 < topk_group <= n_group:
+            raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group!r}")
+        group_size = self.n_routed_experts // n_group
+        if self.topk_method == "noaux_tc" and group_size < 2:
+            raise ValueError(f"noaux_tc scores a group by its top 2 experts; n_group={n_group} leaves {group_size}")
+        if self.num_experts_per_tok > topk_group * group_size:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {topk_group * group_size} experts "
+                f"in topk_group={topk_group} groups of {group_size}"
+            )
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, group_size: int) -> torch.Tensor:
+    """[T, E] bool: experts inside each token's `topk_group` best groups."""
+    best = group_scores.topk(topk_group, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return keep.repeat_interleave(group_size, dim=1)
+
+
+def select_experts(
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights [T, k] (fp32) and expert ids [T, k] from fp32 router logits [T, E]."""
+    k = cfg.num_experts_per_tok
+    num_tokens = router_logits.shape[0]
+    group_size = cfg.n_routed_experts // (cfg.n_group or 1)
+    if cfg.scoring_func == "softmax":
+        scores = router_logits.softmax(dim=-1)
+        if cfg.topk_method == "group_limited_greedy":
+            group_scores = scores.view(num_tokens, -1, group_size).amax(dim=-1)
+            # Softmax scores are positive, so a zero never outranks an expert of a kept group.
+            scores = scores.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), 0.0)
+        weights, ids = scores.topk(k, dim=-1)
+    else:
+        scores = router_logits.sigmoid()
+        # noaux_tc: the learned bias steers which experts are chosen, not how much they weigh.
+        choice = scores if correction_bias is None else scores + correction_bias
+        group_scores = choice.view(num_tokens, -1, group_size).topk(2, dim=-1).values.sum(dim=-1)
+        choice = choice.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), float("-inf"))
+        ids = choice.topk(k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The gate: fp32 logits over routed experts, then `select_experts`."""
+
+    def __init__(self, hidden_size: int, cfg: RoutingConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # fp32 whatever the model dtype, as the reference keeps it: near-ties decide routing.
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, hidden_size, dtype=torch.float32))
+        if cfg.topk_method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+
+
+class MoE(nn.Module):
+    """Shared experts plus the top-k routed experts, weighted by the router."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        routing: RoutingConfig,
+        n_shared_experts: int,
+        shared_bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gate = Router(hidden_size, routing)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden_size, moe_intermediate_size) for _ in range(routing.n_routed_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias)
+            if n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        dbo_yield()  # where expert parallelism's dispatch all-to-all goes
+        routed = self.run_experts(x, weights, ids)
+        dbo_yield()  # where its combine all-to-all goes
+        return routed if shared is None else routed + shared
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert[ids[t, k]](x[t]), one batched call per expert that got tokens."""
+        top_k = ids.shape[1]
+        flat_ids = ids.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // top_k
+        flat_weights = weights.flatten()[order]
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert(x[rows]) * flat_weights[start : start + count, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+                start += count
+        return out

@@ -1,0 +1,145 @@
+"""Rotary position embedding with DeepSeek's YaRN scaling.
+
+DeepSeek checkpoints store each head's rope dims as interleaved pairs (x0, x1), (x2, x3), ..., pair i
+rotating at frequency i. Three layouts reach the engine:
+
+- ``gptj``: pairs in, pairs out (DeepSeek-V2's reference rotates complex pairs in place).
+- ``interleave``: pairs in, halves out (transformers' DeepSeek-V3 with ``rope_interleave``: the
+  rotated even elements, then the rotated odd ones).
+- ``neox``: halves in, halves out (DeepSeek-V3 with ``rope_interleave=False``).
+
+q and k always share one layout, so attention scores do not depend on which one the cache holds.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+ROPE_STYLES = ("gptj", "interleave", "neox")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters, already validated and defaulted by the model config."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "yarn"):
+            raise ValueError(f"rope_type must be 'default' or 'yarn', got {self.rope_type!r}")
+
+
+def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context extended by `factor`."""
+    if factor <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+def mla_softmax_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """qk_head_dim ** -0.5, times mscale(factor, mscale_all_dim) ** 2 under YaRN when the config sets it."""
+    scale = qk_head_dim**-0.5
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+        mscale = yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * mscale * mscale
+    return scale
+
+
+def _yarn_attention_factor(rope: RopeConfig) -> float:
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_get_mscale(rope.factor, rope.mscale) / yarn_get_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_get_mscale(rope.factor)
+
+
+def _yarn_correction_range(rope: RopeConfig, dim: int) -> tuple[float, float]:
+    """Dims [low, high] over which YaRN blends extrapolated into interpolated frequencies."""
+
+    def dim_for(num_rotations: float) -> float:
+        wavelengths = rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = dim_for(rope.beta_fast), dim_for(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_frequencies(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim // 2] fp32, factor on cos/sin) for a `dim`-wide rotary embedding."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (rope.factor * pos_freqs)
+    low, high = _yarn_correction_range(rope, dim)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # share of the extrapolated (unscaled) frequency per dim pair
+    return interpolated * (1 - keep) + extrapolated * keep, _yarn_attention_factor(rope)
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q_pe [T, N, R] and k_pe [T, R] at flat token positions [T]."""
+
+    def __init__(self, rope_dim: int, rope: RopeConfig, style: str) -> None:
+        super().__init__()
+        if rope_dim <= 0 or rope_dim % 2:
+            raise ValueError(f"rope dim must be a positive even number, got {rope_dim}")
+        if style not in ROPE_STYLES:
+            raise ValueError(f"rope style must be one of {ROPE_STYLES}, got {style!r}")
+        self.rope_dim = rope_dim
+        self.style = style
+        inv_freq, self.attention_scaling = rope_frequencies(rope_dim, rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, R/2] in fp32, with YaRN's attention factor folded in."""
+        # fp32 whatever the model dtype: angles at large positions need the precision.
+        freqs = positions.float()[:, None] * self.inv_freq.float()
+        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotates x [..., R]; cos/sin broadcast against x's leading dims."""
+        x32 = x.float()
+        if self.style == "gptj":
+            out = _rotate_gptj(x32, cos, sin)
+        elif self.style == "interleave":
+            out = _rotate_neox(_deinterleave(x32), cos, sin)
+        else:
+            out = _rotate_neox(x32, cos, sin)
+        return out.to(x.dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        return self.rotate(q_pe, cos[:, None], sin[:, None]), self.rotate(k_pe, cos, sin)

@@ -1,0 +1,246 @@
+"""`DeepseekConfig`: the DeepSeek-V2/V3 `config.json`, as transformers or the original checkpoints write it."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from latentserve.config import MLAConfig
+from latentserve.layers.moe import RoutingConfig
+from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
+
+ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+
+# Defaults that differ between the two generations (transformers' and DeepSeek's own).
+_VARIANT_DEFAULTS = {
+    "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
+                    "max_position_embeddings": 2048},
+    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+                    "max_position_embeddings": 4096},
+}
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed, named access to the raw config dict; every failure names the field."""
+
+    def __init__(self, raw: dict[str, Any], where: str = "config.json") -> None:
+        self.raw = raw
+        self.where = where
+
+    def _get(self, name: str, default: Any) -> Any:
+        if name not in self.raw or (self.raw[name] is None and default is not _REQUIRED):
+            if default is _REQUIRED:
+                raise ValueError(f"{self.where}: missing required field {name!r}")
+            return default
+        return self.raw[name]
+
+    def int(self, name: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+        value = self._get(name, default)
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{self.where}: field {name!r} must be an int >= {minimum}, got {value!r}")
+        return value
+
+    def float(self, name: str, default: Any = _REQUIRED, positive: bool = True) -> Any:
+        value = self._get(name, default)
+        if value is None and default is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+            kind = "a positive number" if positive else "a number"
+            raise ValueError(f"{self.where}: field {name!r} must be {kind}, got {value!r}")
+        return float(value)
+
+    def bool(self, name: str, default: Any = _REQUIRED) -> bool:
+        value = self._get(name, default)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}: field {name!r} must be true or false, got {value!r}")
+        return value
+
+    def str(self, name: str, default: Any = _REQUIRED) -> str:
+        value = self._get(name, default)
+        if not isinstance(value, str):
+            raise ValueError(f"{self.where}: field {name!r} must be a string, got {value!r}")
+        return value
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    architecture: str
+    model_type: str  # "deepseek_v2" or "deepseek_v3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None  # None: q_proj straight from hidden (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    routing: RoutingConfig | None  # None: no routed experts, every layer dense
+    moe_intermediate_size: int
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    rope: RopeConfig
+    rope_style: str  # see latentserve.layers.rotary
+    rms_norm_eps: float
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    num_nextn_predict_layers: int  # MTP layers stored after the main ones; not run
+    max_position_embeddings: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return mla_softmax_scale(self.qk_head_dim, self.rope)
+
+    @property
+    def mla_config(self) -> MLAConfig:
+        return MLAConfig(
+            self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.routing is not None
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "DeepseekConfig":
+        """Parse `model_dir/config.json`."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in {model_dir}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "DeepseekConfig":
+        if not isinstance(raw, dict):
+            raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
+        f = _Fields(raw)
+        architecture, model_type = _architecture(f)
+        if raw.get("quantization_config"):
+            raise ValueError("config.json: field 'quantization_config' is set; quantized checkpoints are not supported")
+        if f.str("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
+        defaults = _VARIANT_DEFAULTS[model_type]
+        max_positions = f.int("max_position_embeddings", defaults["max_position_embeddings"])
+        rope_dim = f.int("qk_rope_head_dim")
+        if rope_dim % 2:
+            raise ValueError(f"config.json: field 'qk_rope_head_dim' must be even, got {rope_dim}")
+        routing = _routing(f, defaults)
+        moe = routing is not None
+        return cls(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=f.int("vocab_size"),
+            hidden_size=f.int("hidden_size"),
+            intermediate_size=f.int("intermediate_size"),
+            num_hidden_layers=f.int("num_hidden_layers"),
+            num_attention_heads=f.int("num_attention_heads"),
+            q_lora_rank=f.int("q_lora_rank", None),
+            kv_lora_rank=f.int("kv_lora_rank"),
+            qk_nope_head_dim=f.int("qk_nope_head_dim"),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=f.int("v_head_dim"),
+            routing=routing,
+            moe_intermediate_size=f.int("moe_intermediate_size") if moe else 0,
+            n_shared_experts=f.int("n_shared_experts", 0, minimum=0) if moe else 0,
+            first_k_dense_replace=f.int("first_k_dense_replace", 0, minimum=0),
+            moe_layer_freq=f.int("moe_layer_freq", 1),
+            rope=_rope(f, max_positions),
+            rope_style=_rope_style(f, model_type),
+            rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+            attention_bias=f.bool("attention_bias", False),
+            # transformers' V3 MLP has no bias whatever the config says; V2's follows mlp_bias.
+            mlp_bias=f.bool("mlp_bias", False) if model_type == "deepseek_v2" else False,
+            tie_word_embeddings=f.bool("tie_word_embeddings", False),
+            num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, minimum=0),
+            max_position_embeddings=max_positions,
+        )
+
+
+def _architecture(f: _Fields) -> tuple[str, str]:
+    architectures = f.raw.get("architectures")
+    if not isinstance(architectures, list) or len(architectures) != 1 or not isinstance(architectures[0], str):
+        raise ValueError(f"config.json: field 'architectures' must list one architecture, got {architectures!r}")
+    architecture = architectures[0]
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"config.json: field 'architectures' names {architecture!r}; supported: {sorted(ARCHITECTURES)}"
+        )
+    model_type = ARCHITECTURES[architecture]
+    declared = f.raw.get("model_type", model_type)
+    if declared != model_type:
+        raise ValueError(f"config.json: field 'model_type' is {declared!r} but {architecture} needs {model_type!r}")
+    return architecture, model_type
+
+
+def _routing(f: _Fields, defaults: dict[str, Any]) -> RoutingConfig | None:
+    num_experts = f.int("n_routed_experts", None)
+    if num_experts is None:
+        return None
+    return RoutingConfig(
+        n_routed_experts=num_experts,
+        num_experts_per_tok=f.int("num_experts_per_tok"),
+        scoring_func=f.str("scoring_func", defaults["scoring_func"]),
+        topk_method=f.str("topk_method", defaults["topk_method"]),
+        n_group=f.int("n_group", None),
+        topk_group=f.int("topk_group", None),
+        norm_topk_prob=f.bool("norm_topk_prob", defaults["norm_topk_prob"]),
+        routed_scaling_factor=f.float("routed_scaling_factor", 1.0),
+    )
+
+
+def _rope_style(f: _Fields, model_type: str) -> str:
+    if model_type == "deepseek_v2":
+        return "gptj"
+    return "interleave" if f.bool("rope_interleave", True) else "neox"
+
+
+def _rope(f: _Fields, max_positions: int) -> RopeConfig:
+    # transformers writes `rope_parameters` (theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
+    name = "rope_parameters" if f.raw.get("rope_parameters") is not None else "rope_scaling"
+    params = f.raw.get(name) or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: field {name!r} must be an object, got {params!r}")
+    p = _Fields(params, where=f"config.json {name}")
+    theta = p.float("rope_theta", f.float("rope_theta", 10000.0))
+    if p.float("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"config.json {name}: 'partial_rotary_factor' other than 1.0 is not supported")
+    rope_type = p.str("rope_type", p.str("type", "default"))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type != "yarn":
+        raise ValueError(f"config.json {name}: 'rope_type' must be 'default' or 'yarn', got {rope_type!r}")
+    # A top-level original_max_position_embeddings wins over the nested one, as in transformers.
+    original = f.int("original_max_position_embeddings", None)
+    original = original or p.int("original_max_position_embeddings", max_positions)
+    return RopeConfig(
+        theta=theta,
+        rope_type="yarn",
+        factor=p.float("factor", max_positions / original),
+        original_max_position_embeddings=original,
+        # transformers treats 0 like unset here.
+        beta_fast=p.float("beta_fast", None, positive=False) or 32.0,
+        beta_slow=p.float("beta_slow", None, positive=False) or 1.0,
+        mscale=p.float("mscale", None, positive=False),
+        mscale_all_dim=p.float("mscale_all_dim", None, positive=False),
+        attention_factor=p.float("attention_factor", None),
+        truncate=p.bool("truncate", True),
+    )

@@ -1,0 +1,170 @@
+"""DeepSeek-V2 / V2-Lite / V3 on latentserve's paged MLA attention.
+
+Module and parameter names follow the checkpoints (`model.layers.{i}.self_attn.q_a_proj`, ...), except
+`kv_b_proj`, which lives in the attention core: `model.layers.{i}.self_attn.attn.kv_b_proj`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from latentserve.attention.mla import MLAAttention
+from latentserve.config import AttentionConfig
+from latentserve.forward_context import StaticForwardContext
+from latentserve.layers.mlp import GatedMLP
+from latentserve.layers.moe import MoE
+from latentserve.layers.norm import RMSNorm
+from latentserve.layers.rotary import RotaryEmbedding
+from latentserve.models.config import DeepseekConfig
+
+
+def attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+class DeepseekAttention(nn.Module):
+    """The MLA projections (q, latent kv, rope, o_proj) around the paged attention core."""
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attn_config: AttentionConfig,
+        static_ctx: StaticForwardContext,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.num_heads = c.num_attention_heads
+        self.qk_nope_head_dim = c.qk_nope_head_dim
+        self.qk_rope_head_dim = c.qk_rope_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.q_lora = c.q_lora_rank is not None
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if self.q_lora:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn = MLAAttention(
+            attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
+            kv_cache_dtype=dtype, device=device,
+        )
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q = q.view(hidden.shape[0], self.num_heads, -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_c_normed = self.kv_a_layernorm(latent)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return self.o_proj(self.attn(q, kv_c_normed, k_pe))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+        super().__init__()
+        c = config
+        self.self_attn = attention
+        if c.is_moe_layer(layer_idx):
+            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        attn_config: AttentionConfig,
+        static_ctx: StaticForwardContext,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(
+                c, i, DeepseekAttention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
+            )
+            for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(positions, hidden)
+        return self.norm(hidden)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in the compute dtype (modules that need fp32 ask for it)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """A flat batch of tokens in, hidden states out; attention metadata comes from the forward context."""
+
+    def __init__(
+        self,
+        config: DeepseekConfig,
+        attn_config: AttentionConfig = AttentionConfig(),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        if not dtype.is_floating_point:
+            raise ValueError(f"model dtype must be a floating point type, got {dtype}")
+        self.config = config
+        self.mla_config = config.mla_config
+        self.static_forward_context = StaticForwardContext()
+        self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
+        with torch.device(device), _default_dtype(dtype):
+            self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions `[T]` -> final hidden states `[T, hidden_size]`."""
+        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point:
+            raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if positions.shape != input_ids.shape or positions.dtype.is_floating_point:
+            raise ValueError(
+                f"positions must be an integer tensor shaped like input_ids {tuple(input_ids.shape)}, "
+                f"got {positions.dtype} {tuple(positions.shape)}"
+            )
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[T, vocab_size]`."""
+        return self.lm_head(hidden).float()

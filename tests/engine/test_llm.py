@@ -1,0 +1,160 @@
+"""The whole engine against transformers, and against itself under DBO, caching, chunking, preemption."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentserve import LLM, SamplingParams
+from tests.checkpoints import VARIANTS, load_reference, make_checkpoint
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 60], [3, 88], list(range(10, 40)), [70, 71, 72, 73, 74]]
+# Short outputs keep the many-engine tests fast; the transformers comparison runs 32 tokens.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {variant: make_checkpoint(root, variant) for variant in VARIANTS}
+
+
+def _llm(path, **kwargs):
+    defaults = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)
+    return LLM(model=str(path), **{**defaults, **kwargs})
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_matches_transformers(checkpoints, variant):
+    path = checkpoints[variant]
+    ref = load_reference(path)
+    ref.generation_config.eos_token_id = None  # like ignore_eos: no early stop, nothing suppressed
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, prompt_logprobs=0)
+    outputs = _llm(path).generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        with torch.no_grad():
+            ref_logprobs = ref(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        assert out.prompt_logprobs[0] is None
+        for pos in range(1, len(prompt)):
+            ours = out.prompt_logprobs[pos][prompt[pos]]
+            assert abs(ours - ref_logprobs[pos - 1, prompt[pos]].item()) <= 1e-4, (variant, pos)
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
+        assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist(), variant
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+def test_same_outputs_under_every_engine_mode(checkpoints, variant):
+    path = checkpoints[variant]
+    shared = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]  # prefixes shared across prompts (several blocks)
+    prompts = PROMPTS + [shared + [20, 21], shared + [30], shared + [20, 21, 22, 23, 24]]
+    baseline = _tokens(_llm(path, enable_prefix_caching=False).generate(prompts, GREEDY))
+    modes = {
+        "dbo": dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2),
+        "prefix_caching": dict(enable_prefix_caching=True),
+        "chunked_prefill": dict(max_num_batched_tokens=8),
+        "preemption": dict(num_kv_blocks=16, max_num_batched_tokens=64),
+        "dbo_chunked_preempt": dict(
+            enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_batched_tokens=16,
+            num_kv_blocks=16,
+        ),
+        "one_by_one": None,
+    }
+    for name, kwargs in modes.items():
+        if kwargs is None:
+            llm = _llm(path)
+            got = [_tokens(llm.generate([p], GREEDY))[0] for p in prompts]
+        else:
+            llm = _llm(path, **kwargs)
+            got = _tokens(llm.generate(prompts, GREEDY))
+        assert got == baseline, name
+
+
+def test_preemption_really_happens(checkpoints):
+    llm = _llm(checkpoints["v3"], num_kv_blocks=16, max_num_batched_tokens=64)
+    preempted = []
+    original = llm.engine.scheduler._preempt
+
+    def spy(request):
+        preempted.append(request.request_id)
+        original(request)
+
+    llm.engine.scheduler._preempt = spy
+    llm.generate(PROMPTS, GREEDY)
+    assert preempted
+
+
+def test_prefix_cache_hits_are_reported(checkpoints):
+    llm = _llm(checkpoints["v3"])
+    shared = list(range(40, 60))
+    llm.generate([shared + [1]], GREEDY)
+    out = llm.generate([shared + [2]], GREEDY)[0]
+    assert out.num_cached_tokens >= 16
+
+
+def test_dbo_splits_steps(checkpoints):
+    llm = _llm(checkpoints["v3"], enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
+    seen = []
+    execute = llm.engine.runner.execute_model
+
+    def spy(out):
+        result = execute(out)
+        seen.append((out.num_scheduled_tokens, result.num_ubatches))
+        return result
+
+    llm.engine.runner.execute_model = spy
+    llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4))
+    assert all(n == 2 for tokens, n in seen if tokens >= 2)
+
+
+def test_logprobs_shape(checkpoints):
+    out = _llm(checkpoints["v3"]).generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 3
+    for token, entry in zip(completion.token_ids, completion.logprobs):
+        assert token in entry and 2 <= len(entry) <= 3
+        assert max(entry.values()) == entry[token]  # greedy: the chosen token is the most likely
+
+
+def test_seeded_sampling_is_reproducible(checkpoints):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1234, max_tokens=10)
+    a = _tokens(_llm(checkpoints["v3"]).generate([PROMPTS[0]], params))
+    b = _tokens(_llm(checkpoints["v3"]).generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], params))
+    assert a[0] == b[0]
+
+
+def test_bad_inputs_are_clear_errors_and_other_requests_complete(checkpoints, tmp_path):
+    path = checkpoints["v3"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(model=str(tmp_path / "missing"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        LLM(model=str(bad))
+    llm = _llm(path, max_model_len=64)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate([list(range(1, 70))], GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 2, 10_000]], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=-1))
+    with pytest.raises(TypeError, match="unknown argument"):
+        LLM(model=str(path), not_an_option=1)
+
+    # A bad request added to a running engine is refused alone; the others finish.
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=5)) for p in PROMPTS[:2]]
+    engine.step()
+    with pytest.raises(ValueError):
+        engine.add_request(list(range(1, 70)), GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == sorted(ids) and all(len(o.outputs[0].token_ids) == 5 for o in done.values())

@@ -1,0 +1,166 @@
+"""`load_model`: single and sharded safetensors, stored dtypes, MTP layers, and every way a checkpoint can be wrong."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from latentserve.models import load_model
+from latentserve.models.loader import INDEX_FILE, SINGLE_FILE, checkpoint_name
+from tests.checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def v2_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "v2_group")
+
+
+def _stored(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / SINGLE_FILE)
+
+
+def _rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy a single-file checkpoint with its tensors edited by `edit(dict)`."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = _stored(src)
+    edit(tensors)
+    save_file(tensors, dst / SINGLE_FILE, metadata={"format": "pt"})
+    return dst
+
+
+def _assert_holds(model, tensors: dict[str, torch.Tensor]) -> None:
+    params = model.state_dict()
+    for name, tensor in tensors.items():
+        torch.testing.assert_close(params[_param(name)], tensor.float(), rtol=0, atol=0)
+
+
+def _param(name: str) -> str:
+    return name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj.")
+
+
+def test_loads_every_tensor(v2_checkpoint) -> None:
+    model = load_model(v2_checkpoint)
+    _assert_holds(model, _stored(v2_checkpoint))
+    layer = model.static_forward_context[model.attention_layer_names[0]]
+    assert layer.W_UK_T is not None and layer.W_UV is not None  # process_weights_after_loading ran
+
+
+def test_sharded_checkpoint(tmp_path) -> None:
+    path = make_checkpoint(tmp_path, "v3", max_shard_size="20KB")
+    index = json.loads((path / INDEX_FILE).read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert not (path / SINGLE_FILE).exists() and len(shards) > 1
+    model = load_model(path)
+    stored = {}
+    for shard in shards:
+        stored.update(load_file(path / shard))
+    _assert_holds(model, stored)
+
+
+def test_missing_shard(tmp_path) -> None:
+    path = make_checkpoint(tmp_path, "v3", max_shard_size="20KB")
+    shard = sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values()))[-1]
+    (path / shard).unlink()
+    with pytest.raises(FileNotFoundError, match=shard):
+        load_model(path)
+
+
+def test_bf16_checkpoint_loads_into_fp32(tmp_path) -> None:
+    path = make_checkpoint(tmp_path, "v3", dtype=torch.bfloat16)
+    stored = _stored(path)
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16
+    model = load_model(path, dtype=torch.float32)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    _assert_holds(model, stored)
+
+
+def test_fp16_checkpoint_loads(tmp_path) -> None:
+    path = make_checkpoint(tmp_path, "v2_lite", dtype=torch.float16)
+    _assert_holds(load_model(path), _stored(path))
+
+
+def test_mtp_layers_are_ignored(v2_checkpoint, tmp_path) -> None:
+    """Tensors of the num_nextn_predict_layers layers after the last one are skipped, nothing else is."""
+
+    def add_mtp(tensors):
+        tensors["model.layers.2.eh_proj.weight"] = torch.zeros(32, 64)
+        tensors["model.layers.2.self_attn.kv_b_proj.weight"] = torch.zeros(64, 16)
+
+    path = _rewrite(v2_checkpoint, tmp_path / "mtp", add_mtp)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\."):
+        load_model(path)  # this config has no MTP layer
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    _assert_holds(load_model(path), _stored(v2_checkpoint))
+
+
+def test_missing_model_dir(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_malformed_config(v2_checkpoint, tmp_path) -> None:
+    path = _rewrite(v2_checkpoint, tmp_path / "bad", lambda t: None)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="JSON"):
+        load_model(path)
+
+
+def test_unknown_architecture(v2_checkpoint, tmp_path) -> None:
+    path = _rewrite(v2_checkpoint, tmp_path / "llama", lambda t: None)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="LlamaForCausalLM"):
+        load_model(path)
+
+
+def test_missing_weights_file(v2_checkpoint, tmp_path) -> None:
+    path = _rewrite(v2_checkpoint, tmp_path / "noweights", lambda t: None)
+    (path / SINGLE_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=SINGLE_FILE):
+        load_model(path)
+
+
+@pytest.mark.parametrize("name", [
+    "model.layers.1.self_attn.kv_b_proj.weight",  # named as stored, not as our renamed parameter
+    "model.layers.0.mlp.experts.3.down_proj.weight",
+    "lm_head.weight",
+])
+def test_missing_tensor(v2_checkpoint, tmp_path, name: str) -> None:
+    path = _rewrite(v2_checkpoint, tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(ValueError, match="missing tensor.*" + name.replace(".", r"\.")):
+        load_model(path)
+
+
+def test_unexpected_tensor(v2_checkpoint, tmp_path) -> None:
+    path = _rewrite(v2_checkpoint, tmp_path / "extra", lambda t: t.update({"model.layers.0.mlp.bonus": torch.ones(3)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.bonus'"):
+        load_model(path)
+
+
+def test_shape_mismatch(v2_checkpoint, tmp_path) -> None:
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    path = _rewrite(v2_checkpoint, tmp_path / "shape", lambda t: t.update({name: torch.zeros(7, 32)}))
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + r".*\(7, 32\)"):
+        load_model(path)
+
+
+def test_unsupported_stored_dtype(v2_checkpoint, tmp_path) -> None:
+    name = "model.norm.weight"
+    path = _rewrite(v2_checkpoint, tmp_path / "int8", lambda t: t.update({name: t[name].to(torch.int8)}))
+    with pytest.raises(ValueError, match=name.replace(".", r"\.") + ".*int8"):
+        load_model(path)
+
+
+def test_checkpoint_name_inverts_the_rename() -> None:
+    ours = "model.layers.3.self_attn.attn.kv_b_proj.weight"
+    assert checkpoint_name(ours) == "model.layers.3.self_attn.kv_b_proj.weight"
