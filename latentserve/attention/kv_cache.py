@@ -21,6 +21,7 @@ def allocate_kv_caches(
         dim = layer.mla.kv_cache_dim
         caches[name] = torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
         layer.kv_cache = caches[name]
+        layer.kv_cache_dtype = dtype  # builders size their workspaces from it
     return caches
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from latentserve.attention.builder import is_decode
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.request import Logprobs, Request, RequestStatus
@@ -187,12 +188,20 @@ class Scheduler:
         )
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(scheduled=[], num_decodes=0)
         scheduled: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
-        finished: list[Request] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
+        if not out.preempted:  # a step that had to preempt admits nobody new
+            self._schedule_waiting(budget, scheduled, out)
+        batch = [self._scheduled_request(r, n) for r, n in scheduled]
+        # Decodes first (stable), by the attention builder's own rule: it splits the batch there.
+        batch.sort(key=lambda s: not self._is_decode(s))
+        out.scheduled = batch
+        out.num_decodes = sum(1 for s in batch if self._is_decode(s))
+        return out
 
-        # Running requests first: decodes and unfinished prefill chunks.
+    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
+        """Decodes and unfinished prefill chunks, oldest first, preempting the newest when blocks run out."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -201,27 +210,29 @@ class Scheduler:
             if error is not None:
                 self.running.pop(i)
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
-                finished.append(request)
+                out.finished.append(request)
                 continue
             while not self.block_manager.append_slots(request, num_new):
                 victim = self.running.pop()  # the newest; not yet scheduled this step
                 self._preempt(victim)
-                preempted.append(victim)
+                out.preempted.append(victim)
                 if victim is request:
                     break
             else:
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
+        return budget
 
-        # Then waiting requests, oldest first, while blocks last; not in a step that had to preempt.
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+        """New and preempted requests, oldest first, while budget, sequence slots and free blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             error = self._never_fits(request, request.num_tokens)
             if error is not None:
                 self.waiting.popleft()
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
-                finished.append(request)
+                out.finished.append(request)
                 continue
             # Prompt logprobs need every prompt position computed, so such requests skip the cache.
             if request.sampling_params.prompt_logprobs is None:
@@ -245,14 +256,8 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
 
-        batch = [self._scheduled_request(r, n) for r, n in scheduled]
-        # Decodes first (stable): the model runner splits the batch there.
-        batch.sort(key=lambda s: not self._is_decode(s))
-        num_decodes = sum(1 for s in batch if self._is_decode(s))
-        return SchedulerOutput(scheduled=batch, num_decodes=num_decodes, preempted=preempted, finished=finished)
-
     def _is_decode(self, s: ScheduledRequest) -> bool:
-        return s.num_new_tokens <= self.config.decode_threshold and s.num_computed_tokens > 0
+        return is_decode(s.num_new_tokens, s.num_computed_tokens, self.config.decode_threshold)
 
     def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -86,6 +86,17 @@ def test_preemption_really_happens(checkpoints):
     assert preempted
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_half_precision_kv_cache_stays_close(checkpoints, kv_cache_dtype):
+    params = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0)
+    full = _llm(checkpoints["v3"]).generate(PROMPTS, params)
+    half = _llm(checkpoints["v3"], kv_cache_dtype=kv_cache_dtype).generate(PROMPTS, params)
+    for a, b in zip(full, half):
+        for pos in range(1, len(a.prompt_token_ids)):
+            token = a.prompt_token_ids[pos]
+            assert abs(a.prompt_logprobs[pos][token] - b.prompt_logprobs[pos][token]) <= 5e-2
+
+
 def test_prefix_cache_hits_are_reported(checkpoints):
     llm = _llm(checkpoints["v3"])
     shared = list(range(40, 60))
