@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m latentserve.demo
+	$(VENV)/bin/latentserve generate --prompt "And God said" --max-tokens 64 --temperature 0.5 --seed 0
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

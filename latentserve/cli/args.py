@@ -1,0 +1,180 @@
+"""Flags shared by the commands: engine settings, sampling settings, and how user mistakes are reported."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Callable, Iterator, NoReturn
+
+import torch
+
+from latentserve.attention.backend_registry import BackendEnum
+from latentserve.attention.decode.registry import MLADecodeBackendEnum
+from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
+from latentserve.engine.llm import LLM, default_model_dir
+from latentserve.engine.llm_engine import EngineConfig, parse_dtype
+from latentserve.sampling_params import SamplingParams
+
+_ENGINE_DEFAULTS = EngineConfig()
+_SAMPLING_DEFAULTS = SamplingParams()
+
+
+class CLIError(Exception):
+    """A user mistake found while setting up or reading input: reported as one line, exit status 1."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Reports a usage mistake as one line (`latentserve generate: error: ...`), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default when it has a meaningful one and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        meaningless = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if meaningless or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the errors bad input raises (a wrong path, a bad value) into a CLIError."""
+    try:
+        yield
+    except (ValueError, OSError) as e:  # FileNotFoundError is an OSError
+        raise CLIError(str(e)) from e
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={minimum}"
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def dtype_name(text: str) -> str:
+    try:
+        parse_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def device_name(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"invalid device {text!r}; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"device {text!r} is not supported; use cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("device cuda requested but CUDA is not available on this machine")
+    return text
+
+
+def _backend_name(enum_cls: type[BackendEnum]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        try:
+            return enum_cls.lookup(text).name
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = enum_cls.__name__
+    return parse
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The `LLM(...)` settings, with EngineConfig's defaults and vLLM's flag names."""
+    d = _ENGINE_DEFAULTS
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    g.add_argument("--dtype", type=dtype_name, default=d.dtype, help="weights and compute dtype")
+    g.add_argument("--device", type=device_name, default=d.device, help="cpu or cuda[:N]")
+    g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
+    g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,
+                   help="tokens per step at most")
+    g.add_argument("--max-model-len", type=positive_int, default=d.max_model_len,
+                   help="prompt plus output tokens at most (default: the model's max_position_embeddings)")
+    g.add_argument("--num-kv-blocks", type=positive_int, default=d.num_kv_blocks,
+                   help=f"KV cache blocks (default: as many as {d.kv_cache_memory_bytes >> 20} MiB hold)")
+    g.add_argument("--enable-dbo", action="store_true", help="dual batch overlap: split big steps in two ubatches")
+    g.add_argument("--dbo-decode-token-threshold", type=_int_at_least(2), default=d.dbo_decode_token_threshold,
+                   help="DBO splits decode-only steps of at least this many tokens")
+    g.add_argument("--dbo-prefill-token-threshold", type=_int_at_least(2), default=d.dbo_prefill_token_threshold,
+                   help="DBO splits steps with a prefill of at least this many tokens")
+    g.add_argument("--prefill-backend", type=_backend_name(MLAPrefillBackendEnum), default=None,
+                   help="MLA prefill backend (default: the first valid by priority; see `latentserve backends`)")
+    g.add_argument("--decode-backend", type=_backend_name(MLADecodeBackendEnum), default=None,
+                   help="MLA decode backend (default: the first valid by priority)")
+    g.add_argument("--seed", type=non_negative_int, default=d.seed, help="random seed of the engine")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    s = _SAMPLING_DEFAULTS
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="tokens to generate at most")
+    g.add_argument("--temperature", type=non_negative_float, default=s.temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass, in (0, 1]")
+    g.add_argument("--top-k", type=int, default=s.top_k, help="sample among the k likeliest tokens (0: all)")
+
+
+def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
+    with user_errors():
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, **overrides)
+
+
+def build_llm(args: argparse.Namespace) -> LLM:
+    """The engine the flags of `add_engine_args` describe."""
+    if args.model is None and not default_model_dir().is_dir():
+        raise CLIError(f"the embedded model is missing ({default_model_dir()}); pass --model PATH")
+    with user_errors():
+        return LLM(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            num_kv_blocks=args.num_kv_blocks,
+            enable_dbo=args.enable_dbo,
+            dbo_decode_token_threshold=args.dbo_decode_token_threshold,
+            dbo_prefill_token_threshold=args.dbo_prefill_token_threshold,
+            prefill_backend=args.prefill_backend,
+            decode_backend=args.decode_backend,
+            seed=args.seed,
+        )
+
+
+def write(text: str) -> None:
+    """Print to stdout now (streamed output must not wait for a newline)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

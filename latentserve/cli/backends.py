@@ -1,0 +1,73 @@
+"""`latentserve backends`: every prefill and decode backend, and whether it can run here."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.backend_registry import BackendEnum
+from latentserve.attention.decode import selector as decode_selector
+from latentserve.attention.decode.registry import MLADecodeBackendEnum
+from latentserve.attention.prefill import selector as prefill_selector
+from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
+from latentserve.cli.args import HelpFormatter, dtype_name, write
+from latentserve.engine.llm_engine import parse_dtype
+
+# DeepSeek-V3's attention shape; the built-in checks depend only on device and dtype.
+_V3_SHAPE = dict(num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("backends", help="list attention backends and where they run",
+                              description=__doc__.split(":", 1)[1].strip(),
+                              formatter_class=HelpFormatter)
+    p.add_argument("--dtype", type=dtype_name, default="float32", help="the dtype to check the backends for")
+    p.set_defaults(func=run)
+
+
+def devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def describe(enum_cls: type[BackendEnum], priority: tuple[BackendEnum, ...], config: SelectorConfig) -> str:
+    """One block per member: its class path, then per device `valid` or the reasons it is not."""
+    lines = []
+    defaults = {device: _first_valid(priority, device, config) for device in devices()}
+    for member in enum_cls:
+        try:
+            cls = member.get_class()
+        except ValueError:  # CUSTOM before a class is registered for it
+            lines.append(f"  {member.name}: unregistered")
+            continue
+        except ImportError as e:
+            lines.append(f"  {member.name}: {member.get_path()}\n    not importable: {e}")
+            continue
+        lines.append(f"  {member.name}: {member.get_path()}")
+        for device in devices():
+            reasons = cls.validate_configuration(device, config)
+            status = "valid" if not reasons else "invalid: " + "; ".join(reasons)
+            marker = " (default)" if defaults[device] is member else ""
+            lines.append(f"    {device}: {status}{marker}")
+    return "\n".join(lines) + "\n"
+
+
+def _first_valid(priority: tuple[BackendEnum, ...], device: str, config: SelectorConfig) -> BackendEnum | None:
+    """What the selector picks when the user names no backend."""
+    for member in priority:
+        try:
+            if not member.get_class().validate_configuration(device, config):
+                return member
+        except (ValueError, ImportError):
+            continue
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    config = SelectorConfig(dtype=parse_dtype(args.dtype), **_V3_SHAPE)
+    dtype = str(config.dtype).removeprefix("torch.")
+    write(f"prefill backends (dtype {dtype}):\n")
+    write(describe(MLAPrefillBackendEnum, prefill_selector.PRIORITY, config))
+    write(f"decode backends (dtype {dtype}):\n")
+    write(describe(MLADecodeBackendEnum, decode_selector.PRIORITY, config))
+    return 0
