@@ -1,8 +1,10 @@
 """The embedded default model is a genuine Hugging Face DeepSeek-V3 checkpoint that speaks KJV English."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from tokenizers import Tokenizer
 from latentserve.assets import DEFAULT_MODEL_DIR
 
 transformers = pytest.importorskip("transformers")
+import jinja2  # noqa: E402  (transformers' chat templates need it)
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
@@ -109,7 +112,7 @@ def test_chat_template_renders(hf_tokenizer):
     ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids[0] == hf_tokenizer.bos_token_id and ids.count(hf_tokenizer.bos_token_id) == 1
     assert hf_tokenizer.decode(ids) == text
-    with pytest.raises(Exception, match="unsupported chat role"):
+    with pytest.raises(jinja2.TemplateError, match="unsupported chat role: tool"):
         hf_tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
 
 
@@ -140,3 +143,14 @@ def test_greedy_generation_is_kjv_english(model, hf_tokenizer):
     known = sum(w in vocabulary for w in words) / len(words)
     assert known >= 0.6, f"only {known:.0%} of generated words are English (KJV) words: {text!r}"
     assert len(set(words)) >= 5, f"degenerate repetition: {text!r}"
+
+
+def test_training_script_explains_how_to_install_a_missing_corpus(monkeypatch, tmp_path):
+    path = DEFAULT_MODEL_DIR.parents[2] / "scripts" / "train_default_model.py"
+    spec = importlib.util.spec_from_file_location("train_default_model", path)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look their module up there
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "BIBLE_DATA", tmp_path / "no-bible.data")
+    with pytest.raises(SystemExit, match="apt-get install -y bible-kjv-text bible-kjv"):
+        script.load_corpus()

@@ -8,6 +8,9 @@ from pathlib import Path
 import torch
 
 from latentserve.config import AttentionConfig, DBOConfig
+from latentserve.distributed.expert_parallel import shard_experts
+from latentserve.distributed.link_emulator import LinkEmulator
+from latentserve.distributed.parallel_state import DPGroup, get_dp_group
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, load_tokenizer
 from latentserve.engine.model_runner import ModelRunner
@@ -46,13 +49,26 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_dbo: bool = False
-    dbo_decode_token_threshold: int = 32
+    # Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens DBO's
+    # split costs more than it hides at comm:compute <= 0.5; from 512 prefill tokens it wins at every ratio.
+    dbo_decode_token_threshold: int = 256
     dbo_prefill_token_threshold: int = 512
     prefill_backend: str | None = None
     decode_backend: str | None = None
     workspace_tokens: int = 8192
     seed: int = 0
     device: str = "cpu"
+    # Scale-out (latentserve.distributed): attention data-parallel over ranks, routed experts split over them.
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    link_latency_us: float = 0.0  # link emulation of the expert all-to-all: 0 / None leave it real
+    link_bandwidth_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
+                or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an int >= 1, got {self.data_parallel_size!r}")
+        LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
 
 
 class LLMEngine:
@@ -89,8 +105,25 @@ class LLMEngine:
             ),
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
         )
-        self.runner = ModelRunner(self.model, attn_config, dbo_config, num_blocks, cache_dtype, config.device)
+        self.runner = ModelRunner(
+            self.model, attn_config, dbo_config, num_blocks, cache_dtype, config.device, self._expert_parallel(config)
+        )
         self._ids = itertools.count()
+
+    def _expert_parallel(self, config: EngineConfig) -> DPGroup | None:
+        """The group this rank's experts are split over (its steps then run in lockstep), or None."""
+        if config.data_parallel_size == 1:
+            return None
+        group = get_dp_group()
+        if group is None or group.world_size != config.data_parallel_size:
+            raise RuntimeError(
+                f"data_parallel_size={config.data_parallel_size} needs this process in a data-parallel group of that "
+                "size: use LLM(...), which starts the ranks"
+            )
+        if not config.enable_expert_parallel:
+            return None
+        shard_experts(self.model, group, LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps))
+        return group
 
     def _blocks_for_memory(self, config: EngineConfig, cache_dtype: torch.dtype) -> int:
         per_block = (
@@ -153,7 +186,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of every request that advanced or ended."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        if not out.scheduled and self.runner.lockstep_group is None:
             return [RequestOutput.from_request(r) for r in self.scheduler.update(out, [])]
         result = self.runner.execute_model(out)
         updated = self.scheduler.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)

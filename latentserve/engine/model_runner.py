@@ -8,6 +8,8 @@ import torch
 from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.config import AttentionConfig, DBOConfig
+from latentserve.distributed.expert_parallel import run_empty_forward
+from latentserve.distributed.parallel_state import DPGroup
 from latentserve.engine.request import Logprobs
 from latentserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from latentserve.engine.scheduler import SchedulerOutput
@@ -35,8 +37,11 @@ class ModelRunner:
         num_blocks: int,
         kv_cache_dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        lockstep_group: DPGroup | None = None,
     ) -> None:
         self.model = model
+        # Under expert parallelism every rank runs every step (an empty one if idle) and splits it alike.
+        self.lockstep_group = lockstep_group
         self.attn_config = attn_config
         self.dbo_config = dbo_config
         self.device = torch.device(device)
@@ -54,6 +59,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        if not out.scheduled:
+            num_ubatches = 2 if self._agree_on_dbo(True) else 1
+            run_empty_forward(self.model, num_ubatches, self.model.lm_head.weight.dtype)
+            return ModelRunnerOutput([], [], {}, num_ubatches)
         common = out.common_attention_metadata(self.device)
         input_ids = torch.tensor(out.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(out.positions, dtype=torch.long, device=self.device)
@@ -74,11 +83,16 @@ class ModelRunner:
     def _ubatch_slices(self, common):
         dbo = self.dbo_config
         threshold = self.attn_config.decode_threshold
-        if not dbo.enable_dbo or not should_ubatch(
+        wants = dbo.enable_dbo and should_ubatch(
             common, threshold, dbo.dbo_decode_token_threshold, dbo.dbo_prefill_token_threshold
-        ):
-            return None
-        return split_ubatches(common, threshold)
+        )
+        return split_ubatches(common, threshold) if self._agree_on_dbo(wants) else None
+
+    def _agree_on_dbo(self, wants: bool) -> bool:
+        """Split this step iff DBO is on and every rank wants to (an idle rank does not object)."""
+        if not self.dbo_config.enable_dbo:
+            return False
+        return wants if self.lockstep_group is None else self.lockstep_group.all_agree(wants)
 
     def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> dict[str, list[Logprobs]]:
         result = {}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -76,9 +77,10 @@ def select_experts(
     k = cfg.num_experts_per_tok
     num_tokens = router_logits.shape[0]
     group_size = cfg.n_routed_experts // (cfg.n_group or 1)
+    limit_groups = cfg.topk_method != "greedy" and cfg.topk_group < cfg.n_group  # else every group stays
     if cfg.scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)
-        if cfg.topk_method == "group_limited_greedy":
+        if limit_groups:
             group_scores = scores.view(num_tokens, -1, group_size).amax(dim=-1)
             # Softmax scores are positive, so a zero never outranks an expert of a kept group.
             scores = scores.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), 0.0)
@@ -87,8 +89,9 @@ def select_experts(
         scores = router_logits.sigmoid()
         # noaux_tc: the learned bias steers which experts are chosen, not how much they weigh.
         choice = scores if correction_bias is None else scores + correction_bias
-        group_scores = choice.view(num_tokens, -1, group_size).topk(2, dim=-1).values.sum(dim=-1)
-        choice = choice.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), float("-inf"))
+        if limit_groups:
+            group_scores = choice.view(num_tokens, -1, group_size).topk(2, dim=-1).values.sum(dim=-1)
+            choice = choice.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), float("-inf"))
         ids = choice.topk(k, dim=-1).indices
         weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
@@ -135,13 +138,19 @@ class MoE(nn.Module):
             if n_shared_experts
             else None
         )
+        # Set by latentserve.distributed under expert parallelism: (x, weights, ids) -> routed output,
+        # dispatching tokens to the ranks that own their experts and combining the results.
+        self.expert_parallel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        dbo_yield()  # where expert parallelism's dispatch all-to-all goes
-        routed = self.run_experts(x, weights, ids)
-        dbo_yield()  # where its combine all-to-all goes
+        if self.expert_parallel is not None:
+            routed = self.expert_parallel(x, weights, ids)
+        else:
+            dbo_yield()  # where expert parallelism's dispatch all-to-all goes
+            routed = self.run_experts(x, weights, ids)
+            dbo_yield()  # where its combine all-to-all goes
         return routed if shared is None else routed + shared
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -150,14 +159,14 @@ class MoE(nn.Module):
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // top_k
-        flat_weights = weights.flatten()[order]
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-        out = torch.zeros_like(x)
-        start = 0
+        # One gather, contiguous per-expert slices, one weighted scatter: per-op overhead, not FLOPs,
+        # dominates small batches, so the loop body holds only the expert's own GEMMs.
+        x_sorted = x.index_select(0, tokens)
+        ys, start = [], 0
         for expert, count in zip(self.experts, counts):
             if count:
-                rows = tokens[start : start + count]
-                y = expert(x[rows]) * flat_weights[start : start + count, None]
-                out.index_add_(0, rows, y.to(out.dtype))
+                ys.append(expert(x_sorted[start : start + count]))
                 start += count
-        return out
+        y = torch.cat(ys) * weights.flatten().index_select(0, order)[:, None]
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))

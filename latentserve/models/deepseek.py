@@ -61,7 +61,8 @@ class DeepseekAttention(nn.Module):
             kv_cache_dtype=dtype, device=device,
         )
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         else:
@@ -70,8 +71,10 @@ class DeepseekAttention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c_normed = self.kv_a_layernorm(latent)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
-        q = torch.cat([q_nope, q_pe], dim=-1)
+        # k_pe rides along as one more head: one rotation instead of two.
+        pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
+        q = torch.cat([q_nope, pe[:, :-1]], dim=-1)
+        k_pe = pe[:, -1]
         return self.o_proj(self.attn(q, kv_c_normed, k_pe))
 
 
@@ -87,8 +90,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -115,8 +118,9 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden)
+            hidden = layer(cos, sin, hidden)
         return self.norm(hidden)
 
 

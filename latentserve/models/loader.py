@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import json
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from latentserve.config import AttentionConfig
 from latentserve.models.config import DeepseekConfig
@@ -96,6 +98,18 @@ def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.
         raise ValueError(f"checkpoint is missing tensor(s) {shown}{more}")
 
 
+@contextmanager
+def _skip_weight_init() -> Iterator[None]:
+    """Build Linear and Embedding layers without their random init: the checkpoint overwrites every weight
+    (`load_weights` fails on any it lacks), and drawing ~all parameters at random dominated load time."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -107,7 +121,8 @@ def load_model(
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = DeepseekConfig.from_pretrained(model_dir)
-    model = DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
+    with _skip_weight_init():
+        model = DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
     load_weights(model, iter_checkpoint_tensors(model_dir))
     for layer in model.static_forward_context.values():
         layer.process_weights_after_loading()

@@ -1,0 +1,157 @@
+"""Serving benchmark: request throughput, TTFT and inter-token latency at several client concurrencies.
+
+Starts `latentserve` in a subprocess on 127.0.0.1 (the embedded model unless `--model`), then at each
+concurrency level runs a bounded number of streaming /v1/completions requests (random token-id prompts,
+fixed output length with ignore_eos) and prints a markdown table. Percentiles are over requests (TTFT)
+and over all gaps between streamed chunks (ITL).
+Run: `.venv/bin/python benchmarks/serve.py [--model PATH] [--quick]`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[3]))
+from latentserve.engine.llm_engine import EngineConfig
+from latentserve.server import ServerConfig, run_server
+model = sys.argv[1] or None
+run_server(model, EngineConfig(max_num_seqs=64), ServerConfig(port=int(sys.argv[2]), served_model_name="bench",
+           log_level="warning"))
+"""
+
+
+@dataclass
+class RequestResult:
+    ttft: float
+    itls: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q / 100 * len(ordered)), len(ordered) - 1)]
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> RequestResult:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    times, usage = [], None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    return RequestResult(ttft=times[0] - start, itls=[b - a for a, b in zip(times, times[1:])],
+                         num_tokens=usage["completion_tokens"])
+
+
+async def run_level(url: str, concurrency: int, num_requests: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    queue = list(range(num_requests))
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await one_request(client, prompts[i % len(prompts)], max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    ttfts = [r.ttft * 1e3 for r in results]
+    itls = [x * 1e3 for r in results for x in r.itls]
+    row = {"concurrency": concurrency, "requests": len(results), "req/s": len(results) / elapsed,
+           "tok/s": sum(r.num_tokens for r in results) / elapsed}
+    for name, values in (("TTFT", ttfts), ("ITL", itls)):
+        for q in (50, 90, 99):
+            row[f"{name} p{q} (ms)"] = percentile(values, q) if values else float("nan")
+    row["ITL mean (ms)"] = statistics.fmean(itls) if itls else float("nan")
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: str | None, port: int, threads: int) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-c", SERVE, model or "", str(port), str(threads)], cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with status {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return process
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit("the server did not come up within 120 s")
+
+
+def vocab_size(model: str | None) -> int:
+    if model is None:
+        from latentserve.assets import DEFAULT_MODEL_DIR
+
+        model = DEFAULT_MODEL_DIR
+    return json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--requests", type=int, default=64, help="requests per level at most (at least 2x concurrency)")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    parser.add_argument("--quick", action="store_true", help="fewer, shorter requests")
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.max_tokens = 16, 16
+    sys.path.insert(0, str(ROOT))
+    rng = random.Random(0)
+    vocab = vocab_size(args.model)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
+    port = free_port()
+    process = start_server(args.model, port, args.threads)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        asyncio.run(run_level(url, 1, 2, prompts, 4))  # warm-up
+        rows = [asyncio.run(run_level(url, c, max(args.requests, 2 * c), prompts, args.max_tokens))
+                for c in args.concurrency]
+    finally:
+        process.terminate()
+        process.wait(60)
+    print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per request, "
+          f"server torch threads {args.threads}, model {args.model or 'embedded'}\n")
+    columns = list(rows[0])
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for row in rows:
+        print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()

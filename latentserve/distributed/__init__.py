@@ -1,0 +1,1 @@
+"""Scale-out over torch.distributed: process groups, launch, expert-parallel all-to-all, link emulation."""

@@ -1,0 +1,153 @@
+"""The FastAPI app: OpenAI routes, health, metrics, API key, draining, and errors in OpenAI's format."""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.server.async_engine import AsyncLLMEngine
+from latentserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from latentserve.server.serving import OpenAIError, unavailable
+from latentserve.server.serving_chat import ServingChat
+from latentserve.server.serving_completion import ServingCompletion
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+
+
+@dataclass
+class ServerState:
+    """What the HTTP layer and the process's shutdown share."""
+
+    draining: bool = False  # set on SIGTERM: new requests get 503
+    in_flight: int = 0  # HTTP requests being answered, streams included
+
+
+class _Gate:
+    """ASGI middleware: refuses requests while draining (503) or without the API key (401); counts in-flight ones."""
+
+    def __init__(self, app: ASGIApp, state: ServerState, api_key: str | None) -> None:
+        self.app = app
+        self.state = state
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.state.draining:
+            error = unavailable("the server is shutting down")
+        elif self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+            error = OpenAIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                                type="authentication_error", code="invalid_api_key")
+        else:
+            self.state.in_flight += 1
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                self.state.in_flight -= 1
+        await _error_response(error)(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+
+
+def _error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
+        param = param or (loc[0] if loc else None)
+        message = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {message}" if loc else message)
+    return "; ".join(parts) or "invalid request", param
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return _error_response(OpenAIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(OpenAIError(exc.status_code, str(exc.detail), type=error_type))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error")
+        return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
+
+
+def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+              max_waiting: int | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread."""
+    async_engine = AsyncLLMEngine(engine, max_waiting)
+    state = ServerState()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        yield
+        async_engine.shutdown()
+
+    app = FastAPI(title="latentserve", summary="OpenAI-compatible server for MLA models", lifespan=lifespan)
+    app.state.engine = async_engine
+    app.state.server_state = state
+    app.add_middleware(_Gate, state=state, api_key=api_key)
+    _add_error_handlers(app)
+    completions = ServingCompletion(async_engine, model_name)
+    chat = ServingChat(async_engine, model_name)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> dict:
+        if not async_engine.is_alive:
+            raise unavailable("the engine is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(async_engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_model_len)])
+
+    @app.post("/v1/completions", responses=_ERRORS, response_model=CompletionResponse)
+    async def create_completion(req: CompletionRequest, raw_request: Request):
+        return await completions.create(req, raw_request)
+
+    @app.post("/v1/chat/completions", responses=_ERRORS, response_model=ChatCompletionResponse)
+    async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
+        return await chat.create(req, raw_request)
+
+    return app

@@ -1,0 +1,199 @@
+"""`AsyncLLMEngine`: the engine stepping on its own thread, each request's outputs fed to an asyncio queue.
+
+Only the engine thread touches the scheduler's state: the event loop hands it requests to add and
+ids to abort through a FIFO, and the engine thread hands back `RequestOutput` snapshots with
+`loop.call_soon_threadsafe`. A snapshot holds the whole text so far, so a consumer that falls
+behind may skip to the newest one and lose nothing.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from latentserve.engine.llm_engine import LLMEngine
+from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.request import Request
+from latentserve.sampling_params import SamplingParams
+from latentserve.server.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting: the caller should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or stopped: no request can run any more (HTTP 503)."""
+
+
+class RequestStream:
+    """One request's outputs, in order; iterating yields the newest snapshot available."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request.request_id
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.loop = loop
+        self.finished = False
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        self.loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+@dataclass
+class _Timing:
+    """Engine-thread bookkeeping of one request, for the latency metrics."""
+
+    arrival: float
+    num_prompt_tokens: int
+    num_tokens: int = 0
+    last_token: float = 0.0
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.metrics = Metrics(self._gauges)
+        self._ops: deque[tuple[str, Request | str]] = deque()  # ("add", request) or ("abort", request_id)
+        self._streams: dict[str, RequestStream] = {}
+        self._timings: dict[str, _Timing] = {}  # engine thread only
+        self._lock = threading.Lock()  # guards _streams
+        self._wakeup = threading.Event()
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="latentserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None and not self._stopping
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued for the engine thread or in the scheduler's waiting queue."""
+        return len(self._ops) + len(self.engine.scheduler.waiting)
+
+    def _gauges(self) -> dict[str, float]:
+        scheduler = self.engine.scheduler
+        return {
+            "running": len(scheduler.running),
+            "waiting": self.num_waiting(),
+            "kv_cache_usage": scheduler.block_manager.usage,
+        }
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Validate `prompt` (ValueError if bad) and queue it; must be called on the event loop."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running" + (f": {self.error}" if self.error else ""))
+        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            raise QueueFullError(f"the server is busy: {self.max_waiting} requests are already waiting")
+        request = self.engine.make_request(prompt, params, request_id)
+        stream = RequestStream(request, asyncio.get_running_loop())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+        self._ops.append(("add", request))
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (no-op if it already finished)."""
+        self._ops.append(("abort", request_id))
+        self._wakeup.set()
+
+    # --- engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_ops()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                    self._wakeup.clear()  # before the next _apply_ops: an op queued after this wakes us again
+                    continue
+                self._dispatch(self.engine.step())
+        except BaseException as e:  # the engine's state is unknown now: fail every request and refuse new ones
+            logger.exception("engine step failed")
+            self.error = e
+            self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
+            return
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _apply_ops(self) -> None:
+        while self._ops:
+            op, item = self._ops.popleft()
+            if op == "add":
+                try:
+                    self.engine.scheduler.add_request(item)
+                except ValueError as e:
+                    self._close(item.request_id).put(e)
+                    continue
+                self._timings[item.request_id] = _Timing(item.arrival_time, item.num_prompt_tokens)
+            else:
+                request = self.engine.scheduler.abort_request(item)
+                if request is not None:
+                    self._dispatch([RequestOutput.from_request(request)])
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for output in outputs:
+            self._record(output, now)
+            with self._lock:
+                stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put(output)
+            if output.finished:
+                self._close(output.request_id)
+
+    def _record(self, output: RequestOutput, now: float) -> None:
+        timing = self._timings.get(output.request_id)
+        if timing is None:
+            return
+        num_tokens = len(output.outputs[0].token_ids)
+        if num_tokens > timing.num_tokens:
+            first = timing.num_tokens == 0
+            since = timing.arrival if first else timing.last_token
+            self.metrics.observe_tokens(num_tokens - timing.num_tokens, first, now - since)
+            timing.num_tokens, timing.last_token = num_tokens, now
+        if output.finished:
+            self.metrics.observe_finished(output.outputs[0].finish_reason or "error", timing.num_prompt_tokens)
+            del self._timings[output.request_id]
+
+    def _close(self, request_id: str) -> RequestStream | None:
+        with self._lock:
+            return self._streams.pop(request_id, None)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.put(error)

@@ -1,0 +1,70 @@
+"""Running the app under uvicorn, with a graceful drain on SIGTERM / SIGINT."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from latentserve.engine.llm import default_model_dir
+from latentserve.engine.llm_engine import EngineConfig, LLMEngine
+from latentserve.server.api import ServerState, build_app
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1 routes need `Authorization: Bearer <api_key>`
+    max_waiting: int | None = None  # more waiting requests than this get 503; None: no limit
+    served_model_name: str | None = None  # the `model` clients send; default: the model directory's name
+    drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    log_level: str = "info"
+
+
+class DrainingServer(uvicorn.Server):
+    """On the first SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish (bounded), then exit.
+
+    A second signal exits at once. The process exits normally (status 0) either way.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self.drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after shutdown and die by the signal.
+        if self.drain_deadline is not None:
+            self.should_exit = self.force_exit = True
+            return
+        logger.info("signal %d: draining %d in-flight request(s)", sig, self.state.in_flight)
+        self.state.draining = True
+        self.drain_deadline = time.monotonic() + self.drain_timeout
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_deadline is not None and not self.should_exit:
+            self.should_exit = self.state.in_flight == 0 or time.monotonic() > self.drain_deadline
+        return await super().on_tick(counter)
+
+
+def serve(engine: LLMEngine, model_name: str, config: ServerConfig) -> None:
+    """Serve a loaded engine as `model_name` until SIGTERM / SIGINT."""
+    app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                               timeout_graceful_shutdown=max(int(config.drain_timeout), 1))
+    DrainingServer(uv_config, app.state.server_state, config.drain_timeout).run()
+
+
+def run_server(model: str | Path | None, engine_config: EngineConfig, config: ServerConfig) -> None:
+    """Load the model (None: the embedded one) and serve it; its name defaults to the directory's name."""
+    model_dir = Path(model) if model is not None else default_model_dir()
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    serve(LLMEngine(model_dir, engine_config), model_dir.name, config)
