@@ -330,3 +330,12 @@ def test_mistake_in_a_subprocess_has_no_traceback(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr == f"latentserve: error: model directory {tmp_path / 'nope'} does not exist\n"
     assert proc.stdout == ""
+
+
+def test_serve_and_scale_out_flags_parse():
+    from latentserve.cli import make_parser
+
+    args = make_parser().parse_args(
+        ["serve", "--port", "9001", "--api-key", "k", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    )
+    assert (args.port, args.api_key, args.data_parallel_size, args.enable_expert_parallel) == (9001, "k", 2, True)

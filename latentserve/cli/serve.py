@@ -1,0 +1,33 @@
+"""serve: an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from latentserve.cli.args import CLIError, HelpFormatter, add_engine_args, build_llm, positive_int
+from latentserve.engine.llm import default_model_dir
+from latentserve.server import ServerConfig, serve
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                              description=__doc__.split(":", 1)[1].strip(), formatter_class=HelpFormatter)
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    g.add_argument("--max-waiting", type=positive_int, default=None, help="waiting requests before 503s")
+    g.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder name)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        raise CLIError("serve runs one rank; --data-parallel-size > 1 works with generate and the Python API")
+    llm = build_llm(args)
+    name = (default_model_dir() if args.model is None else Path(args.model)).name
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
+                          served_model_name=args.served_model_name)
+    serve(llm.engine, name, config)
+    return 0
