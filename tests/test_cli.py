@@ -238,7 +238,8 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
     assert seen == dict(model="m", dtype="bf16", device="cpu", block_size=8, max_num_seqs=3,
                         max_num_batched_tokens=99, max_model_len=77, num_kv_blocks=5, enable_dbo=True,
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
-                        decode_backend="TORCH", seed=9)
+                        decode_backend="TORCH", seed=9, data_parallel_size=1, enable_expert_parallel=False,
+                        link_latency_us=0.0, link_bandwidth_gbps=None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
