@@ -12,29 +12,52 @@ class TorchMQADecodeBackend(MLADecodeBackend):
     def get_name(cls) -> str:
         return "TORCH"
 
+    # Requests are attended in groups whose gathered latents stay cache-sized: one batch-wide gather
+    # buffer costs fresh-page faults and a second trip through memory that exceed the math on CPU.
+    gather_bytes: int = 4 << 20
+
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
         num_reqs = metadata.seq_lens.shape[0]
+        if q.shape[0] != num_reqs:
+            kv, seq_lens = self._gather(kv_cache, metadata, 0, num_reqs, q.dtype)
+            return self._forward_multi_token(q, kv, seq_lens, metadata)
+        row_bytes = metadata.max_seq_len * kv_cache.shape[-1] * kv_cache.element_size()
+        group = max(1, self.gather_bytes // max(row_bytes, 1))
+        if group >= num_reqs:
+            return self._forward_single_token(q, *self._gather(kv_cache, metadata, 0, num_reqs, q.dtype))
+        out = q.new_empty(num_reqs, q.shape[1], self.kv_lora_rank)
+        for start in range(0, num_reqs, group):
+            end = min(start + group, num_reqs)
+            out[start:end] = self._forward_single_token(q[start:end], *self._gather(kv_cache, metadata, start, end, q.dtype))
+        return out
+
+    @staticmethod
+    def _gather(
+        kv_cache: torch.Tensor, metadata: MLADecodeMetadata, start: int, end: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows of requests start..end as `[R, S, L+R]`, rows past each request's end zeroed."""
+        seq_lens = metadata.seq_lens[start:end].long()
+        # On an accelerator reading the longest length would sync: use the batch maximum there.
+        max_len = int(seq_lens.max()) if seq_lens.device.type == "cpu" else metadata.max_seq_len
         block_size = kv_cache.shape[1]
-        num_blocks = -(-metadata.max_seq_len // block_size)
+        num_blocks = -(-max_len // block_size)
         # index_select of whole blocks is a plain row copy, several times faster on CPU than indexing.
-        blocks = metadata.block_table[:, :num_blocks].flatten()
-        kv = kv_cache.index_select(0, blocks).view(num_reqs, num_blocks * block_size, -1).to(q.dtype)
-        kv = kv[:, : metadata.max_seq_len]
-        seq_lens = metadata.seq_lens.long()
-        # Keys from `first` on lie past some request's end (on an accelerator, reading the shortest length
-        # would sync, so every key counts as possibly past).
+        blocks = metadata.block_table[start:end, :num_blocks].flatten()
+        kv = kv_cache.index_select(0, blocks).view(end - start, num_blocks * block_size, -1).to(dtype)
+        kv = kv[:, :max_len]
         first = int(seq_lens.min()) if seq_lens.device.type == "cpu" else 0
-        ragged = first < kv.shape[1]
-        if ragged:
-            past_end = torch.arange(first, kv.shape[1], device=q.device)[None, :] >= seq_lens[:, None]  # [R, S-first]
+        if first < kv.shape[1]:
+            past_end = torch.arange(first, kv.shape[1], device=kv.device)[None, :] >= seq_lens[:, None]
             # Those rows may hold anything (even NaN), and a 0 weight times NaN is NaN: zero them.
             kv[:, first:].masked_fill_(past_end.unsqueeze(-1), 0.0)
-        if q.shape[0] == num_reqs:  # one new token per request: its causal mask is the padding mask
-            scores = torch.matmul(q, kv.transpose(1, 2)).mul_(self.scale)  # [R, N, S]
-            if ragged:
-                scores[..., first:].masked_fill_(past_end[:, None, :], float("-inf"))
-            return torch.matmul(torch.softmax(scores, dim=-1), kv[..., : self.kv_lora_rank])
-        return self._forward_multi_token(q, kv, seq_lens, metadata)
+        return kv, seq_lens
+
+    def _forward_single_token(self, q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """One new token per request: its causal mask is the padding mask."""
+        scores = torch.matmul(q, kv.transpose(1, 2)).mul_(self.scale)  # [R, N, S]
+        positions = torch.arange(kv.shape[1], device=kv.device)
+        scores.masked_fill_((positions[None, :] >= seq_lens[:, None])[:, None, :], float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1), kv[..., : self.kv_lora_rank])
 
     def _forward_multi_token(
         self, q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, metadata: MLADecodeMetadata
