@@ -17,7 +17,7 @@ from latentserve.attention.prefill.reference import ReferencePrefillBackend
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli import main
 from latentserve.cli.bench import percentile
-from latentserve.cli.chat import ChatTemplate
+from latentserve.engine.chat_template import render_chat
 from latentserve.engine.detokenizer import load_tokenizer
 from latentserve.engine.llm_engine import LLMEngine
 from tests.checkpoints import make_checkpoint
@@ -305,7 +305,7 @@ def test_chat_template_renders_like_transformers(model_dir):
     hf = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"), bos_token=BOS, eos_token=EOS)
     messages = [dict(role="user", content="hi"), dict(role="assistant", content="yo"), dict(role="user", content="x")]
     expected = hf.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
-    assert ChatTemplate(info).render(messages) == expected
+    assert render_chat(info, messages) == expected
 
 
 def test_chat_needs_a_chat_template(model_dir, tmp_path, capsys):
@@ -314,7 +314,7 @@ def test_chat_needs_a_chat_template(model_dir, tmp_path, capsys):
             (tmp_path / f.name).symlink_to(f)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(bos_token=BOS, eos_token=EOS)))
     code, _, err = run_cli(["chat", "--model", str(tmp_path), *ENGINE_FLAGS], capsys)
-    assert (code, err) == (1, "latentserve: error: this model's tokenizer_config.json has no chat_template\n")
+    assert (code, err) == (1, "latentserve: error: this model has no chat template (tokenizer_config.json chat_template)\n")
 
 
 def test_text_prompt_needs_a_tokenizer(bare_model_dir, capsys):

@@ -7,7 +7,7 @@ from fastapi.responses import Response, StreamingResponse
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.server.async_engine import RequestStream
-from latentserve.server.chat import chat_prompt_ids
+from latentserve.engine.chat_template import chat_prompt_ids
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,

@@ -32,7 +32,7 @@ def render_chat(tokenizer: TokenizerInfo, messages: list[dict[str, str]]) -> str
     ValueError if the model has no chat template or the template rejects the conversation.
     """
     if not tokenizer.chat_template:
-        raise ValueError("this model has no chat template (tokenizer_config.json chat_template): use /v1/completions")
+        raise ValueError("this model has no chat template (tokenizer_config.json chat_template)")
     try:
         template = _compile(tokenizer.chat_template)
         return template.render(
