@@ -233,12 +233,12 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
         ["bench", "--model", "m", "--dtype", "bf16", "--block-size", "8", "--max-num-seqs", "3",
          "--max-num-batched-tokens", "99", "--max-model-len", "77", "--num-kv-blocks", "5", *DBO_FLAGS[:3],
          "--dbo-prefill-token-threshold", "6", "--prefill-backend", "reference", "--decode-backend", "Torch",
-         "--seed", "9"], capsys)
+         "--seed", "9", "--num-threads", "3"], capsys)
     assert (code, err) == (1, "latentserve: error: recorded\n")
     assert seen == dict(model="m", dtype="bf16", device="cpu", block_size=8, max_num_seqs=3,
                         max_num_batched_tokens=99, max_model_len=77, num_kv_blocks=5, enable_dbo=True,
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
-                        decode_backend="TORCH", seed=9, data_parallel_size=1, enable_expert_parallel=False,
+                        decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
                         link_latency_us=0.0, link_bandwidth_gbps=None)
 
 
@@ -271,7 +271,7 @@ MISTAKES = {
     "bad top_p": (["generate", "--top-p", "1.5"], 1, "top_p must be in (0, 1]"),
     "prompt too long": (["generate", "--max-model-len", "6", "--prompt", "and god said let there be light"], 1,
                         "leaves no room to generate within max_model_len=6"),
-    "kv cache too small": (["generate", "--num-kv-blocks", "2", "--max-tokens", "20"], 1, "KV blocks for"),
+    "kv cache too small": (["generate", "--num-kv-blocks", "2", "--max-tokens", "20"], 1, "cannot hold one request of max_model_len=256"),
     "bench too long": (["bench", "--input-len", "250", "--output-len", "10"], 1, "exceeds max_model_len=256"),
     "bench json dir": (["bench", "--output-json", "{tmp}/no/such.json"], 1, "does not exist"),
     "no command": ([], 2, "required: COMMAND"),

@@ -134,6 +134,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-backend", type=_backend_name(MLADecodeBackendEnum), default=None,
                    help="MLA decode backend (default: the first valid by priority)")
     g.add_argument("--seed", type=non_negative_int, default=d.seed, help="random seed of the engine")
+    g.add_argument("--num-threads", type=positive_int, default=d.num_threads,
+                   help="torch CPU threads of the engine, of each rank under data parallelism (default: torch's "
+                        "setting, split evenly over the ranks)")
     g.add_argument("--data-parallel-size", type=positive_int, default=d.data_parallel_size,
                    help="ranks, each with its own requests and KV cache (one process per rank)")
     g.add_argument("--enable-expert-parallel", action="store_true", help="shard routed experts over the ranks")
@@ -178,6 +181,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
             prefill_backend=args.prefill_backend,
             decode_backend=args.decode_backend,
             seed=args.seed,
+            num_threads=args.num_threads,
             data_parallel_size=args.data_parallel_size,
             enable_expert_parallel=args.enable_expert_parallel,
             link_latency_us=args.link_latency_us,

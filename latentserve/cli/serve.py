@@ -6,7 +6,9 @@ from pathlib import Path
 
 from latentserve.cli.args import CLIError, HelpFormatter, add_engine_args, build_llm, positive_int
 from latentserve.engine.llm import default_model_dir
+from latentserve.distributed.dp_engine import launched_by_torchrun
 from latentserve.server import ServerConfig, serve
+from latentserve.server.launcher import serving_engine
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,11 +25,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.data_parallel_size > 1:
-        raise CLIError("serve runs one rank; --data-parallel-size > 1 works with generate and the Python API")
+    if launched_by_torchrun():
+        raise CLIError("serve does not run under torchrun: start it as one process with --data-parallel-size N, "
+                       "which spawns the ranks itself")
     llm = build_llm(args)
     name = (default_model_dir() if args.model is None else Path(args.model)).name
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, max_waiting=args.max_waiting,
                           served_model_name=args.served_model_name)
-    serve(llm.engine, name, config)
+    try:
+        serve(serving_engine(llm), name, config)
+    finally:
+        llm.shutdown()
     return 0

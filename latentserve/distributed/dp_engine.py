@@ -2,13 +2,17 @@
 
 Ranks are processes spawned here (`SpawnedDPEngine`) or started by torchrun (`ExternalDPEngine`, every rank runs
 the user's script). Each rank builds its own engine through a picklable `engine_factory` (this package sits below
-the engine and does not import it); the engine needs `make_request`, `scheduler.add_request`, `step` and
-`has_unfinished_requests`.
+the engine and does not import it); the engine needs `make_request`, `add_request`, `abort_request`, `step`,
+`has_unfinished_requests` and `scheduler`.
+
+A spawned engine runs either whole `generate` calls (each rank steps on its own until no rank has work) or, for
+the server, one command at a time: add a request to one rank, abort one, or run one lockstep step on every rank.
 """
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -30,6 +34,16 @@ class Invalid:
     error: BaseException | None
 
 
+@dataclass
+class RankLoad:
+    """What a rank reports after each per-step command: whether it has work, and how busy it is."""
+
+    has_unfinished: bool
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
 def run_lockstep(engine: Any, group: DPGroup, items: Sequence[Item]) -> list[Any] | Invalid:
     """This rank's share of a generate call: every rank steps until no rank has work (idle ones step empty)."""
     try:
@@ -47,6 +61,38 @@ def run_lockstep(engine: Any, group: DPGroup, items: Sequence[Item]) -> list[Any
             if output.finished:
                 finished[output.request_id] = output
     return [finished[r.request_id] for r in requests]
+
+
+def _load(engine: Any) -> RankLoad:
+    scheduler = engine.scheduler
+    return RankLoad(engine.has_unfinished_requests(), len(scheduler.running), len(scheduler.waiting),
+                    scheduler.block_manager.usage)
+
+
+def _add(engine: Any, items: Sequence[Item]) -> tuple[BaseException | None, RankLoad]:
+    """Add all of `items` or, if one is refused, none of them; the refusal comes back."""
+    added = []
+    try:
+        for rid, prompt, params in items:
+            added.append(engine.add_request(prompt, params, rid))
+        error = None
+    except (ValueError, TypeError) as e:
+        for rid in added:
+            engine.abort_request(rid)
+        error = e
+    return error, _load(engine)
+
+
+def _abort(engine: Any, request_ids: Sequence[str]) -> RankLoad:
+    for rid in request_ids:
+        engine.abort_request(rid)
+    return _load(engine)
+
+
+def _step(engine: Any, group: DPGroup) -> tuple[list[Any], RankLoad]:
+    """One lockstep step: every rank steps (an idle one runs an empty step) iff some rank has work."""
+    outputs = engine.step() if group.any_rank(engine.has_unfinished_requests()) else []
+    return outputs, _load(engine)
 
 
 def _raise_invalid(answers: Sequence[Any]) -> None:
@@ -74,15 +120,19 @@ def _worker_main(
     try:
         group = init_dp_group(rank, world_size, device, init_method)
         engine = engine_factory()
+        commands: dict[str, Callable[[Any], Any]] = {
+            "generate": lambda items: run_lockstep(engine, group, items),
+            "add": lambda items: _add(engine, items),
+            "abort": lambda request_ids: _abort(engine, request_ids),
+            "step": lambda _: _step(engine, group),
+            "rpc": lambda fn: fn(engine),
+        }
         conn.send(("ok", None))
         while True:
             command, payload = conn.recv()
             if command == "stop":
                 break
-            if command == "generate":
-                conn.send(("ok", run_lockstep(engine, group, payload)))
-            else:  # "rpc"
-                conn.send(("ok", payload(engine)))
+            conn.send(("ok", commands[command](payload)))
     except EOFError:
         os._exit(0)  # the front end is gone: nobody to answer
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which stops every rank
@@ -91,7 +141,11 @@ def _worker_main(
 
 
 class SpawnedDPEngine:
-    """`world_size` ranks spawned on this machine; `generate` spreads requests and gathers outputs."""
+    """`world_size` ranks spawned on this machine.
+
+    `generate` spreads a batch over the ranks and gathers the outputs; `add_request` / `abort_request` / `step`
+    drive them one command at a time (what a server needs). One thread at a time talks to the ranks.
+    """
 
     def __init__(self, engine_factory: Callable[[], Any], world_size: int, device: str = "cpu") -> None:
         num_threads = max(1, torch.get_num_threads() // world_size)
@@ -105,19 +159,75 @@ class SpawnedDPEngine:
                 raise e.__cause__ from None  # bad arguments: the same error as one process gives
             raise
         self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._owner: dict[str, int] = {}  # unfinished request added by add_request -> its rank
+        self._next_rank = 0  # where the next tie between equally loaded ranks goes
+        self.loads = [RankLoad(False, 0, 0, 0.0) for _ in range(world_size)]
+
+    def _call(self, messages: list[Any]) -> list[Any]:
+        with self._lock:
+            self.workers.send(messages)
+            return self.workers.receive()
 
     def generate(self, prompts: Sequence[Any], params: Sequence[Any]) -> list[Any]:
+        if self._owner and self.workers.error is None:
+            raise RuntimeError(f"generate cannot run while {len(self._owner)} request(s) added with add_request "
+                               "are unfinished")
         ids = [str(next(self._ids)) for _ in prompts]
-        self.workers.send([("generate", shard) for shard in _spread(prompts, params, ids, self.world_size)])
-        answers = self.workers.receive()
+        answers = self._call([("generate", shard) for shard in _spread(prompts, params, ids, self.world_size)])
         _raise_invalid(answers)
         outputs = {o.request_id: o for answer in answers for o in answer}
         return [outputs[i] for i in ids]
 
+    def add_request(self, prompt: Any, params: Any, request_id: str | None = None) -> str:
+        """Queue a request on the least loaded rank; its refusal (ValueError, TypeError) is raised here."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._owner:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        rank = self._least_loaded()
+        messages = [("add", [(request_id, prompt, params)] if r == rank else []) for r in range(self.world_size)]
+        answers = self._call(messages)
+        self.loads = [load for _, load in answers]
+        error = answers[rank][0]
+        if error is not None:
+            raise error
+        self._owner[request_id] = rank
+        return request_id
+
+    def _least_loaded(self) -> int:
+        counts = [0] * self.world_size
+        for rank in self._owner.values():
+            counts[rank] += 1
+        order = [(self._next_rank + i) % self.world_size for i in range(self.world_size)]
+        rank = min(order, key=counts.__getitem__)
+        self._next_rank = (rank + 1) % self.world_size
+        return rank
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort on its rank; no-op if unknown or finished."""
+        rank = self._owner.pop(request_id, None)
+        if rank is None:
+            return
+        self.loads = self._call([("abort", [request_id] if r == rank else []) for r in range(self.world_size)])
+
+    def has_unfinished_requests(self) -> bool:
+        return any(load.has_unfinished for load in self.loads)
+
+    def step(self) -> list[Any]:
+        """One lockstep step on every rank; the outputs of every rank's requests that advanced or ended."""
+        if not self.has_unfinished_requests():
+            return []
+        answers = self._call([("step", None)] * self.world_size)
+        self.loads = [load for _, load in answers]
+        outputs = [o for rank_outputs, _ in answers for o in rank_outputs]
+        for output in outputs:
+            if output.finished:
+                self._owner.pop(output.request_id, None)
+        return outputs
+
     def collective_rpc(self, fn: Callable[[Any], Any]) -> list[Any]:
         """`fn(engine)` on every rank (fn must be picklable: a module-level function); the results by rank."""
-        self.workers.send([("rpc", fn)] * self.world_size)
-        return self.workers.receive()
+        return self._call([("rpc", fn)] * self.world_size)
 
     def shutdown(self) -> None:
         self._finalizer()

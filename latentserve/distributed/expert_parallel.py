@@ -81,8 +81,6 @@ class ExpertParallel:
 
     def _run_local_experts(self, recv: torch.Tensor, hidden: int, weight_dtype: torch.dtype) -> torch.Tensor:
         """Each received token through its (local) expert, unweighted: the sender applies the routing weight."""
-        if not len(recv):
-            return recv.new_empty(0, hidden)
         expert_ids = recv[:, hidden:].contiguous().view(torch.int32).view(-1, 1).long()
         unit = torch.ones(expert_ids.shape, dtype=weight_dtype, device=recv.device)
         return self.moe.run_experts(recv[:, :hidden].contiguous(), unit, expert_ids)
@@ -131,7 +129,8 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 def shard_experts(model: nn.Module, group: DPGroup, link: LinkEmulator | None = None) -> None:
     """Keep this rank's routed experts ([r*E/N, (r+1)*E/N)), drop the others, and route through all-to-all.
 
-    All layers share `link` (this rank's emulated link; None: the real one)."""
+    All layers share `link` (this rank's emulated link; None: the real one). Run it as `load_model`'s `prepare`, so
+    the dropped experts never get memory nor are read from the checkpoint."""
     link = link or LinkEmulator()
     for moe in moe_layers(model):
         num_experts = len(moe.experts)

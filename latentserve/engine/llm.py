@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine, launched_by_torchrun
-from latentserve.engine.detokenizer import load_tokenizer
+from latentserve.engine.detokenizer import TokenizerInfo, load_tokenizer
 from latentserve.engine.llm_engine import EngineConfig, LLMEngine
 from latentserve.engine.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams
@@ -21,6 +21,48 @@ def default_model_dir() -> Path:
     return DEFAULT_MODEL_DIR
 
 
+def _limits(engine: LLMEngine) -> tuple[int, int]:
+    """(max_model_len, vocab_size) of a rank's engine."""
+    return engine.max_model_len, engine.model.config.vocab_size
+
+
+class DPLLMEngine:
+    """`LLMEngine`'s per-step surface over spawned data-parallel ranks (what the server drives).
+
+    Prompts are checked here as `LLMEngine.tokenize` checks them; each request then runs on one rank.
+    """
+
+    def __init__(self, dp_engine: SpawnedDPEngine, tokenizer: TokenizerInfo | None) -> None:
+        self.dp_engine = dp_engine
+        self.tokenizer = tokenizer
+        self.max_model_len, self.vocab_size = dp_engine.collective_rpc(_limits)[0]
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token id lists")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue the request on the least loaded rank; a bad prompt raises the ValueError one process raises."""
+        return self.dp_engine.add_request(prompt, params, request_id)
+
+    def abort_request(self, request_id: str) -> None:
+        self.dp_engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.dp_engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        return self.dp_engine.step()
+
+
 class LLM:
     """`LLM(model=path, ...)`; `generate(prompts, sampling_params)` runs them to completion."""
 
@@ -32,6 +74,8 @@ class LLM:
         self.model_dir = Path(model) if model is not None else default_model_dir()
         config = EngineConfig(**kwargs)
         self.dp_engine: SpawnedDPEngine | ExternalDPEngine | None = None
+        # None under torchrun: every rank runs the user's script, so only whole generate calls line up.
+        self.engine: LLMEngine | DPLLMEngine | None
         if config.data_parallel_size == 1:
             self.engine = LLMEngine(self.model_dir, config)
             return
@@ -44,6 +88,7 @@ class LLM:
         )
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self._tokenizer = load_tokenizer(self.model_dir) if has_tokenizer else None
+        self.engine = DPLLMEngine(self.dp_engine, self._tokenizer) if dp_engine is SpawnedDPEngine else None
 
     def get_tokenizer(self):
         return self.engine.tokenizer if self.dp_engine is None else self._tokenizer

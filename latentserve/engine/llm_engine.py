@@ -1,6 +1,7 @@
 """`LLMEngine`: requests in, one scheduled step at a time, `RequestOutput`s out."""
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,11 +13,13 @@ from latentserve.distributed.expert_parallel import shard_experts
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
 from latentserve.engine.block_manager import BlockManager
+from latentserve.engine.cpu_malloc import keep_freed_memory
 from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, load_tokenizer
 from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
+from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
 from latentserve.sampling_params import SamplingParams
 
@@ -32,6 +35,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def _is_int_at_least(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 @dataclass
@@ -58,6 +65,7 @@ class EngineConfig:
     workspace_tokens: int = 8192
     seed: int = 0
     device: str = "cpu"
+    num_threads: int | None = None  # torch's CPU threads in this engine (each rank's); None: leave torch's setting
     # Scale-out (latentserve.distributed): attention data-parallel over ranks, routed experts split over them.
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
@@ -65,10 +73,38 @@ class EngineConfig:
     link_bandwidth_gbps: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.data_parallel_size, bool) or not isinstance(self.data_parallel_size, int) \
-                or self.data_parallel_size < 1:
+        if not _is_int_at_least(self.data_parallel_size, 1):
             raise ValueError(f"data_parallel_size must be an int >= 1, got {self.data_parallel_size!r}")
+        if self.num_threads is not None and not _is_int_at_least(self.num_threads, 1):
+            raise ValueError(f"num_threads must be an int >= 1 or None, got {self.num_threads!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+
+
+def _blocks_for_memory(config: EngineConfig, model_config: DeepseekConfig, cache_dtype: torch.dtype) -> int:
+    per_block = (
+        config.block_size * model_config.mla_config.kv_cache_dim * model_config.num_hidden_layers
+        * cache_dtype.itemsize
+    )
+    blocks = config.kv_cache_memory_bytes // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")
+    return blocks
+
+
+def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    """The KV pool must hold one request of max_model_len tokens, or such a request could never finish."""
+    needed = -(-max_model_len // config.block_size)
+    if num_blocks >= needed:
+        return
+    pool = (
+        f"num_kv_blocks={num_blocks}" if config.num_kv_blocks
+        else f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} ({num_blocks} blocks)"
+    )
+    raise ValueError(
+        f"{pool} of block_size={config.block_size} cannot hold one request of max_model_len={max_model_len} tokens, "
+        f"which needs {needed} blocks: raise num_kv_blocks or kv_cache_memory_bytes, or lower max_model_len to at "
+        f"most {num_blocks * config.block_size}"
+    )
 
 
 class LLMEngine:
@@ -76,6 +112,11 @@ class LLMEngine:
         model_dir = Path(model)
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()
+        if config.num_threads is not None:
+            # In a data-parallel rank this overrides the front end's even share of the cores.
+            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         dtype = parse_dtype(config.dtype)
         cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
@@ -86,12 +127,21 @@ class LLMEngine:
             decode_backend=config.decode_backend,
         )
         dbo_config = DBOConfig(config.enable_dbo, config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
-        self.model = load_model(model_dir, dtype, attn_config, config.device)
-        model_len = self.model.config.max_position_embeddings
+        # Settings that cannot work fail here, before any weight is read.
+        model_config = DeepseekConfig.from_pretrained(model_dir)
+        model_len = model_config.max_position_embeddings
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_len}")
-        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config, cache_dtype)
+        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, model_config, cache_dtype)
+        _check_kv_pool(config, num_blocks, max_model_len)
+        expert_group = self._expert_parallel_group(config)
+        prepare = None
+        if expert_group is not None:
+            # Other ranks' routed experts are dropped before loading: this rank never allocates or reads them.
+            link = LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps)
+            prepare = functools.partial(shard_experts, group=expert_group, link=link)
+        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare)
         self.tokenizer: TokenizerInfo | None = (
             load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         )
@@ -106,11 +156,11 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
         )
         self.runner = ModelRunner(
-            self.model, attn_config, dbo_config, num_blocks, cache_dtype, config.device, self._expert_parallel(config)
+            self.model, attn_config, dbo_config, num_blocks, cache_dtype, config.device, expert_group
         )
         self._ids = itertools.count()
 
-    def _expert_parallel(self, config: EngineConfig) -> DPGroup | None:
+    def _expert_parallel_group(self, config: EngineConfig) -> DPGroup | None:
         """The group this rank's experts are split over (its steps then run in lockstep), or None."""
         if config.data_parallel_size == 1:
             return None
@@ -120,20 +170,7 @@ class LLMEngine:
                 f"data_parallel_size={config.data_parallel_size} needs this process in a data-parallel group of that "
                 "size: use LLM(...), which starts the ranks"
             )
-        if not config.enable_expert_parallel:
-            return None
-        shard_experts(self.model, group, LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps))
-        return group
-
-    def _blocks_for_memory(self, config: EngineConfig, cache_dtype: torch.dtype) -> int:
-        per_block = (
-            config.block_size * self.model.mla_config.kv_cache_dim * len(self.model.attention_layer_names)
-            * cache_dtype.itemsize
-        )
-        blocks = config.kv_cache_memory_bytes // per_block
-        if blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")
-        return blocks
+        return group if config.enable_expert_parallel else None
 
     @property
     def max_model_len(self) -> int:

@@ -5,7 +5,7 @@ import json
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -41,12 +41,16 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, on the CPU, in stored dtype."""
+def iter_checkpoint_tensors(
+    model_dir: Path, wanted: Callable[[str], bool] = lambda name: True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every `wanted` tensor of the checkpoint, on the CPU, in stored dtype; the others are
+    never read."""
     for file in checkpoint_files(model_dir):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 def param_name(checkpoint_name: str) -> str:
@@ -75,8 +79,6 @@ def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.
         targets.pop("lm_head.weight")
     loaded: set[str] = set()
     for name, tensor in tensors:
-        if _is_mtp(name, model.config):
-            continue
         target = targets.get(param_name(name))
         if target is None:
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
@@ -99,15 +101,33 @@ def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.
 
 
 @contextmanager
-def _skip_weight_init() -> Iterator[None]:
-    """Build Linear and Embedding layers without their random init: the checkpoint overwrites every weight
-    (`load_weights` fails on any it lacks), and drawing ~all parameters at random dominated load time."""
-    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
-    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get parameters without storage (their random init then costs nothing either): the
+    checkpoint overwrites every weight, and parameters that `load_model`'s `prepare` drops never get memory.
+    (A constructor's `torch.empty` still takes an untouched buffer for a moment, one parameter at a time.)"""
+    register = nn.Module.register_parameter
+
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(self, name, param)
+
+    nn.Module.register_parameter = on_meta
     try:
         yield
     finally:
-        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
+        nn.Module.register_parameter = register
+
+
+def _materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Uninitialized storage on `device` for every parameter still on meta; tied parameters stay one."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                setattr(module, name, made[id(param)])
 
 
 def load_model(
@@ -115,15 +135,29 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attn_config: AttentionConfig = AttentionConfig(),
     device: torch.device | str = "cpu",
+    prepare: Callable[[DeepseekForCausalLM], None] | None = None,
 ) -> DeepseekForCausalLM:
-    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`)."""
+    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`).
+
+    `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
+    modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither
+    allocated nor read from the checkpoint, nor required in it."""
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = DeepseekConfig.from_pretrained(model_dir)
-    with _skip_weight_init():
+    with _parameters_on_meta():
         model = DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
-    load_weights(model, iter_checkpoint_tensors(model_dir))
+    declared = set(model.state_dict())
+    if prepare is not None:
+        prepare(model)
+    dropped = declared - set(model.state_dict())
+    _materialize(model, device)
+
+    def wanted(name: str) -> bool:
+        return not _is_mtp(name, config) and param_name(name) not in dropped
+
+    load_weights(model, iter_checkpoint_tensors(model_dir, wanted))
     for layer in model.static_forward_context.values():
         layer.process_weights_after_loading()
     return model.eval()

@@ -12,8 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from latentserve.engine.llm_engine import LLMEngine
-from latentserve.server.async_engine import AsyncLLMEngine
+from latentserve.server.async_engine import AsyncLLMEngine, Engine
 from latentserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -108,9 +107,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
 
 
-def build_app(engine: LLMEngine, model_name: str, api_key: str | None = None,
+def build_app(engine: Engine, model_name: str, api_key: str | None = None,
               max_waiting: int | None = None) -> FastAPI:
-    """The OpenAI-compatible app over `engine`; its lifespan starts and stops the engine thread."""
+    """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
+    lifespan starts and stops the engine thread."""
     async_engine = AsyncLLMEngine(engine, max_waiting)
     state = ServerState()
 

@@ -1,7 +1,7 @@
 """`AsyncLLMEngine`: the engine stepping on its own thread, each request's outputs fed to an asyncio queue.
 
-Only the engine thread touches the scheduler's state: the event loop hands it requests to add and
-ids to abort through a FIFO, and the engine thread hands back `RequestOutput` snapshots with
+Only the engine thread touches the engine: the event loop hands it requests to add and ids to abort
+through a FIFO, and the engine thread hands back `RequestOutput` snapshots with
 `loop.call_soon_threadsafe`. A snapshot holds the whole text so far, so a consumer that falls
 behind may skip to the newest one and lose nothing.
 """
@@ -14,13 +14,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from latentserve.engine.llm import DPLLMEngine
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.engine.outputs import RequestOutput
-from latentserve.engine.request import Request
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.metrics import Metrics
 
 logger = logging.getLogger(__name__)
+
+Engine = LLMEngine | DPLLMEngine
 
 
 class QueueFullError(RuntimeError):
@@ -34,9 +36,8 @@ class EngineDeadError(RuntimeError):
 class RequestStream:
     """One request's outputs, in order; iterating yields the newest snapshot available."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request.request_id
-        self.num_prompt_tokens = request.num_prompt_tokens
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
         self.loop = loop
         self.finished = False
         self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -71,14 +72,36 @@ class _Timing:
     last_token: float = 0.0
 
 
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    arrival: float
+
+
+def engine_load(engine: Engine) -> dict[str, float]:
+    """Requests running and waiting in the engine, and the fraction of its KV cache in use."""
+    if isinstance(engine, DPLLMEngine):
+        loads = engine.dp_engine.loads
+        return {"running": sum(load.num_running for load in loads),
+                "waiting": sum(load.num_waiting for load in loads),
+                "kv_cache_usage": sum(load.kv_cache_usage for load in loads) / len(loads)}
+    scheduler = engine.scheduler
+    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+            "kv_cache_usage": scheduler.block_manager.usage}
+
+
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None) -> None:
+    """Drives an `LLMEngine`, or a `DPLLMEngine` over data-parallel ranks, through its per-step surface."""
+
+    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.metrics = Metrics(self._gauges)
-        self._ops: deque[tuple[str, Request | str]] = deque()  # ("add", request) or ("abort", request_id)
+        self._ops: deque[_Add | str] = deque()  # a request to add, or the id of one to abort
         self._streams: dict[str, RequestStream] = {}
-        self._timings: dict[str, _Timing] = {}  # engine thread only
+        self._timings: dict[str, _Timing] = {}  # engine thread only: requests added and not finished
         self._lock = threading.Lock()  # guards _streams
         self._wakeup = threading.Event()
         self._stopping = False
@@ -99,35 +122,30 @@ class AsyncLLMEngine:
 
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine thread or in the scheduler's waiting queue."""
-        return len(self._ops) + len(self.engine.scheduler.waiting)
+        return len(self._ops) + int(engine_load(self.engine)["waiting"])
 
     def _gauges(self) -> dict[str, float]:
-        scheduler = self.engine.scheduler
-        return {
-            "running": len(scheduler.running),
-            "waiting": self.num_waiting(),
-            "kv_cache_usage": scheduler.block_manager.usage,
-        }
+        return {**engine_load(self.engine), "waiting": self.num_waiting()}
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Validate `prompt` (ValueError if bad) and queue it; must be called on the event loop."""
+        """Queue a request; must be called on the event loop. The engine's refusal (ValueError) ends its stream."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running" + (f": {self.error}" if self.error else ""))
         if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
             raise QueueFullError(f"the server is busy: {self.max_waiting} requests are already waiting")
-        request = self.engine.make_request(prompt, params, request_id)
-        stream = RequestStream(request, asyncio.get_running_loop())
+        stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._ops.append(("add", request))
+        self._ops.append(_Add(prompt, params, request_id, time.monotonic()))
         self._wakeup.set()
         return stream
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its KV blocks (no-op if it already finished)."""
-        self._ops.append(("abort", request_id))
+        """Stop a request and free its KV blocks (no-op if it already finished). Its stream gets nothing more:
+        whoever aborts it has stopped reading."""
+        self._ops.append(request_id)
         self._wakeup.set()
 
     # --- engine thread ---
@@ -150,18 +168,23 @@ class AsyncLLMEngine:
 
     def _apply_ops(self) -> None:
         while self._ops:
-            op, item = self._ops.popleft()
-            if op == "add":
-                try:
-                    self.engine.scheduler.add_request(item)
-                except ValueError as e:
-                    self._close(item.request_id).put(e)
-                    continue
-                self._timings[item.request_id] = _Timing(item.arrival_time, item.num_prompt_tokens)
-            else:
-                request = self.engine.scheduler.abort_request(item)
-                if request is not None:
-                    self._dispatch([RequestOutput.from_request(request)])
+            op = self._ops.popleft()
+            if isinstance(op, _Add):
+                self._add(op)
+            elif op in self._timings:
+                self.engine.abort_request(op)
+                self._close(op)
+                timing = self._timings.pop(op)
+                self.metrics.observe_finished("abort", timing.num_prompt_tokens)
+
+    def _add(self, op: _Add) -> None:
+        try:
+            self.engine.add_request(op.prompt, op.params, op.request_id)
+        except (ValueError, TypeError) as e:
+            self._close(op.request_id).put(e)
+            return
+        num_prompt_tokens = len(op.prompt) if isinstance(op.prompt, list) else 0  # a text prompt's: at its output
+        self._timings[op.request_id] = _Timing(op.arrival, num_prompt_tokens)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -178,6 +201,7 @@ class AsyncLLMEngine:
         timing = self._timings.get(output.request_id)
         if timing is None:
             return
+        timing.num_prompt_tokens = len(output.prompt_token_ids)
         num_tokens = len(output.outputs[0].token_ids)
         if num_tokens > timing.num_tokens:
             first = timing.num_tokens == 0

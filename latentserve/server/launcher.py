@@ -9,9 +9,10 @@ from types import FrameType
 
 import uvicorn
 
-from latentserve.engine.llm import default_model_dir
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine
+from latentserve.engine.llm import LLM, default_model_dir
+from latentserve.engine.llm_engine import EngineConfig
 from latentserve.server.api import ServerState, build_app
+from latentserve.server.async_engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-def serve(engine: LLMEngine, model_name: str, config: ServerConfig) -> None:
+def serve(engine: Engine, model_name: str, config: ServerConfig) -> None:
     """Serve a loaded engine as `model_name` until SIGTERM / SIGINT."""
     app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
@@ -62,9 +63,19 @@ def serve(engine: LLMEngine, model_name: str, config: ServerConfig) -> None:
     DrainingServer(uv_config, app.state.server_state, config.drain_timeout).run()
 
 
+def serving_engine(llm: LLM) -> Engine:
+    """The engine a server drives: one process's, or the front end of the ranks `llm` spawned."""
+    if llm.engine is None:
+        raise ValueError("the server cannot run under torchrun: start it as one process with "
+                         "data_parallel_size=N (--data-parallel-size N), which spawns the ranks itself")
+    return llm.engine
+
+
 def run_server(model: str | Path | None, engine_config: EngineConfig, config: ServerConfig) -> None:
     """Load the model (None: the embedded one) and serve it; its name defaults to the directory's name."""
     model_dir = Path(model) if model is not None else default_model_dir()
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    serve(LLMEngine(model_dir, engine_config), model_dir.name, config)
+    llm = LLM(model_dir, **{name: getattr(engine_config, name) for name in EngineConfig.__dataclass_fields__})
+    try:
+        serve(serving_engine(llm), model_dir.name, config)
+    finally:
+        llm.shutdown()

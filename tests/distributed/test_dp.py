@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from latentserve import LLM, SamplingParams
+from latentserve.distributed.expert_parallel import moe_layers
 from latentserve.distributed.launch import WorkerFailure, free_port
 from tests.checkpoints import make_checkpoint
 from tests.distributed import rpc
@@ -36,7 +39,12 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def dp_llm(checkpoint):
-    llm = LLM(model=str(checkpoint), data_parallel_size=2, enable_expert_parallel=True, **CONFIG)
+    # The front end would give each rank half of its 4 threads; the engine's num_threads=1 must win.
+    torch.set_num_threads(4)
+    try:
+        llm = LLM(model=str(checkpoint), data_parallel_size=2, enable_expert_parallel=True, num_threads=1, **CONFIG)
+    finally:
+        torch.set_num_threads(1)
     llm.dp_engine.collective_rpc(rpc.log_steps)
     yield llm
     llm.shutdown()
@@ -64,8 +72,25 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def test_each_rank_holds_its_half_of_the_experts(dp_llm):
+def routed_expert_numel(engine) -> int:
+    """Elements of the routed-expert weights this rank holds (a collective_rpc function)."""
+    return sum(p.numel() for moe in moe_layers(engine.model) for p in moe.experts.parameters())
+
+
+def num_threads(engine) -> int:
+    return torch.get_num_threads()
+
+
+def test_each_rank_holds_its_half_of_the_experts(dp_llm, checkpoint):
     assert dp_llm.dp_engine.collective_rpc(rpc.local_experts) == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
+    stored = load_file(checkpoint / "model.safetensors")
+    total = sum(t.numel() for name, t in stored.items() if ".mlp.experts." in name)
+    assert total > 0
+    assert dp_llm.dp_engine.collective_rpc(routed_expert_numel) == [total // 2, total // 2]
+
+
+def test_num_threads_wins_in_every_rank(dp_llm):
+    assert dp_llm.dp_engine.collective_rpc(num_threads) == [1, 1]
 
 
 @pytest.mark.parametrize("dbo", [True, False])

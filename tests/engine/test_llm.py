@@ -55,10 +55,11 @@ def test_same_outputs_under_every_engine_mode(checkpoints, variant):
         "dbo": dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2),
         "prefix_caching": dict(enable_prefix_caching=True),
         "chunked_prefill": dict(max_num_batched_tokens=8),
-        "preemption": dict(num_kv_blocks=16, max_num_batched_tokens=64),
+        # 16 blocks of 4 tokens: one request of max_model_len fits, all prompts at once do not.
+        "preemption": dict(num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=64),
         "dbo_chunked_preempt": dict(
             enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_batched_tokens=16,
-            num_kv_blocks=16,
+            num_kv_blocks=16, max_model_len=64,
         ),
         "one_by_one": None,
     }
@@ -73,7 +74,7 @@ def test_same_outputs_under_every_engine_mode(checkpoints, variant):
 
 
 def test_preemption_really_happens(checkpoints):
-    llm = _llm(checkpoints["v3"], num_kv_blocks=16, max_num_batched_tokens=64)
+    llm = _llm(checkpoints["v3"], num_kv_blocks=16, max_model_len=64, max_num_batched_tokens=64)
     preempted = []
     original = llm.engine.scheduler._preempt
 

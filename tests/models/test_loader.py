@@ -1,13 +1,20 @@
 """`load_model`: single and sharded safetensors, stored dtypes, MTP layers, and every way a checkpoint can be wrong."""
 from __future__ import annotations
 
+import functools
 import json
+import re
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from latentserve.distributed.expert_parallel import RemoteExpert, shard_experts
+from latentserve.distributed.parallel_state import DPGroup
 from latentserve.models import load_model
 from latentserve.models.loader import INDEX_FILE, SINGLE_FILE, checkpoint_name
 from tests.checkpoints import make_checkpoint
@@ -16,6 +23,11 @@ from tests.checkpoints import make_checkpoint
 @pytest.fixture(scope="module")
 def v2_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "v2_group")
+
+
+@pytest.fixture(scope="module")
+def v3_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "v3")
 
 
 def _stored(path: Path) -> dict[str, torch.Tensor]:
@@ -164,3 +176,95 @@ def test_unsupported_stored_dtype(v2_checkpoint, tmp_path) -> None:
 def test_checkpoint_name_inverts_the_rename() -> None:
     ours = "model.layers.3.self_attn.attn.kv_b_proj.weight"
     assert checkpoint_name(ours) == "model.layers.3.self_attn.kv_b_proj.weight"
+
+
+# Expert-sharded loading: v3 has one MoE layer (layer 1) of 8 routed experts; rank 1 of 2 owns experts 4-7.
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _shard(rank: int, world_size: int):
+    return functools.partial(shard_experts, group=DPGroup(rank, world_size, torch.device("cpu")))
+
+
+def _owned_by_rank1(name: str) -> bool:
+    match = _EXPERT.match(name)
+    return match is None or int(match.group(2)) >= 4
+
+
+@pytest.fixture
+def reads(monkeypatch) -> list[str]:
+    """The names of the checkpoint tensors the loader reads."""
+    names: list[str] = []
+
+    @contextmanager
+    def spy_open(*args, **kwargs):
+        with safe_open(*args, **kwargs) as f:
+            yield SimpleNamespace(keys=f.keys, get_tensor=lambda name: names.append(name) or f.get_tensor(name))
+
+    monkeypatch.setattr("latentserve.models.loader.safe_open", spy_open)
+    return names
+
+
+def test_expert_shard_holds_and_reads_only_its_experts(tmp_path, reads) -> None:
+    path = make_checkpoint(tmp_path, "v3", max_shard_size="20KB")
+    stored = {}
+    for shard in sorted(set(json.loads((path / INDEX_FILE).read_text())["weight_map"].values())):
+        stored.update(load_file(path / shard))
+    owned = {name: t for name, t in stored.items() if _owned_by_rank1(name)}
+    assert len(owned) == len(stored) - 4 * 3  # experts 0-3 of layer 1, three projections each
+
+    model = load_model(path, prepare=_shard(1, 2))
+
+    assert sorted(reads) == sorted(owned)
+    params = model.state_dict()
+    assert {n for n in params if _EXPERT.match(n)} == {n for n in owned if _EXPERT.match(n)}
+    _assert_holds(model, owned)
+    experts = model.model.layers[1].mlp.experts
+    assert [isinstance(e, RemoteExpert) for e in experts] == [True] * 4 + [False] * 4
+    assert model.model.layers[1].mlp.shared_experts is not None  # replicated on every rank
+
+
+def test_prepare_runs_before_any_weight_is_allocated(v3_checkpoint, reads) -> None:
+    seen = []
+
+    def prepare(model):
+        seen.append([name for name, p in model.named_parameters() if not p.is_meta])
+        assert not reads
+
+    model = load_model(v3_checkpoint, prepare=prepare)
+    assert seen == [[]]
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_tied_embeddings_stay_tied(tmp_path) -> None:
+    path = make_checkpoint(tmp_path, "v2_lite", tie_word_embeddings=True)
+    model = load_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    _assert_holds(model, _stored(path))
+
+
+@pytest.mark.parametrize("name, error", [
+    ("model.layers.1.mlp.experts.5.up_proj.weight", "missing tensor.*experts\\.5\\.up_proj"),  # owned
+    ("model.layers.1.mlp.experts.2.up_proj.weight", None),  # another rank's: never needed
+    ("model.layers.1.mlp.shared_experts.down_proj.weight", "missing tensor.*shared_experts\\.down_proj"),
+])
+def test_expert_shard_missing_tensor(v3_checkpoint, tmp_path, name: str, error: str | None) -> None:
+    path = _rewrite(v3_checkpoint, tmp_path / "missing", lambda t: t.pop(name))
+    if error is None:
+        load_model(path, prepare=_shard(1, 2))
+    else:
+        with pytest.raises(ValueError, match=error):
+            load_model(path, prepare=_shard(1, 2))
+
+
+def test_expert_shard_still_refuses_unexpected_tensors(v3_checkpoint, tmp_path) -> None:
+    name = "model.layers.1.mlp.experts.8.up_proj.weight"  # there are 8 experts: 0-7
+    path = _rewrite(v3_checkpoint, tmp_path / "extra", lambda t: t.update({name: torch.zeros(16, 32)}))
+    with pytest.raises(ValueError, match="unexpected tensor " + repr(name).replace(".", r"\.")):
+        load_model(path, prepare=_shard(0, 2))
+
+
+def test_indivisible_experts_fail_before_reading(v3_checkpoint, reads) -> None:
+    with pytest.raises(ValueError, match=r"n_routed_experts \(8\) divisible by data_parallel_size \(3\)"):
+        load_model(v3_checkpoint, prepare=_shard(0, 3))
+    assert not reads

@@ -63,10 +63,12 @@ def free_socket() -> socket.socket:
 
 
 class LiveServer:
-    """uvicorn serving `build_app(...)` on a free 127.0.0.1 port, in a thread of this process."""
+    """uvicorn serving `build_app(...)` on a free 127.0.0.1 port, in a thread of this process, over `engine` or a
+    new one-process engine with these settings."""
 
-    def __init__(self, model_dir: Path, api_key: str | None = None, max_waiting: int | None = None, **engine) -> None:
-        self.engine = LLMEngine(model_dir, EngineConfig(**{**ENGINE, **engine}))
+    def __init__(self, model_dir: Path, api_key: str | None = None, max_waiting: int | None = None,
+                 engine=None, **settings) -> None:
+        self.engine = engine if engine is not None else LLMEngine(model_dir, EngineConfig(**{**ENGINE, **settings}))
         self.app = build_app(self.engine, MODEL_NAME, api_key, max_waiting)
         self.async_engine = self.app.state.engine
         sock = free_socket()
@@ -87,7 +89,7 @@ class LiveServer:
         """Until the engine holds no request (aborts are applied on the engine thread)."""
         deadline = time.monotonic() + timeout
         while self.engine.has_unfinished_requests() or self.async_engine.num_waiting():
-            assert time.monotonic() < deadline, f"requests still in the engine: {self.engine.scheduler.requests}"
+            assert time.monotonic() < deadline, "requests are still in the engine"
             time.sleep(0.01)
 
 
