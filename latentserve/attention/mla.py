@@ -13,6 +13,7 @@ from latentserve.attention.prefill.base import OwnershipError
 from latentserve.attention.prefill.selector import get_mla_prefill_backend
 from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
+from latentserve.layers.linear import Linear
 
 
 class MLAAttention(nn.Module):
@@ -38,7 +39,7 @@ class MLAAttention(nn.Module):
         self.scale = scale
         self.kv_cache_dtype = kv_cache_dtype
         self.debug = attn_config.debug_ownership
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             mla.kv_lora_rank, mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False, device=device
         )
         selector_config = SelectorConfig(
@@ -73,11 +74,14 @@ class MLAAttention(nn.Module):
         if q.shape[0] != num_tokens:
             raise ValueError(f"{self.layer_name}: got {q.shape[0]} tokens but the metadata describes {num_tokens}")
         write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
-        out = q.new_empty(num_tokens, self.mla.num_heads, self.mla.v_head_dim)
         nd = md.num_decode_tokens
+        if md.prefill is None and md.decode is not None:
+            return self._forward_decode(q, md.decode).flatten(1)
+        if md.decode is None and md.prefill is not None:
+            return self._forward_prefill(q, kv_c_normed, k_pe, md.prefill).flatten(1)
+        out = q.new_empty(num_tokens, self.mla.num_heads, self.mla.v_head_dim)  # both kinds, or none at all
         if md.decode is not None:
             out[:nd] = self._forward_decode(q[:nd], md.decode)
-        if md.prefill is not None:
             out[nd:] = self._forward_prefill(q[nd:], kv_c_normed[nd:], k_pe[nd:], md.prefill)
         return out.flatten(1)
 

@@ -155,18 +155,22 @@ class MoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[ids[t, k]](x[t]), one batched call per expert that got tokens."""
+        out = torch.zeros_like(x)
+        if not len(x):  # an expert-parallel rank may receive no tokens
+            return out
         top_k = ids.shape[1]
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // top_k
+        pair_weights = weights.flatten().index_select(0, order)[:, None]
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-        # One gather, contiguous per-expert slices, one weighted scatter: per-op overhead, not FLOPs,
-        # dominates small batches, so the loop body holds only the expert's own GEMMs.
-        x_sorted = x.index_select(0, tokens)
-        ys, start = [], 0
+        # Gather and scatter per expert: no buffer of all T*k rows, whose fresh pages cost more than the
+        # math at prefill sizes. Contributions still add up in (expert, token) order, as under expert parallelism.
+        start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                ys.append(expert(x_sorted[start : start + count]))
+                rows = tokens[start : start + count]
+                y = expert(x.index_select(0, rows)) * pair_weights[start : start + count]
+                out.index_add_(0, rows, y.to(x.dtype))
                 start += count
-        y = torch.cat(ys) * weights.flatten().index_select(0, order)[:, None]
-        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+        return out

@@ -14,6 +14,7 @@ from torch import nn
 from latentserve.attention.mla import MLAAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
+from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
@@ -47,14 +48,14 @@ class DeepseekAttention(nn.Module):
         self.q_lora = c.q_lora_rank is not None
         q_out = c.num_attention_heads * c.qk_head_dim
         if self.q_lora:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False)
         else:
-            self.q_proj = nn.Linear(c.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
+            self.q_proj = Linear(c.hidden_size, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         self.attn = MLAAttention(
             attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
@@ -154,7 +155,7 @@ class DeepseekForCausalLM(nn.Module):
         self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

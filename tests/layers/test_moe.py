@@ -175,6 +175,17 @@ def test_experts_that_get_no_tokens_are_skipped() -> None:
         torch.testing.assert_close(out[:2], moe.experts[2](x[:2]))
 
 
+def test_no_tokens_give_an_empty_output_without_running_an_expert() -> None:
+    """An expert-parallel rank may receive no tokens at all."""
+    moe = MoE(HIDDEN, 8, RoutingConfig(4, 2), n_shared_experts=0)
+    calls: list[int] = []
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda *_, e=e: calls.append(e))
+    with torch.no_grad():
+        out = moe.run_experts(torch.randn(0, HIDDEN), torch.ones(0, 2), torch.zeros(0, 2, dtype=torch.long))
+    assert out.shape == (0, HIDDEN) and calls == []
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
