@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import best_time  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
+from latentserve.layers.linear import SKINNY_ROWS, linear  # noqa: E402
 
 # ~200M parameters: 8 layers (first dense), 16 routed experts top-4 + 1 shared, vocab 16k.
 FULL = dict(
@@ -65,8 +66,9 @@ def make_checkpoint(path: Path, fields: dict) -> None:
 def run_latentserve(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> RunResult:
     """Drives the engine of `LLM(model=...)` step by step to time prefill and decode steps apart."""
     start = time.perf_counter()
+    max_len = len(prompts[0]) + new_tokens
     llm = LLM(model=model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=max(4096, len(prompts[0])),
-              enable_prefix_caching=False, num_kv_blocks=len(prompts) * (-(-(len(prompts[0]) + new_tokens) // 16)))
+              enable_prefix_caching=False, max_model_len=max_len, num_kv_blocks=len(prompts) * -(-max_len // 16))
     load_s = time.perf_counter() - start
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -162,15 +164,15 @@ def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool) -> list[Gem
             + [Gemm(logits_rows, h, c["vocab_size"])])
 
 
-def time_gemms(gemms: list[Gemm]) -> float:
-    """Seconds to run every GEMM with `F.linear` (per-head ones as `torch.bmm`), one weight per product."""
+def time_gemms(gemms: list[Gemm], linear_fn=F.linear) -> float:
+    """Seconds to run every GEMM with `linear_fn` (per-head ones as `torch.bmm`), one weight per product."""
     ops = []
     for g in gemms:
         if g.count > 1 and g.k * g.n < 1 << 16:  # the small per-head absorbed matrices
             ops.append((torch.bmm, torch.randn(g.count, g.rows, g.k), torch.randn(g.count, g.k, g.n)))
         else:
             x = torch.randn(g.rows, g.k)
-            ops += [(F.linear, x, torch.randn(g.n, g.k)) for _ in range(g.count)]
+            ops += [(linear_fn, x, torch.randn(g.n, g.k)) for _ in range(g.count)]
 
     def run() -> None:
         for fn, x, w in ops:
@@ -260,14 +262,24 @@ def print_tables(
     print("| batch | latentserve ms/step | tok/s | transformers ms/step | tok/s | speedup | GEMM floor ms "
           "| step / GEMM floor | bandwidth floor ms | step / bw floor |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    orientation = {}
     for batch, (ls, hf) in results.items():
         gemms = step_gemms(c, batch, batch, decode=True)
         floor = time_gemms(gemms)
+        orientation[batch] = (floor, time_gemms(gemms, linear))
         stream = sum(g.weight_bytes for g in gemms) / bandwidth
         print(f"| {batch} | {ls.decode_step_s * 1e3:.1f} | {batch / ls.decode_step_s:,.0f} | "
               f"{hf.decode_step_s * 1e3:.1f} | {batch / hf.decode_step_s:,.0f} | "
               f"{hf.decode_step_s / ls.decode_step_s:.2f}x | {floor * 1e3:.1f} | {ls.decode_step_s / floor:.2f}x | "
               f"{stream * 1e3:.1f} | {ls.decode_step_s / stream:.2f}x |")
+
+    print("\n## Linear layouts: the decode step's GEMMs as F.linear (x @ Wᵀ) and as latentserve's `linear` (with "
+          f"several threads: one row as a bmm over row blocks of W, {min(SKINNY_ROWS)}-{max(SKINNY_ROWS)} rows as "
+          "(W @ xᵀ)ᵀ)")
+    print("| batch | F.linear ms | latentserve linear ms | speedup |")
+    print("|---|---|---|---|")
+    for batch, (plain, ours) in orientation.items():
+        print(f"| {batch} | {plain * 1e3:.1f} | {ours * 1e3:.1f} | {plain / ours:.2f}x |")
 
     ls, hf = next(iter(results.values()))
     minimum = (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 4

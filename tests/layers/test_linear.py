@@ -1,4 +1,4 @@
-"""`linear` against F.linear: the transposed product for skinny inputs gives the same numbers."""
+"""`linear` against F.linear: the layouts it picks for skinny inputs give the same numbers."""
 from __future__ import annotations
 
 import pytest
@@ -10,41 +10,52 @@ from latentserve.layers.linear import SKINNY_ROWS, Linear, linear
 
 @pytest.fixture
 def two_threads():
-    """The transposed orientation is taken only with several threads (tests/conftest.py sets one)."""
+    """The other layouts are taken only with several threads (tests/conftest.py sets one)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(2)
     yield
     torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("out_features", [80, 81])  # 81: one row cannot split over two threads
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33, 40])
-def test_linear_equals_f_linear(two_threads, rows: int, bias: bool) -> None:
+def test_linear_equals_f_linear(two_threads, rows: int, bias: bool, out_features: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 96, generator=gen)
-    weight = torch.randn(80, 96, generator=gen)
-    b = torch.randn(80, generator=gen) if bias else None
+    weight = torch.randn(out_features, 96, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
     out = linear(x, weight, b)
-    assert out.shape == (rows, 80) and out.is_contiguous()
+    assert out.shape == (rows, out_features) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_transposed_product_is_taken_only_for_skinny_inputs_with_threads(two_threads, monkeypatch) -> None:
-    """The orientation switch must fire where intended, or the benchmark's measured win is not the engine's."""
-    calls: list[tuple[int, int]] = []
-    mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(tuple(a.shape)) or mm(a, b))
+def _layouts(monkeypatch, calls: list[str]) -> None:
+    for name in ("mm", "bmm"):
+        original = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, original=original, name=name: calls.append(name) or original(*a))
+    original_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append("F.linear") or original_linear(*a))
+
+
+def test_each_layout_is_taken_where_intended(two_threads, monkeypatch) -> None:
+    """The switch must fire where the benchmark measured its win, or that win is not the engine's."""
+    calls: list[str] = []
+    _layouts(monkeypatch, calls)
     weight = torch.randn(16, 8)
     for rows in (1, min(SKINNY_ROWS), max(SKINNY_ROWS), max(SKINNY_ROWS) + 1):
         linear(torch.randn(rows, 8), weight)
-    linear(torch.randn(2, 3, 8), weight)  # not 2-D: plain F.linear
+    linear(torch.randn(1, 8), torch.randn(15, 8))  # 15 rows of W do not split in two
+    linear(torch.randn(2, 3, 8), weight)  # not 2-D
     torch.set_num_threads(1)
+    linear(torch.randn(1, 8), weight)
     linear(torch.randn(4, 8), weight)
-    assert calls == [(16, 8), (16, 8)]
+    assert calls == ["bmm", "mm", "mm", "F.linear", "F.linear", "F.linear", "F.linear", "F.linear"]
 
 
 def test_linear_module_is_a_drop_in_nn_linear(two_threads) -> None:
-    layer = Linear(12, 7)
-    x = torch.randn(5, 12)
-    torch.testing.assert_close(layer(x), torch.nn.Linear.forward(layer, x))
+    layer = Linear(12, 8)
+    for rows in (1, 5):
+        x = torch.randn(rows, 12)
+        torch.testing.assert_close(layer(x), torch.nn.Linear.forward(layer, x))
     assert set(dict(layer.named_parameters())) == {"weight", "bias"}
