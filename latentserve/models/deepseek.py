@@ -71,10 +71,10 @@ class DeepseekAttention(nn.Module):
         q = q.view(hidden.shape[0], self.num_heads, -1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv_c_normed = self.kv_a_layernorm(latent)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = q[..., self.qk_nope_head_dim :]
         # k_pe rides along as one more head: one rotation instead of two.
         pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
-        q = torch.cat([q_nope, pe[:, :-1]], dim=-1)
+        q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
         k_pe = pe[:, -1]
         return self.o_proj(self.attn(q, kv_c_normed, k_pe))
 

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend, _widen
 from latentserve.config import AttentionConfig
 from tests.attention.mla_case import Request, make_batch, naive_mla, run_layer, setup
 
@@ -67,3 +68,25 @@ def test_empty_context_prefill_with_chunk_plan_present():
     batch = make_batch(requests, cache, 16)
     out = run_layer(layer, builder, batch)
     assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
+
+
+def test_sdpa_widens_v_over_its_row_without_reading_it():
+    """TORCH_SDPA views v wider over the columns left of it (MLA's key columns); those may hold anything."""
+    gen = torch.Generator().manual_seed(0)
+    row = torch.randn(7, 3, 40, generator=gen)
+    v = row[..., 24:]  # 16 columns; 24 to their left
+    wide, first = _widen(v, 24)
+    assert first == 8 and wide.data_ptr() == row[..., 16:].data_ptr() and torch.equal(wide[..., first:], v)
+    fresh, first = _widen(v.contiguous(), 24)  # nothing to its left: padded instead
+    assert first == 0 and torch.equal(fresh[..., :16], v) and not fresh[..., 16:].any()
+
+    q, k = torch.randn(2, 7, 3, 24, generator=gen).unbind()
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    ).transpose(0, 1)
+    row[..., :24] = float("nan")  # whatever lies left of v stays out of the kept columns
+    backend = TorchSDPAPrefillBackend(3, 24**-0.5, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                      v_head_dim=16)
+    out, lse = backend._attend(q, k, v, causal=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(lse).all()

@@ -18,6 +18,7 @@ from latentserve.distributed.expert_parallel import moe_layers
 from latentserve.distributed.launch import WorkerFailure, free_port
 from tests.checkpoints import make_checkpoint
 from tests.distributed import rpc
+from tests.distributed.helpers import process_gone, rank_steps
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 60], [3, 88], list(range(10, 40)), [70, 71, 72, 73, 74], [1, 2, 3, 4, 5, 6]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
@@ -59,17 +60,6 @@ def _assert_same(outputs, expected) -> None:
             assert abs(out.prompt_logprobs[pos][token] - ref.prompt_logprobs[pos][token]) <= 1e-4, pos
 
 
-def _steps(llm) -> list[list[tuple[int, int]]]:
-    return llm.dp_engine.collective_rpc(rpc.pop_steps)
-
-
-def _gone(pid: int) -> bool:
-    """The process has exited (a zombie not yet reaped by its new parent counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def routed_expert_numel(engine) -> int:
@@ -96,9 +86,9 @@ def test_num_threads_wins_in_every_rank(dp_llm):
 @pytest.mark.parametrize("dbo", [True, False])
 def test_matches_single_process(dp_llm, reference, dbo):
     dp_llm.dp_engine.collective_rpc(functools.partial(rpc.set_dbo, dbo))
-    _steps(dp_llm)
+    rank_steps(dp_llm)
     _assert_same(dp_llm.generate(PROMPTS, PARAMS), reference)
-    rank0, rank1 = _steps(dp_llm)
+    rank0, rank1 = rank_steps(dp_llm)
     assert len(rank0) == len(rank1)  # lockstep
     # The ranks split a step together, exactly when DBO is on and no rank has a single token (which cannot split).
     expected = [2 if dbo and 1 not in (t0, t1) else 1 for (t0, _), (t1, _) in zip(rank0, rank1)]
@@ -109,9 +99,9 @@ def test_matches_single_process(dp_llm, reference, dbo):
 def test_one_rank_idle(dp_llm, reference):
     """One prompt: rank 1 has nothing to do but runs an empty step, split like rank 0's, for each of rank 0's."""
     dp_llm.dp_engine.collective_rpc(functools.partial(rpc.set_dbo, True))
-    _steps(dp_llm)
+    rank_steps(dp_llm)
     _assert_same(dp_llm.generate(PROMPTS[:1], PARAMS), reference[:1])
-    rank0, rank1 = _steps(dp_llm)
+    rank0, rank1 = rank_steps(dp_llm)
     assert all(tokens > 0 for tokens, _ in rank0) and all(tokens == 0 for tokens, _ in rank1)
     assert [n for _, n in rank1] == [n for _, n in rank0] and 2 in [n for _, n in rank0]
 
@@ -130,7 +120,7 @@ def test_a_rank_that_raises_stops_every_rank(dp_llm):
     with pytest.raises(WorkerFailure, match="rank 1 raised RuntimeError: injected fault"):
         dp_llm.generate(PROMPTS, PARAMS)
     assert time.monotonic() - start < 30
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
     with pytest.raises(WorkerFailure, match="already stopped"):
         dp_llm.generate(PROMPTS, PARAMS)
 
@@ -143,7 +133,7 @@ def test_a_killed_rank_stops_every_rank(checkpoint):
     with pytest.raises(WorkerFailure, match="rank 1 died: its process was killed by signal 9"):
         llm.generate(PROMPTS, PARAMS)
     assert time.monotonic() - start < 30
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
     shm = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
     assert not [name for name in shm if any(str(pid) in name for pid in pids)]
 
@@ -188,6 +178,6 @@ def test_workers_exit_when_the_front_end_is_killed():
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 10
-    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+    while not all(process_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert all(_gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)

@@ -15,6 +15,7 @@ from latentserve.distributed.launch import WorkerFailure
 from latentserve.engine.llm import LLM
 from latentserve.sampling_params import SamplingParams
 from tests.distributed import rpc
+from tests.distributed.helpers import process_gone, rank_steps
 from tests.server.conftest import ENGINE, MODEL_NAME, LiveServer
 
 DP = dict(data_parallel_size=2, enable_expert_parallel=True)
@@ -53,27 +54,24 @@ def _run(engine, prompts, params) -> list[list[list[int]]]:
     return [history[i] for i in ids]
 
 
-def _steps(llm) -> list[list[tuple[int, int]]]:
-    return llm.dp_engine.collective_rpc(rpc.pop_steps)
-
 
 def test_per_step_outputs_match_one_process(dp_llm, offline):
     """Each step's snapshot of each request equals the one-process engine's; the ranks step in lockstep."""
     one = _run(offline.engine, PROMPTS, GREEDY)
-    _steps(dp_llm)
+    rank_steps(dp_llm)
     dp = _run(dp_llm.engine, PROMPTS, GREEDY)
     assert dp == one and all(len(h[-1]) == GREEDY.max_tokens for h in one)
-    rank0, rank1 = _steps(dp_llm)
+    rank0, rank1 = rank_steps(dp_llm)
     assert len(rank0) == len(rank1) > 0  # lockstep: one step on every rank per step command
     assert sum(t for t, _ in rank0) > 0 and sum(t for t, _ in rank1) > 0  # both ranks had requests
-    assert dp_llm.engine.step() == [] and _steps(dp_llm) == [[], []]  # nothing to do: no rank steps
+    assert dp_llm.engine.step() == [] and rank_steps(dp_llm) == [[], []]  # nothing to do: no rank steps
 
 
 def test_one_request_runs_on_one_rank_while_the_other_steps_empty(dp_llm, offline):
-    _steps(dp_llm)
+    rank_steps(dp_llm)
     ref = offline.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
     assert _run(dp_llm.engine, PROMPTS[:1], GREEDY)[0][-1] == ref
-    steps = _steps(dp_llm)
+    steps = rank_steps(dp_llm)
     busy = [s for s in steps if any(t for t, _ in s)]
     assert len(busy) == 1 and len(steps[0]) == len(steps[1])
     idle = steps[1 - steps.index(busy[0])]
@@ -147,12 +145,12 @@ def _same_completion(got: dict, expected: dict) -> None:
 
 
 def test_concurrent_completions_equal_the_one_process_servers(dp_llm, dp_http, http):
-    _steps(dp_llm)
+    rank_steps(dp_llm)
     with ThreadPoolExecutor(len(COMPLETIONS)) as pool:
         got = list(pool.map(lambda body: _post(dp_http, "/v1/completions", body), COMPLETIONS))
     for body, out in zip(COMPLETIONS, got):
         _same_completion(out, _post(http, "/v1/completions", body))
-    rank0, rank1 = _steps(dp_llm)
+    rank0, rank1 = rank_steps(dp_llm)
     assert len(rank0) == len(rank1) and sum(t for t, _ in rank0) > 0 and sum(t for t, _ in rank1) > 0
 
 
@@ -232,14 +230,7 @@ def test_a_dead_rank_fails_requests_with_503(dp_llm, dp_http):
         assert response.status_code == 503 and "rank 1 died" in response.json()["error"]["message"]
     assert dp_http.get("/health").status_code == 503
     for pid in pids:
-        assert _gone(pid)
+        assert process_gone(pid)
     with pytest.raises(WorkerFailure, match="already stopped"):
         dp_llm.generate(PROMPTS[:1], GREEDY)
 
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True

@@ -15,6 +15,20 @@ def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
+def _widen(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
+    """v `[..., V]` as `[..., width]` for a kernel that needs q's head dim, and where v's columns start in it.
+
+    Output column j of attention reads only column j of v, so the added columns may hold anything: when memory
+    lies to the left of v's rows (in MLA, the key columns of the same up-projected row) it is viewed, not copied.
+    """
+    pad = width - v.shape[-1]
+    if pad == 0:
+        return v, 0
+    if v.stride(-1) == 1 and v.storage_offset() >= pad:
+        return v.as_strided((*v.shape[:-1], width), v.stride(), v.storage_offset() - pad), pad
+    return F.pad(v, (0, pad)), 0
+
+
 class TorchSDPAPrefillBackend(VarlenPrefillBackend):
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -25,10 +39,7 @@ class TorchSDPAPrefillBackend(VarlenPrefillBackend):
     def _attend(self, q, k, v, causal):
         if causal and q.shape[0] != k.shape[0]:
             raise ValueError(f"causal prefill needs as many keys as queries, got {q.shape[0]} and {k.shape[0]}")
-        v_dim = v.shape[-1]
-        if v_dim != q.shape[-1]:
-            # The fused kernel needs one head dim for q, k and v: pad v with zeros, drop them after.
-            v = F.pad(v, (0, q.shape[-1] - v_dim))
+        v, first = _widen(v, q.shape[-1])
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         out, lse = _flash_with_lse(qh, kh, vh, causal, self.scale)
-        return out[0].transpose(0, 1)[..., :v_dim], lse[0].transpose(0, 1).float()
+        return out[0].transpose(0, 1)[..., first:], lse[0].transpose(0, 1).float()
