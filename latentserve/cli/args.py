@@ -126,7 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"KV cache blocks (default: as many as {d.kv_cache_memory_bytes >> 20} MiB hold)")
     g.add_argument("--enable-dbo", action="store_true", help="dual batch overlap: split big steps in two ubatches")
     g.add_argument("--dbo-decode-token-threshold", type=_int_at_least(2), default=d.dbo_decode_token_threshold,
-                   help="DBO splits decode-only steps of at least this many tokens")
+                   help="DBO splits decode-only steps of at least this many tokens (default: 32 on CUDA as in "
+                        "vLLM, 256 on CPU)")
     g.add_argument("--dbo-prefill-token-threshold", type=_int_at_least(2), default=d.dbo_prefill_token_threshold,
                    help="DBO splits steps with a prefill of at least this many tokens")
     g.add_argument("--prefill-backend", type=_backend_name(MLAPrefillBackendEnum), default=None,

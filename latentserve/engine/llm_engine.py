@@ -37,6 +37,11 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens per rank the
+# split costs more than it hides (each ubatch pays the step's fixed cost again); vLLM's 32 assumes GPU kernels.
+CPU_DBO_DECODE_TOKEN_THRESHOLD = 256
+
+
 def _is_int_at_least(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
@@ -56,9 +61,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_dbo: bool = False
-    # Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens DBO's
-    # split costs more than it hides at comm:compute <= 0.5; from 512 prefill tokens it wins at every ratio.
-    dbo_decode_token_threshold: int = 256
+    dbo_decode_token_threshold: int | None = None  # None: vLLM's 32 on CUDA, CPU_DBO_DECODE_TOKEN_THRESHOLD on CPU
     dbo_prefill_token_threshold: int = 512
     prefill_backend: str | None = None
     decode_backend: str | None = None
@@ -78,6 +81,15 @@ class EngineConfig:
         if self.num_threads is not None and not _is_int_at_least(self.num_threads, 1):
             raise ValueError(f"num_threads must be an int >= 1 or None, got {self.num_threads!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+
+
+def dbo_config(config: EngineConfig) -> DBOConfig:
+    """The DBO settings of `config`, with the decode threshold's default for its device."""
+    decode_threshold = config.dbo_decode_token_threshold
+    if decode_threshold is None:
+        cuda = torch.device(config.device).type == "cuda"
+        decode_threshold = DBOConfig.dbo_decode_token_threshold if cuda else CPU_DBO_DECODE_TOKEN_THRESHOLD
+    return DBOConfig(config.enable_dbo, decode_threshold, config.dbo_prefill_token_threshold)
 
 
 def _blocks_for_memory(config: EngineConfig, model_config: DeepseekConfig, cache_dtype: torch.dtype) -> int:
@@ -126,7 +138,7 @@ class LLMEngine:
             prefill_backend=config.prefill_backend,
             decode_backend=config.decode_backend,
         )
-        dbo_config = DBOConfig(config.enable_dbo, config.dbo_decode_token_threshold, config.dbo_prefill_token_threshold)
+        dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
         model_config = DeepseekConfig.from_pretrained(model_dir)
         model_len = model_config.max_position_embeddings
@@ -156,7 +168,7 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
         )
         self.runner = ModelRunner(
-            self.model, attn_config, dbo_config, num_blocks, cache_dtype, config.device, expert_group
+            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group
         )
         self._ids = itertools.count()
 

@@ -1,4 +1,4 @@
-"""Engine settings checked at start-up: the KV pool against max_model_len, and torch's thread count."""
+"""Engine settings resolved at start-up: the KV pool against max_model_len, torch's thread count, DBO thresholds."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.cli.args import add_engine_args, build_llm
+from latentserve.config import DBOConfig
+from latentserve.engine.llm_engine import CPU_DBO_DECODE_TOKEN_THRESHOLD, EngineConfig, dbo_config
 from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import make_checkpoint
 
@@ -89,3 +91,15 @@ def test_num_threads_flag_reaches_the_engine(checkpoint, threads):
     assert _parse([]).num_threads is None
     with pytest.raises(SystemExit):
         _parse(["--num-threads", "0"])
+
+
+def test_dbo_decode_threshold_defaults_by_device(checkpoint):
+    """vLLM's 32 where its GPU kernels make a split cheap; on CPU 256, below which a split costs more than it hides
+    (benchmarks/dbo_overlap.py)."""
+    assert dbo_config(EngineConfig(device="cuda")).dbo_decode_token_threshold == 32
+    assert dbo_config(EngineConfig()).dbo_decode_token_threshold == CPU_DBO_DECODE_TOKEN_THRESHOLD == 256
+    assert dbo_config(EngineConfig(device="cuda", dbo_decode_token_threshold=8)).dbo_decode_token_threshold == 8
+    llm = LLM(model=str(checkpoint), num_kv_blocks=64, enable_dbo=True, **ENGINE)
+    assert llm.engine.runner.dbo_config == DBOConfig(True, 256, 512)
+    with pytest.raises(ValueError, match="dbo_decode_token_threshold must be an int >= 2"):
+        LLM(model=str(checkpoint), num_kv_blocks=64, dbo_decode_token_threshold=1, **ENGINE)
