@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine, launched_by_torchrun
 from latentserve.engine.detokenizer import TokenizerInfo, load_tokenizer
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine
+from latentserve.engine.llm_engine import EngineConfig, LLMEngine, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
 from latentserve.sampling_params import SamplingParams
 
@@ -29,7 +29,7 @@ def _limits(engine: LLMEngine) -> tuple[int, int]:
 class DPLLMEngine:
     """`LLMEngine`'s per-step surface over spawned data-parallel ranks (what the server drives).
 
-    Prompts are checked here as `LLMEngine.tokenize` checks them; each request then runs on one rank.
+    Prompts are checked here as one process checks them (`tokenize_prompt`); each request then runs on one rank.
     """
 
     def __init__(self, dp_engine: SpawnedDPEngine, tokenizer: TokenizerInfo | None) -> None:
@@ -38,16 +38,7 @@ class DPLLMEngine:
         self.max_model_len, self.vocab_size = dp_engine.collective_rpc(_limits)[0]
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token id lists")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(type(t) is int for t in prompt):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
-        return list(prompt)
+        return tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> str:
         """Queue the request on the least loaded rank; a bad prompt raises the ValueError one process raises."""

@@ -92,6 +92,20 @@ def dbo_config(config: EngineConfig) -> DBOConfig:
     return DBOConfig(config.enable_dbo, decode_threshold, config.dbo_prefill_token_threshold)
 
 
+def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vocab_size: int) -> list[int]:
+    """The token ids of a prompt given as text or as ids; a ValueError names what is wrong with it."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token id lists")
+        return tokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab_size})")
+    return list(prompt)
+
+
 def _blocks_for_memory(config: EngineConfig, model_config: DeepseekConfig, cache_dtype: torch.dtype) -> int:
     per_block = (
         config.block_size * model_config.mla_config.kv_cache_dim * model_config.num_hidden_layers
@@ -189,17 +203,7 @@ class LLMEngine:
         return self.scheduler.config.max_model_len
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as token id lists")
-            return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (size {vocab})")
-        return list(prompt)
+        return tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and tokenize one prompt into a request (not yet scheduled)."""
