@@ -51,11 +51,22 @@ def test_prefill_batch_matches_transformers(checkpoint) -> None:
         _check(ours, _reference_logprobs(reference, prompt))
 
 
-def test_incremental_decode_matches_transformers(checkpoint) -> None:
+@pytest.fixture
+def threads(request):
+    """torch's thread count for one test (tests/conftest.py sets one); with more, `linear` lays out one-row and
+    few-row products differently (layers/linear.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("threads, num_seqs", [(1, 3), (2, 1), (2, 3)], indirect=["threads"])
+def test_incremental_decode_matches_transformers(checkpoint, threads: int, num_seqs: int) -> None:
     path, reference = checkpoint
     attn_config = AttentionConfig(block_size=4)
     runner = PagedRunner(load_model(path, attn_config=attn_config), attn_config)
-    sequences = _tokens(PROMPT_LENS)
+    sequences = _tokens(PROMPT_LENS[:num_seqs])
     runner.step(list(enumerate(sequences)))
     continuation = _tokens([4] * len(sequences), seed=1)
     for step in range(4):
@@ -64,27 +75,6 @@ def test_incremental_decode_matches_transformers(checkpoint) -> None:
         for r, seq in enumerate(sequences):
             seq.append(continuation[r][step])
             _check(logits[r : r + 1], _reference_logprobs(reference, seq)[-1:])
-
-
-@pytest.mark.parametrize("num_seqs", [1, 3])
-def test_decode_with_two_threads_matches_transformers(checkpoint, num_seqs: int) -> None:
-    """With several threads `linear` lays out one-row and few-row products differently (layers/linear.py)."""
-    path, reference = checkpoint
-    attn_config = AttentionConfig(block_size=4)
-    runner = PagedRunner(load_model(path, attn_config=attn_config), attn_config)
-    sequences = _tokens(PROMPT_LENS[:num_seqs])
-    saved = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        runner.step(list(enumerate(sequences)))
-        continuation = _tokens([2] * num_seqs, seed=1)
-        for step in range(2):
-            logits = runner.step([(r, [continuation[r][step]]) for r in range(num_seqs)])
-            for r, seq in enumerate(sequences):
-                seq.append(continuation[r][step])
-                _check(logits[r : r + 1], _reference_logprobs(reference, seq)[-1:])
-    finally:
-        torch.set_num_threads(saved)
 
 
 def test_chunked_prefill_in_a_mixed_batch_matches_transformers(checkpoint) -> None:
