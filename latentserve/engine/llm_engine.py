@@ -78,8 +78,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not _is_int_at_least(self.data_parallel_size, 1):
             raise ValueError(f"data_parallel_size must be an int >= 1, got {self.data_parallel_size!r}")
-        if self.num_threads is not None and not _is_int_at_least(self.num_threads, 1):
-            raise ValueError(f"num_threads must be an int >= 1 or None, got {self.num_threads!r}")
+        for name in ("num_threads", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and not _is_int_at_least(value, 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
 
 
@@ -123,7 +125,7 @@ def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) ->
     if num_blocks >= needed:
         return
     pool = (
-        f"num_kv_blocks={num_blocks}" if config.num_kv_blocks
+        f"num_kv_blocks={num_blocks}" if config.num_kv_blocks is not None
         else f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} ({num_blocks} blocks)"
     )
     raise ValueError(
@@ -159,7 +161,10 @@ class LLMEngine:
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_len}")
-        num_blocks = config.num_kv_blocks or _blocks_for_memory(config, model_config, cache_dtype)
+        num_blocks = (
+            config.num_kv_blocks if config.num_kv_blocks is not None
+            else _blocks_for_memory(config, model_config, cache_dtype)
+        )
         _check_kv_pool(config, num_blocks, max_model_len)
         expert_group = self._expert_parallel_group(config)
         prepare = None

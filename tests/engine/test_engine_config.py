@@ -72,10 +72,11 @@ def test_num_threads_sets_torch_threads(checkpoint, threads):
     assert torch.get_num_threads() == 3
 
 
+@pytest.mark.parametrize("name", ["num_threads", "num_kv_blocks"])
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
-def test_bad_num_threads(checkpoint, bad):
-    with pytest.raises(ValueError, match=rf"num_threads must be an int >= 1 or None, got {bad!r}"):
-        LLM(model=str(checkpoint), num_threads=bad)
+def test_bad_counts(checkpoint, name, bad):
+    with pytest.raises(ValueError, match=rf"{name} must be an int >= 1 or None, got {bad!r}"):
+        LLM(model=str(checkpoint), **{name: bad})
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
