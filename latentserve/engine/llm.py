@@ -109,8 +109,14 @@ class LLM:
         for request in requests:
             self.engine.scheduler.add_request(request)
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(requests):
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
+        try:
+            while len(finished) < len(requests):
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+        except BaseException:
+            # A failed step (or Ctrl-C) leaves none of this call's requests behind to haunt the next call.
+            for request in requests:
+                self.engine.abort_request(request.request_id)
+            raise
         return [finished[r.request_id] for r in requests]

@@ -170,3 +170,24 @@ def test_bad_inputs_are_clear_errors_and_other_requests_complete(checkpoints, tm
             if out.finished:
                 done[out.request_id] = out
     assert sorted(done) == sorted(ids) and all(len(o.outputs[0].token_ids) == 5 for o in done.values())
+
+
+def test_a_failed_step_leaves_nothing_behind(checkpoints, monkeypatch):
+    """A step that raises fails that generate call only; the next call runs as on a fresh engine."""
+    expected = _tokens(_llm(checkpoints["v3"], max_num_batched_tokens=8).generate(PROMPTS, GREEDY))
+    llm = _llm(checkpoints["v3"], max_num_batched_tokens=8)  # chunked: the failure lands mid-prefill
+    execute = llm.engine.runner.execute_model
+    calls = []
+
+    def fail_third_step(out):
+        calls.append(out)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return execute(out)
+
+    monkeypatch.setattr(llm.engine.runner, "execute_model", fail_third_step)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        llm.generate(PROMPTS, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.block_manager.usage == 0
+    assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
