@@ -47,6 +47,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_block_ids: dict[int, int] = {}  # block hash -> block id
         self._num_hashed_blocks: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
+        self._pending: set[int] = set()  # blocks cached for the running step to write, until it is known to have run
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,12 +135,17 @@ class BlockManager:
         block.ref_cnt = 1
         return block_id
 
-    def cache_blocks(self, request: Request) -> None:
-        """Offer the request's full, computed blocks to the prefix cache (call after the step wrote them)."""
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the full blocks of the request's first `num_tokens` tokens to the prefix cache.
+
+        The scheduler offers the blocks a step will write as it schedules the step, so that a request
+        scheduled later in the same step can share them (its attention runs after theirs are written,
+        layer by layer). They stay pending until `commit_step`; `discard_step` drops them if the step failed.
+        """
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(request.num_computed_tokens // bs, len(request.block_ids))
+        num_full = min(num_tokens // bs, len(request.block_ids))
         start = self._num_hashed_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -151,7 +157,25 @@ class BlockManager:
                 block.block_hash = hashes[i]
                 block.token_ids = tuple(request.all_token_ids[i * bs : (i + 1) * bs])
                 self.cached_block_ids[hashes[i]] = block.block_id
+                self._pending.add(block.block_id)
         self._num_hashed_blocks[request.request_id] = num_full
+
+    def is_pending(self, block_id: int) -> bool:
+        """Whether the block is cached for the running step to write, not yet written."""
+        return block_id in self._pending
+
+    def commit_step(self) -> None:
+        """The step ran: the blocks it was to write hold their tokens."""
+        self._pending.clear()
+
+    def discard_step(self) -> None:
+        """The step failed: the blocks it was to write hold nothing, so take them out of the cache."""
+        for block_id in self._pending:
+            block = self.blocks[block_id]
+            if self.cached_block_ids.get(block.block_hash) == block_id:
+                del self.cached_block_ids[block.block_hash]
+            block.reset()
+        self._pending.clear()
 
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody holds go back to the free pool."""

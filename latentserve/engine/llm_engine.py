@@ -246,6 +246,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled and self.runner.lockstep_group is None:
             return [RequestOutput.from_request(r) for r in self.scheduler.update(out, [])]
-        result = self.runner.execute_model(out)
+        try:
+            result = self.runner.execute_model(out)
+        except BaseException:
+            self.scheduler.block_manager.discard_step()  # what the step was to write, it did not
+            raise
         updated = self.scheduler.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
         return [RequestOutput.from_request(r) for r in updated]

@@ -219,6 +219,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                self.block_manager.cache_blocks(request, request.num_computed_tokens + num_new)
                 scheduled.append((request, num_new))
                 budget -= num_new
                 i += 1
@@ -234,11 +235,8 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
                 out.finished.append(request)
                 continue
-            # Prompt logprobs need every prompt position computed, so such requests skip the cache.
-            if request.sampling_params.prompt_logprobs is None:
-                computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
-            else:
-                computed_blocks, num_cached = [], 0
+            computed_blocks = self._cache_hits(request, budget)
+            num_cached = len(computed_blocks) * self.block_manager.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -247,6 +245,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(request, num_new, computed_blocks):
                 break
             self.block_manager.allocate(request, num_new, computed_blocks)
+            self.block_manager.cache_blocks(request, num_cached + num_new)
             self.waiting.popleft()
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
@@ -255,6 +254,22 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+
+    def _cache_hits(self, request: Request, budget: int) -> list[int]:
+        """Prefix-cache blocks a new request can start from.
+
+        Blocks this step has yet to write count only if the request stays a prefill in it: a decode is moved
+        ahead of the prefills and, under DBO, could run in the ubatch before the one that writes them.
+        """
+        # Prompt logprobs need every prompt position computed, so such requests skip the cache.
+        if request.sampling_params.prompt_logprobs is not None:
+            return []
+        bm = self.block_manager
+        hits, _ = bm.get_computed_blocks(request)
+        num_new = min(request.num_tokens - len(hits) * bm.block_size, budget)
+        if is_decode(num_new, len(hits), self.config.decode_threshold):
+            hits = hits[: next((i for i, b in enumerate(hits) if bm.is_pending(b)), len(hits))]
+        return hits
 
     def _is_decode(self, s: ScheduledRequest) -> bool:
         return is_decode(s.num_new_tokens, s.num_computed_tokens, self.config.decode_threshold)
@@ -290,6 +305,7 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {num_samples} sampling requests")
         if logprobs is not None and len(logprobs) != num_samples:
             raise ValueError(f"{len(logprobs)} logprobs entries for {num_samples} sampling requests")
+        self.block_manager.commit_step()
         updated = list(output.finished)
         row = 0
         for s in output.scheduled:
@@ -300,7 +316,6 @@ class Scheduler:
             if request.is_finished:  # aborted after this step was scheduled
                 continue
             request.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_blocks(request)
             if prompt_logprobs is not None and request.request_id in prompt_logprobs:
                 request.append_prompt_logprobs(s.num_computed_tokens + 1, prompt_logprobs[request.request_id])
             if not s.do_sample:

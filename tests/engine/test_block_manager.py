@@ -18,7 +18,7 @@ def run_prefill(bm, request):
     assert bm.can_allocate(request, request.num_tokens - num_cached, hits)
     bm.allocate(request, request.num_tokens - num_cached, hits)
     request.num_computed_tokens = request.num_tokens
-    bm.cache_blocks(request)
+    bm.cache_blocks(request, request.num_computed_tokens)
     return hits, num_cached
 
 
@@ -72,11 +72,11 @@ def test_only_computed_full_blocks_are_cached():
     a = make_request("a", range(10))
     bm.allocate(a, 6)  # first chunk: 6 of 10 tokens
     a.num_computed_tokens = 6
-    bm.cache_blocks(a)
+    bm.cache_blocks(a, a.num_computed_tokens)
     assert bm.get_computed_blocks(make_request("b", range(10)))[1] == 4
     bm.allocate(a, 4)
     a.num_computed_tokens = 10
-    bm.cache_blocks(a)
+    bm.cache_blocks(a, a.num_computed_tokens)
     assert bm.get_computed_blocks(make_request("c", range(10)))[1] == 8
 
 
@@ -147,3 +147,23 @@ def test_prefix_caching_can_be_disabled():
 def test_bad_sizes(kwargs):
     with pytest.raises(ValueError, match="must be positive"):
         BlockManager(**kwargs)
+
+
+def test_blocks_a_step_will_write_are_shared_then_committed_or_discarded():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = make_request("a", range(10))
+    bm.allocate(a, 10)
+    bm.cache_blocks(a, 10)  # as scheduled: its step is to write 10 tokens, 2 full blocks
+    assert all(bm.is_pending(b) for b in a.block_ids[:2]) and not bm.is_pending(a.block_ids[2])
+    hits, num_cached = bm.get_computed_blocks(make_request("b", range(9)))
+    assert hits == a.block_ids[:2] and num_cached == 8  # a request later in the same step may share them
+    bm.commit_step()
+    assert not any(bm.is_pending(b) for b in a.block_ids)
+    assert bm.get_computed_blocks(make_request("c", range(9)))[1] == 8
+
+    d = make_request("d", range(50, 60))
+    bm.allocate(d, 10)
+    bm.cache_blocks(d, 10)
+    bm.discard_step()  # d's step failed: its blocks hold nothing
+    assert bm.get_computed_blocks(make_request("e", range(50, 60)))[1] == 0
+    assert bm.get_computed_blocks(make_request("f", range(9)))[1] == 8  # committed blocks stay

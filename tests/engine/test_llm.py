@@ -191,3 +191,40 @@ def test_a_failed_step_leaves_nothing_behind(checkpoints, monkeypatch):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.block_manager.usage == 0
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+def test_requests_in_one_step_share_the_blocks_it_writes(checkpoints):
+    """Prompts with a common prefix admitted together share its blocks, and outputs do not change."""
+    shared = list(range(40, 52))  # three blocks of 4
+    prompts = [shared + [1, 2], shared + [3, 4], shared[:8] + [5]]
+    expected = _tokens(_llm(checkpoints["v3"], enable_prefix_caching=False).generate(prompts, GREEDY))
+    dbo = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
+    for kwargs in ({}, dbo):
+        llm = _llm(checkpoints["v3"], **kwargs)
+        steps = []
+        schedule = llm.engine.scheduler.schedule
+        llm.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+        outputs = llm.generate(prompts, GREEDY)
+        assert _tokens(outputs) == expected
+        assert len(steps[0].scheduled) == 3  # all three prompts in the first step
+        # The second starts from the first's three blocks; the third would be left with one new token, a
+        # decode that could run ahead of the blocks' writer, so it takes none of them.
+        assert [o.num_cached_tokens for o in outputs] == [0, 12, 0]
+
+
+def test_a_failed_step_takes_its_blocks_out_of_the_cache(checkpoints, monkeypatch):
+    shared = list(range(40, 52))
+    prompts = [shared + [1, 2], shared + [3, 4]]
+    expected = _tokens(_llm(checkpoints["v3"], enable_prefix_caching=False).generate(prompts, GREEDY))
+    llm = _llm(checkpoints["v3"])
+    execute = llm.engine.runner.execute_model
+
+    def fail_first_step(out):
+        monkeypatch.setattr(llm.engine.runner, "execute_model", execute)
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(llm.engine.runner, "execute_model", fail_first_step)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        llm.generate(prompts, GREEDY)
+    outputs = llm.generate(prompts, GREEDY)  # would read never-written blocks if they were still cached
+    assert _tokens(outputs) == expected and outputs[0].num_cached_tokens == 0

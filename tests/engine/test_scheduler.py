@@ -23,19 +23,30 @@ class FakeKVCache:
         self.slots = {}
 
     def run(self, out, block_manager):
-        written = []
-        for s in out.scheduled:
+        """One step as the model runs it: every layer writes the step's tokens, then attends."""
+        written = {}  # slot -> (prefix hash, index in the batch of the request writing it)
+        for i, s in enumerate(out.scheduled):
             tokens = s.request.all_token_ids
             assert s.token_ids == tokens[s.num_computed_tokens : s.seq_len]
+            for p, slot in zip(s.positions, s.slot_mapping):
+                block_id = slot // self.block_size
+                # Never write into a block another request holds, unless it shares it from this very step.
+                assert block_manager.blocks[block_id].ref_cnt == 1 or block_manager.is_pending(block_id)
+                assert slot not in written, "two tokens written to one slot"
+                written[slot] = (hash(tuple(tokens[: p + 1])), i)
+        for i, s in enumerate(out.scheduled):
+            tokens = s.request.all_token_ids
             for p in range(s.num_computed_tokens):  # the context this step attends to
                 slot = s.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                assert self.slots.get(slot) == hash(tuple(tokens[: p + 1])), f"stale KV at position {p} of {s.request}"
-            for p, slot in zip(s.positions, s.slot_mapping):
-                # Never write into a block another request holds (a shared prefix block).
-                assert block_manager.blocks[slot // self.block_size].ref_cnt == 1
-                written.append((slot, hash(tuple(tokens[: p + 1]))))
-        assert len({slot for slot, _ in written}) == len(written), "two tokens written to one slot"
-        self.slots.update(written)
+                if slot in written:
+                    # Shared from this step: its writer must come first, and the reader be a prefill (decodes run
+                    # first, and under DBO in the earlier ubatch).
+                    value, writer = written[slot]
+                    assert writer < i and i >= out.num_decodes, f"{s.request} reads KV its step has not written"
+                else:
+                    value = self.slots.get(slot)
+                assert value == hash(tuple(tokens[: p + 1])), f"stale KV at position {p} of {s.request}"
+        self.slots.update({slot: value for slot, (value, _) in written.items()})
 
 
 def drive(scheduler, arrivals=None, max_steps=1000, check=None):
