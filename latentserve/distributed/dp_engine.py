@@ -63,7 +63,7 @@ def run_lockstep(engine: Any, group: DPGroup, items: Sequence[Item]) -> list[Any
     return [finished[r.request_id] for r in requests]
 
 
-def _load(engine: Any) -> RankLoad:
+def rank_load(engine: Any) -> RankLoad:
     scheduler = engine.scheduler
     return RankLoad(engine.has_unfinished_requests(), len(scheduler.running), len(scheduler.waiting),
                     scheduler.block_manager.usage)
@@ -80,19 +80,19 @@ def _add(engine: Any, items: Sequence[Item]) -> tuple[BaseException | None, Rank
         for rid in added:
             engine.abort_request(rid)
         error = e
-    return error, _load(engine)
+    return error, rank_load(engine)
 
 
 def _abort(engine: Any, request_ids: Sequence[str]) -> RankLoad:
     for rid in request_ids:
         engine.abort_request(rid)
-    return _load(engine)
+    return rank_load(engine)
 
 
 def _step(engine: Any, group: DPGroup) -> tuple[list[Any], RankLoad]:
     """One lockstep step: every rank steps (an idle one runs an empty step) iff some rank has work."""
     outputs = engine.step() if group.any_rank(engine.has_unfinished_requests()) else []
-    return outputs, _load(engine)
+    return outputs, rank_load(engine)
 
 
 def _raise_invalid(answers: Sequence[Any]) -> None:

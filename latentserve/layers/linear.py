@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows for which (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU with several threads (benchmarks/vs_transformers.py, "linear
-# orientation"): with a few rows x @ Wᵀ keeps MKL's threads idle, W @ xᵀ splits the weight's rows over them.
+# Rows for which (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU with several threads (benchmarks/vs_transformers.py, "Linear
+# layouts"): with a few rows x @ Wᵀ keeps MKL's threads idle, W @ xᵀ splits the weight's rows over them.
 SKINNY_ROWS = range(2, 33)
 
 

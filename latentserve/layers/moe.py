@@ -155,9 +155,7 @@ class MoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[ids[t, k]](x[t]), one batched call per expert that got tokens."""
-        out = torch.zeros_like(x)
-        if not len(x):  # an expert-parallel rank may receive no tokens
-            return out
+        out = torch.zeros_like(x)  # an expert-parallel rank may receive no tokens: then this is all
         top_k = ids.shape[1]
         flat_ids = ids.flatten()
         order = torch.argsort(flat_ids, stable=True)

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from latentserve.distributed.dp_engine import rank_load
 from latentserve.engine.llm import DPLLMEngine
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.engine.outputs import RequestOutput
@@ -82,14 +83,10 @@ class _Add:
 
 def engine_load(engine: Engine) -> dict[str, float]:
     """Requests running and waiting in the engine, and the fraction of its KV cache in use."""
-    if isinstance(engine, DPLLMEngine):
-        loads = engine.dp_engine.loads
-        return {"running": sum(load.num_running for load in loads),
-                "waiting": sum(load.num_waiting for load in loads),
-                "kv_cache_usage": sum(load.kv_cache_usage for load in loads) / len(loads)}
-    scheduler = engine.scheduler
-    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
-            "kv_cache_usage": scheduler.block_manager.usage}
+    loads = engine.dp_engine.loads if isinstance(engine, DPLLMEngine) else [rank_load(engine)]
+    return {"running": sum(load.num_running for load in loads),
+            "waiting": sum(load.num_waiting for load in loads),
+            "kv_cache_usage": sum(load.kv_cache_usage for load in loads) / len(loads)}
 
 
 class AsyncLLMEngine:
