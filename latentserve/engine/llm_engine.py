@@ -135,6 +135,17 @@ def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) ->
     )
 
 
+def _refuse_unimplemented(params: SamplingParams) -> None:
+    """Parameters whose engine support is still being built: refused, never ignored."""
+    defaults = SamplingParams()
+    names = ["n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "bad_words",
+             "include_stop_str_in_output", "spaces_between_special_tokens", "truncate_prompt_tokens", "logit_bias",
+             "allowed_token_ids"]
+    for name in names:
+        if getattr(params, name) != getattr(defaults, name):
+            raise ValueError(f"{name}={getattr(params, name)!r} is not supported yet")
+
+
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig) -> None:
         model_dir = Path(model)
@@ -214,6 +225,8 @@ class LLMEngine:
         """Validate and tokenize one prompt into a request (not yet scheduled)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate_for_vocab(self.model.config.vocab_size)
+        _refuse_unimplemented(params)
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if not token_ids:
