@@ -14,7 +14,7 @@ from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.cpu_malloc import keep_freed_memory
-from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, load_tokenizer
+from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, load_tokenizer
 from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Request
@@ -138,9 +138,7 @@ def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) ->
 def _refuse_unimplemented(params: SamplingParams) -> None:
     """Parameters whose engine support is still being built: refused, never ignored."""
     defaults = SamplingParams()
-    names = ["n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "bad_words",
-             "include_stop_str_in_output", "spaces_between_special_tokens", "truncate_prompt_tokens", "logit_bias",
-             "allowed_token_ids"]
+    names = ["n", "best_of"]
     for name in names:
         if getattr(params, name) != getattr(defaults, name):
             raise ValueError(f"{name}={getattr(params, name)!r} is not supported yet")
@@ -231,6 +229,11 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if not token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:
+            token_ids = token_ids[-(self.max_model_len if truncate == -1 else truncate):]
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer: this checkpoint has no tokenizer.json")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate within "
@@ -239,9 +242,14 @@ class LLMEngine:
         stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, stop,
+                                                 params.include_stop_str_in_output,
+                                                 params.spaces_between_special_tokens)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        return Request(request_id, token_ids, params, eos, prompt if isinstance(prompt, str) else None, detokenizer)
+        request = Request(request_id, token_ids, params, eos, prompt if isinstance(prompt, str) else None, detokenizer)
+        if params.bad_words:
+            request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+        return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         request = self.make_request(prompt, params, request_id)

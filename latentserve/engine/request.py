@@ -71,6 +71,8 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None
 
+        self.bad_words_token_ids: list[list[int]] = []  # the tokenized bad_words (set by the engine)
+
         self.block_ids: list[int] = []  # the block table
         self.block_hashes: list[int] = []  # hash chain of the full blocks, filled lazily
 

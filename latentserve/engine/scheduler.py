@@ -347,6 +347,8 @@ class Scheduler:
             if not hit_max and request.num_tokens < self.config.max_model_len:
                 return None
             status = RequestStatus.FINISHED_LENGTH
-        if detok is not None:  # the stop token itself is not part of the text
+        if detok is not None:
+            if status == RequestStatus.FINISHED_STOPPED and params.include_stop_str_in_output:
+                detok.add_token(token_id, check_stop=False)  # the stop token's text is kept, as asked
             detok.flush()
         return status
