@@ -250,6 +250,9 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, eos, prompt, detokenizer)
         if params.bad_words:
             request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            vocab_size = self.model.config.vocab_size
+            if any(t >= vocab_size for ids in request.bad_words_token_ids for t in ids):
+                raise ValueError(f"bad_words {params.bad_words!r} tokenize to ids outside the vocabulary (size {vocab_size})")
         return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
