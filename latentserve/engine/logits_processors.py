@@ -81,7 +81,7 @@ class BadWords:
         if not entries:
             return None
         width = max(len(word) for _, word in entries)
-        tails = [out[len(out) - (width - 1):] if width > 1 else [] for out in output_token_ids]
+        tails = [out[max(len(out) - (width - 1), 0):] if width > 1 else [] for out in output_token_ids]
         return cls(
             rows=torch.tensor([row for row, _ in entries], device=device),
             words=torch.tensor(_pad([word for _, word in entries], width, _ANY, left=True), device=device),
