@@ -401,3 +401,44 @@ def test_group_whose_leader_cannot_fit_errors_every_sample():
     drive(scheduler, {0: [leader]})
     assert [s.status for s in leader.group.samples] == [RequestStatus.FINISHED_ERROR] * 3
     assert not scheduler.groups and scheduler.block_manager.usage == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_workload_with_groups_and_aborts(seed):
+    from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
+
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=rand(8, 40), max_num_seqs=rand(2, 8), max_model_len=64),
+        BlockManager(rand(10, 24), rand(2, 5), enable_prefix_caching=bool(rand(0, 2))),
+    )
+    scheduler.fake_kv = FakeKVCache(scheduler.block_manager.block_size)
+    shared = [rand(2, VOCAB) for _ in range(12)]
+    arrivals, leaders = {}, []
+    for i in range(8):
+        prompt = (shared[: rand(0, 12)] + [rand(2, VOCAB) for _ in range(rand(1, 16))])[:30]
+        params = SamplingParams(n=rand(1, 4), max_tokens=rand(1, 10))
+        samples = [Request(sample_request_id(f"r{i}", k), prompt, params.for_sample(k)) for k in range(params.n)]
+        leader = SampleGroup(f"r{i}", params, samples).leader if params.n > 1 else samples[0]
+        leaders.append(leader)
+        arrivals.setdefault(rand(0, 10), []).append(leader)
+    to_abort = {rand(1, 20): leaders[rand(0, 8)].request_id for _ in range(2)}
+    steps = []
+
+    def check(out):
+        steps.append(out)
+        if len(steps) in to_abort:
+            scheduler.abort_request(to_abort[len(steps)])
+
+    drive(scheduler, arrivals, check=check)
+    for leader in leaders:
+        for sample in leader.group.samples if leader.group else [leader]:
+            assert sample.is_finished
+            if sample.status == RequestStatus.FINISHED_LENGTH:
+                alone = reference_outputs([Request("alone", sample.prompt_token_ids, sample.sampling_params)])["alone"]
+                assert sample.output_token_ids == alone
+    assert not scheduler.groups and not scheduler.requests and scheduler.block_manager.usage == 0
