@@ -7,6 +7,7 @@ import signal
 
 from latentserve.distributed.expert_parallel import RemoteExpert, moe_layers
 from latentserve.distributed.parallel_state import get_dp_group
+from latentserve.forward_context import get_forward_context
 
 _steps: list[tuple[int, int]] = []  # (tokens, ubatches) of each step since the log was installed
 
@@ -77,3 +78,41 @@ def idle_worker(rank: int, world_size: int, init_method: str, conn) -> None:
     conn.send(("ok", os.getpid()))
     while True:
         conn.recv()
+
+
+def _raise_in_ubatch1(moe_forward):
+    def faulty(x):
+        if get_forward_context().ubatch_id == 1:
+            raise RuntimeError("injected fault in a ubatch")
+        return moe_forward(x)
+
+    return faulty
+
+
+def raise_in_ubatch1_on_rank1(engine) -> None:
+    """Rank 1's first MoE layer raises when ubatch 1 of a split step reaches it."""
+    if get_dp_group().rank == 1:
+        moe = moe_layers(engine.model)[0]
+        moe.forward = _raise_in_ubatch1(moe.forward)
+
+
+class TwoArgError(Exception):
+    """Pickles (its args are kept) but does not unpickle: __init__ wants two arguments, args holds one."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"{what}: {detail}")
+
+
+def raising_worker(rank: int, world_size: int, init_method: str, conn) -> None:
+    """A `Workers` target whose rank 1 fails with an exception that cannot cross the pipe as an object."""
+    from latentserve.distributed.launch import exit_with_error
+
+    conn.send(("ok", os.getpid()))
+    conn.recv()
+    if rank == 1:
+        try:
+            raise TwoArgError("rank one", "broke")
+        except TwoArgError as e:
+            exit_with_error(conn, e)
+    conn.send(("ok", rank))
+    conn.recv()

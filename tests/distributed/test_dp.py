@@ -125,6 +125,18 @@ def test_a_rank_that_raises_stops_every_rank(dp_llm):
         dp_llm.generate(PROMPTS, PARAMS)
 
 
+def test_a_ubatch_failure_on_a_rank_names_the_rank_and_the_ubatch(checkpoint):
+    """The ubatch's error crosses the pipe (it pickles both ways) and stops every rank."""
+    llm = LLM(model=str(checkpoint), data_parallel_size=2, enable_expert_parallel=True, num_threads=1, **CONFIG)
+    pids = llm.dp_engine.workers.pids
+    llm.dp_engine.collective_rpc(rpc.raise_in_ubatch1_on_rank1)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"rank 1 raised .*UBatchError: ubatch 1 failed: RuntimeError: injected"):
+        llm.generate(PROMPTS, PARAMS)
+    assert time.monotonic() - start < 30
+    assert all(process_gone(pid) for pid in pids)
+
+
 def test_a_killed_rank_stops_every_rank(checkpoint):
     llm = LLM(model=str(checkpoint), data_parallel_size=2, enable_expert_parallel=True, **CONFIG)
     pids = llm.dp_engine.workers.pids
