@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """The dimensions of one MLA layer (DESIGN.md §1 names)."""
+    """The dimensions of one MLA layer (the names of docs/architecture.md and the checkpoints' config)."""
 
     num_heads: int
     kv_lora_rank: int
