@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """The dimensions of one MLA layer (the names of docs/architecture.md and the checkpoints' config)."""
+    """The dimensions of one MLA layer, named as in the checkpoints' config."""
 
     num_heads: int
     kv_lora_rank: int
