@@ -134,6 +134,8 @@ class Workers:
                 return ("error", _ReportedError(rank, _unpickled(error), text))
         except (EOFError, ConnectionError, OSError):
             pass
+        except Exception as e:  # noqa: BLE001 - an answer that cannot be unpickled here: the rank is of no more use
+            return ("error", f"rank {rank} sent an answer the front end cannot read: {type(e).__name__}: {e}")
         if self._wait(self.procs[rank], 0.5):
             return ("error", self._death(rank))
         return None

@@ -103,16 +103,17 @@ class TwoArgError(Exception):
         super().__init__(f"{what}: {detail}")
 
 
-def raising_worker(rank: int, world_size: int, init_method: str, conn) -> None:
-    """A `Workers` target whose rank 1 fails with an exception that cannot cross the pipe as an object."""
+def unreadable_worker(rank: int, world_size: int, init_method: str, how: str, conn) -> None:
+    """A `Workers` target whose rank 1 sends what the front end cannot unpickle: an error it raised ("raise") or
+    an answer ("answer")."""
     from latentserve.distributed.launch import exit_with_error
 
     conn.send(("ok", os.getpid()))
     conn.recv()
-    if rank == 1:
+    if rank == 1 and how == "raise":
         try:
             raise TwoArgError("rank one", "broke")
         except TwoArgError as e:
             exit_with_error(conn, e)
-    conn.send(("ok", rank))
+    conn.send(("ok", TwoArgError("rank one", "answered") if rank == 1 else rank))
     conn.recv()

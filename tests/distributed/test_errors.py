@@ -32,12 +32,19 @@ def test_ubatch_error_keeps_its_ubatch_and_message():
     assert copy.ubatch_id == 1 and str(copy) == "ubatch 1 failed: KeyError: 'k'"
 
 
-def test_an_error_that_does_not_unpickle_still_names_its_rank():
-    """Its text comes through instead of the object; the front end stops every rank."""
-    workers = Workers(rpc.raising_worker, 2, ())
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("raise", "rank 1 raised .*TwoArgError: rank one: broke"),
+        ("answer", "rank 1 sent an answer the front end cannot read: TypeError"),
+    ],
+)
+def test_what_does_not_unpickle_still_names_its_rank(how, message):
+    """An error's text comes through instead of the object; the front end stops every rank either way."""
+    workers = Workers(rpc.unreadable_worker, 2, (how,))
     pids = workers.receive()
     workers.send([None, None])
-    with pytest.raises(WorkerFailure, match="rank 1 raised .*TwoArgError: rank one: broke") as e:
+    with pytest.raises(WorkerFailure, match=message) as e:
         workers.receive()
     assert e.value.__cause__ is None
     assert all(process_gone(pid) for pid in pids)
