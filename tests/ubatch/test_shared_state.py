@@ -79,7 +79,8 @@ def test_builders_share_no_per_batch_state():
 
     builders[1].workspace = builders[0].workspace  # the mutation this test exists for
     metadata = [b.build(slice_common_metadata(common, s)) for b, s in zip(builders, slices)]
-    assert shared_per_batch_state(builders, metadata) == ["MLAMetadataBuilder.workspace", "ChunkedContextMetadata.workspace"]
+    shared = shared_per_batch_state(builders, metadata)
+    assert shared == ["MLAMetadataBuilder.workspace", "ChunkedContextMetadata.workspace"]
 
 
 def _yield_after_gather(monkeypatch):

@@ -37,7 +37,8 @@ def test_unequal_yields_in_a_layer_are_named(first, second, layer):
 
 
 def test_unequal_totals_without_layers_are_caught():
-    with pytest.raises(UBatchError, match="ubatch 1 yielded 2 times before the first layer but ubatch 0 yielded 0 times"):
+    message = "ubatch 1 yielded 2 times before the first layer but ubatch 0 yielded 0 times"
+    with pytest.raises(UBatchError, match=message):
         run_ubatches([_layers([]), lambda: [dbo_yield() for _ in range(2)] and None], check_yields=True)
 
 
