@@ -2,8 +2,9 @@
 
 DBO's first invariant: within every layer, each ubatch calls `dbo_yield()` the same number of times. The
 runner hands control over at each yield, so an extra yield in one ubatch shifts the interleaving of every
-later layer: the other ubatch then runs a layer's attention before this one wrote that layer's KV. In
-debug mode the runner counts yields per layer and raises `UnequalYieldsError` where they first differ.
+later layer: ubatch 1 can then run a layer's attention before ubatch 0 wrote that layer's KV, and the tail
+of a split request reads its head's KV unwritten. In debug mode the runner counts yields per layer and
+raises `UnequalYieldsError` where they first differ.
 """
 from __future__ import annotations
 
