@@ -59,15 +59,6 @@ def _fail_on_rank1(engine, action) -> None:
     engine.step = faulty
 
 
-def _raise() -> None:
-    raise RuntimeError("injected fault")
-
-
-def raise_on_rank1(engine) -> None:
-    """Rank 1 raises in its first step with a running request."""
-    _fail_on_rank1(engine, _raise)
-
-
 def die_on_rank1(engine) -> None:
     """Rank 1's process is killed (SIGKILL) in its first step with a running request."""
     _fail_on_rank1(engine, lambda: os.kill(os.getpid(), signal.SIGKILL))
