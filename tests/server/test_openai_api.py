@@ -116,7 +116,10 @@ def test_models_and_health(client, http):
 
 
 def _metric(text: str, name: str) -> float:
-    match = re.search(rf"^latentserve:{re.escape(name)} (\S+)$", text, re.MULTILINE)
+    """A sample of /metrics: `name` is vLLM's metric name, with its labels other than model_name."""
+    base, _, labels = name.partition("{")
+    labels = ",".join(sorted([f'model_name="{MODEL_NAME}"'] + ([labels.rstrip("}")] if labels else [])))
+    match = re.search(rf"^latentserve:{re.escape(base)}{{{re.escape(labels)}}} (\S+)$", text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
