@@ -165,9 +165,16 @@ class SamplingParams:
         return self.best_of if self.best_of is not None else self.n
 
     def for_sample(self, index: int) -> "SamplingParams":
-        """The params of one of the request's parallel samples: one completion, its own seed (seed + index)."""
+        """The params of one of the request's parallel samples: one completion, its own seed (seed + index).
+
+        Only the first sample scores the prompt; under best_of > n every sample tracks its logprob, for ranking.
+        """
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, best_of=None, seed=seed)
+        logprobs = self.logprobs
+        if logprobs is None and self.num_samples > self.n:
+            logprobs = 0
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     @property
     def is_greedy(self) -> bool:

@@ -134,8 +134,8 @@ class Penalties:
         seen = _bin_counts(self.prompt_token_ids, num_rows, vocab_size).gt(0) | output_mask
         repetition = torch.where(seen, self.repetition.unsqueeze(-1), 1.0)
         logits = torch.where(logits > 0, logits / repetition, logits * repetition)
-        logits = logits - self.frequency.unsqueeze(-1) * output_counts
-        return logits - self.presence.unsqueeze(-1) * output_mask
+        # One fused update: frequency per occurrence, presence once per token seen in the output.
+        return logits.sub_(output_counts.mul_(self.frequency.unsqueeze(-1)).add_(output_mask * self.presence.unsqueeze(-1)))
 
 
 def _bin_counts(token_ids: torch.Tensor, num_rows: int, vocab_size: int) -> torch.Tensor:

@@ -51,14 +51,15 @@ class SamplingMetadata:
         output_token_ids: list[list[int]] | None = None,
         bad_words_token_ids: list[list[list[int]]] | None = None,
     ) -> "SamplingMetadata":
-        """Token histories default to empty; bad words are token id sequences (the engine tokenizes them)."""
+        """Token histories default to empty; bad words are token id sequences (the engine tokenizes them).
+
+        Token ids in `params` are checked against the vocabulary when the request is made, not here (per step).
+        """
         if len(params) != len(generators):
             raise ValueError(f"{len(params)} sampling params but {len(generators)} generators")
         empty = [[] for _ in params]
         banned = banned_token_ids or empty
         outputs = output_token_ids or empty
-        for p in params:
-            p.validate_for_vocab(vocab_size)
         for row_banned in banned:
             for token_id in row_banned:
                 if not 0 <= token_id < vocab_size:

@@ -9,6 +9,7 @@ import torch
 from latentserve.attention.builder import is_decode
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.engine.block_manager import BlockManager
+from latentserve.engine.parallel_sampling import SampleGroup
 from latentserve.engine.request import Logprobs, Request, RequestStatus
 
 
@@ -128,11 +129,16 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; preemption takes from the back
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.requests: dict[str, Request] = {}  # unfinished requests (each sample of a group) by id
+        self.groups: dict[str, SampleGroup] = {}  # unfinished n / best_of requests by the user's id
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queue a request; the first sample of an n / best_of request brings its whole group."""
+        group = request.group
+        samples = group.samples if group is not None else [request]
+        for sample in samples:
+            if sample.request_id in self.requests or sample.request_id in self.groups:
+                raise ValueError(f"request id {sample.request_id!r} is already in use")
         if request.num_prompt_tokens > self.config.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
@@ -140,21 +146,30 @@ class Scheduler:
             )
         if request.sampling_params.stop and request.detokenizer is None:
             raise ValueError(f"request {request.request_id!r} has stop strings but no detokenizer to find them")
-        request.status = RequestStatus.WAITING
+        for sample in samples:
+            sample.status = RequestStatus.WAITING
+            self.requests[sample.request_id] = sample
+        # The other samples wait for the first one's prefill, then start on its blocks (see _fork).
         self.waiting.append(request)
-        self.requests[request.request_id] = request
+        if group is not None:
+            self.groups[group.request_id] = group
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request as aborted, freeing its blocks; None if it is unknown or already finished."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+        """Finish a request (every sample of an n / best_of one) as aborted, freeing its blocks;
+        None if it is unknown or already finished."""
+        group = self.groups.get(request_id)
+        samples = group.samples if group is not None else [self.requests.get(request_id)]
+        aborted = None
+        for request in samples:
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:  # not there: a sample held for its leader's prefill
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted = aborted or request
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -167,6 +182,28 @@ class Scheduler:
         request.error = error
         self.block_manager.free(request)
         del self.requests[request.request_id]
+        group = request.group
+        if group is None:
+            return
+        if not group.forked and request is group.leader:
+            self._release_samples(group)  # it ended before its prefill: the others compute their own prompt
+        if group.finished:
+            del self.groups[group.request_id]
+
+    def _fork(self, group: SampleGroup) -> None:
+        """The leader's prompt is computed: the other samples take its full prompt blocks and queue first."""
+        leader = group.leader
+        bs = self.block_manager.block_size
+        # The last prompt token is not shared: each sample computes it, for its own logits.
+        num_blocks = (leader.num_prompt_tokens - 1) // bs
+        for sample in group.samples[1:]:
+            self.block_manager.fork(leader, sample, num_blocks)
+            sample.num_computed_tokens = num_blocks * bs
+        self._release_samples(group)
+
+    def _release_samples(self, group: SampleGroup) -> None:
+        group.forked = True
+        self.waiting.extendleft(reversed([s for s in group.samples[1:] if not s.is_finished]))
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks; it recomputes prompt and outputs when it runs again."""
@@ -235,8 +272,11 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
                 out.finished.append(request)
                 continue
-            computed_blocks = self._cache_hits(request, budget)
-            num_cached = len(computed_blocks) * self.block_manager.block_size
+            if request.block_ids:  # forked: starts on its leader's prompt blocks
+                computed_blocks, num_cached = [], request.num_computed_tokens
+            else:
+                computed_blocks = self._cache_hits(request, budget)
+                num_cached = len(computed_blocks) * self.block_manager.block_size
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -321,6 +361,8 @@ class Scheduler:
             if not s.do_sample:
                 continue
             request.append_output_token(token_id, token_logprobs)
+            if request.group is not None and not request.group.forked:
+                self._fork(request.group)  # before the leader can finish and free its blocks
             status = self._check_stop(request, token_id)
             if status is not None:
                 self.running.remove(request)

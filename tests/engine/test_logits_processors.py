@@ -131,9 +131,3 @@ def test_min_p_sampling_follows_the_kept_distribution():
     expected[kept] = torch.softmax(row[kept] / 0.8, -1)
     assert set(torch.nonzero(counts).flatten().tolist()) <= set(kept)
     assert torch.allclose(counts, expected, atol=0.015)
-
-
-def test_out_of_vocab_ids_are_refused_by_name():
-    for kwargs, field in [({"logit_bias": {V: 1.0}}, "logit_bias"), ({"allowed_token_ids": [V + 3]}, "allowed_token_ids")]:
-        with pytest.raises(ValueError, match=field):
-            SamplingMetadata.from_params([SamplingParams(**kwargs)], [None], V)

@@ -86,4 +86,10 @@ def test_parallel_samples_get_derived_seeds():
     children = [p.for_sample(i) for i in range(3)]
     assert [c.seed for c in children] == [10, 11, 12]
     assert all(c.n == 1 and c.best_of is None and c.temperature == 0.7 for c in children)
+    # best_of > n ranks samples by cumulative logprob: each sample tracks its tokens' logprobs.
+    assert all(c.logprobs == 0 for c in children)
     assert SamplingParams(n=2).for_sample(1).seed is None
+    assert SamplingParams(n=2).for_sample(1).logprobs is None
+    # Only the first sample scores the prompt (the others start on its blocks).
+    with_prompt = SamplingParams(n=2, prompt_logprobs=3, logprobs=2)
+    assert [(c.prompt_logprobs, c.logprobs) for c in map(with_prompt.for_sample, range(2))] == [(3, 2), (None, 2)]
