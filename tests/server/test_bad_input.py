@@ -87,27 +87,35 @@ def test_nan_temperature_says_finite(http):
     assert "finite" in error["message"]
 
 
+MAX_BYTES = 1 << 20
+
+
 @pytest.fixture(scope="module")
 def small_body_server(model_dir):
-    live = LiveServer(model_dir, max_request_bytes=2000)
+    live = LiveServer(model_dir, max_request_bytes=MAX_BYTES)
     yield live
     live.stop()
 
 
-def test_oversized_bodies_are_413_by_length_or_as_they_stream(small_body_server):
-    body = json.dumps({**GOOD, "prompt": "x" * 5000}).encode()
+@pytest.fixture
+def small_http(small_body_server):
     with httpx.Client(base_url=small_body_server.url, timeout=30) as client:
-        error = assert_error(client.post("/v1/completions", content=body,
-                                         headers={"content-type": "application/json"}), 413)
-        assert "2000" in error["message"]
-        chunked = client.post("/v1/completions", content=iter([body[:1500], body[1500:]]),
-                              headers={"content-type": "application/json"})
-        assert_error(chunked, 413)
-        assert client.post("/v1/completions", json=GOOD).status_code == 200
+        yield client
 
 
-def test_health_answers_while_a_maximum_size_prompt_is_tokenized(server, http):
-    prompt = "abc def " * ((4 << 20) // 8 - 64)  # just under the default body limit
+def test_oversized_bodies_are_413_by_length_or_as_they_stream(small_http):
+    body = json.dumps({**GOOD, "prompt": "x" * MAX_BYTES}).encode()
+    headers = {"content-type": "application/json"}
+    error = assert_error(small_http.post("/v1/completions", content=body, headers=headers), 413)
+    assert str(MAX_BYTES) in error["message"]
+    half = len(body) // 2
+    assert_error(small_http.post("/v1/completions", content=iter([body[:half], body[half:]]), headers=headers), 413)
+    assert small_http.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_health_answers_while_a_maximum_size_prompt_is_tokenized(small_http):
+    http = small_http
+    prompt = "abc def " * (MAX_BYTES // 8 - 16)  # just under the body limit
     result = {}
 
     def big() -> None:
