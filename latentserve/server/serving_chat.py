@@ -1,12 +1,9 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
-import asyncio
-
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
-from latentserve.engine.chat_template import render_chat
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.server.async_engine import RequestStream
@@ -18,14 +15,13 @@ from latentserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
     UsageInfo,
     random_id,
 )
-from latentserve.server.serving import OpenAIError, Serving, sampling_params, top_entries, usage
+from latentserve.server.serving import Serving, sampling_params, top_entries, usage
 
 
 class ServingChat(Serving):
@@ -48,16 +44,6 @@ class ServingChat(Serving):
                    for c in output.outputs]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs),
                                       prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs))
-
-    async def render(self, messages: list[ChatMessage]) -> str:
-        """The conversation's prompt text, rendered with the chat template on a worker thread."""
-        if self.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
-        rendered = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
-        try:
-            return await asyncio.to_thread(render_chat, self.tokenizer, rendered)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages") from e
 
     def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str,
                 top_k: int | None) -> StreamingResponse:
