@@ -16,8 +16,6 @@ from latentserve.engine.llm import default_model_dir
 from latentserve.sampling_params import SamplingParams
 from tests.server.conftest import free_socket
 
-pytest.importorskip("lm_eval")
-
 REPO = Path(__file__).resolve().parents[2]
 TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"
 MODEL_NAME = "kjv"
