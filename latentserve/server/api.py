@@ -5,10 +5,12 @@ import contextlib
 import hmac
 import logging
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -18,17 +20,25 @@ from latentserve.server.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from latentserve.server.serving import OpenAIError, unavailable
 from latentserve.server.serving_chat import ServingChat
 from latentserve.server.serving_completion import ServingCompletion
+from latentserve.server.serving_tokens import ServingTokens
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+# Largest request body by default: room for a prompt far past any context window, small enough to parse quickly.
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 @dataclass
@@ -69,6 +79,36 @@ class _Gate:
         return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413, refused from its Content-Length or as it streams."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await _error_response(self._error())(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise StarletteHTTPException(413, self._error().info.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> OpenAIError:
+        return OpenAIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                                "(--max-request-bytes)", code="request_too_large")
+
+
 def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code)
 
@@ -80,9 +120,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             parts.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}")
             continue
-        param = param or (loc[0] if loc else None)
+        if err.get("type") == "extra_forbidden":
+            parts.append(f"unrecognized request argument supplied: {'.'.join(loc)}")
+            param = param or (loc[-1] if loc else None)
+            continue
+        field = err.get("ctx", {}).get("field")  # our validators name the field they refuse
+        param = param or field or (loc[0] if loc else None)
         message = str(err.get("msg", "")).removeprefix("Value error, ")
-        parts.append(f"{'.'.join(loc)}: {message}" if loc else message)
+        parts.append(f"{'.'.join(loc)}: {message}" if loc and not field else message)
     return "; ".join(parts) or "invalid request", param
 
 
@@ -107,11 +152,18 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
 
 
-def build_app(engine: Engine, model_name: str, api_key: str | None = None,
-              max_waiting: int | None = None) -> FastAPI:
+def _version() -> str:
+    try:
+        return version("latentserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve") -> FastAPI:
     """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
     lifespan starts and stops the engine thread."""
-    async_engine = AsyncLLMEngine(engine, max_waiting)
+    async_engine = AsyncLLMEngine(engine, max_waiting, model_name, metrics_prefix)
     state = ServerState()
 
     @contextlib.asynccontextmanager
@@ -123,10 +175,13 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="latentserve", summary="OpenAI-compatible server for MLA models", lifespan=lifespan)
     app.state.engine = async_engine
     app.state.server_state = state
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(_Gate, state=state, api_key=api_key)
     _add_error_handlers(app)
     completions = ServingCompletion(async_engine, model_name)
     chat = ServingChat(async_engine, model_name)
+    tokens = ServingTokens(async_engine, model_name)
+    card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health() -> dict:
@@ -134,13 +189,39 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None,
             raise unavailable("the engine is not running")
         return {"status": "ok"}
 
+    @app.get("/ping", responses={503: {"model": ErrorResponse}})
+    async def ping() -> Response:
+        """As /health, with an empty body (vLLM's, for SageMaker)."""
+        await health()
+        return Response(status_code=200)
+
+    app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post",
+                      responses={503: {"model": ErrorResponse}})
+
+    @app.get("/version")
+    async def get_version() -> VersionResponse:
+        return VersionResponse(version=_version())
+
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(async_engine.metrics.render(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[card])
+
+    @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
+    async def model(model_id: str) -> ModelCard:
+        completions.check_model(model_id)
+        return card
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return await tokens.tokenize(req)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokens.detokenize(req)
 
     @app.post("/v1/completions", responses=_ERRORS, response_model=CompletionResponse)
     async def create_completion(req: CompletionRequest, raw_request: Request):

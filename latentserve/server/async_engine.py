@@ -65,12 +65,14 @@ class RequestStream:
 
 @dataclass
 class _Timing:
-    """Engine-thread bookkeeping of one request, for the latency metrics."""
+    """Engine-thread bookkeeping of one request, for the metrics."""
 
     arrival: float
     num_prompt_tokens: int
+    params: SamplingParams
     num_tokens: int = 0
     last_token: float = 0.0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -79,6 +81,17 @@ class _Add:
     params: SamplingParams
     request_id: str
     arrival: float
+
+
+def _max_num_seqs(engine: LLMEngine) -> int:
+    return engine.scheduler.config.max_num_seqs
+
+
+def engine_seats(engine: Engine) -> int:
+    """Requests the engine (all its ranks) can run at once."""
+    if isinstance(engine, DPLLMEngine):
+        return sum(engine.dp_engine.collective_rpc(_max_num_seqs))
+    return _max_num_seqs(engine)
 
 
 def engine_load(engine: Engine) -> dict[str, float]:
@@ -92,10 +105,12 @@ def engine_load(engine: Engine) -> dict[str, float]:
 class AsyncLLMEngine:
     """Drives an `LLMEngine`, or a `DPLLMEngine` over data-parallel ranks, through its per-step surface."""
 
-    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: Engine, max_waiting: int | None = None, model_name: str = "",
+                 metrics_prefix: str = "latentserve") -> None:
         self.engine = engine
         self.max_waiting = max_waiting
-        self.metrics = Metrics(self._gauges)
+        self.seats = engine_seats(engine)
+        self.metrics = Metrics(self._gauges, model_name, metrics_prefix)
         self._ops: deque[_Add | str] = deque()  # a request to add, or the id of one to abort
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}  # engine thread only: requests added and not finished
@@ -119,7 +134,17 @@ class AsyncLLMEngine:
 
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine thread or in the scheduler's waiting queue."""
-        return len(self._ops) + int(engine_load(self.engine)["waiting"])
+        return self._num_queued() + int(engine_load(self.engine)["waiting"])
+
+    def num_unadmitted(self) -> int:
+        """Requests the engine could not admit: those its scheduler holds waiting, and those queued for the engine
+        thread beyond the free seats (a burst on an idle engine is all admitted at its next step)."""
+        load = engine_load(self.engine)
+        free = self.seats - int(load["running"]) if load["waiting"] == 0 else 0
+        return int(load["waiting"]) + max(self._num_queued() - free, 0)
+
+    def _num_queued(self) -> int:
+        return sum(isinstance(op, _Add) for op in list(self._ops))
 
     def _gauges(self) -> dict[str, float]:
         return {**engine_load(self.engine), "waiting": self.num_waiting()}
@@ -128,7 +153,7 @@ class AsyncLLMEngine:
         """Queue a request; must be called on the event loop. The engine's refusal (ValueError) ends its stream."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running" + (f": {self.error}" if self.error else ""))
-        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+        if self.max_waiting is not None and self.num_unadmitted() >= self.max_waiting:
             raise QueueFullError(f"the server is busy: {self.max_waiting} requests are already waiting")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         with self._lock:
@@ -159,9 +184,9 @@ class AsyncLLMEngine:
         except BaseException as e:  # the engine's state is unknown now: fail every request and refuse new ones
             logger.exception("engine step failed")
             self.error = e
-            self._fail_all(EngineDeadError(f"the engine failed: {e!r}"))
+            self._fail_all(EngineDeadError(f"the engine failed: {e!r}"), "error")
             return
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down"), "abort")
 
     def _apply_ops(self) -> None:
         while self._ops:
@@ -171,8 +196,7 @@ class AsyncLLMEngine:
             elif op in self._timings:
                 self.engine.abort_request(op)
                 self._close(op)
-                timing = self._timings.pop(op)
-                self.metrics.observe_finished("abort", timing.num_prompt_tokens)
+                self._finished(self._timings.pop(op), "abort", time.monotonic())
 
     def _add(self, op: _Add) -> None:
         try:
@@ -181,7 +205,7 @@ class AsyncLLMEngine:
             self._close(op.request_id).put(e)
             return
         num_prompt_tokens = len(op.prompt) if isinstance(op.prompt, list) else 0  # a text prompt's: at its output
-        self._timings[op.request_id] = _Timing(op.arrival, num_prompt_tokens)
+        self._timings[op.request_id] = _Timing(op.arrival, num_prompt_tokens, op.params)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -199,22 +223,31 @@ class AsyncLLMEngine:
         if timing is None:
             return
         timing.num_prompt_tokens = len(output.prompt_token_ids)
-        num_tokens = len(output.outputs[0].token_ids)
+        timing.num_cached_tokens = output.num_cached_tokens
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
         if num_tokens > timing.num_tokens:
             first = timing.num_tokens == 0
             since = timing.arrival if first else timing.last_token
             self.metrics.observe_tokens(num_tokens - timing.num_tokens, first, now - since)
             timing.num_tokens, timing.last_token = num_tokens, now
         if output.finished:
-            self.metrics.observe_finished(output.outputs[0].finish_reason or "error", timing.num_prompt_tokens)
-            del self._timings[output.request_id]
+            reason = "error" if output.error is not None else output.outputs[0].finish_reason or "error"
+            self._finished(self._timings.pop(output.request_id), reason, now)
+
+    def _finished(self, timing: _Timing, reason: str, now: float) -> None:
+        self.metrics.observe_finished(reason, timing.num_prompt_tokens, timing.num_tokens, now - timing.arrival,
+                                      timing.params.n, timing.params.max_tokens, timing.num_cached_tokens)
 
     def _close(self, request_id: str) -> RequestStream | None:
         with self._lock:
             return self._streams.pop(request_id, None)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_all(self, error: BaseException, reason: str) -> None:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
+        now = time.monotonic()
+        for timing in self._timings.values():
+            self._finished(timing, reason, now)
+        self._timings.clear()
         for stream in streams:
             stream.put(error)

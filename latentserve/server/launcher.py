@@ -11,7 +11,7 @@ import uvicorn
 
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.llm_engine import EngineConfig
-from latentserve.server.api import ServerState, build_app
+from latentserve.server.api import DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
 from latentserve.server.async_engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -25,6 +25,8 @@ class ServerConfig:
     max_waiting: int | None = None  # more waiting requests than this get 503; None: no limit
     served_model_name: str | None = None  # the `model` clients send; default: the model directory's name
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
+    metrics_prefix: str = "latentserve"  # /metrics names are <prefix>:<vLLM's name>; "vllm" gives vLLM's exact names
     log_level: str = "info"
 
 
@@ -57,7 +59,8 @@ class DrainingServer(uvicorn.Server):
 
 def serve(engine: Engine, model_name: str, config: ServerConfig) -> None:
     """Serve a loaded engine as `model_name` until SIGTERM / SIGINT."""
-    app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting)
+    app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting,
+                    config.max_request_bytes, config.metrics_prefix)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=max(int(config.drain_timeout), 1))
     DrainingServer(uv_config, app.state.server_state, config.drain_timeout).run()

@@ -1,91 +1,108 @@
-"""Server metrics in the Prometheus text exposition format (vLLM's metric names, written by hand)."""
+"""Server metrics on `prometheus_client`, with vLLM's metric names and labels.
+
+Names are `<prefix>:<vLLM's name>`: the default prefix `latentserve`, or `vllm` for the exact names vLLM exports, so
+that dashboards and alerts written for vLLM work unchanged. Only the front-end process records (data-parallel ranks
+hand their outputs back to it), so one process-local registry sees every request.
+"""
 from __future__ import annotations
 
-import bisect
-import threading
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 PREFIX = "latentserve"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(init=False)  # per bucket, not cumulative; the last one is +Inf
-    total: float = 0.0
-    count: int = 0
+class _Gauges(Collector):
+    """The scheduler's state, read when scraped."""
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
+    def __init__(self, prefix: str, model_name: str, read: Callable[[], dict[str, float]]) -> None:
+        self.prefix, self.model_name, self.read = prefix, model_name, read
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self, name: str) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, n in zip((*map(repr, self.buckets), "+Inf"), self.counts):
-            cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        return lines + [f"{name}_sum {self.total}", f"{name}_count {self.count}"]
+    def collect(self) -> Iterator[Metric]:
+        g = self.read()
+        for name, help_text, key in (("num_requests_running", "Requests in the running batch.", "running"),
+                                     ("num_requests_waiting", "Requests waiting to be scheduled.", "waiting"),
+                                     ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+                                      "kv_cache_usage")):
+            family = GaugeMetricFamily(f"{self.prefix}:{name}", help_text, labels=["model_name"])
+            family.add_metric([self.model_name], g[key])
+            yield family
 
 
 class Metrics:
     """Counters and histograms the engine thread records; gauges read live from the scheduler when scraped."""
 
-    def __init__(self, gauges: Callable[[], dict[str, float]]) -> None:
-        self._lock = threading.Lock()
-        self._gauges = gauges
-        self.finished: dict[str, int] = {}  # finish reason -> requests
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
+    def __init__(self, gauges: Callable[[], dict[str, float]], model_name: str = "", prefix: str = PREFIX) -> None:
+        disable_created_metrics()  # as vLLM: no `_created` series next to each counter and histogram
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        p, labels, r = prefix, ["model_name"], self.registry
+        self.success = Counter(f"{p}:request_success", "Finished requests by finish reason.",
+                               labels + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+        self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.prefix_cache_queries = Counter(f"{p}:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                            labels, registry=r)
+        self.prefix_cache_hits = Counter(f"{p}:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
+                                         registry=r)
+        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time from arrival to the first token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Time between two tokens of a request.", labels,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "Time from arrival to the end of a request.", labels,
+                             buckets=E2E_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram(f"{p}:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               labels, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(f"{p}:request_generation_tokens",
+                                                   "Generated tokens per finished request.", labels,
+                                                   buckets=TOKEN_BUCKETS, registry=r)
+        self.params_n = Histogram(f"{p}:request_params_n", "The n of finished requests.", labels, buckets=N_BUCKETS,
+                                  registry=r)
+        self.params_max_tokens = Histogram(f"{p}:request_params_max_tokens", "The max_tokens of finished requests.",
+                                           labels, buckets=TOKEN_BUCKETS, registry=r)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.ttft, self.itl, self.e2e, self.request_prompt_tokens, self.request_generation_tokens,
+                       self.params_n, self.params_max_tokens):
+            metric.labels(model_name)  # exported from the start, at zero
+        self.registry.register(_Gauges(prefix, model_name, gauges))
 
     def observe_tokens(self, num_new: int, first: bool, seconds: float) -> None:
         """`num_new` tokens of one request arrived `seconds` after its arrival (first) or its previous token."""
-        with self._lock:
-            self.generation_tokens += num_new
-            if first:
-                self.ttft.observe(seconds)
-            elif num_new:
-                self.itl.observe(seconds / num_new)
+        m = self.model_name
+        self.generation_tokens.labels(m).inc(num_new)
+        if first:
+            self.ttft.labels(m).observe(seconds)
+        elif num_new:
+            self.itl.labels(m).observe(seconds / num_new)
 
-    def observe_finished(self, finish_reason: str, num_prompt_tokens: int) -> None:
-        with self._lock:
-            self.finished[finish_reason] = self.finished.get(finish_reason, 0) + 1
-            self.prompt_tokens += num_prompt_tokens
+    def observe_finished(self, finish_reason: str, num_prompt_tokens: int, num_generated: int = 0,
+                         seconds: float | None = None, n: int = 1, max_tokens: int | None = None,
+                         num_cached_tokens: int = 0) -> None:
+        """One request ended (whatever its stage: an aborted request may have no token and no prompt count)."""
+        m = self.model_name
+        self.success.labels(m, finish_reason).inc()
+        self.prompt_tokens.labels(m).inc(num_prompt_tokens)
+        self.prefix_cache_queries.labels(m).inc(num_prompt_tokens)
+        self.prefix_cache_hits.labels(m).inc(num_cached_tokens)
+        self.request_prompt_tokens.labels(m).observe(num_prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(num_generated)
+        self.params_n.labels(m).observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.labels(m).observe(max_tokens)
+        if seconds is not None:
+            self.e2e.labels(m).observe(seconds)
 
-    def render(self) -> str:
-        p = PREFIX
-        with self._lock:
-            lines = [f"# HELP {p}:request_success_total Finished requests by finish reason.",
-                     f"# TYPE {p}:request_success_total counter"]
-            for reason in ("stop", "length", "abort", "error"):
-                lines.append(f'{p}:request_success_total{{finished_reason="{reason}"}} {self.finished.get(reason, 0)}')
-            lines += [f"# HELP {p}:prompt_tokens_total Prompt tokens of finished requests.",
-                      f"# TYPE {p}:prompt_tokens_total counter", f"{p}:prompt_tokens_total {self.prompt_tokens}",
-                      f"# HELP {p}:generation_tokens_total Generated tokens.",
-                      f"# TYPE {p}:generation_tokens_total counter",
-                      f"{p}:generation_tokens_total {self.generation_tokens}"]
-            lines += [f"# HELP {p}:time_to_first_token_seconds Time from arrival to the first token.",
-                      f"# TYPE {p}:time_to_first_token_seconds histogram",
-                      *self.ttft.render(f"{p}:time_to_first_token_seconds"),
-                      f"# HELP {p}:inter_token_latency_seconds Time between two tokens of a request.",
-                      f"# TYPE {p}:inter_token_latency_seconds histogram",
-                      *self.itl.render(f"{p}:inter_token_latency_seconds")]
-        for name, (help_text, value) in self._gauge_lines().items():
-            lines += [f"# HELP {p}:{name} {help_text}", f"# TYPE {p}:{name} gauge", f"{p}:{name} {value}"]
-        return "\n".join(lines) + "\n"
-
-    def _gauge_lines(self) -> dict[str, tuple[str, float]]:
-        g = self._gauges()
-        return {
-            "num_requests_running": ("Requests in the running batch.", g["running"]),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", g["waiting"]),
-            "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (1 = full).", g["kv_cache_usage"]),
-        }
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -3,12 +3,35 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
 # Largest top-k of logprobs a request may ask for (vLLM's default cap).
 MAX_LOGPROBS = 20
+# Parallel samples per request at most (n and best_of): each holds its own KV blocks and decode slot.
+MAX_SAMPLES = 16
+# OpenAI and vLLM fields latentserve knows but does not implement: refused with a 400 naming them, never ignored.
+UNSUPPORTED = {
+    "suffix": "suffix is not supported: this server has no fill-in-the-middle mode",
+    "tools": "tools are not supported yet",
+    "functions": "functions are not supported yet",
+    "function_call": "function_call is not supported yet",
+    "parallel_tool_calls": "parallel_tool_calls is not supported yet (no tools)",
+    "guided_json": "guided decoding (guided_json) is not supported yet",
+    "guided_regex": "guided decoding (guided_regex) is not supported yet",
+    "guided_choice": "guided decoding (guided_choice) is not supported yet",
+    "guided_grammar": "guided decoding (guided_grammar) is not supported yet",
+    "structured_outputs": "structured outputs are not supported yet",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty is not supported (it applies to beam search)",
+    "continue_final_message": "continue_final_message is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+    "audio": "audio output is not supported",
+    "modalities": "modalities other than text are not supported",
+    "prediction": "predicted outputs are not supported",
+}
 
 
 def random_id(prefix: str) -> str:
@@ -17,6 +40,28 @@ def random_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
+
+
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """The path of the first string in `value` (JSON data) that is not valid Unicode, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, list):
+        # A prompt of token ids can have a million items: only those that may hold a string are visited.
+        items = ((i, x) for i, x in enumerate(value) if type(x) is not int) if value else ()
+    else:
+        items = value.items() if isinstance(value, dict) else ()
+    for key, item in items:
+        if isinstance(key, str) and find_lone_surrogate(key) is not None:
+            return path or "body"
+        found = find_lone_surrogate(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found is not None:
+            return found.lstrip(".")
+    return None
 
 
 class ErrorInfo(BaseModel):
@@ -30,55 +75,115 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-class StreamOptions(BaseModel):
+class StrictModel(BaseModel):
+    """Unknown fields are refused (400), NaN and infinities too."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
-    """The sampling fields that completions and chat share."""
+class SamplingRequest(StrictModel):
+    """The sampling fields that completions and chat share (OpenAI's, then vLLM's extensions)."""
 
     model: str
-    n: int = Field(1, ge=1, le=1, description="choices per request: only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_SAMPLES, description="choices returned per prompt")
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES, description="samples generated per prompt (>= n)")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     temperature: float = Field(1.0, ge=0.0, le=1e6)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k (a latentserve extension, as in vLLM)")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    user: str | None = Field(None, description="accepted and not used (OpenAI's end-user id)")
+    metadata: dict[str, str] | None = Field(None, description="accepted and not used")
+    store: bool | None = Field(None, description="accepted and not used: nothing is stored")
+    # vLLM's extensions
+    top_k: int = Field(0, ge=-1, description="0 or -1: no top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=1e6)
     min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        path = find_lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError("lone_surrogate", "{field}: the string is not valid Unicode (a lone surrogate)",
+                                      {"field": path})
+        for name, reason in UNSUPPORTED.items():
+            if data.get(name) is not None and name not in cls.model_fields:
+                raise PydanticCustomError("unsupported", "{field}: " + reason, {"field": name})
+        # An explicit null asks for nothing: dropped rather than refused as an unknown field.
+        return {k: v for k, v in data.items() if not (k in UNSUPPORTED and v is None and k not in cls.model_fields)}
 
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.best_of is not None and self.best_of < self.n:
+            raise PydanticCustomError("best_of", "best_of: must be >= n, got n={n} and best_of={best_of}",
+                                      {"field": "best_of", "n": self.n, "best_of": self.best_of})
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise PydanticCustomError("best_of", "best_of: cannot be larger than n when streaming",
+                                      {"field": "best_of"})
         return self
 
 
+# Tried left to right: smart-mode unions validate a million-id prompt ten times slower. Strict ints, so that a
+# list of numeric strings stays a batch of text prompts.
+Prompt = str | list[StrictInt] | list[list[StrictInt]] | list[str]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] = Field(description="one prompt: a string or a list of token ids")
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: Prompt = Field(union_mode="left_to_right",
+                           description="a string, a list of token ids, or a batch of either")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError(f"a batch of {len(self.prompt)} prompts is not supported: send one prompt per request")
-            self.prompt = self.prompt[0]
-        if self.echo:
-            raise ValueError("echo=true is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise PydanticCustomError("prompt", "prompt: the prompt is empty", {"field": "prompt"})
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("max_tokens", "max_tokens: 0 is only allowed with echo=true",
+                                      {"field": "max_tokens"})
+        if self.max_tokens == 0 and self.stream:
+            raise PydanticCustomError("max_tokens", "max_tokens: 0 is not allowed with stream=true",
+                                      {"field": "max_tokens"})
         return self
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per element (a single prompt is a batch of one)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
-class TextContentPart(BaseModel):
+
+class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -89,12 +194,32 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class ResponseFormat(StrictModel):
+    type: Literal["text"] = Field(description="only text: structured outputs are not supported yet")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tool_choice: Literal["none"] | None = Field(None, description="only none: tools are not supported yet")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_chat_raw(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fmt = data.get("response_format")
+            if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+                raise PydanticCustomError("unsupported", "{field}: type {kind!r} is not supported yet (only 'text')",
+                                          {"field": "response_format", "kind": str(fmt.get("type"))})
+            choice = data.get("tool_choice")
+            if choice is not None and choice != "none":
+                raise PydanticCustomError("unsupported", "{field}: only 'none' is supported (no tools yet)",
+                                          {"field": "tool_choice"})
+        return data
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -113,10 +238,21 @@ class UsageInfo(BaseModel):
     total_tokens: int
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape of one token's prompt logprob."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 
@@ -125,6 +261,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -160,6 +298,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -169,6 +308,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -190,6 +330,55 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeRequest(StrictModel):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        path = find_lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError("lone_surrogate", "{field}: the string is not valid Unicode (a lone surrogate)",
+                                      {"field": path})
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send exactly one of prompt and messages")
+        if self.messages is not None and not self.add_generation_prompt:
+            raise PydanticCustomError("unsupported", "{field}: only true is supported",
+                                      {"field": "add_generation_prompt"})
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ModelCard(BaseModel):

@@ -1,4 +1,5 @@
-"""What completions and chat share: sampling params, running a request to its end or as a server-sent stream."""
+"""What completions and chat share: sampling params, prompts tokenized off the event loop, requests run to their
+end or streamed as server-sent events."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +10,23 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from latentserve.engine.chat_template import render_chat
+from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from latentserve.server.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from latentserve.server.protocol import (
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingRequest,
+    UsageInfo,
+)
+
+Prompt = str | list[int]
 
 
 class OpenAIError(Exception):
@@ -33,17 +46,38 @@ def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="service_unavailable_error")
 
 
-def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def param_named_in(message: str) -> str | None:
+    """The request field a SamplingParams error message names (its messages start with or contain it)."""
+    for word in message.replace("[", " ").replace("=", " ").split():
+        if word.strip(":,()") in SamplingRequest.model_fields:
+            return word.strip(":,()")
+    return None
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """The engine's SamplingParams for a request; a value the engine refuses is a 400 naming its field."""
     try:
-        return SamplingParams(n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                              max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-                              ignore_eos=req.ignore_eos, logprobs=logprobs)
+        return SamplingParams(
+            n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
+            stop=req.stop, stop_token_ids=req.stop_token_ids, bad_words=req.bad_words,
+            include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else req.prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
+            allowed_token_ids=req.allowed_token_ids)
     except ValueError as e:
-        raise OpenAIError(400, str(e)) from e
+        raise OpenAIError(400, str(e), param=param_named_in(str(e))) from e
 
 
-def usage(output: RequestOutput) -> UsageInfo:
-    prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+def usage(outputs: list[RequestOutput], num_hidden_tokens: int = 0) -> UsageInfo:
+    """Token counts over a batch's requests; `num_hidden_tokens` generated per request are not returned."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(max(len(c.token_ids) - num_hidden_tokens, 0) for o in outputs for c in o.outputs)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
@@ -57,6 +91,25 @@ def sse(payload: BaseModel | dict) -> str:
     return f"data: {text}\n\n"
 
 
+def encode(tokenizer: TokenizerInfo, text: str, add_special_tokens: bool = True) -> tuple[int, Callable[[], list[int]]]:
+    """(token count, a function giving the ids) of `text`, as `TokenizerInfo.encode` tokenizes it; the count may
+    miss the BOS that the ids get.
+
+    `encode_batch` releases the GIL while it runs, so the event loop keeps going; turning a huge encoding into a
+    list does not, so the caller gets the count first and the list only if it wants it.
+    """
+    encoding = tokenizer.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    bos = tokenizer.bos_token_id
+
+    def ids() -> list[int]:
+        token_ids = encoding.ids
+        if add_special_tokens and tokenizer.add_bos_token and bos is not None and token_ids[:1] != [bos]:
+            token_ids = [bos] + token_ids
+        return token_ids
+
+    return len(encoding), ids
+
+
 async def _wait_disconnect(raw_request: HTTPRequest) -> None:
     while (await raw_request.receive())["type"] != "http.disconnect":
         pass
@@ -67,6 +120,34 @@ async def _last(stream: RequestStream) -> RequestOutput:
     async for output in stream:
         pass
     return output
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from all streams as they come; an error in one ends the merge."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except BaseException as e:  # handed to the consumer, which raises it
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class Serving:
@@ -82,76 +163,155 @@ class Serving:
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                               param="model", code="model_not_found")
 
-    def tokenize(self, prompt: str | list[int], max_tokens: int | None) -> list[int]:
-        """Prompt token ids, checked to fit in max_model_len together with max_tokens."""
-        try:
-            token_ids = self.engine.engine.tokenize(prompt)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="prompt") from e
-        if not token_ids:
-            raise OpenAIError(400, "the prompt is empty", param="prompt")
+    async def prompt_ids(self, prompts: list[Prompt], params: SamplingParams, max_tokens: int | None,
+                         param: str = "prompt", add_special_tokens: bool = True) -> list[list[int]]:
+        """Each prompt's token ids (tokenized on a worker thread), truncated as asked and checked to fit in
+        max_model_len together with max_tokens."""
+        return await asyncio.to_thread(self._prompt_ids, prompts, params, max_tokens, param, add_special_tokens)
+
+    def _prompt_ids(self, prompts: list[Prompt], params: SamplingParams, max_tokens: int | None, param: str,
+                    add_special_tokens: bool) -> list[list[int]]:
+        limit, wanted = self.engine.engine.max_model_len, max_tokens or 1
+        truncate = params.truncate_prompt_tokens
+        keep = None if truncate is None else limit if truncate == -1 else truncate
+        result = []
+        for prompt in prompts:
+            if isinstance(prompt, str) and self.tokenizer is not None:
+                count, ids = encode(self.tokenizer, prompt, add_special_tokens)
+                if keep is None and count + wanted > limit:  # too long: refused without listing the ids
+                    raise self._too_long(count, wanted, param)
+                token_ids = ids()
+            else:
+                try:
+                    token_ids = self.engine.engine.tokenize(prompt)
+                except ValueError as e:
+                    raise OpenAIError(400, str(e), param=param) from e
+            if not token_ids:
+                raise OpenAIError(400, "the prompt is empty", param=param)
+            if keep is not None:
+                token_ids = token_ids[-keep:]
+            if len(token_ids) + wanted > limit:
+                raise self._too_long(len(token_ids), wanted, param)
+            result.append(token_ids)
+        return result
+
+    def _too_long(self, count: int, wanted: int, param: str) -> OpenAIError:
         limit = self.engine.engine.max_model_len
-        wanted = len(token_ids) + (max_tokens or 1)
-        if wanted > limit:
-            raise OpenAIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has "
-                                   f"{len(token_ids)} tokens and asks for {max_tokens or 1} more ({wanted} in all)",
-                              param="prompt")
-        return token_ids
+        return OpenAIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {count} "
+                                f"tokens and asks for {wanted} more ({count + wanted} in all)", param=param)
+
+    async def render(self, messages: list[ChatMessage]) -> str:
+        """The conversation's prompt text, rendered with the chat template on a worker thread."""
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
+        rendered = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        try:
+            return await asyncio.to_thread(render_chat, self.tokenizer, rendered)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from e
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        if params.stop and self.tokenizer is None:
-            raise OpenAIError(400, "stop strings need a tokenizer, and this model has none", param="stop")
+        if (params.stop or params.bad_words) and self.tokenizer is None:
+            name = "stop" if params.stop else "bad_words"
+            raise OpenAIError(400, f"{name} needs a tokenizer, and this model has none", param=name)
         try:
             return self.engine.add_request(token_ids, params, request_id)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from e
+            raise OpenAIError(400, str(e), param=param_named_in(str(e))) from e
         except (QueueFullError, EngineDeadError) as e:
             raise unavailable(str(e)) from e
 
-    async def run_to_end(self, stream: RequestStream, raw_request: HTTPRequest) -> RequestOutput | None:
-        """The final output; None (and the request aborted) if the client went away first."""
-        result = asyncio.ensure_future(_last(stream))
+    def add_requests(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> list[RequestStream]:
+        """One engine request per prompt; all or none (a refusal aborts those already added)."""
+        if len(prompts) == 1:
+            return [self.add_request(prompts[0], params, request_id)]
+        streams: list[RequestStream] = []
+        try:
+            for i, token_ids in enumerate(prompts):
+                streams.append(self.add_request(token_ids, params, f"{request_id}-{i}"))
+        except OpenAIError:
+            for stream in streams:
+                self.engine.abort(stream.request_id)
+            raise
+        return streams
+
+    async def run_to_end(self, streams: list[RequestStream], raw_request: HTTPRequest) -> list[RequestOutput] | None:
+        """Each request's final output; None (and the requests aborted) if the client went away first."""
+        tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+        results = asyncio.ensure_future(asyncio.gather(*tasks))
         disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
         try:
-            await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({results, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            if not result.done():
-                result.cancel()
-                self.engine.abort(stream.request_id)
-        if not result.done() or result.cancelled():
+            # Cancelled while waiting, the client gone, or one request failed: the others stop too.
+            stop = not results.done() or results.exception() is not None
+            if stop:
+                for task in tasks:
+                    task.cancel()
+                for stream in streams:
+                    if not stream.finished:
+                        self.engine.abort(stream.request_id)
+        if not results.done():
             return None
         try:
-            output = result.result()
+            outputs = results.result()
         except EngineDeadError as e:
             raise unavailable(str(e)) from e
-        except ValueError as e:  # the scheduler refused the request
-            raise OpenAIError(400, str(e)) from e
-        if output.error is not None:
-            raise OpenAIError(400, output.error)
-        return output
+        except ValueError as e:  # the engine refused the request
+            raise OpenAIError(400, str(e), param=param_named_in(str(e))) from e
+        for output in outputs:
+            if output.error is not None:
+                raise OpenAIError(400, output.error)
+        return outputs
 
-    def stream_response(self, stream: RequestStream, chunks: Callable[[RequestOutput], Iterable[BaseModel]],
+    def stream_response(self, streams: list[RequestStream],
+                        chunks: Callable[[int, RequestOutput], Iterable[BaseModel]],
                         usage_chunk: Callable[[UsageInfo], BaseModel] | None) -> StreamingResponse:
-        return StreamingResponse(self._events(stream, chunks, usage_chunk), media_type="text/event-stream")
+        return StreamingResponse(self._events(streams, chunks, usage_chunk), media_type="text/event-stream")
 
-    async def _events(self, stream: RequestStream, chunks: Callable[[RequestOutput], Iterable[BaseModel]],
+    async def _events(self, streams: list[RequestStream], chunks: Callable[[int, RequestOutput], Iterable[BaseModel]],
                       usage_chunk: Callable[[UsageInfo], BaseModel] | None) -> AsyncIterator[str]:
-        """Server-sent events: the chunks of each output, the usage if asked, then [DONE]."""
+        """Server-sent events: the chunks of each output (prompt index, output), the usage if asked, then [DONE]."""
+        last: dict[int, RequestOutput] = {}
         try:
-            async for output in stream:
+            async for i, output in merge(streams):
                 if output.error is not None:
                     yield sse(OpenAIError(400, output.error).body())
                     break
-                for chunk in chunks(output):
+                last[i] = output
+                for chunk in chunks(i, output):
                     yield sse(chunk)
-                if output.finished and usage_chunk is not None:
-                    yield sse(usage_chunk(usage(output)))
+            else:
+                if usage_chunk is not None:
+                    yield sse(usage_chunk(usage(list(last.values()))))
         except EngineDeadError as e:
             yield sse(unavailable(str(e)).body())
-        except ValueError as e:  # the scheduler refused the request
+        except ValueError as e:  # the engine refused the request
             yield sse(OpenAIError(400, str(e)).body())
         finally:
-            if not stream.finished:  # the client went away (this generator was cancelled or closed)
-                self.engine.abort(stream.request_id)
+            for stream in streams:
+                if not stream.finished:  # the client went away (this generator was cancelled or closed), or an error
+                    self.engine.abort(stream.request_id)
         yield "data: [DONE]\n\n"
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def prompt_logprobs(self, output: RequestOutput, k: int | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs: per prompt position (None at the first), token id -> logprob, rank, text."""
+        if k is None or output.prompt_logprobs is None:
+            return None
+        result: PromptLogprobs = []
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+            if entry is None:
+                result.append(None)
+                continue
+            top = top_entries(entry, k)
+            ranks = {t: rank for rank, (t, _) in enumerate(top, 1)}
+            chosen = {token_id: entry[token_id], **dict(top)}
+            result.append({str(t): PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=self.token_text(t))
+                           for t, lp in chosen.items()})
+        return result

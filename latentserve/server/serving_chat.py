@@ -7,7 +7,6 @@ from fastapi.responses import Response, StreamingResponse
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.server.async_engine import RequestStream
-from latentserve.engine.chat_template import chat_prompt_ids
 from latentserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,66 +21,63 @@ from latentserve.server.protocol import (
     UsageInfo,
     random_id,
 )
-from latentserve.server.serving import OpenAIError, Serving, sampling_params, top_entries, usage
+from latentserve.server.serving import Serving, sampling_params, top_entries, usage
 
 
 class ServingChat(Serving):
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
         self.check_model(req.model)
-        if self.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_new_tokens, top_k)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
-        try:
-            prompt_ids = chat_prompt_ids(self.tokenizer, messages)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages") from e
-        token_ids = self.tokenize(prompt_ids, req.max_new_tokens)
+        prompt = await self.render(req.messages)
+        token_ids = (await self.prompt_ids([prompt], params, req.max_new_tokens, "messages", False))[0]
         request_id = random_id("chatcmpl")
         stream = self.add_request(token_ids, params, request_id)
         if req.stream:
             return self._stream(req, stream, request_id, top_k)
-        output = await self.run_to_end(stream, raw_request)
-        if output is None:
+        outputs = await self.run_to_end([stream], raw_request)
+        if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        completion = output.outputs[0]
-        choice = ChatChoice(message=AssistantMessage(content=completion.text), finish_reason=completion.finish_reason,
-                            logprobs=self._logprobs(completion.token_ids, completion.logprobs, top_k))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage(output))
+        output = outputs[0]
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, top_k))
+                   for c in output.outputs]
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs),
+                                      prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs))
 
     def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str,
                 top_k: int | None) -> StreamingResponse:
-        sent = {"chars": 0, "tokens": 0, "role": False}
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
 
-        def chunk(delta: DeltaMessage, logprobs: ChatLogprobs | None = None, finish_reason: str | None = None):
-            choice = ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=finish_reason)
+        def chunk(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
+                  finish_reason: str | None = None) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
 
-        def chunks(output: RequestOutput):
+        def chunks(_: int, output: RequestOutput) -> list[ChatCompletionChunk]:
             out = []
-            if not sent["role"]:
-                sent["role"] = True
-                out.append(chunk(DeltaMessage(role="assistant", content="")))
-            completion = output.outputs[0]
-            delta = completion.text[sent["chars"] :]
-            if delta or output.finished:
-                token_ids = completion.token_ids[sent["tokens"] :]
-                entries = completion.logprobs[sent["tokens"] :] if completion.logprobs is not None else None
-                sent["chars"], sent["tokens"] = len(completion.text), len(completion.token_ids)
-                out.append(chunk(DeltaMessage(content=delta), self._logprobs(token_ids, entries, top_k),
-                                 completion.finish_reason))
+            for completion in output.outputs:
+                if completion.index not in sent:
+                    sent[completion.index] = (0, 0)
+                    out.append(chunk(completion.index, DeltaMessage(role="assistant", content="")))
+                chars, tokens = sent[completion.index]
+                delta = completion.text[chars:]
+                if delta or completion.finished():
+                    token_ids = completion.token_ids[tokens:]
+                    entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
+                    sent[completion.index] = (len(completion.text), len(completion.token_ids))
+                    out.append(chunk(completion.index, DeltaMessage(content=delta),
+                                     self._logprobs(token_ids, entries, top_k), completion.finish_reason))
             return out
 
         def usage_chunk(info: UsageInfo) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=info)
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return self.stream_response(stream, chunks, usage_chunk if include_usage else None)
+        return self.stream_response([stream], chunks, usage_chunk if include_usage else None)
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     def _logprobs(self, token_ids: list[int], entries: list[Logprobs] | None, k: int | None) -> ChatLogprobs | None:

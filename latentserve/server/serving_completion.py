@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
-from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.server.async_engine import RequestStream
 from latentserve.server.protocol import (
@@ -21,45 +21,97 @@ from latentserve.server.serving import Serving, sampling_params, top_entries, us
 class ServingCompletion(Serving):
     async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> CompletionResponse | Response:
         self.check_model(req.model)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
-        token_ids = self.tokenize(req.prompt, req.max_tokens)
+        # echo with max_tokens=0 scores the prompt: the request generates one token, which is not returned.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        prompt_k = max(req.logprobs or 0, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
+        params = sampling_params(req, max_tokens, req.logprobs, prompt_k)
+        prompts = await self.prompt_ids(req.prompts, params, max_tokens)
         request_id = random_id("cmpl")
-        stream = self.add_request(token_ids, params, request_id)
+        streams = self.add_requests(prompts, params, request_id)
         if req.stream:
-            return self._stream(req, stream, request_id)
-        output = await self.run_to_end(stream, raw_request)
-        if output is None:
+            return self._stream(req, streams, request_id)
+        outputs = await self.run_to_end(streams, raw_request)
+        if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        completion = output.outputs[0]
-        choice = CompletionChoice(text=completion.text, finish_reason=completion.finish_reason,
-                                  logprobs=self._logprobs(completion.token_ids, completion.logprobs, req.logprobs, 0))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage(output))
+        hidden = int(req.max_tokens == 0)
+        choices = [self._choice(req, i, output, completion, hidden)
+                   for i, output in enumerate(outputs) for completion in output.outputs]
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs, hidden))
 
-    def _stream(self, req: CompletionRequest, stream: RequestStream, request_id: str) -> StreamingResponse:
-        sent = {"chars": 0, "tokens": 0}
+    def _choice(self, req: CompletionRequest, prompt_index: int, output: RequestOutput, completion: CompletionOutput,
+                hidden: int) -> CompletionChoice:
+        token_ids = completion.token_ids[: len(completion.token_ids) - hidden]
+        entries = completion.logprobs[: len(token_ids)] if completion.logprobs is not None else None
+        text = "" if hidden else completion.text
+        logprobs = None
+        if req.echo:
+            prompt_text = self._prompt_text(req, prompt_index, output)
+            logprobs = self._echo_logprobs(output, req.logprobs)
+            text = prompt_text + text
+            offset = len(prompt_text)
+        else:
+            offset = 0
+        generated = self._logprobs(token_ids, entries, req.logprobs, offset)
+        if generated is not None:
+            logprobs = generated if logprobs is None else _concat(logprobs, generated)
+        return CompletionChoice(index=prompt_index * req.n + completion.index, text=text, logprobs=logprobs,
+                                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                                prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs))
 
-        def chunks(output: RequestOutput):
-            completion = output.outputs[0]
-            delta = completion.text[sent["chars"] :]
-            if not delta and not output.finished:
-                return []
-            token_ids = completion.token_ids[sent["tokens"] :]
-            entries = completion.logprobs[sent["tokens"] :] if completion.logprobs is not None else None
-            logprobs = self._logprobs(token_ids, entries, req.logprobs, sent["chars"])
-            sent["chars"], sent["tokens"] = len(completion.text), len(completion.token_ids)
-            choice = CompletionChoice(text=delta, logprobs=logprobs, finish_reason=completion.finish_reason)
-            return [CompletionResponse(id=request_id, model=self.model_name, choices=[choice])]
+    def _prompt_text(self, req: CompletionRequest, prompt_index: int, output: RequestOutput) -> str:
+        prompt = req.prompts[prompt_index]
+        if isinstance(prompt, str) and req.truncate_prompt_tokens is None:
+            return prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(output.prompt_token_ids, skip_special_tokens=req.skip_special_tokens)
+
+    def _echo_logprobs(self, output: RequestOutput, k: int | None) -> CompletionLogprobs | None:
+        """The prompt's tokens in OpenAI's legacy logprobs (the first token has no logprob)."""
+        if k is None or output.prompt_logprobs is None:
+            return None
+        result, offset = CompletionLogprobs(), 0
+        for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
+            text = self.token_text(token_id)
+            result.tokens.append(text)
+            result.token_logprobs.append(None if entry is None else entry[token_id])
+            result.top_logprobs.append(None if entry is None else
+                                       {self.token_text(t): lp for t, lp in top_entries(entry, k)})
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
+    def _stream(self, req: CompletionRequest, streams: list[RequestStream], request_id: str) -> StreamingResponse:
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+
+        def chunks(prompt_index: int, output: RequestOutput) -> list[CompletionResponse]:
+            result = []
+            for completion in output.outputs:
+                index = prompt_index * req.n + completion.index
+                echo = req.echo and index not in sent
+                chars, tokens = sent.get(index, (0, 0))
+                delta = completion.text[chars:]
+                if not delta and not echo and not completion.finished():
+                    continue
+                token_ids = completion.token_ids[tokens:]
+                entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
+                logprobs = self._logprobs(token_ids, entries, req.logprobs, chars)
+                sent[index] = (len(completion.text), len(completion.token_ids))
+                if echo:
+                    delta = self._prompt_text(req, prompt_index, output) + delta
+                    prompt_logprobs = self._echo_logprobs(output, req.logprobs)
+                    if prompt_logprobs is not None and logprobs is not None:
+                        logprobs = _concat(prompt_logprobs, logprobs)
+                choice = CompletionChoice(index=index, text=delta, logprobs=logprobs,
+                                          finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                result.append(CompletionResponse(id=request_id, model=self.model_name, choices=[choice]))
+            return result
 
         def usage_chunk(info: UsageInfo) -> CompletionResponse:
             return CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=info)
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return self.stream_response(stream, chunks, usage_chunk if include_usage else None)
-
-    def _token_text(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.stream_response(streams, chunks, usage_chunk if include_usage else None)
 
     def _logprobs(self, token_ids: list[int], entries: list[Logprobs] | None, k: int | None,
                   offset: int) -> CompletionLogprobs | None:
@@ -68,10 +120,17 @@ class ServingCompletion(Serving):
             return None
         result = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
-            text = self._token_text(token_id)
+            text = self.token_text(token_id)
             result.tokens.append(text)
             result.token_logprobs.append(entry[token_id])
-            result.top_logprobs.append({self._token_text(t): lp for t, lp in top_entries(entry, k)})
+            result.top_logprobs.append({self.token_text(t): lp for t, lp in top_entries(entry, k)})
             result.text_offset.append(offset)
             offset += len(text)
         return result
+
+
+def _concat(first: CompletionLogprobs, second: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=first.tokens + second.tokens,
+                              token_logprobs=first.token_logprobs + second.token_logprobs,
+                              top_logprobs=first.top_logprobs + second.top_logprobs,
+                              text_offset=first.text_offset + second.text_offset)
