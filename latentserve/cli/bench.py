@@ -120,14 +120,13 @@ def run(args: argparse.Namespace) -> int:
     results["model"] = str(llm.model_dir)
     write(format_table(results))
     if args.profile:
-        mean_times = {kind: sum(t) / len(t) for kind, t in step_times.items() if t}
+        median_times = {kind: percentile(t, 50) for kind, t in step_times.items() if t}
         breakdowns = profile_run(engine, prompts, params)
         results["profile_ms_per_step"] = {
-            kind: {c: 1e3 * s for c, s in seconds_per_step(b, mean_times[kind]).items()}
-            for kind, b in breakdowns.items() if kind in mean_times
+            kind: {c: 1e3 * s for c, s in seconds_per_step(b).items()} for kind, b in breakdowns.items()
         }
         write("\nwhere a step's time goes (same requests, run again under torch.profiler):\n")
-        write(format_breakdown(breakdowns, mean_times))
+        write(format_breakdown(breakdowns, median_times))
     if args.output_json is not None:
         with user_errors():
             args.output_json.write_text(json.dumps(results, indent=2) + "\n")

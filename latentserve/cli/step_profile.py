@@ -5,7 +5,8 @@ then unwrapped; the hot path carries nothing. A top-level op (one not called by 
 as a GEMM when it or an op it calls is a matrix product. Inside an attention backend everything is
 "attention"; inside an MoE layer the non-GEMM ops are "MoE routing + dispatch" (gate top-k, sort,
 gather, scatter, activation); elsewhere they are "other ops" (norms, rotary, cache writes, sampling).
-"Python + framework" is the unprofiled step time minus all op time.
+"Python + framework" is the rest of the step (under the profiler, so it includes the profiler's own
+cost per op, about a microsecond).
 """
 from __future__ import annotations
 
@@ -75,9 +76,10 @@ def new_profiler() -> profile:
 
 @dataclass
 class StepBreakdown:
-    """Seconds per category summed over `num_steps` steps of one kind."""
+    """Seconds per category, and of the steps themselves, summed over `num_steps` steps of one kind."""
 
     num_steps: int = 0
+    wall_seconds: float = 0.0
     op_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
@@ -111,8 +113,9 @@ def categorize(events) -> dict[str, StepBreakdown]:
                    for e in events if e.is_user_annotation and e.name.startswith(STEP))
     starts = [s[0] for s in steps]
     result: dict[str, StepBreakdown] = defaultdict(StepBreakdown)
-    for _, _, kind in steps:
+    for start, end, kind in steps:
         result[kind].num_steps += 1
+        result[kind].wall_seconds += (end - start) * 1e-6
     for e in events:
         if not _is_top_level_op(e):
             continue
@@ -133,23 +136,23 @@ def categorize(events) -> dict[str, StepBreakdown]:
     return dict(result)
 
 
-def seconds_per_step(b: StepBreakdown, step_seconds: float) -> dict[str, float]:
-    """Every category's seconds in one step; the rest of the unprofiled `step_seconds` is Python + framework."""
+def seconds_per_step(b: StepBreakdown) -> dict[str, float]:
+    """Every category's seconds in one step (the mean over the profiled steps)."""
     per_step = {c: b.op_seconds.get(c, 0.0) / b.num_steps for c in CATEGORIES[:-1]}
-    # The profiler slows ops a little: when their sum passes the unprofiled step, nothing is left for Python.
-    per_step[CATEGORIES[-1]] = max(0.0, step_seconds - sum(per_step.values()))
+    per_step[CATEGORIES[-1]] = max(0.0, (b.wall_seconds - sum(b.op_seconds.values())) / b.num_steps)
     return per_step
 
 
-def format_breakdown(breakdowns: dict[str, StepBreakdown], step_seconds: dict[str, float]) -> str:
-    """A table per step kind: ms per step and share; `step_seconds` is the unprofiled mean step time."""
+def format_breakdown(breakdowns: dict[str, StepBreakdown], unprofiled: dict[str, float]) -> str:
+    """A table per step kind: ms per step and share; `unprofiled` holds the median step times without profiler."""
     lines = []
     for kind, b in sorted(breakdowns.items()):
-        if not b.num_steps or kind not in step_seconds:
+        if not b.num_steps:
             continue
-        step = step_seconds[kind]
-        per_step = seconds_per_step(b, step)
-        lines.append(f"{kind} steps ({b.num_steps} profiled, {step * 1e3:.2f} ms each unprofiled)")
+        step = b.wall_seconds / b.num_steps
+        per_step = seconds_per_step(b)
+        plain = f", {unprofiled[kind] * 1e3:.2f} ms without it" if kind in unprofiled else ""
+        lines.append(f"{kind} steps ({b.num_steps} profiled: {step * 1e3:.2f} ms each under the profiler{plain})")
         width = max(len(c) for c in CATEGORIES)
         for c in CATEGORIES:
             lines.append(f"  {c:<{width}}  {per_step[c] * 1e3:8.2f} ms  {per_step[c] / step:6.1%}")
