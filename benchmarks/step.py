@@ -30,7 +30,9 @@ from benchmarks.vs_transformers import FULL, QUICK, Gemm, make_checkpoint  # noq
 from latentserve import LLM, SamplingParams  # noqa: E402
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend  # noqa: E402
 from latentserve.attention.metadata import CommonAttentionMetadata  # noqa: E402
+from latentserve.engine.input_buffers import InputBuffers  # noqa: E402
 from latentserve.engine.model_runner import ModelRunnerOutput  # noqa: E402
+from latentserve.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
 from latentserve.layers.linear import linear  # noqa: E402
 
 V2_LITE = dict(
@@ -164,6 +166,33 @@ def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str
                 attention_torch=attention_torch)
 
 
+def time_input_preparation(batch: int, context: int, block_size: int = 16) -> tuple[float, float]:
+    """Seconds to turn one decode step's schedule into model inputs: built from lists, and in persistent buffers."""
+    num_blocks = -(-(context + 1) // block_size)
+    scheduled = [ScheduledRequest(None, context, 1, [5], [r * num_blocks * block_size + context],
+                                  list(range(r * num_blocks, (r + 1) * num_blocks)), True) for r in range(batch)]
+    out = SchedulerOutput(scheduled, num_decodes=batch)
+
+    def from_lists() -> None:  # what the runner did before it kept buffers
+        out.common_attention_metadata()
+        torch.tensor(out.input_ids, dtype=torch.long)
+        torch.tensor(out.positions, dtype=torch.long)
+        torch.tensor(out.logits_indices, dtype=torch.long)
+
+    buffers = InputBuffers()
+    return (best_time(from_lists, repeats=200, warmup=5),
+            best_time(lambda: buffers.prepare(out), repeats=200, warmup=5))
+
+
+def print_input_preparation(batches: list[int], contexts: list[int]) -> None:
+    print("\n## Step input preparation (schedule -> input ids, positions, attention metadata), µs")
+    print("| batch | context | from lists | persistent buffers | speedup |")
+    print("|---|---|---|---|---|")
+    for context, batch in itertools.product(contexts, batches):
+        old, new = time_input_preparation(batch, context)
+        print(f"| {batch} | {context} | {old * 1e6:.0f} | {new * 1e6:.0f} | {old / new:.1f}x |")
+
+
 def cpu_description() -> str:
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
@@ -213,8 +242,10 @@ def main() -> None:
         parser.error("--steps must be at least 4 (2 untimed, 2 timed)")
     print(f"torch {torch.__version__}; {cpu_description()}")
     if args.quick:
+        print_input_preparation([1, 4], [32, 64])
         run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16)
         return
+    print_input_preparation(args.batches, args.contexts)
     models = {"v3-94m": ("DeepSeek-V3-shaped ~94M (vs_transformers FULL)", FULL), "v2-lite": ("V2-Lite-shaped", V2_LITE)}
     for key in args.models:
         run_model(*models[key], args.batches, args.contexts, args.steps, 16)
