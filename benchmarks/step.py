@@ -9,7 +9,8 @@ written straight into the KV cache (random latents) instead of being prefilled: 
 would take minutes here and changes nothing in a decode step.
 Models: the ~94M-parameter DeepSeek-V3-shaped config of `benchmarks/vs_transformers.py`, and a
 DeepSeek-V2-Lite-shaped one cut to 2 layers (one dense, one with 64 routed experts top-6) and a 32k vocab.
-Run: `.venv/bin/python benchmarks/step.py [--quick] [--threads 2]`.
+Each case is measured `--repeats` times and each figure's fastest counts.
+Run: `.venv/bin/python benchmarks/step.py [--quick] [--threads 2] [--models v3-94m v2-lite]`.
 """
 from __future__ import annotations
 
@@ -204,7 +205,9 @@ def cpu_description() -> str:
             f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
 
 
-def run_model(name: str, c: dict, batches: list[int], contexts: list[int], steps: int, block_size: int) -> None:
+def run_model(
+    name: str, c: dict, batches: list[int], contexts: list[int], steps: int, block_size: int, repeats: int
+) -> None:
     max_len = max(contexts) + 64  # room for the steps and the early requests' decodes while others fill
     blocks = max(batches) * -(-max_len // block_size) + 8
     c = dict(c, max_position_embeddings=max(c["max_position_embeddings"], max_len))
@@ -219,7 +222,8 @@ def run_model(name: str, c: dict, batches: list[int], contexts: list[int], steps
           "| GEMMs | attention | remainder | attention TORCH ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for context, batch in itertools.product(contexts, batches):
-        r = measure(llm, c, batch, context, steps)
+        runs = [measure(llm, c, batch, context, steps) for _ in range(repeats)]
+        r = {key: min(run[key] for run in runs) for key in runs[0]}
         rest = r["step"] - r["gemms"] - r["attention"]
         print(f"| {batch} | {context} | {r['step'] * 1e3:.1f} | {batch / r['step']:,.0f} | {r['gemms'] * 1e3:.1f} | "
               f"{r['attention'] * 1e3:.2f} | {rest * 1e3:.1f} | {r['gemms'] / r['step']:.0%} | "
@@ -235,6 +239,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=8, help="decode steps per case (the first 2 untimed)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--repeats", type=int, default=2, help="measurements of each case; each figure's fastest "
+                                                               "counts (default 2)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -243,12 +249,12 @@ def main() -> None:
     print(f"torch {torch.__version__}; {cpu_description()}")
     if args.quick:
         print_input_preparation([1, 4], [32, 64])
-        run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16)
+        run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16, args.repeats)
         return
     print_input_preparation(args.batches, args.contexts)
     models = {"v3-94m": ("DeepSeek-V3-shaped ~94M (vs_transformers FULL)", FULL), "v2-lite": ("V2-Lite-shaped", V2_LITE)}
     for key in args.models:
-        run_model(*models[key], args.batches, args.contexts, args.steps, 16)
+        run_model(*models[key], args.batches, args.contexts, args.steps, 16, args.repeats)
 
 
 if __name__ == "__main__":
