@@ -35,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=positive_int, default=32, help="generated tokens per request (EOS ignored)")
     p.add_argument("--output-json", type=Path, default=None, help="also write the results to this JSON file")
     p.add_argument("--profile", action="store_true",
-                   help="then run the same requests again under torch.profiler and print where a step's time goes "
+                   help="then run requests of the same shape under torch.profiler and print where a step's time goes "
                         "(weight GEMMs, attention, MoE routing, other ops, Python)")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     for request in requests:
         engine.scheduler.add_request(request)
     while engine.has_unfinished_requests():
-        kind = step_kind(engine)
+        kind = step_kind(engine) if args.profile else "decode"
         step_start = time.perf_counter()
         outputs = engine.step()
         step_times[kind].append(time.perf_counter() - step_start)
@@ -121,11 +121,13 @@ def run(args: argparse.Namespace) -> int:
     write(format_table(results))
     if args.profile:
         median_times = {kind: percentile(t, 50) for kind, t in step_times.items() if t}
-        breakdowns = profile_run(engine, prompts, params)
+        # Fresh prompts of the same shape: the first ones would now hit the prefix cache.
+        fresh = torch.randint(0, vocab_size, (args.num_prompts, args.input_len), generator=generator).tolist()
+        breakdowns = profile_run(engine, fresh, params)
         results["profile_ms_per_step"] = {
             kind: {c: 1e3 * s for c, s in seconds_per_step(b).items()} for kind, b in breakdowns.items()
         }
-        write("\nwhere a step's time goes (same requests, run again under torch.profiler):\n")
+        write("\nwhere a step's time goes (requests of the same shape, run again under torch.profiler):\n")
         write(format_breakdown(breakdowns, median_times))
     if args.output_json is not None:
         with user_errors():
