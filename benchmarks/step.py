@@ -126,26 +126,29 @@ def decode_metadata(llm: LLM) -> CommonAttentionMetadata:
     return CommonAttentionMetadata.from_lists([1] * len(running), seq_lens, table, torch.zeros(len(running), dtype=torch.long))
 
 
-def time_attention(llm: LLM, backend_cls: type | None = None, repeats: int = 5) -> float:
-    """Seconds of the decode attention over every layer's cache for the running batch (a backend's plan included).
-
-    `backend_cls` replaces the engine's own backend, for comparison.
-    """
+def time_attention(llm: LLM, repeats: int = 7) -> tuple[float, float]:
+    """Seconds of decode attention over every layer's cache for the running batch, with the engine's backend and
+    with TORCH, alternating run by run (fastest of `repeats` each; a backend's per-step plan is included)."""
     engine = llm.engine
     builder = engine.runner.builders[0]
     common = decode_metadata(llm)
     layers = list(engine.model.static_forward_context.values())
     m = engine.model.mla_config
     q = torch.randn(common.num_reqs, m.num_heads, m.kv_cache_dim)
-    backends = [layer.decode_backend if backend_cls is None else
-                backend_cls(m.num_heads, layer.scale, m.kv_lora_rank, m.qk_rope_head_dim) for layer in layers]
+    torch_backends = [TorchMQADecodeBackend(m.num_heads, layer.scale, m.kv_lora_rank, m.qk_rope_head_dim)
+                      for layer in layers]
 
-    def run() -> None:
-        md = builder.build(common).decode  # fresh each time: a backend's per-step plan is part of its cost
+    def run(backends) -> float:
+        start = time.perf_counter()
+        md = builder.build(common).decode  # fresh each time, as in a step
         for layer, backend in zip(layers, backends):
             backend.forward(q, layer.kv_cache, md)
+        return time.perf_counter() - start
 
-    return best_time(run, repeats=repeats)
+    ours = [layer.decode_backend for layer in layers]
+    run(ours), run(torch_backends)
+    times = [(run(ours), run(torch_backends)) for _ in range(repeats)]
+    return min(t[0] for t in times), min(t[1] for t in times)
 
 
 def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str, float]:
@@ -158,8 +161,7 @@ def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str
         if i >= 2:  # the first steps after a batch change pay one-time costs
             times.append(time.perf_counter() - start)
     assert len(engine.scheduler.running) == batch
-    attention = time_attention(llm)
-    attention_torch = time_attention(llm, TorchMQADecodeBackend)
+    attention, attention_torch = time_attention(llm)
     for request_id in ids:
         engine.abort_request(request_id)
     # The fastest step, like every other figure here: other tenants of the machine only ever slow one down.
