@@ -150,3 +150,15 @@ def test_paged_in_low_and_full_precision_against_reference_backend(kind, dtype):
     assert out.dtype == dtype and not torch.isnan(out).any()
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     assert (out.float() - ref).abs().max().item() <= tolerance
+
+
+def test_half_precision_cache_under_full_precision_queries():
+    """A bf16 cache read by fp32 queries: views are cast on the fly; the reference sees the same rounded latents."""
+    config = AttentionConfig(block_size=16, decode_backend="PAGED")
+    requests = [Request(150, 1), Request(20, 1), Request(90, 1)]
+    layer, builder, cache = setup(config, 40, kv_cache_dtype=torch.bfloat16)
+    batch = make_batch_with_layout(requests, cache, 16, "mixed", seed=2)
+    out = run_layer(layer, builder, batch)
+    ref = naive_mla(layer, batch, torch.bfloat16)
+    assert out.dtype == torch.float32 and not torch.isnan(out).any()
+    assert (out - ref).abs().max().item() <= 2e-2
