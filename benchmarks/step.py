@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import best_time  # noqa: E402
 from benchmarks.vs_transformers import FULL, QUICK, Gemm, make_checkpoint  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
+from latentserve.attention.decode.paged import PagedMQADecodeBackend  # noqa: E402
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend  # noqa: E402
-from latentserve.attention.metadata import CommonAttentionMetadata  # noqa: E402
+from latentserve.attention.metadata import CommonAttentionMetadata, MLADecodeMetadata  # noqa: E402
 from latentserve.engine.input_buffers import InputBuffers  # noqa: E402
 from latentserve.engine.model_runner import ModelRunnerOutput  # noqa: E402
 from latentserve.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
@@ -196,6 +197,33 @@ def print_input_preparation(batches: list[int], contexts: list[int]) -> None:
         print(f"| {batch} | {context} | {old * 1e6:.0f} | {new * 1e6:.0f} | {old / new:.1f}x |")
 
 
+def compare_backends_alone(repeats: int = 9) -> None:
+    """PAGED against TORCH on one layer's cache where every request's blocks form one run, alternating calls."""
+    print("\n## Decode attention alone, one block run per request (one layer), ms")
+    print("| heads x (latent + rope) | batch | context | TORCH | PAGED | PAGED speedup |")
+    print("|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for heads, latent, rope in [(16, 256, 32), (16, 512, 64)]:
+        for batch, context in [(1, 512), (8, 512), (32, 512), (1, 4096), (8, 4096)]:
+            blocks = -(-context // 16)
+            cache = torch.randn(batch * blocks, 16, latent + rope, generator=g)
+            table = torch.arange(batch * blocks, dtype=torch.int32).view(batch, blocks)
+            seq_lens = torch.full((batch,), context, dtype=torch.int32)
+            q = torch.randn(batch, heads, latent + rope, generator=g)
+            backends = [cls(heads, 0.1, latent, rope) for cls in (TorchMQADecodeBackend, PagedMQADecodeBackend)]
+
+            def run(backend) -> float:
+                start = time.perf_counter()
+                md = MLADecodeMetadata(table, seq_lens, torch.arange(batch + 1, dtype=torch.int32), 1, context)
+                backend.forward(q, cache, md)
+                return time.perf_counter() - start
+
+            times = [[run(b) for b in backends] for _ in range(repeats + 1)][1:]
+            ours, paged = (min(t[i] for t in times) for i in range(2))
+            print(f"| {heads} x ({latent} + {rope}) | {batch} | {context} | {ours * 1e3:.2f} | {paged * 1e3:.2f} | "
+                  f"{ours / paged:.2f}x |", flush=True)
+
+
 def cpu_description() -> str:
     flags = ""
     if os.path.exists("/proc/cpuinfo"):
@@ -241,6 +269,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=8, help="decode steps per case (the first 2 untimed)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--attention-only", action="store_true",
+                        help="only PAGED against TORCH on a synthetic cache (V3 and V2-Lite head dims)")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each case; each figure's fastest "
                                                                "counts (default 2)")
     args = parser.parse_args()
@@ -249,6 +279,9 @@ def main() -> None:
     if args.steps < 4:
         parser.error("--steps must be at least 4 (2 untimed, 2 timed)")
     print(f"torch {torch.__version__}; {cpu_description()}")
+    if args.attention_only:
+        compare_backends_alone()
+        return
     if args.quick:
         print_input_preparation([1, 4], [32, 64])
         run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16, args.repeats)
