@@ -124,7 +124,8 @@ def decode_metadata(llm: LLM) -> CommonAttentionMetadata:
     for i, r in enumerate(running):
         table[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
     seq_lens = [r.num_computed_tokens + 1 for r in running]
-    return CommonAttentionMetadata.from_lists([1] * len(running), seq_lens, table, torch.zeros(len(running), dtype=torch.long))
+    slots = torch.zeros(len(running), dtype=torch.long)  # unused: attention alone writes nothing
+    return CommonAttentionMetadata.from_lists([1] * len(running), seq_lens, table, slots)
 
 
 def time_attention(llm: LLM, repeats: int = 7) -> tuple[float, float]:
@@ -287,7 +288,8 @@ def main() -> None:
         run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16, args.repeats)
         return
     print_input_preparation(args.batches, args.contexts)
-    models = {"v3-94m": ("DeepSeek-V3-shaped ~94M (vs_transformers FULL)", FULL), "v2-lite": ("V2-Lite-shaped", V2_LITE)}
+    models = {"v3-94m": ("DeepSeek-V3-shaped ~94M (vs_transformers FULL)", FULL),
+              "v2-lite": ("V2-Lite-shaped", V2_LITE)}
     for key in args.models:
         run_model(*models[key], args.batches, args.contexts, args.steps, 16, args.repeats)
 

@@ -9,7 +9,9 @@ from latentserve.attention.decode.paged import PagedMQADecodeBackend
 from tests.checkpoints import make_checkpoint
 
 # Long prompts make runs of blocks read in place; running them together interleaves their decode blocks.
-PROMPTS = [[i % 90 + 3 for i in range(137)], [(7 * i) % 95 + 1 for i in range(90)], [i % 40 + 50 for i in range(70)], [9, 4, 11]]
+PROMPTS = [
+    [i % 90 + 3 for i in range(137)], [(7 * i) % 95 + 1 for i in range(90)], [i % 40 + 50 for i in range(70)], [9, 4, 11],
+]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
 
 

@@ -1,4 +1,4 @@
-"""The step profile behind `latentserve bench --profile`: ops land in the right category, the engine is left as it was."""
+"""The step profile behind `latentserve bench --profile`: ops land in their category, the engine is left as it was."""
 import json
 
 import torch
