@@ -9,8 +9,6 @@ from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.config import AttentionConfig
 from tests.attention.mla_case import MLA, SCALE, Batch, Request, naive_mla, run_layer, setup
 
-MIN_RUN = PagedMQADecodeBackend.min_run_tokens
-
 
 def _layout(kind: str, blocks_needed: list[int], num_blocks: int, g: torch.Generator) -> list[list[int]]:
     """Block ids per request: one run each, all scattered, or long runs with scattered blocks between."""
@@ -35,7 +33,7 @@ def _layout(kind: str, blocks_needed: list[int], num_blocks: int, g: torch.Gener
     for n in blocks_needed:
         ids = []
         while len(ids) < n:
-            run = min(n - len(ids), 5)
+            run = min(n - len(ids), 9)
             ids += head[:run]
             del head[:run]
             if len(ids) < n:
@@ -81,15 +79,15 @@ def test_plan_reads_long_runs_in_place_and_copies_short_ones():
     # 3 consecutive blocks (48 rows < 64: copied), then 5 consecutive (80 rows: a view), then 2 scattered.
     blocks = [7, 8, 9, 20, 21, 22, 23, 24, 3, 11]
     seq_len = 9 * bs + 5  # the last block holds 5 positions
-    pieces = plan_pieces(blocks, seq_len, bs, MIN_RUN)
+    pieces = plan_pieces(blocks, seq_len, bs, min_run_tokens=64)
     assert [p.num_rows for p in pieces] == [48, 80, bs + 5]
     assert pieces[0].block_ids.tolist() == [7, 8, 9] and pieces[1].block_ids is None
     assert pieces[1].flat_start == 20 * bs
     assert pieces[2].block_ids.tolist() == [3, 11]
-    whole = plan_pieces(list(range(4, 40)), 300, bs, MIN_RUN)
+    whole = plan_pieces(list(range(4, 40)), 300, bs, 64)
     assert len(whole) == 1 and whole[0].block_ids is None and whole[0].num_rows == 300
     # Entries past the request's last block (padding) are never planned.
-    assert sum(p.num_rows for p in plan_pieces([5, 6, 0, 0], 17, bs, MIN_RUN)) == 17
+    assert sum(p.num_rows for p in plan_pieces([5, 6, 0, 0], 17, bs, 64)) == 17
 
 
 def test_selector_prefers_paged_on_cpu_only():
@@ -121,12 +119,15 @@ def test_paged_matches_naive_fp32(kind, block_size, query_len):
 def test_plan_is_made_once_per_step_and_shared_by_layers():
     config = AttentionConfig(block_size=16, decode_backend="PAGED")
     layer, builder, cache = setup(config, 40)
-    batch = make_batch_with_layout([Request(100, 1), Request(30, 1)], cache, 16, "contiguous")
+    batch = make_batch_with_layout([Request(150, 1), Request(30, 1)], cache, 16, "contiguous")
     md = builder.build(batch.common)
     backend = layer.decode_backend
     q = torch.randn(2, MLA.num_heads, MLA.kv_cache_dim)
     backend.forward(q, cache, md.decode)
     plan = md.decode.backend_plan
+    # The 150-token context is read in place; the 30-token one has nothing to: it goes with the batched path.
+    assert plan.query_ranges == [(0, 1)] and plan.gathered.seq_lens.tolist() == [31]
+    assert plan.gathered_tokens.tolist() == [1]
     other = PagedMQADecodeBackend(MLA.num_heads, SCALE, MLA.kv_lora_rank, MLA.qk_rope_head_dim)
     other.forward(q, cache, md.decode)
     assert md.decode.backend_plan is plan
