@@ -10,6 +10,7 @@ together as TORCH does, one batched GEMM pair instead of a loop of small ones.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,9 +82,10 @@ class PagedMQADecodeBackend(MLADecodeBackend):
     # (measured on CPU with 16 heads: 4 x 68-token contexts took twice TORCH's time read in place).
     min_run_tokens: int = 128
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.batched = TorchMQADecodeBackend(*args, **kwargs)
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None):
+        super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
+        # For the requests with nothing to read in place.
+        self.batched = TorchMQADecodeBackend(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
         plan = self._plan(metadata, kv_cache.shape[1])
