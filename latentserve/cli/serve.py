@@ -37,16 +37,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server settings of the flags (the API key from the environment when no flag gives it)."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerConfig(host=args.host, port=args.port, api_key=api_key, max_waiting=args.max_waiting,
+                        served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
+                        max_request_bytes=args.max_request_bytes, metrics_prefix=args.metrics_prefix)
+
+
 def run(args: argparse.Namespace) -> int:
     if launched_by_torchrun():
         raise CLIError("serve does not run under torchrun: start it as one process with --data-parallel-size N, "
                        "which spawns the ranks itself")
+    config = server_config(args)
     llm = build_llm(args)
     name = (default_model_dir() if args.model is None else Path(args.model)).name
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    config = ServerConfig(host=args.host, port=args.port, api_key=api_key, max_waiting=args.max_waiting,
-                          served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
-                          max_request_bytes=args.max_request_bytes, metrics_prefix=args.metrics_prefix)
     try:
         serve(serving_engine(llm), name, config)
     finally:

@@ -219,18 +219,22 @@ class Serving:
 
     async def run_to_end(self, streams: list[RequestStream], raw_request: HTTPRequest) -> list[RequestOutput] | None:
         """Each request's final output; None (and the requests aborted) if the client went away first."""
-        results = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+        tasks = [asyncio.ensure_future(_last(s)) for s in streams]
+        results = asyncio.ensure_future(asyncio.gather(*tasks))
         disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
         try:
             await asyncio.wait({results, disconnect}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            if not results.done() or results.exception() is not None:
-                results.cancel()
+            # Cancelled while waiting, the client gone, or one request failed: the others stop too.
+            stop = not results.done() or results.exception() is not None
+            if stop:
+                for task in tasks:
+                    task.cancel()
                 for stream in streams:
                     if not stream.finished:
                         self.engine.abort(stream.request_id)
-        if results.cancelled():
+        if not results.done():
             return None
         try:
             outputs = results.result()

@@ -25,11 +25,12 @@ class ServingTokens(ServingChat):
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self._check(req.model)
-        try:
-            token_ids = self.engine.engine.tokenize(req.tokens) if req.tokens else []
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="tokens") from e
-        return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, token_ids, False))
+        vocab_size = self.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(400, f"tokens: ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                              param="tokens")
+        return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, req.tokens, False))
 
     def _check(self, model: str | None) -> None:
         if model is not None:

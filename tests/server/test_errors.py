@@ -1,13 +1,17 @@
 """Bad requests get 4xx in OpenAI's error format, disconnects abort and free KV blocks, the server keeps serving."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, MODEL_NAME, LiveServer
+from latentserve.engine.llm_engine import EngineConfig, LLMEngine
+from latentserve.sampling_params import SamplingParams
+from latentserve.server.async_engine import AsyncLLMEngine, QueueFullError
+from tests.server.conftest import API_KEY, ENGINE, MODEL_NAME, LiveServer
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -155,5 +159,46 @@ def test_engine_failure_fails_requests_with_503_and_health_turns_503(model_dir):
             streamed = client.post("/v1/completions", json={**GOOD, "stream": True})
             assert streamed.status_code == 503  # refused up front: the engine is known dead
             assert client.get("/health").status_code == 503
+    finally:
+        live.stop()
+
+
+def test_max_waiting_counts_only_requests_beyond_the_free_seats(model_dir, monkeypatch):
+    """A burst queued before the engine thread runs: as many as the engine has seats, plus max_waiting, get in."""
+    engine = AsyncLLMEngine(LLMEngine(model_dir, EngineConfig(**{**ENGINE, "max_num_seqs": 8})), max_waiting=2)
+    # The engine thread is not started: every request stays queued for it.
+    monkeypatch.setattr(AsyncLLMEngine, "is_alive", property(lambda self: True))
+
+    async def burst() -> int:
+        accepted = 0
+        for i in range(20):
+            try:
+                engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), f"r{i}")
+                accepted += 1
+            except QueueFullError:
+                pass
+        return accepted
+
+    assert asyncio.run(burst()) == 8 + 2
+
+
+def test_requests_aborted_while_waiting_are_counted(model_dir):
+    live = LiveServer(model_dir, max_num_seqs=1)
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as client:
+            aborts = _aborts(client)
+            long = {**GOOD, "max_tokens": 200, "ignore_eos": True}
+            with client.stream("POST", "/v1/completions", json={**long, "stream": True}) as running:
+                lines = running.iter_lines()
+                while not next(lines).startswith("data: "):  # the only seat is taken
+                    pass
+                for _ in range(2):  # these wait behind it, and their clients give up
+                    with pytest.raises(httpx.ReadTimeout):
+                        client.post("/v1/completions", json=long, timeout=0.3)
+            live.wait_idle()
+            deadline = time.monotonic() + 10
+            while _aborts(client) != aborts + 3:
+                assert time.monotonic() < deadline, f"{_aborts(client) - aborts} of 3 aborts counted"
+                time.sleep(0.02)
     finally:
         live.stop()
