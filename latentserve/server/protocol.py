@@ -23,7 +23,6 @@ UNSUPPORTED = {
     "guided_regex": "guided decoding (guided_regex) is not supported yet",
     "guided_choice": "guided decoding (guided_choice) is not supported yet",
     "guided_grammar": "guided decoding (guided_grammar) is not supported yet",
-    "structured_outputs": "structured outputs are not supported yet",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty is not supported (it applies to beam search)",
     "continue_final_message": "continue_final_message is not supported",
@@ -113,6 +112,8 @@ class SamplingRequest(StrictModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object")
 
     @model_validator(mode="before")
     @classmethod
@@ -187,8 +188,25 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="outputs always match the schema: true and false are the same here")
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"] = Field(description="only text: structured outputs are not supported yet")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("response_format", "{field}: json_schema is required with type 'json_schema' "
+                                      "and only allowed with it", {"field": "response_format"})
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -204,10 +222,6 @@ class ChatCompletionRequest(SamplingRequest):
     @classmethod
     def _check_chat_raw(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            fmt = data.get("response_format")
-            if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-                raise PydanticCustomError("unsupported", "{field}: type {kind!r} is not supported yet (only 'text')",
-                                          {"field": "response_format", "kind": str(fmt.get("type"))})
             choice = data.get("tool_choice")
             if choice is not None and choice != "none":
                 raise PydanticCustomError("unsupported", "{field}: only 'none' is supported (no tools yet)",

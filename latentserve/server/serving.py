@@ -17,6 +17,7 @@ from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from latentserve.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs, SamplingRequest, \
     UsageInfo
+from latentserve.server.structured_outputs import SpecError, requested_structured_outputs
 
 Prompt = str | list[int]
 
@@ -50,6 +51,10 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for a request; a value the engine refuses is a 400 naming its field."""
     try:
+        structured = requested_structured_outputs(req.structured_outputs, getattr(req, "response_format", None))
+    except SpecError as e:
+        raise OpenAIError(400, str(e), param=e.param) from e
+    try:
         return SamplingParams(
             n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
@@ -61,7 +66,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
-            allowed_token_ids=req.allowed_token_ids)
+            allowed_token_ids=req.allowed_token_ids, structured_outputs=structured)
     except ValueError as e:
         raise OpenAIError(400, str(e), param=param_named_in(str(e))) from e
 

@@ -32,17 +32,24 @@ def _byte_decoder() -> dict[str, int]:
     return chars
 
 
+def _token_bytes(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> list[bytes | None]:
+    """Each token id's bytes (None past the tokenizer's vocabulary)."""
+    size = min(vocab_size, tokenizer.get_vocab_size(with_added_tokens=True))
+    if type(tokenizer.decoder).__name__ == "ByteLevel":  # DeepSeek's: decoded here, exactly
+        byte_of = _byte_decoder()
+        tokens = [tokenizer.id_to_token(i) for i in range(size)]
+        return [None if t is None else bytes(byte_of.get(c, 0) for c in t) for t in tokens]
+    from transformers import PreTrainedTokenizerFast  # other tokenizers: xgrammar's detection of the vocab type
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    return list(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=size, stop_token_ids=stop_token_ids).decoded_vocab)
+
+
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """The vocabulary as raw bytes per token id; added tokens (control tokens) are never emitted by a grammar."""
-    if type(tokenizer.decoder).__name__ != "ByteLevel":
-        raise ValueError("structured outputs need a byte-level BPE tokenizer (as DeepSeek's); this one is not")
-    byte_of = _byte_decoder()
     added = set(tokenizer.get_added_tokens_decoder())
-    vocab: list[bytes] = []
-    for token_id in range(vocab_size):
-        token = None if token_id in added else tokenizer.id_to_token(token_id)
-        # Empty: xgrammar treats the token as special (ids past the tokenizer's vocabulary are padding rows).
-        vocab.append(b"" if token is None else bytes(byte_of[c] for c in token))
+    tokens = _token_bytes(tokenizer, vocab_size, stop_token_ids)
+    # Empty: xgrammar treats the token as special (as are ids past the tokenizer's vocabulary: padding rows).
+    vocab = [b"" if i in added or i >= len(tokens) or tokens[i] is None else tokens[i] for i in range(vocab_size)]
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 

@@ -73,3 +73,19 @@ def test_constraint_starts_after_the_reasoning_end_token():
     assert state.sync(thinking + [end] + ids("Moses"))
     assert allowed(state) == {TOKENIZER.eos_token_id}
     assert isinstance(state.matcher, xgr.GrammarMatcher)
+
+
+def test_a_character_level_tokenizer_works_too(tmp_path):
+    """Not byte-level: xgrammar reads the vocabulary's type; added (control) tokens are never allowed."""
+    from tests.server.conftest import write_tokenizer
+    write_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    manager = StructuredOutputManager(tokenizer, 96)
+    state = manager.new_request(StructuredOutputsParams(regex="(hi|ok) there"))
+    state.grammar.result()
+    bitmask = grammar_bitmask([state], 96)
+    allowed_ids = {i for i in range(96) if (bitmask[0, i // 32].item() >> (i % 32)) & 1}
+    assert {tokenizer.decode([i]) for i in allowed_ids} == {"h", "o"}
+    assert state.sync(tokenizer.encode("ok there", add_special_tokens=False))
+    assert {i for i in range(96) if (grammar_bitmask([state], 96)[0, i // 32].item() >> (i % 32)) & 1} == {
+        tokenizer.eos_token_id}
