@@ -16,6 +16,7 @@ from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.cpu_malloc import keep_freed_memory
 from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, load_tokenizer
 from latentserve.engine.model_runner import ModelRunner
+from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
@@ -76,6 +77,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     link_latency_us: float = 0.0  # link emulation of the expert all-to-all: 0 / None leave it real
     link_bandwidth_gbps: float | None = None
+    reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
 
     def __post_init__(self) -> None:
         if not _is_int_at_least(self.data_parallel_size, 1):
@@ -192,6 +194,7 @@ class LLMEngine:
             self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group
         )
         self._ids = itertools.count()
+        self.reasoning_parser = make_reasoning_parser(config.reasoning_parser, self.tokenizer)
         self._structured: StructuredOutputManager | None = None
 
     def _expert_parallel_group(self, config: EngineConfig) -> DPGroup | None:
@@ -216,7 +219,8 @@ class LLMEngine:
         if self._structured is None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs a tokenizer: this checkpoint has no tokenizer.json")
-            self._structured = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size)
+            end = self.reasoning_parser.end_token_id if self.reasoning_parser is not None else None
+            self._structured = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size, end)
         return self._structured
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -297,7 +297,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None  # with a reasoning parser: the text before the answer
+    reasoning: str | None = None  # the same (newer vLLM's name)
 
 
 class ChatChoice(BaseModel):
@@ -321,6 +323,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(BaseModel):

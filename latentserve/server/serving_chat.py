@@ -9,9 +9,10 @@ from fastapi.responses import Response, StreamingResponse
 from latentserve.engine.chat_template import render_chat
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
+from latentserve.engine.reasoning import ReasoningParser
 from latentserve.server.async_engine import RequestStream
+from latentserve.server.chat_output import assistant_message, delta_message
 from latentserve.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -29,6 +30,10 @@ from latentserve.server.serving import OpenAIError, Serving, sampling_params, to
 
 
 class ServingChat(Serving):
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        return getattr(self.engine.engine, "reasoning_parser", None)
+
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
         self.check_model(req.model)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
@@ -43,7 +48,8 @@ class ServingChat(Serving):
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         output = outputs[0]
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
+        choices = [ChatChoice(index=c.index, message=assistant_message(c.text, self.reasoning_parser),
+                              finish_reason=c.finish_reason,
                               stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, top_k))
                    for c in output.outputs]
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs),
@@ -75,12 +81,13 @@ class ServingChat(Serving):
                     sent[completion.index] = (0, 0)
                     out.append(chunk(completion.index, DeltaMessage(role="assistant", content="")))
                 chars, tokens = sent[completion.index]
-                delta = completion.text[chars:]
-                if delta or completion.finished():
+                delta = delta_message(completion.text[:chars], completion.text, completion.finished(),
+                                      self.reasoning_parser)
+                if delta is not None or completion.finished():
                     token_ids = completion.token_ids[tokens:]
                     entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
                     sent[completion.index] = (len(completion.text), len(completion.token_ids))
-                    out.append(chunk(completion.index, DeltaMessage(content=delta),
+                    out.append(chunk(completion.index, delta or DeltaMessage(content=""),
                                      self._logprobs(token_ids, entries, top_k), completion.finish_reason))
             return out
 
