@@ -22,6 +22,34 @@ NEW_TOKENS = [
 ]
 
 
+# DeepSeek-V3's layout: tools described after the system prompt, calls after the assistant's text, results between
+# tool-output markers; a past assistant turn keeps only its answer (the text after </think>), as DeepSeek-R1's.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages if m['role'] == 'system' %}{{ m['content'] + '\\n\\n' }}{% endfor %}"
+    "{% if tools %}{{ '## Tools\\n' }}"
+    "{% for tool in tools %}{{ '\\n### ' + tool['function']['name'] + '\\n' }}"
+    "{% if tool['function']['description'] %}{{ tool['function']['description'] + '\\n' }}{% endif %}"
+    "{{ '```json\\n' + (tool['function']['parameters'] or {}) | tojson + '\\n```\\n' }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
+    "{% set ns = namespace(in_outputs=false) %}"
+    "{% for m in messages %}"
+    "{% if m['role'] != 'tool' and ns.in_outputs %}{{ '<｜tool▁outputs▁end｜>' }}{% set ns.in_outputs = false %}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '<|User|>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<|Assistant|>' + (m['content'] or '').split('</think>')[-1] }}"
+    "{% if m['tool_calls'] %}{{ '<｜tool▁calls▁begin｜>' }}{% for call in m['tool_calls'] %}"
+    "{{ '<｜tool▁call▁begin｜>' + call['type'] + '<｜tool▁sep｜>' + call['function']['name'] + '\\n```json\\n' "
+    "+ call['function']['arguments'] + '\\n```<｜tool▁call▁end｜>' }}{% endfor %}{{ '<｜tool▁calls▁end｜>' }}{% endif %}"
+    "{{ eos_token }}"
+    "{% elif m['role'] == 'tool' %}{% if not ns.in_outputs %}{{ '<｜tool▁outputs▁begin｜>' }}"
+    "{% set ns.in_outputs = true %}{% endif %}{{ '<｜tool▁output▁begin｜>' + m['content'] + '<｜tool▁output▁end｜>' }}"
+    "{% elif m['role'] != 'system' %}{{ raise_exception('unsupported chat role: ' + m['role']) }}{% endif %}"
+    "{% endfor %}"
+    "{% if ns.in_outputs %}{{ '<｜tool▁outputs▁end｜>' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|Assistant|>' }}{% endif %}"
+)
+
+
 def add_tokens(tokenizer_path: Path) -> int:
     """Append the missing tokens; returns the vocabulary size after."""
     data = json.loads(tokenizer_path.read_text())
@@ -56,6 +84,10 @@ def main(model_dir: Path) -> None:
     extend_weights(model_dir / "model.safetensors", config["vocab_size"], new_size)
     config["vocab_size"] = new_size
     config_path.write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer_config_path = model_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(tokenizer_config_path.read_text())
+    tokenizer_config["chat_template"] = CHAT_TEMPLATE
+    tokenizer_config_path.write_text(json.dumps(tokenizer_config, ensure_ascii=False, indent=2) + "\n")
     print(f"{model_dir}: vocab_size {new_size}")
 
 
