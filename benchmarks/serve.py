@@ -3,14 +3,17 @@
 Starts `latentserve` in a subprocess on 127.0.0.1 (the embedded model unless `--model`), then at each
 concurrency level runs a bounded number of streaming /v1/completions requests (random token-id prompts,
 fixed output length with ignore_eos) and prints a markdown table. Percentiles are over requests (TTFT)
-and over all gaps between streamed chunks (ITL).
-Run: `.venv/bin/python benchmarks/serve.py [--model PATH] [--quick]`.
+and over all gaps between streamed chunks (ITL). With `--baseline DIR` (another checkout, e.g. from
+`git archive`), a second server runs that code side by side: each level runs on both, alternating, and a
+last table gives this tree's throughput over the baseline's.
+Run: `.venv/bin/python benchmarks/serve.py [--model PATH] [--quick] [--baseline DIR]`.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import statistics
@@ -95,8 +98,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str | None, port: int, threads: int) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", SERVE, model or "", str(port), str(threads)], cwd=ROOT)
+def start_server(model: str | None, port: int, threads: int, root: Path = ROOT) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    process = subprocess.Popen([sys.executable, "-c", SERVE, model or "", str(port), str(threads)], cwd=root, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -127,6 +131,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests")
+    parser.add_argument("--baseline", default=None, help="another latentserve checkout to run side by side")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.max_tokens = 16, 16
@@ -134,23 +139,42 @@ def main() -> None:
     rng = random.Random(0)
     vocab = vocab_size(args.model)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
-    port = free_port()
-    process = start_server(args.model, port, args.threads)
-    url = f"http://127.0.0.1:{port}"
+    roots = {"latentserve": ROOT} | ({"baseline": Path(args.baseline).resolve()} if args.baseline else {})
+    processes, urls = {}, {}
     try:
-        asyncio.run(run_level(url, 1, 2, prompts, 4))  # warm-up
-        rows = [asyncio.run(run_level(url, c, max(args.requests, 2 * c), prompts, args.max_tokens))
-                for c in args.concurrency]
+        for name, root in roots.items():
+            port = free_port()
+            processes[name] = start_server(args.model, port, args.threads, root)
+            urls[name] = f"http://127.0.0.1:{port}"
+        for url in urls.values():
+            asyncio.run(run_level(url, 1, 2, prompts, 4))  # warm-up
+        rows: dict[str, list[dict]] = {name: [] for name in roots}
+        for c in args.concurrency:
+            for name in reversed(roots):  # the baseline first at each level, then this tree
+                rows[name].append(asyncio.run(run_level(urls[name], c, max(args.requests, 2 * c), prompts,
+                                                        args.max_tokens)))
     finally:
-        process.terminate()
-        process.wait(60)
+        for process in processes.values():
+            process.terminate()
+            process.wait(60)
     print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per request, "
-          f"server torch threads {args.threads}, model {args.model or 'embedded'}\n")
-    columns = list(rows[0])
-    print("| " + " | ".join(columns) + " |")
-    print("|" + "---|" * len(columns))
+          f"server torch threads {args.threads}, model {args.model or 'embedded'}")
+    for name in roots:
+        print(f"\n{name} ({roots[name]})\n")
+        print_table(rows[name])
+    if args.baseline:
+        print("\nthis tree / baseline\n")
+        print_table([{"concurrency": new["concurrency"], "tok/s ratio": new["tok/s"] / old["tok/s"],
+                      "TTFT p50 ratio": new["TTFT p50 (ms)"] / old["TTFT p50 (ms)"],
+                      "ITL mean ratio": new["ITL mean (ms)"] / old["ITL mean (ms)"]}
+                     for new, old in zip(rows["latentserve"], rows["baseline"])], digits=2)
+
+
+def print_table(rows: list[dict], digits: int = 1) -> None:
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
     for row in rows:
-        print("| " + " | ".join(f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+        print("| " + " | ".join(f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
 
 
 if __name__ == "__main__":

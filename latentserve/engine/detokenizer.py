@@ -112,6 +112,7 @@ class IncrementalDetokenizer:
         self.added_tokens: dict[int, str] = {}
         if not spaces_between_special_tokens and not skip_special_tokens:
             self.added_tokens = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self.last_special = False  # whether the last output token was an added one (the prompt's do not count)
         self.output_text = ""
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         # token_ids[prefix_offset:read_offset] decodes to text already emitted (or prompt context).
@@ -124,12 +125,13 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token's text; return the stop string it completed (the text is cut before it), if any."""
         self.token_ids.append(token_id)
+        after_special, self.last_special = self.last_special, token_id in self.added_tokens
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         text = self._decode(self.token_ids[self.prefix_offset :])
         if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
             return None  # nothing new yet, or an incomplete character
         new_text = text[len(prefix_text) :]
-        if len(self.token_ids) > 1 and self.token_ids[-2] in self.added_tokens and token_id in self.added_tokens:
+        if after_special and self.last_special:
             new_text = self.added_tokens[token_id]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.output_text += new_text

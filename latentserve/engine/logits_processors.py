@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 # Pads that never equal a token id: one for a bad word's missing prefix, another for an output shorter than it.
 _ANY = -1
@@ -80,7 +81,7 @@ class BadWords:
         if not entries:
             return None
         width = max(len(word) for _, word in entries)
-        tails = [out[len(out) - (width - 1):] if width > 1 else [] for out in output_token_ids]
+        tails = [out[max(len(out) - (width - 1), 0):] if width > 1 else [] for out in output_token_ids]
         return cls(
             rows=torch.tensor([row for row, _ in entries], device=device),
             words=torch.tensor(_pad([word for _, word in entries], width, _ANY, left=True), device=device),
@@ -108,24 +109,24 @@ class Penalties:
     output_token_ids: torch.Tensor  # [B, Lo] padded with the vocab size
 
     @classmethod
-    def build(cls, params: list, prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+    def build(cls, params: list, prompt_token_ids: list[torch.Tensor | list[int]], output_token_ids: list[list[int]],
               vocab_size: int, device: torch.device | str) -> "Penalties | None":
+        """Prompts may come as cached CPU tensors (they never change; converting lists each step is slow)."""
         used = [p.uses_penalties for p in params]
         if not any(used):
             return None
         # Rows without penalties contribute no tokens: their counts are never read.
-        prompts = [ids if u else [] for ids, u in zip(prompt_token_ids, used)]
+        empty = torch.empty(0, dtype=torch.long)
+        prompts = [torch.as_tensor(ids, dtype=torch.long) if u else empty for ids, u in zip(prompt_token_ids, used)]
         outputs = [ids if u else [] for ids, u in zip(output_token_ids, used)]
-
-        def padded(rows: list[list[int]]) -> torch.Tensor:
-            width = max(len(r) for r in rows)
-            return torch.tensor(_pad(rows, width, vocab_size), dtype=torch.long, device=device).view(len(rows), width)
+        width = max(len(r) for r in outputs)
+        outputs_tensor = torch.tensor(_pad(outputs, width, vocab_size), dtype=torch.long).view(len(outputs), width)
 
         def values(name: str) -> torch.Tensor:
             return torch.tensor([float(getattr(p, name)) for p in params], dtype=torch.float32, device=device)
 
         return cls(values("presence_penalty"), values("frequency_penalty"), values("repetition_penalty"),
-                   padded(prompts), padded(outputs))
+                   pad_sequence(prompts, batch_first=True, padding_value=vocab_size).to(device), outputs_tensor.to(device))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         num_rows, vocab_size = logits.shape

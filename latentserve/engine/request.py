@@ -87,6 +87,7 @@ class Request:
         )
         self.cumulative_logprob = 0.0
         self._generator: torch.Generator | None = None
+        self._prompt_tensor: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +118,12 @@ class Request:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(seed)
         return self._generator
+
+    def prompt_token_ids_tensor(self) -> torch.Tensor:
+        """The prompt as a CPU int64 tensor, built once (the penalties read it every step)."""
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled yet: the stop tokens, until min_tokens are out."""

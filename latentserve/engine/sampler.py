@@ -49,7 +49,7 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str = "cpu",
         banned_token_ids: list[list[int]] | None = None,
-        prompt_token_ids: list[list[int]] | None = None,
+        prompt_token_ids: list[torch.Tensor | list[int]] | None = None,
         output_token_ids: list[list[int]] | None = None,
         bad_words_token_ids: list[list[list[int]]] | None = None,
     ) -> "SamplingMetadata":
@@ -100,7 +100,7 @@ class SamplingMetadata:
             vocab_size,
             device,
             [r.banned_token_ids() for r in requests],
-            [r.prompt_token_ids for r in requests],
+            [r.prompt_token_ids_tensor() if r.sampling_params.uses_penalties else [] for r in requests],
             [r.output_token_ids for r in requests],
             [r.bad_words_token_ids for r in requests],
         )

@@ -250,6 +250,8 @@ class Scheduler:
                 out.finished.append(request)
                 continue
             while not self.block_manager.append_slots(request, num_new):
+                if self._drop_a_waiting_fork():  # before preempting a running request
+                    continue
                 victim = self.running.pop()  # the newest; not yet scheduled this step
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -280,18 +282,16 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
                 out.finished.append(request)
                 continue
-            if request.block_ids:  # forked: starts on its leader's prompt blocks
-                computed_blocks, num_cached = [], request.num_computed_tokens
-            else:
-                computed_blocks = self._cache_hits(request, budget)
-                num_cached = len(computed_blocks) * self.block_manager.block_size
+            computed_blocks, num_cached = self._computed(request, budget)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
             if not self.block_manager.can_allocate(request, num_new, computed_blocks):
-                break
+                if self.running or not self._drop_a_waiting_fork():
+                    break
+                continue
             self.block_manager.allocate(request, num_new, computed_blocks)
             self.block_manager.cache_blocks(request, num_cached + num_new)
             self.waiting.popleft()
@@ -303,6 +303,25 @@ class Scheduler:
             scheduled.append((request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
+
+    def _computed(self, request: Request, budget: int) -> tuple[list[int], int]:
+        """The blocks a waiting request starts from, and how many of its tokens they hold."""
+        if request.block_ids:  # forked: starts on its leader's prompt blocks
+            return [], request.num_computed_tokens
+        hits = self._cache_hits(request, budget)
+        return hits, len(hits) * self.block_manager.block_size
+
+    def _drop_a_waiting_fork(self) -> bool:
+        """Make room: the newest waiting sample that holds forked blocks lets go of them (it will compute its
+        prompt itself). False if no waiting request holds blocks.
+
+        Waiting requests must not hold blocks that the running ones, or the queue's head, need to progress."""
+        holder = next((r for r in reversed(self.waiting) if r.block_ids), None)
+        if holder is None:
+            return False
+        self.block_manager.free(holder)
+        holder.num_computed_tokens = 0
+        return True
 
     def _cache_hits(self, request: Request, budget: int) -> list[int]:
         """Prefix-cache blocks a new request can start from.

@@ -192,10 +192,14 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
             raise unavailable("the engine is not running")
         return {"status": "ok"}
 
-    @app.api_route("/ping", methods=["GET", "POST"], responses={503: {"model": ErrorResponse}})
+    @app.get("/ping", responses={503: {"model": ErrorResponse}})
     async def ping() -> Response:
+        """As /health, with an empty body (vLLM's, for SageMaker)."""
         await health()
         return Response(status_code=200)
+
+    app.add_api_route("/ping", ping, methods=["POST"], operation_id="ping_post",
+                      responses={503: {"model": ErrorResponse}})
 
     @app.get("/version")
     async def get_version() -> VersionResponse:

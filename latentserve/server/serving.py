@@ -10,13 +10,21 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from latentserve.engine.chat_template import render_chat
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from latentserve.server.protocol import ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs, SamplingRequest, \
-    UsageInfo
+from latentserve.server.protocol import (
+    ChatMessage,
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    PromptLogprobs,
+    SamplingRequest,
+    UsageInfo,
+)
 from latentserve.server.structured_outputs import SpecError, requested_structured_outputs
 
 Prompt = str | list[int]
@@ -196,6 +204,17 @@ class Serving:
         limit = self.engine.engine.max_model_len
         return OpenAIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {count} "
                                 f"tokens and asks for {wanted} more ({count + wanted} in all)", param=param)
+
+    async def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
+        """The conversation's prompt text (with the tools offered), rendered with the chat template on a worker
+        thread."""
+        if self.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
+        rendered = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in messages]
+        try:
+            return await asyncio.to_thread(render_chat, self.tokenizer, rendered, tools)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from e
 
     def add_request(self, token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
         if (params.stop or params.bad_words) and self.tokenizer is None:

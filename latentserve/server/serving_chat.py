@@ -1,13 +1,11 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
-from latentserve.engine.chat_template import render_chat
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.reasoning import ReasoningParser
 from latentserve.engine.request import Logprobs
@@ -21,7 +19,6 @@ from latentserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
@@ -78,16 +75,6 @@ class ServingChat(Serving):
             param = "tools" if "structured_outputs.json" in str(e) or req.tool_choice is None else "tool_choice"
             raise OpenAIError(400, str(e).replace("structured_outputs.json", "tools parameters"), param=param) from e
         return plan
-
-    async def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
-        """The conversation's prompt text, rendered with the chat template on a worker thread."""
-        if self.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
-        rendered = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in messages]
-        try:
-            return await asyncio.to_thread(render_chat, self.tokenizer, rendered, tools)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="messages") from e
 
     def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str,
                 top_k: int | None, plan: ToolPlan) -> StreamingResponse:

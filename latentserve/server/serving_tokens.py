@@ -4,13 +4,10 @@ from __future__ import annotations
 import asyncio
 
 from latentserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
-from latentserve.server.serving import OpenAIError, encode
-from latentserve.server.serving_chat import ServingChat
+from latentserve.server.serving import OpenAIError, Serving, encode
 
 
-class ServingTokens(ServingChat):
-    """Chat's template rendering, without running anything."""
-
+class ServingTokens(Serving):
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self._check(req.model)
         if req.messages is not None:

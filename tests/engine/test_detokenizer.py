@@ -149,8 +149,8 @@ def test_spaces_between_special_tokens():
     tokenizer = _wordpiece_with_specials()
     ids = [1, 3, 4, 3, 2]
 
-    def text(**kwargs):
-        detok = IncrementalDetokenizer(tokenizer, [1], **kwargs)
+    def text(prompt=(1,), **kwargs):
+        detok = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
         for token_id in ids:
             detok.add_token(token_id)
         return detok.output_text
@@ -159,6 +159,9 @@ def test_spaces_between_special_tokens():
     # vLLM's fast-detokenizer rule: a special token right after another loses the decoder's space.
     assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == " hello [A][B][A] world"
     assert text(spaces_between_special_tokens=False) == text() == " hello world"
+    # Only output tokens count: a prompt ending in a special token leaves the first output token's space.
+    ids[:] = [3, 4]
+    assert text(prompt=[4], skip_special_tokens=False, spaces_between_special_tokens=False) == " [A][B]"
 
 
 def test_bad_words_tokenized_bare_and_after_a_space(tiny_tokenizer):

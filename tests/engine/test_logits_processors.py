@@ -59,13 +59,14 @@ def random_case(rng: random.Random, row: int):
     bad_words = []
     if row % 3 == 1:
         # One word that the output ends with (so it must fire), one random, one single token.
-        k = min(len(output), 2)
-        bad_words = [output[len(output) - k:] + [rng.randrange(V)], [rng.randrange(V) for _ in range(3)], [rng.randrange(V)]]
+        k = min(len(output), rng.randint(1, 4))
+        bad_words = [output[len(output) - k:] + [rng.randrange(V)], [rng.randrange(V) for _ in range(rng.randint(2, 7))],
+                     [rng.randrange(V)]]
     banned = rng.sample(range(V), 2) if row % 4 == 3 else []
     return SamplingParams(**kwargs), prompt, output, bad_words, banned
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", range(6))
 def test_processed_logits_match_naive_per_request_loop(seed):
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -97,8 +98,9 @@ def test_bad_words_fire_only_on_the_output_tail():
     logits = torch.zeros(3, V)
     logits[:, 9] = 5.0
     params = [SamplingParams(temperature=0)] * 3
-    words = [[[4, 5, 9]], [[4, 5, 9]], [[9]]]
-    outputs = [[1, 4, 5], [4, 5, 1], []]
+    # Row 0's output is shorter than the longest word of the batch: its tail is padded, not cut.
+    words = [[[4, 5, 9], [1, 2, 3, 4]], [[4, 5, 9]], [[9]]]
+    outputs = [[4, 5], [4, 5, 1], []]
     # Row 1's prompt ends with 4, 5: vLLM matches the output only, so the word does not fire there.
     md = SamplingMetadata.from_params(params, [None] * 3, V, prompt_token_ids=[[0], [4, 5], [0]],
                                       output_token_ids=outputs, bad_words_token_ids=words)

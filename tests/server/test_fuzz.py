@@ -32,9 +32,14 @@ def schema(fuzz_server):
     return schemathesis.openapi.from_url(f"{fuzz_server.url}/openapi.json")
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"])
-def test_no_server_errors(fuzz_server, schema, path):
-    operation = next(op for op in (r.ok() for r in schema.get_all_operations()) if op.path == path)
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+    ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+    ("GET", "/ping"), ("GET", "/health"), ("GET", "/metrics"),
+])
+def test_no_server_errors(fuzz_server, schema, method, path):
+    operation = next(op for op in (r.ok() for r in schema.get_all_operations())
+                     if op.path == path and op.method.upper() == method)
     valid = operation.as_strategy(schemathesis.GenerationMode.POSITIVE).map(_served_model)
     strategy = st.one_of(valid, operation.as_strategy(schemathesis.GenerationMode.NEGATIVE))
 

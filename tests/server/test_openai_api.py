@@ -134,9 +134,31 @@ def test_metrics_count_requests_and_tokens(client, http, server):
     assert http.get("/metrics").headers["content-type"].startswith("text/plain")
     diff = {name: _metric(after, name) - _metric(before, name) for name in (
         'request_success_total{finished_reason="length"}', "prompt_tokens_total", "generation_tokens_total",
-        "time_to_first_token_seconds_count", "inter_token_latency_seconds_count")}
+        "time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+        "request_generation_tokens_sum", "request_params_max_tokens_sum")}
     assert diff == {'request_success_total{finished_reason="length"}': 1,
                     "prompt_tokens_total": out.usage.prompt_tokens, "generation_tokens_total": 7,
-                    "time_to_first_token_seconds_count": 1, "inter_token_latency_seconds_count": 6}
+                    "time_to_first_token_seconds_count": 1, "inter_token_latency_seconds_count": 6,
+                    "e2e_request_latency_seconds_count": 1, "request_generation_tokens_sum": 7,
+                    "request_params_max_tokens_sum": 7}
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert _metric(after, gauge) == 0
+
+
+def test_metrics_under_vllm_names():
+    """With the vllm prefix, the exposition has vLLM's exact metric names and labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from latentserve.server.metrics import Metrics
+
+    metrics = Metrics(lambda: {"running": 2, "waiting": 1, "kv_cache_usage": 0.5}, "m", prefix="vllm")
+    metrics.observe_finished("stop", 5, 3, 0.2)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "vllm:request_success", "vllm:prompt_tokens", "vllm:generation_tokens",
+            "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+            "vllm:e2e_request_latency_seconds"} <= set(families)
+    success = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples}
+    assert success == {"stop": 1, "length": 0, "abort": 0, "error": 0}
+    running = families["vllm:num_requests_running"].samples[0]
+    assert (running.labels, running.value) == ({"model_name": "m"}, 2)

@@ -180,3 +180,12 @@ def test_user_metadata_store_are_accepted(client):
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=3, temperature=0, user="u-1",
                                     extra_body={"metadata": {"k": "v"}, "store": False})
     assert out.choices[0].text
+
+
+@pytest.mark.parametrize("skip, spaces", [(True, True), (False, True), (False, False)])
+def test_special_tokens_in_the_text_as_offline(client, offline, skip, spaces):
+    params = dict(temperature=0.0, max_tokens=4, allowed_token_ids=[0, 2], skip_special_tokens=skip,
+                  spaces_between_special_tokens=spaces)  # only <s> and <unk> can come out
+    ref = offline.generate(PROMPT, SamplingParams(**params))[0].outputs[0]
+    assert (ref.text == "") == skip
+    assert complete(client, **params).choices[0].text == ref.text
