@@ -89,3 +89,16 @@ def test_a_character_level_tokenizer_works_too(tmp_path):
     assert state.sync(tokenizer.encode("ok there", add_special_tokens=False))
     assert {i for i in range(96) if (grammar_bitmask([state], 96)[0, i // 32].item() >> (i % 32)) & 1} == {
         tokenizer.eos_token_id}
+
+
+def test_bitmask_application_matches_xgrammar_kernel():
+    import torch
+    from latentserve.engine.structured import apply_grammar_bitmask
+    generator = torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, 129), dtype=torch.int32, generator=generator)
+    bitmask[2] = -1  # an unconstrained row
+    logits = torch.randn(5, 4107, generator=generator)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_grammar_bitmask(ours, bitmask)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask)
+    assert torch.equal(ours, theirs) and torch.equal(ours[2], logits[2])
