@@ -7,7 +7,8 @@ and over all gaps between streamed chunks (ITL). With `--baseline DIR` (another 
 `git archive`), a second server runs that code side by side: each level runs on both, alternating, and a
 last table gives this tree's throughput over the baseline's. With `--structured`, each level also runs the same
 requests constrained to a JSON schema, one schema shared by all and one new schema per request (compiled while the
-others run), on the same server, alternating, and a table gives their throughput and TTFT over the unconstrained run.
+others run), on the same server, in `--rounds` rounds of the three back to back (the machine's load drifts between
+rounds, not within one); the last table gives the median over rounds of each round's constrained / unconstrained.
 Run: `.venv/bin/python benchmarks/serve.py [--model PATH] [--quick] [--baseline DIR] [--structured]`.
 """
 from __future__ import annotations
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests")
     parser.add_argument("--baseline", default=None, help="another latentserve checkout to run side by side")
     parser.add_argument("--structured", action="store_true", help="also constrained to JSON schemas, against unconstrained")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --structured comparison")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.max_tokens = 16, 16
@@ -196,9 +198,10 @@ def structured_run(args: argparse.Namespace, prompts: list[list[int]]) -> None:
         for extra in STRUCTURED.values():  # warm-up
             asyncio.run(run_level(url, 8, 16, prompts, 8, extra))
         for c in args.concurrency:
-            for name, extra in STRUCTURED.items():
-                rows[name].append(asyncio.run(run_level(url, c, max(args.requests, 2 * c), prompts, args.max_tokens,
-                                                        extra)))
+            for _ in range(args.rounds):
+                for name, extra in STRUCTURED.items():
+                    rows[name].append(asyncio.run(run_level(url, c, max(args.requests, 2 * c), prompts,
+                                                            args.max_tokens, extra)))
     finally:
         process.terminate()
         process.wait(60)
@@ -207,11 +210,16 @@ def structured_run(args: argparse.Namespace, prompts: list[list[int]]) -> None:
     for name in STRUCTURED:
         print(f"\n{name}\n")
         print_table(rows[name])
-    print("\nconstrained / unconstrained\n")
-    print_table([{"concurrency": base["concurrency"], "mode": name, "tok/s ratio": row["tok/s"] / base["tok/s"],
-                  "TTFT p50 ratio": row["TTFT p50 (ms)"] / base["TTFT p50 (ms)"],
-                  "TTFT p99 ratio": row["TTFT p99 (ms)"] / base["TTFT p99 (ms)"]}
-                 for name in list(STRUCTURED)[1:] for base, row in zip(rows["unconstrained"], rows[name])], digits=2)
+    print(f"\nconstrained / unconstrained, median of {args.rounds} rounds\n")
+    table = []
+    for i, c in enumerate(args.concurrency):
+        rounds = slice(i * args.rounds, (i + 1) * args.rounds)
+        for name in list(STRUCTURED)[1:]:
+            pairs = list(zip(rows["unconstrained"][rounds], rows[name][rounds]))
+            table.append({"concurrency": c, "mode": name} | {
+                f"{key} ratio": statistics.median(row[key] / base[key] for base, row in pairs)
+                for key in ("tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)")})
+    print_table(table, digits=2)
 
 
 def print_table(rows: list[dict], digits: int = 1) -> None:
