@@ -34,14 +34,14 @@ def _outside_strings(text: str) -> str:
     return re.sub(r'"(\\.|[^"\\])*"', '""', text)
 
 
-def generate(llm: LLM, temperature: float = 0.0, prompt: str = PROMPT, **kwargs):
+def generate(llm: LLM, temperature: float = 0.0, prompt: str = PROMPT, specs=SPECS, **kwargs):
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=120, structured_outputs=s, **kwargs)
-              for i, s in enumerate(SPECS)]
-    return llm.generate([prompt] * len(SPECS), params)
+              for i, s in enumerate(specs)]
+    return llm.generate([prompt] * len(specs), params)
 
 
-def assert_all_valid(outputs) -> None:
-    for spec, out in zip(SPECS, outputs):
+def assert_all_valid(outputs, specs=SPECS) -> None:
+    for spec, out in zip(specs, outputs):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", (spec, completion.text)
         check_output(spec, completion.text)
@@ -183,3 +183,15 @@ def test_min_tokens_is_refused_with_structured_outputs():
 def test_unknown_field_in_dict_is_refused():
     with pytest.raises(ValueError, match=r"unsupported fields \['whitespace_pattern'\]"):
         SamplingParams(structured_outputs={"regex": "a", "whitespace_pattern": " "})
+
+
+def test_data_parallel_ranks_constrain_their_own_requests(baseline):
+    """Each rank runs the same engine path: greedy outputs equal one process's."""
+    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, max_num_seqs=64, enable_prefix_caching=False)
+    specs = SPECS[::5]
+    try:
+        outputs = generate(llm, specs=specs)
+    finally:
+        llm.shutdown()
+    assert_all_valid(outputs, specs)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline[::5]
