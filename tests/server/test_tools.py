@@ -142,7 +142,8 @@ def test_none_and_auto_answer_in_text_when_the_model_does_not_call(client):
     for tool_choice in ("none", "auto"):
         choice = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=TOOLS,
                                                 tool_choice=tool_choice, temperature=0, max_tokens=8).choices[0]
-        assert choice.message.content and not choice.message.tool_calls and choice.finish_reason == "length"
+        assert choice.message.content is not None and not choice.message.tool_calls
+        assert choice.finish_reason in ("stop", "length")
 
 
 def test_tool_results_round_trip_through_the_template(client):
@@ -160,7 +161,7 @@ def test_tool_results_round_trip_through_the_template(client):
     assert tokenizer.tokenizer.token_to_id("<｜tool▁output▁begin｜>") in ids  # one token each, as the model knows them
     second = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=CALLABLE, temperature=0,
                                             max_tokens=5, tool_choice="none")
-    assert second.choices[0].message.content
+    assert second.choices[0].message.content is not None and second.choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.parametrize("body, param, message", [

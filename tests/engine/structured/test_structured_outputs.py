@@ -11,6 +11,7 @@ import xgrammar as xgr
 from latentserve import LLM, SamplingParams
 from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.engine.detokenizer import load_tokenizer
+from latentserve.engine.structured import grammar_bitmask
 from latentserve.engine.structured.backend import build_grammar, tokenizer_info
 from latentserve.sampling_params import StructuredOutputsParams
 from tests.engine.structured.schemas import CHOICES, REGEXES, SCHEMAS
@@ -131,10 +132,15 @@ def test_json_object_and_flexible_whitespace():
                             structured_outputs=StructuredOutputsParams(json_object=True))
     out = llm.generate([PROMPT], params)[0].outputs[0]
     assert isinstance(json.loads(out.text), dict) and out.finish_reason == "stop"
-    # Flexible whitespace: this small model pads with whitespace until max_tokens (why compact is the default).
-    flexible = StructuredOutputsParams(json=SCHEMAS[9], disable_any_whitespace=False)
-    spaced = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, structured_outputs=flexible))
-    assert re.fullmatch(r"\{\s+", spaced[0].outputs[0].text) and spaced[0].outputs[0].finish_reason == "length"
+    # Flexible whitespace allows a newline after "{" (this small model then pads with whitespace forever); compact not.
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    for compact in (True, False):
+        state = llm.engine.structured_outputs.new_request(
+            StructuredOutputsParams(json=SCHEMAS[9], disable_any_whitespace=compact))
+        state.grammar.result()
+        assert state.sync(tokenizer.encode("{", add_special_tokens=False))
+        bitmask = grammar_bitmask([state], llm.engine.model.config.vocab_size)
+        assert bool((bitmask[0, newline // 32].item() >> (newline % 32)) & 1) is not compact
 
 
 def test_grammar_ends_the_request_under_ignore_eos_and_samples_keep_their_own_matchers():
