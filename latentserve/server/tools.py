@@ -61,18 +61,42 @@ class ToolPlan:
         if self.mode == "named":
             return None, [FunctionCall(name=self.name, arguments=answer or "")]
         if self.mode == "required":
-            return (None, []) if partial else _parse_required(answer or "")
+            return _parse_required(answer or "", partial)
         if self.mode == "auto" and tool_parser is not None:
             return tool_parser.extract_tool_calls(answer or "", partial)
         return answer, []
 
 
-def _parse_required(answer: str) -> tuple[str | None, list[FunctionCall]]:
+def _parse_required(answer: str, partial: bool) -> tuple[str | None, list[FunctionCall]]:
+    """The calls of the array the grammar made; while it grows, those already closed."""
     try:
-        calls = json.loads(answer)
+        calls = [json.loads(item) for item in _closed_items(answer)] if partial else json.loads(answer)
         return None, [FunctionCall(name=c["name"], arguments=json.dumps(c["parameters"])) for c in calls]
     except (ValueError, TypeError, KeyError):  # cut short (max_tokens): returned as text
         return answer or None, []
+
+
+def _closed_items(text: str) -> list[str]:
+    """The objects already closed at the top level of a partial JSON array."""
+    items, depth, start, in_string, escaped = [], 0, 0, False, False
+    for i, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            start = i if depth == 2 else start
+        elif char in "]}":
+            if depth == 2:
+                items.append(text[start:i + 1])
+            depth -= 1
+    return items
 
 
 def plan_tools(req: ChatCompletionRequest, tool_parser: ToolParser | None) -> ToolPlan:

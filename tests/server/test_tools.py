@@ -42,6 +42,19 @@ def test_deepseek_v3_parser_partial_output_holds_back_and_closes_calls_one_by_on
     assert seen_calls == 2
 
 
+def test_required_calls_close_one_by_one_in_a_growing_array():
+    from latentserve.server.tools import ToolPlan
+    calls = [{"name": "a", "parameters": {"s": 'x}\\"y]{', "n": [1, {"k": 2}]}}, {"name": "b", "parameters": {}}]
+    text = json.dumps(calls, separators=(",", ":"))
+    plan, seen = ToolPlan("required"), []
+    for cut in range(len(text) + 1):
+        content, found = plan.parse(text[:cut], None, partial=cut < len(text))
+        assert content is None and [(c.name, json.loads(c.arguments)) for c in found] == [
+            (c["name"], c["parameters"]) for c in calls[:len(found)]]
+        seen.append(len(found))
+    assert seen == sorted(seen) and seen[-1] == 2 and 1 in seen
+
+
 def test_bound_schema_bounds_free_strings_and_arrays_only():
     schema = {"type": "object", "properties": {
         "free": {"type": "string"}, "enum": {"type": "string", "enum": ["a"]}, "short": {"type": "string", "maxLength": 3},
