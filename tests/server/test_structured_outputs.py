@@ -97,3 +97,31 @@ def test_bad_spec_is_a_400_naming_its_field(live, client, body, param, message):
     if param is not None:
         assert error.value.body["param"] == param or param in error.value.message
     live.wait_idle()
+
+
+def test_concurrent_requests_under_dbo_and_preemption():
+    """Through the client: DBO splits the steps and a small KV pool preempts; every output still validates."""
+    from concurrent.futures import ThreadPoolExecutor
+    server = LiveServer(DEFAULT_MODEL_DIR, enable_dbo=True, dbo_decode_token_threshold=2,
+                        dbo_prefill_token_threshold=2, num_kv_blocks=20, max_model_len=160, block_size=8)
+    preempted = []
+    scheduler = server.engine.scheduler
+    original = scheduler._preempt
+    scheduler._preempt = lambda request: (preempted.append(request.request_id), original(request))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        indices = [9, 13, 15, 16, 19, 10, 14, 12]
+
+        def ask(index: int):
+            response = client.chat.completions.create(
+                model=MODEL_NAME, messages=MESSAGES, max_tokens=120, temperature=0,
+                response_format=json_schema_format(SCHEMAS[index]))
+            return index, response.choices[0]
+
+        with ThreadPoolExecutor(len(indices)) as pool:
+            for index, choice in pool.map(ask, indices):
+                jsonschema.validate(json.loads(choice.message.content), SCHEMAS[index])
+                assert choice.finish_reason == "stop"
+        assert preempted
+    finally:
+        server.stop()
