@@ -5,8 +5,11 @@ concurrency level runs a bounded number of streaming /v1/completions requests (r
 fixed output length with ignore_eos) and prints a markdown table. Percentiles are over requests (TTFT)
 and over all gaps between streamed chunks (ITL). With `--baseline DIR` (another checkout, e.g. from
 `git archive`), a second server runs that code side by side: each level runs on both, alternating, and a
-last table gives this tree's throughput over the baseline's.
-Run: `.venv/bin/python benchmarks/serve.py [--model PATH] [--quick] [--baseline DIR]`.
+last table gives this tree's throughput over the baseline's. With `--structured`, each level also runs the same
+requests constrained to a JSON schema, one schema shared by all and one new schema per request (compiled while the
+others run), on the same server, in `--rounds` rounds of the three back to back (the machine's load drifts between
+rounds, not within one); the last table gives the median over rounds of each round's constrained / unconstrained.
+Run: `.venv/bin/python benchmarks/serve.py [--model PATH] [--quick] [--baseline DIR] [--structured]`.
 """
 from __future__ import annotations
 
@@ -49,9 +52,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(int(q / 100 * len(ordered)), len(ordered) - 1)]
 
 
-async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int) -> RequestResult:
+# An array of at least 64 digits (two tokens each): a constrained request cannot end before max_tokens either.
+DIGITS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 64}
+STRUCTURED = {
+    "unconstrained": lambda i: {},
+    "json schema": lambda i: {"structured_outputs": {"json": DIGITS}},
+    "new schema each": lambda i: {"structured_outputs": {"json": {**DIGITS, "maxItems": 100_000 + i}}},
+}
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
+                      extra: dict | None = None) -> RequestResult:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
     start = time.perf_counter()
     times, usage = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -67,7 +80,8 @@ async def one_request(client: httpx.AsyncClient, prompt: list[int], max_tokens: 
                          num_tokens=usage["completion_tokens"])
 
 
-async def run_level(url: str, concurrency: int, num_requests: int, prompts: list[list[int]], max_tokens: int) -> dict:
+async def run_level(url: str, concurrency: int, num_requests: int, prompts: list[list[int]], max_tokens: int,
+                    extra=lambda i: {}) -> dict:
     queue = list(range(num_requests))
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -76,7 +90,7 @@ async def run_level(url: str, concurrency: int, num_requests: int, prompts: list
         async def worker() -> None:
             while queue:
                 i = queue.pop()
-                results.append(await one_request(client, prompts[i % len(prompts)], max_tokens))
+                results.append(await one_request(client, prompts[i % len(prompts)], max_tokens, extra(i)))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -132,6 +146,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--quick", action="store_true", help="fewer, shorter requests")
     parser.add_argument("--baseline", default=None, help="another latentserve checkout to run side by side")
+    parser.add_argument("--structured", action="store_true", help="also constrained to JSON schemas, against unconstrained")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --structured comparison")
     args = parser.parse_args()
     if args.quick:
         args.requests, args.max_tokens = 16, 16
@@ -139,6 +155,9 @@ def main() -> None:
     rng = random.Random(0)
     vocab = vocab_size(args.model)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(64)]
+    if args.structured:
+        structured_run(args, prompts)
+        return
     roots = {"latentserve": ROOT} | ({"baseline": Path(args.baseline).resolve()} if args.baseline else {})
     processes, urls = {}, {}
     try:
@@ -168,6 +187,39 @@ def main() -> None:
                       "TTFT p50 ratio": new["TTFT p50 (ms)"] / old["TTFT p50 (ms)"],
                       "ITL mean ratio": new["ITL mean (ms)"] / old["ITL mean (ms)"]}
                      for new, old in zip(rows["latentserve"], rows["baseline"])], digits=2)
+
+
+def structured_run(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    port = free_port()
+    process = start_server(args.model, port, args.threads)
+    url = f"http://127.0.0.1:{port}"
+    rows: dict[str, list[dict]] = {name: [] for name in STRUCTURED}
+    try:
+        for extra in STRUCTURED.values():  # warm-up
+            asyncio.run(run_level(url, 8, 16, prompts, 8, extra))
+        for c in args.concurrency:
+            for _ in range(args.rounds):
+                for name, extra in STRUCTURED.items():
+                    rows[name].append(asyncio.run(run_level(url, c, max(args.requests, 2 * c), prompts,
+                                                            args.max_tokens, extra)))
+    finally:
+        process.terminate()
+        process.wait(60)
+    print(f"\nprompt {args.prompt_len} tokens, {args.max_tokens} output tokens per request, "
+          f"server torch threads {args.threads}, model {args.model or 'embedded'}")
+    for name in STRUCTURED:
+        print(f"\n{name}\n")
+        print_table(rows[name])
+    print(f"\nconstrained / unconstrained, median of {args.rounds} rounds\n")
+    table = []
+    for i, c in enumerate(args.concurrency):
+        rounds = slice(i * args.rounds, (i + 1) * args.rounds)
+        for name in list(STRUCTURED)[1:]:
+            pairs = list(zip(rows["unconstrained"][rounds], rows[name][rounds]))
+            table.append({"concurrency": c, "mode": name} | {
+                f"{key} ratio": statistics.median(row[key] / base[key] for base, row in pairs)
+                for key in ("tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)")})
+    print_table(table, digits=2)
 
 
 def print_table(rows: list[dict], digits: int = 1) -> None:

@@ -2,5 +2,6 @@
 from latentserve.engine.llm import LLM
 from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.sampling_params import SamplingParams
+from latentserve.structured_params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

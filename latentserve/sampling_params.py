@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from latentserve.structured_params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _GREEDY_EPS = 1e-5
 # vLLM clamps each logit bias to this range (OpenAI documents -100..100).
@@ -67,6 +69,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens; -1: the last max_model_len
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, clamped to [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled
+    structured_outputs: StructuredOutputsParams | None = None  # the output must match a schema, regex, choice, grammar
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, 1)
@@ -111,6 +114,18 @@ class SamplingParams:
             self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (nothing could be sampled)")
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        if self.structured_outputs is None:
+            return
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        if not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        if self.min_tokens > 0:
+            # The grammar decides where the output ends: banning the end until min_tokens could leave no token.
+            raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

@@ -234,13 +234,13 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
         ["bench", "--model", "m", "--dtype", "bf16", "--block-size", "8", "--max-num-seqs", "3",
          "--max-num-batched-tokens", "99", "--max-model-len", "77", "--num-kv-blocks", "5", *DBO_FLAGS[:3],
          "--dbo-prefill-token-threshold", "6", "--prefill-backend", "reference", "--decode-backend", "Torch",
-         "--seed", "9", "--num-threads", "3"], capsys)
+         "--seed", "9", "--num-threads", "3", "--reasoning-parser", "deepseek_r1"], capsys)
     assert (code, err) == (1, "latentserve: error: recorded\n")
     assert seen == dict(model="m", dtype="bf16", device="cpu", block_size=8, max_num_seqs=3,
                         max_num_batched_tokens=99, max_model_len=77, num_kv_blocks=5, enable_dbo=True,
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
-                        link_latency_us=0.0, link_bandwidth_gbps=None)
+                        link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

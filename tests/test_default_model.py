@@ -112,8 +112,8 @@ def test_chat_template_renders(hf_tokenizer):
     ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ids[0] == hf_tokenizer.bos_token_id and ids.count(hf_tokenizer.bos_token_id) == 1
     assert hf_tokenizer.decode(ids) == text
-    with pytest.raises(jinja2.TemplateError, match="unsupported chat role: tool"):
-        hf_tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+    with pytest.raises(jinja2.TemplateError, match="unsupported chat role: narrator"):
+        hf_tokenizer.apply_chat_template([{"role": "narrator", "content": "x"}], tokenize=False)
 
 
 def _mean_nll(model, hf_tokenizer, text: str) -> float:

@@ -13,6 +13,7 @@ from latentserve.attention.decode.registry import MLADecodeBackendEnum
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.llm_engine import EngineConfig, parse_dtype
+from latentserve.engine.reasoning import reasoning_parser_names
 from latentserve.sampling_params import SamplingParams
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -145,6 +146,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="emulated collective latency, for experiments on one machine")
     g.add_argument("--link-bandwidth-gbps", type=float, default=d.link_bandwidth_gbps,
                    help="emulated collective bandwidth (GB/s)")
+    g.add_argument("--reasoning-parser", choices=reasoning_parser_names(), default=None,
+                   help="split a reasoning model's output into reasoning_content and content")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -187,6 +190,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
             enable_expert_parallel=args.enable_expert_parallel,
             link_latency_us=args.link_latency_us,
             link_bandwidth_gbps=args.link_bandwidth_gbps,
+            reasoning_parser=args.reasoning_parser,
         )
 
 

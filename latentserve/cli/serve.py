@@ -11,6 +11,7 @@ from latentserve.distributed.dp_engine import launched_by_torchrun
 from latentserve.server import ServerConfig, serve
 from latentserve.server.api import DEFAULT_MAX_REQUEST_BYTES
 from latentserve.server.launcher import serving_engine
+from latentserve.server.tool_parsers import tool_parser_names
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
 
@@ -34,6 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--metrics-prefix", choices=["latentserve", "vllm"], default="latentserve",
                    help="/metrics names are PREFIX:<vLLM's metric name>; vllm gives vLLM's exact names")
+    g.add_argument("--tool-call-parser", choices=tool_parser_names(), default=None,
+                   help="find tool calls in the model's output format (needed for tool_choice auto)")
     p.set_defaults(func=run)
 
 
@@ -42,7 +45,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return ServerConfig(host=args.host, port=args.port, api_key=api_key, max_waiting=args.max_waiting,
                         served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
-                        max_request_bytes=args.max_request_bytes, metrics_prefix=args.metrics_prefix)
+                        max_request_bytes=args.max_request_bytes, metrics_prefix=args.metrics_prefix,
+                        tool_call_parser=args.tool_call_parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def _token_text(tokenizer: TokenizerInfo, token_id: int | None) -> str:
     return "" if token_id is None else tokenizer.tokenizer.id_to_token(token_id) or ""
 
 
-def render_chat(tokenizer: TokenizerInfo, messages: list[dict[str, str]]) -> str:
+def render_chat(tokenizer: TokenizerInfo, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The prompt text of a conversation, ending where the assistant's reply starts.
 
     ValueError if the model has no chat template or the template rejects the conversation.
@@ -37,6 +37,7 @@ def render_chat(tokenizer: TokenizerInfo, messages: list[dict[str, str]]) -> str
         template = _compile(tokenizer.chat_template)
         return template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=True,
             bos_token=_token_text(tokenizer, tokenizer.bos_token_id),
             eos_token=_token_text(tokenizer, tokenizer.eos_token_id),

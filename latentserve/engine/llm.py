@@ -9,6 +9,7 @@ from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine,
 from latentserve.engine.detokenizer import TokenizerInfo, load_tokenizer
 from latentserve.engine.llm_engine import EngineConfig, LLMEngine, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -32,9 +33,11 @@ class DPLLMEngine:
     Prompts are checked here as one process checks them (`tokenize_prompt`); each request then runs on one rank.
     """
 
-    def __init__(self, dp_engine: SpawnedDPEngine, tokenizer: TokenizerInfo | None) -> None:
+    def __init__(self, dp_engine: SpawnedDPEngine, tokenizer: TokenizerInfo | None,
+                 reasoning_parser: str | None = None) -> None:
         self.dp_engine = dp_engine
         self.tokenizer = tokenizer
+        self.reasoning_parser = make_reasoning_parser(reasoning_parser, tokenizer)
         self.max_model_len, self.vocab_size = dp_engine.collective_rpc(_limits)[0]
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -79,7 +82,8 @@ class LLM:
         )
         has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
         self._tokenizer = load_tokenizer(self.model_dir) if has_tokenizer else None
-        self.engine = DPLLMEngine(self.dp_engine, self._tokenizer) if dp_engine is SpawnedDPEngine else None
+        self.engine = (DPLLMEngine(self.dp_engine, self._tokenizer, config.reasoning_parser)
+                       if dp_engine is SpawnedDPEngine else None)
 
     def get_tokenizer(self):
         return self.engine.tokenizer if self.dp_engine is None else self._tokenizer

@@ -16,10 +16,12 @@ from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.cpu_malloc import keep_freed_memory
 from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, load_tokenizer
 from latentserve.engine.model_runner import ModelRunner
+from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
+from latentserve.engine.structured import StructuredOutputManager
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
 from latentserve.sampling_params import SamplingParams
@@ -75,6 +77,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     link_latency_us: float = 0.0  # link emulation of the expert all-to-all: 0 / None leave it real
     link_bandwidth_gbps: float | None = None
+    reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
 
     def __post_init__(self) -> None:
         if not _is_int_at_least(self.data_parallel_size, 1):
@@ -191,6 +194,8 @@ class LLMEngine:
             self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group
         )
         self._ids = itertools.count()
+        self.reasoning_parser = make_reasoning_parser(config.reasoning_parser, self.tokenizer)
+        self._structured: StructuredOutputManager | None = None
 
     def _expert_parallel_group(self, config: EngineConfig) -> DPGroup | None:
         """The group this rank's experts are split over (its steps then run in lockstep), or None."""
@@ -208,6 +213,16 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.scheduler.config.max_model_len
 
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The grammar compiler and cache, made on the first request with structured outputs."""
+        if self._structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs a tokenizer: this checkpoint has no tokenizer.json")
+            end = self.reasoning_parser.end_token_id if self.reasoning_parser is not None else None
+            self._structured = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size, end)
+        return self._structured
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
 
@@ -221,6 +236,8 @@ class LLMEngine:
         params.validate_for_vocab(self.model.config.vocab_size)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer: this checkpoint has no tokenizer.json")
+        if params.structured_outputs is not None:
+            self.structured_outputs.compiled(params.structured_outputs)  # checks the spec, starts compiling it
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if not token_ids:
@@ -248,6 +265,8 @@ class LLMEngine:
                                                  params.spaces_between_special_tokens)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         request = Request(request_id, token_ids, params, eos, prompt, detokenizer)
+        if params.structured_outputs is not None:
+            request.structured_output = self.structured_outputs.new_request(params.structured_outputs)
         if params.bad_words:
             request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             vocab_size = self.model.config.vocab_size
@@ -266,10 +285,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if requests wait for their grammars, wait for one (briefly) instead of spinning."""
+        if self._structured is not None:
+            waiting = [r.structured_output for r in self.scheduler.waiting if r.structured_output is not None]
+            self._structured.wait_any(waiting, timeout=0.05)
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; the outputs of every request that advanced or ended."""
         out = self.scheduler.schedule()
         if not out.scheduled and self.runner.lockstep_group is None:
+            self._wait_for_grammars()
             return request_outputs(self.scheduler.update(out, []))
         try:
             result = self.runner.execute_model(out)

@@ -12,6 +12,7 @@ from latentserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from latentserve.engine.detokenizer import IncrementalDetokenizer
     from latentserve.engine.parallel_sampling import SampleGroup
+    from latentserve.engine.structured import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -74,6 +75,7 @@ class Request:
 
         self.bad_words_token_ids: list[list[int]] = []  # the tokenized bad_words (set by the engine)
         self.group: SampleGroup | None = None  # the samples of an n / best_of request this one belongs to
+        self.structured_output: StructuredOutputRequest | None = None  # its grammar state (set by the engine)
 
         self.block_ids: list[int] = []  # the block table
         self.block_hashes: list[int] = []  # hash chain of the full blocks, filled lazily

@@ -18,6 +18,7 @@ from latentserve.engine.logits_processors import (
     build_token_mask,
 )
 from latentserve.engine.request import Logprobs, Request
+from latentserve.engine.structured import apply_grammar_bitmask, grammar_bitmask
 from latentserve.sampling_params import SamplingParams
 
 
@@ -38,6 +39,7 @@ class SamplingMetadata:
     logit_bias: LogitBias | None
     penalties: Penalties | None
     all_greedy: bool
+    grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32: the tokens each row's grammar allows
 
     @classmethod
     def from_params(
@@ -92,7 +94,7 @@ class SamplingMetadata:
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device | str = "cpu") -> "SamplingMetadata":
         """The metadata of the requests that sample this step, one row each in order."""
-        return cls.from_params(
+        metadata = cls.from_params(
             [r.sampling_params for r in requests],
             [r.generator(device) for r in requests],
             vocab_size,
@@ -102,11 +104,14 @@ class SamplingMetadata:
             [r.output_token_ids for r in requests],
             [r.bad_words_token_ids for r in requests],
         )
+        metadata.grammar_bitmask = grammar_bitmask([r.structured_output for r in requests], vocab_size)
+        return metadata
 
     @property
     def processes_logits(self) -> bool:
         """Whether any logits processor runs before temperature."""
-        return any(x is not None for x in (self.banned, self.allowed_mask, self.bad_words, self.logit_bias, self.penalties))
+        return any(x is not None for x in (self.grammar_bitmask, self.banned, self.allowed_mask, self.bad_words,
+                                           self.logit_bias, self.penalties))
 
 
 @dataclass
@@ -183,7 +188,9 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The processors that can change the argmax, in place where they can, in vLLM's order."""
+        """The processors that can change the argmax, in place where they can, in vLLM's order (grammar first)."""
+        if metadata.grammar_bitmask is not None:
+            apply_grammar_bitmask(logits, metadata.grammar_bitmask)
         if metadata.allowed_mask is not None:
             logits.masked_fill_(metadata.allowed_mask, float("-inf"))
         if metadata.bad_words is not None:

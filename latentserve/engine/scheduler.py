@@ -265,10 +265,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
-        """New and preempted requests, oldest first, while budget, sequence slots and free blocks last."""
+        """New and preempted requests, oldest first, while budget, sequence slots and free blocks last.
+
+        A request whose grammar is still compiling keeps its place and is passed over for this step.
+        """
+        compiling: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            error = self._never_fits(request, request.num_tokens)
+            grammar = request.structured_output
+            if grammar is not None and not grammar.is_ready:
+                compiling.append(self.waiting.popleft())
+                continue
+            error = self._never_fits(request, request.num_tokens) or (grammar.error if grammar is not None else None)
             if error is not None:
                 self.waiting.popleft()
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
@@ -294,6 +302,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
     def _computed(self, request: Request, budget: int) -> tuple[list[int], int]:
         """The blocks a waiting request starts from, and how many of its tokens they hold."""
@@ -382,12 +391,28 @@ class Scheduler:
             request.append_output_token(token_id, token_logprobs)
             if request.group is not None and not request.group.forked:
                 self._fork(request.group)  # before the leader can finish and free its blocks
-            status = self._check_stop(request, token_id)
+            status = self._check_grammar(request) or self._check_stop(request, token_id)
             if status is not None:
                 self.running.remove(request)
-                self._finish(request, status)
+                self._finish(request, status, request.error)
             updated.append(request)
         return updated
+
+    def _check_grammar(self, request: Request) -> RequestStatus | None:
+        """Advance the request's grammar by its new token: an error if the token breaks it (another processor
+        left no allowed token), stopped once the grammar has ended (even under ignore_eos)."""
+        grammar = request.structured_output
+        if grammar is None:
+            return None
+        if not grammar.sync(request.output_token_ids):
+            request.error = (f"request {request.request_id!r}: token {grammar.rejected_token} does not match "
+                             f"structured_outputs.{grammar.params.kind}: other sampling settings left no allowed token")
+            return RequestStatus.FINISHED_ERROR
+        if grammar.is_terminated:
+            if request.detokenizer is not None:
+                request.detokenizer.flush()
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         """The final status the new token puts the request in, if any (sets its stop_reason)."""

@@ -33,6 +33,7 @@ from latentserve.server.serving import OpenAIError, unavailable
 from latentserve.server.serving_chat import ServingChat
 from latentserve.server.serving_completion import ServingCompletion
 from latentserve.server.serving_tokens import ServingTokens
+from latentserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,8 @@ def _version() -> str:
 
 
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve") -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve",
+              tool_call_parser: str | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
     lifespan starts and stops the engine thread."""
     async_engine = AsyncLLMEngine(engine, max_waiting, model_name, metrics_prefix)
@@ -179,7 +181,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     app.add_middleware(_Gate, state=state, api_key=api_key)
     _add_error_handlers(app)
     completions = ServingCompletion(async_engine, model_name)
-    chat = ServingChat(async_engine, model_name)
+    tool_parser = get_tool_parser(tool_call_parser)() if tool_call_parser is not None else None
+    chat = ServingChat(async_engine, model_name, tool_parser)
     tokens = ServingTokens(async_engine, model_name)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 

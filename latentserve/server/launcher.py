@@ -28,6 +28,7 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
     metrics_prefix: str = "latentserve"  # /metrics names are <prefix>:<vLLM's name>; "vllm" gives vLLM's exact names
     log_level: str = "info"
+    tool_call_parser: str | None = None  # e.g. deepseek_v3: tool_choice "auto" finds calls in the model's format
 
 
 class DrainingServer(uvicorn.Server):
@@ -60,7 +61,7 @@ class DrainingServer(uvicorn.Server):
 def serve(engine: Engine, model_name: str, config: ServerConfig) -> None:
     """Serve a loaded engine as `model_name` until SIGTERM / SIGINT."""
     app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting,
-                    config.max_request_bytes, config.metrics_prefix)
+                    config.max_request_bytes, config.metrics_prefix, config.tool_call_parser)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=max(int(config.drain_timeout), 1))
     DrainingServer(uv_config, app.state.server_state, config.drain_timeout).run()

@@ -8,6 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from latentserve.server.tool_protocol import ChatTool, DeltaToolCall, NamedToolChoice, ToolCall, ToolCallIn, ToolChoice
+
 # Largest top-k of logprobs a request may ask for (vLLM's default cap).
 MAX_LOGPROBS = 20
 # Parallel samples per request at most (n and best_of): each holds its own KV blocks and decode slot.
@@ -15,15 +17,12 @@ MAX_SAMPLES = 16
 # OpenAI and vLLM fields latentserve knows but does not implement: refused with a 400 naming them, never ignored.
 UNSUPPORTED = {
     "suffix": "suffix is not supported: this server has no fill-in-the-middle mode",
-    "tools": "tools are not supported yet",
     "functions": "functions are not supported yet",
     "function_call": "function_call is not supported yet",
-    "parallel_tool_calls": "parallel_tool_calls is not supported yet (no tools)",
-    "guided_json": "guided decoding (guided_json) is not supported yet",
-    "guided_regex": "guided decoding (guided_regex) is not supported yet",
-    "guided_choice": "guided decoding (guided_choice) is not supported yet",
-    "guided_grammar": "guided decoding (guided_grammar) is not supported yet",
-    "structured_outputs": "structured outputs are not supported yet",
+    "guided_json": "vLLM's older guided_json is not supported: send structured_outputs={\"json\": ...}",
+    "guided_regex": "vLLM's older guided_regex is not supported: send structured_outputs={\"regex\": ...}",
+    "guided_choice": "vLLM's older guided_choice is not supported: send structured_outputs={\"choice\": ...}",
+    "guided_grammar": "vLLM's older guided_grammar is not supported: send structured_outputs={\"grammar\": ...}",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty is not supported (it applies to beam search)",
     "continue_final_message": "continue_final_message is not supported",
@@ -117,6 +116,8 @@ class SamplingRequest(StrictModel):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object")
 
     @model_validator(mode="before")
     @classmethod
@@ -184,9 +185,19 @@ class TextContentPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages: the calls it made
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls is only allowed in assistant messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages need a tool_call_id, and only they may have one")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -194,8 +205,25 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = Field(None, description="outputs always match the schema: true and false are the same here")
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"] = Field(description="only text: structured outputs are not supported yet")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("response_format", "{field}: json_schema is required with type 'json_schema' "
+                                      "and only allowed with it", {"field": "response_format"})
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -205,26 +233,23 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tool_choice: Literal["none"] | None = Field(None, description="only none: tools are not supported yet")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_chat_raw(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            fmt = data.get("response_format")
-            if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
-                raise PydanticCustomError("unsupported", "{field}: type {kind!r} is not supported yet (only 'text')",
-                                          {"field": "response_format", "kind": str(fmt.get("type"))})
-            choice = data.get("tool_choice")
-            if choice is not None and choice != "none":
-                raise PydanticCustomError("unsupported", "{field}: only 'none' is supported (no tools yet)",
-                                          {"field": "tool_choice"})
-        return data
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("tools", "{field}: function names must be unique", {"field": "tools"})
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise PydanticCustomError("tool_choice", "{field}: needs tools", {"field": "tool_choice"})
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError("tool_choice", "{field}: no tool is named '{name}'",
+                                      {"field": "tool_choice", "name": choice.function.name})
         return self
 
     @property
@@ -290,7 +315,10 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None  # with a reasoning parser: the text before the answer
+    reasoning: str | None = None  # the same (newer vLLM's name)
 
 
 class ChatChoice(BaseModel):
@@ -314,6 +342,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -25,6 +25,7 @@ from latentserve.server.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from latentserve.server.structured_outputs import SpecError, requested_structured_outputs
 
 Prompt = str | list[int]
 
@@ -58,6 +59,10 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine's SamplingParams for a request; a value the engine refuses is a 400 naming its field."""
     try:
+        structured = requested_structured_outputs(req.structured_outputs, getattr(req, "response_format", None))
+    except SpecError as e:
+        raise OpenAIError(400, str(e), param=e.param) from e
+    try:
         return SamplingParams(
             n=req.n, best_of=req.best_of, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
@@ -69,7 +74,7 @@ def sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int 
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
             truncate_prompt_tokens=req.truncate_prompt_tokens, logit_bias=req.logit_bias,
-            allowed_token_ids=req.allowed_token_ids)
+            allowed_token_ids=req.allowed_token_ids, structured_outputs=structured)
     except ValueError as e:
         raise OpenAIError(400, str(e), param=param_named_in(str(e))) from e
 
@@ -200,13 +205,14 @@ class Serving:
         return OpenAIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {count} "
                                 f"tokens and asks for {wanted} more ({count + wanted} in all)", param=param)
 
-    async def render(self, messages: list[ChatMessage]) -> str:
-        """The conversation's prompt text, rendered with the chat template on a worker thread."""
+    async def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
+        """The conversation's prompt text (with the tools offered), rendered with the chat template on a worker
+        thread."""
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
-        rendered = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        rendered = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in messages]
         try:
-            return await asyncio.to_thread(render_chat, self.tokenizer, rendered)
+            return await asyncio.to_thread(render_chat, self.tokenizer, rendered, tools)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from e
 

@@ -1,14 +1,18 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
 from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.reasoning import ReasoningParser
 from latentserve.engine.request import Logprobs
-from latentserve.server.async_engine import RequestStream
+from latentserve.engine.structured.backend import build_grammar
+from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
+from latentserve.server.chat_output import ChatOutput
 from latentserve.server.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -21,33 +25,61 @@ from latentserve.server.protocol import (
     UsageInfo,
     random_id,
 )
-from latentserve.server.serving import Serving, sampling_params, top_entries, usage
+from latentserve.server.serving import OpenAIError, Serving, sampling_params, top_entries, usage
+from latentserve.server.tool_parsers import ToolParser
+from latentserve.server.tools import ToolPlan, plan_tools
 
 
 class ServingChat(Serving):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None) -> None:
+        super().__init__(engine, model_name)
+        self.tool_parser = tool_parser
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        return getattr(self.engine.engine, "reasoning_parser", None)
+
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
         self.check_model(req.model)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_new_tokens, top_k)
-        prompt = await self.render(req.messages)
+        plan = self._plan_tools(req)
+        if plan.structured_outputs is not None:
+            params = replace(params, structured_outputs=plan.structured_outputs)
+        prompt = await self.render(req.messages, plan.tools)
         token_ids = (await self.prompt_ids([prompt], params, req.max_new_tokens, "messages", False))[0]
         request_id = random_id("chatcmpl")
         stream = self.add_request(token_ids, params, request_id)
         if req.stream:
-            return self._stream(req, stream, request_id, top_k)
+            return self._stream(req, stream, request_id, top_k, plan)
         outputs = await self.run_to_end([stream], raw_request)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         output = outputs[0]
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason, logprobs=self._logprobs(c.token_ids, c.logprobs, top_k))
-                   for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = ChatOutput(self.reasoning_parser, plan, self.tool_parser).message(
+                c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
+                                      stop_reason=c.stop_reason,
+                                      logprobs=self._logprobs(c.token_ids, c.logprobs, top_k)))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs),
                                       prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs))
 
+    def _plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
+        try:
+            plan = plan_tools(req, self.tool_parser)
+            if plan.structured_outputs is not None:
+                build_grammar(plan.structured_outputs)
+        except ValueError as e:
+            param = "tools" if "structured_outputs.json" in str(e) or req.tool_choice is None else "tool_choice"
+            raise OpenAIError(400, str(e).replace("structured_outputs.json", "tools parameters"), param=param) from e
+        return plan
+
     def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str,
-                top_k: int | None) -> StreamingResponse:
+                top_k: int | None, plan: ToolPlan) -> StreamingResponse:
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
+        parsers: dict[int, ChatOutput] = {}
 
         def chunk(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
                   finish_reason: str | None = None) -> ChatCompletionChunk:
@@ -59,15 +91,18 @@ class ServingChat(Serving):
             for completion in output.outputs:
                 if completion.index not in sent:
                     sent[completion.index] = (0, 0)
+                    parsers[completion.index] = ChatOutput(self.reasoning_parser, plan, self.tool_parser)
                     out.append(chunk(completion.index, DeltaMessage(role="assistant", content="")))
+                parser = parsers[completion.index]
                 chars, tokens = sent[completion.index]
-                delta = completion.text[chars:]
-                if delta or completion.finished():
+                delta = parser.delta(completion.text[:chars], completion.text, completion.finished())
+                if delta is not None or completion.finished():
                     token_ids = completion.token_ids[tokens:]
                     entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
                     sent[completion.index] = (len(completion.text), len(completion.token_ids))
-                    out.append(chunk(completion.index, DeltaMessage(content=delta),
-                                     self._logprobs(token_ids, entries, top_k), completion.finish_reason))
+                    out.append(chunk(completion.index, delta or DeltaMessage(content=""),
+                                     self._logprobs(token_ids, entries, top_k),
+                                     parser.finish_reason(completion.finish_reason, parser.call_ids)))
             return out
 
         def usage_chunk(info: UsageInfo) -> ChatCompletionChunk:

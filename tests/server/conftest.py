@@ -68,9 +68,11 @@ class LiveServer:
     new one-process engine with these settings."""
 
     def __init__(self, model_dir: Path, api_key: str | None = None, max_waiting: int | None = None,
-                 engine=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **settings) -> None:
+                 engine=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
+                 **settings) -> None:
         self.engine = engine if engine is not None else LLMEngine(model_dir, EngineConfig(**{**ENGINE, **settings}))
-        self.app = build_app(self.engine, MODEL_NAME, api_key, max_waiting, max_request_bytes)
+        self.app = build_app(self.engine, MODEL_NAME, api_key, max_waiting, max_request_bytes,
+                             tool_call_parser=tool_call_parser)
         self.async_engine = self.app.state.engine
         sock = free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

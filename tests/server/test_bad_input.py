@@ -37,7 +37,7 @@ BATTERY = [
     ("/v1/completions", {**GOOD, "suffix": "tail"}, 400, "suffix"),
     ("/v1/completions", {**GOOD, "use_beam_search": True}, 400, "use_beam_search"),
     ("/v1/completions", {**GOOD, "guided_json": {"type": "object"}}, 400, "guided_json"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400, "response_format"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
     ("/v1/chat/completions", {**CHAT, "continue_final_message": True}, 400, "continue_final_message"),

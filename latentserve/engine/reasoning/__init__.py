@@ -1,0 +1,12 @@
+"""Reasoning parsers: split a reasoning model's output into its reasoning and its answer (`--reasoning-parser`)."""
+from latentserve.engine.reasoning.base import (
+    ReasoningParser,
+    get_reasoning_parser,
+    make_reasoning_parser,
+    reasoning_parser_names,
+    register_reasoning_parser,
+)
+from latentserve.engine.reasoning.deepseek_r1 import DeepSeekR1ReasoningParser
+
+__all__ = ["DeepSeekR1ReasoningParser", "ReasoningParser", "get_reasoning_parser", "make_reasoning_parser",
+           "reasoning_parser_names", "register_reasoning_parser"]

@@ -1,0 +1,33 @@
+"""The tool parser interface and its registry."""
+from __future__ import annotations
+
+from typing import Callable
+
+from latentserve.server.tool_protocol import FunctionCall
+
+_PARSERS: dict[str, type["ToolParser"]] = {}
+
+
+class ToolParser:
+    """Splits output text into (content, calls). `partial`: the output may go on, so only calls already closed are
+    returned and a content tail that could start the calls' marker is held back."""
+
+    def extract_tool_calls(self, text: str, partial: bool = False) -> tuple[str | None, list[FunctionCall]]:
+        raise NotImplementedError
+
+
+def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        _PARSERS[name] = cls
+        return cls
+    return register
+
+
+def tool_parser_names() -> list[str]:
+    return sorted(_PARSERS)
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    if name not in _PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; available: {', '.join(tool_parser_names())}")
+    return _PARSERS[name]
