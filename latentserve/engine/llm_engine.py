@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.config import AttentionConfig, DBOConfig
+from latentserve.config import DTYPES, AttentionConfig, DBOConfig
 from latentserve.distributed.expert_parallel import shard_experts
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
@@ -19,22 +19,20 @@ from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
+from latentserve.layers.quant.cpu import auto_dtype
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
 from latentserve.sampling_params import SamplingParams
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype name, or "auto": bf16 where `device` computes it natively, else fp32 (`auto_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32  # fp32 compute is the fast path on CPU
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+        return auto_dtype(device)[0]
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 # Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens per rank the
@@ -146,8 +144,8 @@ class LLMEngine:
             # In a data-parallel rank this overrides the front end's even share of the cores.
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = parse_dtype(config.dtype)
-        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
+        dtype = parse_dtype(config.dtype, config.device)
+        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
         attn_config = AttentionConfig(
             block_size=config.block_size,
             workspace_tokens=config.workspace_tokens,
