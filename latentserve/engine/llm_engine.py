@@ -19,6 +19,7 @@ from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
+from latentserve.layers.quant.config import resolve_quantization
 from latentserve.layers.quant.cpu import auto_dtype
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
@@ -50,6 +51,8 @@ class EngineConfig:
 
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"  # auto: the model dtype
+    quantization: str | None = None  # "int8" / "int4" at load; "fp8" (or None) for a DeepSeek FP8 checkpoint
+    quantization_group_size: int | None = None  # int4's group of input columns: 32, 64 or 128 (None: 128)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -155,6 +158,8 @@ class LLMEngine:
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
         model_config = DeepseekConfig.from_pretrained(model_dir)
+        quantization = resolve_quantization(config.quantization, config.quantization_group_size,
+                                            model_config.quantization)
         model_len = model_config.max_position_embeddings
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:
@@ -170,7 +175,7 @@ class LLMEngine:
             # Other ranks' routed experts are dropped before loading: this rank never allocates or reads them.
             link = LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps)
             prepare = functools.partial(shard_experts, group=expert_group, link=link)
-        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare)
+        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare, quantization)
         self.tokenizer: TokenizerInfo | None = (
             load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         )

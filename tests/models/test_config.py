@@ -9,8 +9,8 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
-from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.layers.quant.config import Fp8Config
+from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models import DeepseekConfig
 from tests.checkpoints import make_config
 

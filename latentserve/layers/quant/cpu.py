@@ -55,5 +55,5 @@ def auto_dtype(device: str | torch.device) -> tuple[torch.dtype, str]:
         return torch.bfloat16, "CUDA"
     features = cpu_features()
     if features.native_bf16:
-        return torch.bfloat16, f"native bf16 ({features.describe()})"
-    return torch.float32, f"no native bf16, emulated bf16 is slower than fp32 ({features.describe()})"
+        return torch.bfloat16, f"native bf16 on {features.capability}"
+    return torch.float32, f"no native bf16 on {features.capability}: emulated bf16 is slower than fp32"

@@ -22,8 +22,8 @@ class KernelChoice:
 
 def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
     if device.type == "cpu" and features.fbgemm:
-        return KernelChoice(FbgemmInt8Linear.kernel, "fbgemm is torch's quantized engine here (measured 5x faster "
-                            "than fp32 at 1 row, 15x at 8: benchmarks/RESULTS.md)")
+        return KernelChoice(FbgemmInt8Linear.kernel, "torch's quantized engine here is fbgemm, the fastest int8 "
+                            "linear measured (benchmarks/RESULTS.md)")
     why = "not a CPU" if device.type != "cpu" else "torch has no fbgemm/x86 quantized engine here"
     return KernelChoice(Int8Linear.kernel, why)
 
