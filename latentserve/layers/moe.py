@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.forward_context import dbo_yield
+from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 
 # scoring function -> the top-k methods DeepSeek pairs with it
@@ -141,6 +142,13 @@ class MoE(nn.Module):
         # Set by latentserve.distributed under expert parallelism: (x, weights, ids) -> routed output,
         # dispatching tokens to the ranks that own their experts and combining the results.
         self.expert_parallel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Set by process_weights_after_loading where the local experts' weights are plain tensors.
+        self.stacked: StackedExperts | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Stack the local routed experts' weights for `torch._grouped_mm` (their parameters become views of the
+        stack); quantized experts, whose kernels take one weight each, keep the per-expert loop."""
+        self.stacked = StackedExperts.stack(self.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -154,7 +162,13 @@ class MoE(nn.Module):
         return routed if shared is None else routed + shared
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert[ids[t, k]](x[t]), one batched call per expert that got tokens."""
+        """sum_k weights[t, k] * expert[ids[t, k]](x[t])."""
+        if self.stacked is not None:
+            return self.stacked(x, weights, ids)
+        return self._run_expert_loop(x, weights, ids)
+
+    def _run_expert_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One batched call per expert that got tokens."""
         out = torch.zeros_like(x)  # an expert-parallel rank may receive no tokens: then this is all
         top_k = ids.shape[1]
         flat_ids = ids.flatten()
@@ -172,3 +186,51 @@ class MoE(nn.Module):
                 out.index_add_(0, rows, y.to(x.dtype))
                 start += count
         return out
+
+
+def _is_plain(expert: nn.Module) -> bool:
+    return isinstance(expert, GatedMLP) and all(
+        type(p) is Linear and p.bias is None for p in (expert.gate_proj, expert.up_proj, expert.down_proj)
+    )
+
+
+class StackedExperts(nn.Module):
+    """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
+    `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them)."""
+
+    def __init__(self, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.first = first
+        # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
+        self.register_buffer("w13", w13, persistent=False)  # [E, 2I, H]: gate rows, then up rows
+        self.register_buffer("w2", w2, persistent=False)  # [E, H, I]
+
+    @classmethod
+    def stack(cls, experts: nn.ModuleList) -> StackedExperts | None:
+        """The stack of the local experts (a contiguous range: expert parallelism owns one), or None where one is
+        quantized or has a bias. Each expert's parameters are rebound as views of the stack: no second copy."""
+        local = [(i, e) for i, e in enumerate(experts) if isinstance(e, GatedMLP)]
+        if not local or not all(_is_plain(e) for _, e in local) or local[-1][0] - local[0][0] + 1 != len(local):
+            return None
+        with torch.no_grad():
+            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for _, e in local])
+            w2 = torch.stack([e.down_proj.weight for _, e in local])
+        inter = w2.shape[2]
+        for k, (_, e) in enumerate(local):
+            for layer, weight in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2[k])):
+                layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+        return cls(local[0][0], w13, w2)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat_ids = ids.flatten() - self.first
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // top_k
+        # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
+        offs = torch.bincount(flat_ids, minlength=len(self.w13)).cumsum(0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(x.index_select(0, tokens), self.w13.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        y = y * weights.flatten().index_select(0, order)[:, None]
+        # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))

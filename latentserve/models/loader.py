@@ -13,6 +13,7 @@ from torch import nn
 
 from latentserve.config import AttentionConfig
 from latentserve.layers.linear import Linear
+from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import Fp8Config, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.linear import quantize_linear
@@ -222,4 +223,6 @@ def load_model(
     load_weights(model, tensors, quantization, device)
     for layer in model.static_forward_context.values():
         layer.process_weights_after_loading()
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        moe.process_weights_after_loading()
     return model.eval()
