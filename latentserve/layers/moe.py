@@ -189,7 +189,7 @@ class MoE(nn.Module):
 
 
 def _is_plain(expert: nn.Module) -> bool:
-    return isinstance(expert, GatedMLP) and all(
+    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and all(
         type(p) is Linear and p.bias is None for p in (expert.gate_proj, expert.up_proj, expert.down_proj)
     )
 

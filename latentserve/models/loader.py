@@ -13,6 +13,7 @@ from torch import nn
 
 from latentserve.config import AttentionConfig
 from latentserve.layers.linear import Linear
+from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import Fp8Config, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
@@ -26,6 +27,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_GATE_UP = re.compile(r"^(.+)\.(gate|up)_proj$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -111,8 +113,20 @@ def quantizable_linears(model: DeepseekForCausalLM) -> list[str]:
     ]
 
 
-def _quantize_into(model: nn.Module, name: str, weight: torch.Tensor, config: QuantConfig, device) -> None:
-    """Swap the linear layer `name` for its quantized stand-in; its bias parameter carries over."""
+def _quantize_into(
+    model: nn.Module, name: str, weight: torch.Tensor, config: QuantConfig, device, halves: dict[str, dict]
+) -> None:
+    """Swap the linear layer `name` for its quantized stand-in; its bias parameter carries over. A bias-free MLP's
+    gate and up become one quantized layer once both are read (`halves` holds the first): int8 and int4 scale each
+    output row on its own, so the fused weight quantizes exactly as the two would."""
+    match = _GATE_UP.match(name)
+    mlp = model.get_submodule(match[1]) if match else None
+    if isinstance(mlp, GatedMLP) and mlp.gate_proj.bias is None:
+        halves.setdefault(match[1], {})[match[2]] = weight
+        if len(halves[match[1]]) == 2:
+            gate_up = torch.cat([halves[match[1]]["gate"], halves.pop(match[1])["up"]])
+            mlp.fuse_gate_up(quantize_linear(f"{match[1]}.gate_up_proj", gate_up, None, config, device))
+        return
     parent, _, child = name.rpartition(".")
     layer = model.get_submodule(name)
     setattr(model.get_submodule(parent), child, quantize_linear(name, weight, layer.bias, config, device))
@@ -129,6 +143,7 @@ def load_weights(
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight")
     loaded: set[str] = set()
+    halves: dict[str, dict] = {}  # gate or up weights waiting for the other half
     for name, tensor in tensors:
         target = targets.get(param_name(name))
         if target is None:
@@ -144,7 +159,7 @@ def load_weights(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
             )
         if param_name(name) in quantized:
-            _quantize_into(model, quantized[param_name(name)], tensor, quantization, device)
+            _quantize_into(model, quantized[param_name(name)], tensor, quantization, device, halves)
         else:
             with torch.no_grad():
                 target.copy_(tensor)

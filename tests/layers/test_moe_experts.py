@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from latentserve.distributed.expert_parallel import RemoteExpert
 from latentserve.forward_context import set_dbo_yield_hook
+from latentserve.layers.linear import Linear
+from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE, RoutingConfig
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.linear import quantize_linear
@@ -98,17 +100,30 @@ def test_expert_parallel_rank_stacks_only_its_experts() -> None:
                                    rtol=1e-5, atol=1e-5)
 
 
+def _effective_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The fp32 `[out, in]` weight a (quantized) layer applies, read back through its kernel."""
+    return layer(torch.eye(layer.in_features)).t().float()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["gate,up", "gate_up"])
 @pytest.mark.parametrize("config, tol", [(QuantConfig("int8"), 2e-2), (QuantConfig("int4", 32), 2e-2)])
-def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(config: QuantConfig, tol: float):
+def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(
+    config: QuantConfig, tol: float, fused: bool
+) -> None:
+    """As the loader leaves them: gate, up, down quantized each, or gate and up quantized as one fused weight."""
     moe = _moe()
     experts = []
     for e, expert in enumerate(moe.experts):
-        dequantized = []
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            layer = quantize_linear(f"experts.{e}.{name}", getattr(expert, name).weight.detach(), None, config, "cpu")
-            setattr(expert, name, layer)
-            dequantized.append(layer(torch.eye(layer.in_features)).t().float())  # its effective weight
-        experts.append(tuple(dequantized))
+        gate, up, down = (getattr(expert, n).weight.detach() for n in ("gate_proj", "up_proj", "down_proj"))
+        expert.down_proj = quantize_linear(f"experts.{e}.down_proj", down, None, config, "cpu")
+        if fused:
+            expert.fuse_gate_up(quantize_linear(f"experts.{e}.gate_up_proj", torch.cat([gate, up]), None, config, "cpu"))
+            gate, up = _effective_weight(expert.gate_up_proj).chunk(2)
+        else:
+            expert.gate_proj = quantize_linear(f"experts.{e}.gate_proj", gate, None, config, "cpu")
+            expert.up_proj = quantize_linear(f"experts.{e}.up_proj", up, None, config, "cpu")
+            gate, up = _effective_weight(expert.gate_proj), _effective_weight(expert.up_proj)
+        experts.append((gate, up, _effective_weight(expert.down_proj)))
     moe.process_weights_after_loading()
     assert moe.stacked is None
     x, weights, ids = _routing(7)
@@ -116,6 +131,21 @@ def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(c
         got = moe.run_experts(x, weights, ids)
     expected = _naive(x, weights, ids, experts)
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+def test_fused_gate_up_matches_the_separate_layers() -> None:
+    torch.manual_seed(0)
+    mlp = GatedMLP(HIDDEN, INTER)
+    x = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        expected = mlp(x)
+        fused = Linear(HIDDEN, 2 * INTER, bias=False)
+        fused.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        mlp.fuse_gate_up(fused)
+        torch.testing.assert_close(mlp(x), expected, rtol=1e-6, atol=1e-6)
+    assert not hasattr(mlp, "gate_proj") and not hasattr(mlp, "up_proj")
+    with pytest.raises(ValueError, match=f"needs {2 * INTER} outputs, got {INTER}"):
+        GatedMLP(HIDDEN, INTER).fuse_gate_up(Linear(HIDDEN, INTER))
 
 
 def test_stacked_moe_still_yields_twice() -> None:

@@ -180,7 +180,7 @@ def test_quantized_model_with_this_cpus_kernels_stays_close(tmp_path, method):
     reference = _reference(_quantized_reference(src, tmp_path / "ref", config))
     model = load_model(src, dtype=torch.float32, attn_config=ATTN, quantization=config)
     fast = FbgemmInt8Linear if method == "int8" and cpu_features().fbgemm else Int4PackLinear
-    assert isinstance(model.model.layers[1].mlp.experts[0].gate_proj, fast)
+    assert isinstance(model.model.layers[1].mlp.experts[0].gate_up_proj, fast)  # gate and up fused at load
     for ours, theirs in zip(_logprobs(model), reference):
         # Quantized activations (fbgemm) or bf16 ones (int4pack on a bf16 CPU) on top of the same weights: close.
         # (Top-1 agreement is tested on real weights, test_accuracy.py: this random model's logits are near-flat.)
