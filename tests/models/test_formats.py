@@ -205,3 +205,33 @@ def test_fp8_checkpoint_requantized_to_int8(tmp_path, monkeypatch):
     model = load_model(fp8, dtype=torch.float32, attn_config=ATTN, quantization=QuantConfig("int8"))
     for ours, theirs in zip(_logprobs(model), reference):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("native_bf16, dtype", [(True, torch.bfloat16), (False, torch.float32)])
+def test_llm_auto_dtype_sets_weights_and_kv_cache(tmp_path, monkeypatch, native_bf16, dtype):
+    from latentserve import LLM
+    from latentserve.layers.quant.cpu import AUTO_DTYPE_ENV
+
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if native_bf16 else "AVX2")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    src = make_checkpoint(tmp_path, "v3", dtype=torch.bfloat16)
+    engine = LLM(model=str(src), num_kv_blocks=8, block_size=4, max_model_len=32).engine
+    assert engine.model.lm_head.weight.dtype == dtype
+    assert {cache.dtype for cache in engine.runner.kv_caches.values()} == {dtype}
+    stored = load_file(src / SINGLE_FILE)["model.layers.0.self_attn.o_proj.weight"]
+    assert torch.equal(engine.model.model.layers[0].self_attn.o_proj.weight, stored.to(dtype))
+
+
+def test_llm_quantization_options(tmp_path):
+    from latentserve import LLM, SamplingParams
+
+    src = make_checkpoint(tmp_path, "v3_nonorm")
+    llm = LLM(model=str(src), quantization="int8", num_kv_blocks=16, block_size=4, max_model_len=64)
+    out = llm.generate([[5, 17, 33]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert not any(type(m) is Linear for m in llm.engine.model.model.layers[0].mlp.modules())
+    with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint"):
+        LLM(model=str(src), quantization="fp8")
+    with pytest.raises(ValueError, match="quantization_group_size applies to int4 only"):
+        LLM(model=str(src), quantization="int8", quantization_group_size=64)

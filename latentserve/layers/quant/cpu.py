@@ -19,7 +19,7 @@ class CpuFeatures:
     amx: bool
     vnni: bool  # int8 dot products (AVX512-VNNI or AVX-VNNI)
     onednn_bf16: bool
-    fbgemm: bool  # torch.ops.quantized.linear_dynamic runs on fbgemm (x86 / fbgemm quantized engine)
+    fbgemm: bool  # torch ships the fbgemm quantized engine (torch.ops.quantized.linear_dynamic's fast path)
 
     @property
     def native_bf16(self) -> bool:
@@ -33,14 +33,13 @@ class CpuFeatures:
 
 def cpu_features() -> CpuFeatures:
     """The running CPU as torch dispatches on it (`ATEN_CPU_CAPABILITY=avx2` makes an AVX-512 machine an AVX2 one)."""
-    engines = torch.backends.quantized.supported_engines
     return CpuFeatures(
         capability=torch.backends.cpu.get_cpu_capability(),
         avx512_bf16=torch.cpu._is_avx512_bf16_supported(),
         amx=torch.cpu._is_amx_tile_supported(),
         vnni=torch.cpu._is_vnni_supported(),
         onednn_bf16=torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-        fbgemm="fbgemm" in engines or "x86" in engines,
+        fbgemm="fbgemm" in torch.backends.quantized.supported_engines,
     )
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -15,6 +17,20 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp_(min=1e-12) / 127
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+@contextmanager
+def _packing_for_fbgemm() -> Iterator[None]:
+    """Pack for fbgemm itself: the default "x86" engine's packing ran 1.9x slower at 1 row (benchmarks/RESULTS.md).
+    Quantized tensors are deprecated as a user API, but fbgemm's packing takes one."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.backends.quantized.engine = previous
 
 
 class Int8Linear(nn.Module):
@@ -46,8 +62,7 @@ class FbgemmInt8Linear(nn.Module):
         # Without VNNI fbgemm's u8*s8 pair sums saturate int16: 7-bit activations avoid that.
         self.reduce_range = reduce_range
         zero_points = torch.zeros(q.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # quantized tensors are deprecated as a user API; fbgemm's packing takes one
-            warnings.simplefilter("ignore")
+        with _packing_for_fbgemm():
             qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
             self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.bias = bias
