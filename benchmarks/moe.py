@@ -83,7 +83,7 @@ def variants(shape: tuple[int, int, int, int], fmt: str) -> tuple[MoE, dict[str,
     if isinstance(kind, QuantConfig):
         gate_ups = quantize_experts(moe, kind)
         return moe, {"loop (gate, up, down)": moe.run_experts, "loop, gate_up fused": fused_loop(moe, gate_ups)}
-    moe.process_weights_after_loading()
+    moe.stack_experts()
     return moe, {"loop (gate, up, down)": moe._run_expert_loop, "stacked _grouped_mm": moe.run_experts}
 
 

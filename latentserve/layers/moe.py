@@ -142,13 +142,14 @@ class MoE(nn.Module):
         # Set by latentserve.distributed under expert parallelism: (x, weights, ids) -> routed output,
         # dispatching tokens to the ranks that own their experts and combining the results.
         self.expert_parallel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        # Set by process_weights_after_loading where the local experts' weights are plain tensors.
+        # Set by stack_experts where the local experts' weights are plain tensors.
         self.stacked: StackedExperts | None = None
 
-    def process_weights_after_loading(self) -> None:
-        """Stack the local routed experts' weights for `torch._grouped_mm` (their parameters become views of the
-        stack); quantized experts, whose kernels take one weight each, keep the per-expert loop."""
-        self.stacked = StackedExperts.stack(self.experts)
+    def stack_experts(self, device: torch.device | str | None = None) -> None:
+        """Run the local routed experts stacked (`StackedExperts`, on `device`; None: their weights' device). Their
+        parameters become views of the stack, so a checkpoint loaded afterwards fills it in place. Quantized
+        experts, whose kernels take one weight each, keep the per-expert loop."""
+        self.stacked = StackedExperts.stack(self.experts, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -206,19 +207,23 @@ class StackedExperts(nn.Module):
         self.register_buffer("w2", w2, persistent=False)  # [E, H, I]
 
     @classmethod
-    def stack(cls, experts: nn.ModuleList) -> StackedExperts | None:
+    def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None) -> StackedExperts | None:
         """The stack of the local experts (a contiguous range: expert parallelism owns one), or None where one is
-        quantized or has a bias. Each expert's parameters are rebound as views of the stack: no second copy."""
+        quantized or has a bias. Weights already there (not on meta) are copied in, one expert at a time."""
         local = [(i, e) for i, e in enumerate(experts) if isinstance(e, GatedMLP)]
         if not local or not all(_is_plain(e) for _, e in local) or local[-1][0] - local[0][0] + 1 != len(local):
             return None
-        with torch.no_grad():
-            w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for _, e in local])
-            w2 = torch.stack([e.down_proj.weight for _, e in local])
-        inter = w2.shape[2]
+        like = local[0][1].down_proj.weight
+        hidden, inter = like.shape
+        device = like.device if device is None else device
+        w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
+        w2 = torch.empty(len(local), hidden, inter, dtype=like.dtype, device=device)
         for k, (_, e) in enumerate(local):
-            for layer, weight in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2[k])):
-                layer.weight = nn.Parameter(weight, requires_grad=layer.weight.requires_grad)
+            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2[k])):
+                if not layer.weight.is_meta:
+                    with torch.no_grad():
+                        view.copy_(layer.weight)
+                layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
         return cls(local[0][0], w13, w2)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -226,6 +226,9 @@ def load_model(
     if prepare is not None:
         prepare(model)
     dropped = declared - set(model.state_dict())
+    if quantization is None:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            moe.stack_experts(device)  # the checkpoint's expert weights then load straight into the stacks
     # Weights to be quantized never exist in full precision beyond the one being converted.
     _materialize(model, device, {f"{n}.weight" for n in quantizable_linears(model)} if quantization else set())
 
@@ -238,6 +241,4 @@ def load_model(
     load_weights(model, tensors, quantization, device)
     for layer in model.static_forward_context.values():
         layer.process_weights_after_loading()
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        moe.process_weights_after_loading()
     return model.eval()

@@ -135,7 +135,7 @@ def test_moe_block_matches_transformers(case: str, stacked: bool) -> None:
     moe = MoE(HIDDEN, hf_config.moe_intermediate_size, _routing(hf_config), hf_config.n_shared_experts)
     _copy_moe_weights(hf_moe, moe)
     if stacked:
-        moe.process_weights_after_loading()
+        moe.stack_experts()
         assert moe.stacked is not None
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():

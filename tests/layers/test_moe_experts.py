@@ -60,7 +60,7 @@ def test_stacked_and_loop_match_the_naive_reference(dtype: torch.dtype, tol: flo
     expected = _naive(x, weights, ids, experts)
     with torch.no_grad():
         loop = moe.run_experts(x, weights, ids)
-        moe.process_weights_after_loading()
+        moe.stack_experts()
         assert moe.stacked is not None
         stacked = moe.run_experts(x, weights, ids)
     assert loop.dtype == stacked.dtype == dtype and stacked.shape == x.shape
@@ -72,7 +72,7 @@ def test_stacked_and_loop_match_the_naive_reference(dtype: torch.dtype, tol: flo
 def test_stacking_keeps_one_copy_of_the_weights() -> None:
     """The experts' parameters become views of the stack, so loading into them (or the state dict) sees it."""
     moe = _moe()
-    moe.process_weights_after_loading()
+    moe.stack_experts()
     stack = moe.stacked.w13.untyped_storage().data_ptr()
     for e, expert in enumerate(moe.experts):
         assert expert.gate_proj.weight.untyped_storage().data_ptr() == stack
@@ -92,7 +92,7 @@ def test_expert_parallel_rank_stacks_only_its_experts() -> None:
     experts = _full_precision_weights(moe)
     for i in range(EXPERTS // 2):
         moe.experts[i] = RemoteExpert(0)
-    moe.process_weights_after_loading()
+    moe.stack_experts()
     assert moe.stacked is not None and moe.stacked.first == EXPERTS // 2 and len(moe.stacked.w13) == EXPERTS // 2
     x, weights, ids = _routing(9, experts=range(EXPERTS // 2, EXPERTS))
     with torch.no_grad():
@@ -124,7 +124,7 @@ def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(
             expert.up_proj = quantize_linear(f"experts.{e}.up_proj", up, None, config, "cpu")
             gate, up = _effective_weight(expert.gate_proj), _effective_weight(expert.up_proj)
         experts.append((gate, up, _effective_weight(expert.down_proj)))
-    moe.process_weights_after_loading()
+    moe.stack_experts()
     assert moe.stacked is None
     x, weights, ids = _routing(7)
     with torch.no_grad():
@@ -151,7 +151,7 @@ def test_fused_gate_up_matches_the_separate_layers() -> None:
 def test_stacked_moe_still_yields_twice() -> None:
     """DBO: both ubatches yield equally per layer, whichever path runs the experts."""
     moe = _moe()
-    moe.process_weights_after_loading()
+    moe.stack_experts()
     yields: list[int] = []
     set_dbo_yield_hook(lambda: yields.append(1))
     try:
