@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from latentserve.engine.cpu_malloc import keep_freed_memory
 from latentserve.layers.moe import MoE, RoutingConfig
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.cpu import cpu_features
@@ -122,6 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as the engine does: a call's buffers reuse the previous call's pages
     print(f"CPU: {cpu_features().describe()}; {torch.get_num_threads()} threads; torch {torch.__version__}; "
           f"load {os.getloadavg()[0]:.2f}")
     print("| layer | format | batch | variant | ms | vs loop |")
