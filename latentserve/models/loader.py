@@ -131,7 +131,8 @@ def load_weights(
     for name, tensor in tensors:
         target = targets.get(param_name(name))
         if target is None:
-            fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if name.endswith(SCALE_SUFFIX) else ""
+            scale = name.endswith(SCALE_SUFFIX)
+            fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if scale else ""
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
         if name in loaded:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
@@ -144,6 +145,8 @@ def load_weights(
             )
         if param_name(name) in quantized:
             _quantize_into(model, quantized[param_name(name)], tensor, quantization, device)
+        elif tensor.dtype == target.dtype and tensor.device == target.device:
+            target.data = tensor  # the read buffer becomes the parameter (its own storage is never touched)
         else:
             with torch.no_grad():
                 target.copy_(tensor)
