@@ -121,7 +121,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8 / int4: quantize linear weights at load (experts included); fp8: the checkpoint is "
                         "DeepSeek FP8 (detected from config.json anyway)")
     g.add_argument("--quantization-group-size", type=positive_int, default=d.quantization_group_size,
-                   help="int4: input columns per scale (32, 64 or 128; default 128)")
+                   help="int4: input columns per scale (32, 64 or 128; default 64)")
     g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,

@@ -52,7 +52,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"  # auto: the model dtype
     quantization: str | None = None  # "int8" / "int4" at load; "fp8" (or None) for a DeepSeek FP8 checkpoint
-    quantization_group_size: int | None = None  # int4's group of input columns: 32, 64 or 128 (None: 128)
+    quantization_group_size: int | None = None  # int4's group of input columns: 32, 64 or 128 (None: 64)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -113,6 +113,11 @@ def quantizable_linears(model: DeepseekForCausalLM) -> list[str]:
     ]
 
 
+def _is_view(param: torch.Tensor) -> bool:
+    """A parameter that is part of a larger tensor (a routed expert's weight in its layer's stack)."""
+    return param.untyped_storage().nbytes() != param.nbytes
+
+
 def _quantize_into(
     model: nn.Module, name: str, weight: torch.Tensor, config: QuantConfig, device, halves: dict[str, dict]
 ) -> None:
@@ -147,7 +152,8 @@ def load_weights(
     for name, tensor in tensors:
         target = targets.get(param_name(name))
         if target is None:
-            fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if name.endswith(SCALE_SUFFIX) else ""
+            scale = name.endswith(SCALE_SUFFIX)
+            fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if scale else ""
             raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
         if name in loaded:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
@@ -160,6 +166,8 @@ def load_weights(
             )
         if param_name(name) in quantized:
             _quantize_into(model, quantized[param_name(name)], tensor, quantization, device, halves)
+        elif tensor.dtype == target.dtype and tensor.device == target.device and not _is_view(target):
+            target.data = tensor  # the read buffer becomes the parameter (its own storage is never touched)
         else:
             with torch.no_grad():
                 target.copy_(tensor)

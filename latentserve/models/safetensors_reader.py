@@ -5,8 +5,10 @@ memory) until it is closed, so converting a checkpoint tensor by tensor through 
 file. Each tensor here is read into its own buffer, converted, and freed."""
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import platform
 import struct
 import sys
 from dataclasses import dataclass
@@ -16,6 +18,15 @@ from typing import Callable, Iterator
 import torch
 
 logger = logging.getLogger(__name__)
+TRIM_EVERY_BYTES = 64 << 20
+
+
+def release_freed_memory() -> None:
+    """Hand glibc's free pages back to the kernel. Loading interleaves kept weights with freed read buffers and
+    conversion temporaries, and (above all once the engine raised glibc's thresholds, engine/cpu_malloc.py) the
+    holes they leave otherwise stay resident: measured 2 GB beyond 2 GB of int8 weights."""
+    if sys.platform == "linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
 
 # safetensors dtype names -> torch dtypes
 DTYPES = {
@@ -103,15 +114,21 @@ def read_tensors(files: list[Path], wanted: Callable[[str], bool]) -> Iterator[t
     """(name, tensor) for every `wanted` tensor of `files`, in file order, each in its own CPU buffer."""
     entries = [[e for e in read_header(file) if wanted(e.name)] for file in files]
     progress = LoadProgress(sum(e.nbytes for file_entries in entries for e in file_entries), len(files))
+    since_trim = 0
     try:
         for index, (file, file_entries) in enumerate(zip(files, entries)):
             progress.start_file(index, file)
             with open(file, "rb", buffering=0) as f:
                 for entry in file_entries:
-                    yield entry.name, _read(f, entry, file)
+                    yield entry.name, _read(f, entry, file)  # the consumer converts it before asking for the next
                     progress.advance(entry.nbytes)
+                    since_trim += entry.nbytes
+                    if since_trim >= TRIM_EVERY_BYTES:
+                        release_freed_memory()
+                        since_trim = 0
     finally:
         progress.close()
+        release_freed_memory()
 
 
 def _read(f, entry: TensorEntry, file: Path) -> torch.Tensor:

@@ -53,7 +53,7 @@ def test_quantization_options_resolve_or_say_why_not():
     fp8 = Fp8Config()
     assert resolve_quantization(None, None, fp8) is None and resolve_quantization("fp8", None, fp8) is None
     assert resolve_quantization("int8", None, fp8) == QuantConfig("int8")  # re-quantizes the dequantized FP8
-    assert resolve_quantization("int4", None, None) == QuantConfig("int4", 128)
+    assert resolve_quantization("int4", None, None) == QuantConfig("int4", 64)
     with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint"):
         resolve_quantization("fp8", None, None)
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
@@ -145,6 +145,6 @@ def test_kernels_are_chosen_by_what_the_cpu_has(monkeypatch):
     monkeypatch.setattr(quant_linear, "cpu_features", lambda: avx2)
     assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu"), Int8Linear)
     int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
-    assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.float32
+    assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="model.layers.3.mlp.down_proj: int4 group size 128 does not divide its 64"):
         quantize_linear("model.layers.3.mlp.down_proj", w, None, QuantConfig("int4", 128), "cpu")

@@ -27,7 +27,8 @@ And the evening and the morning were the third day."""
 FORMATS = {
     "bf16": (dict(dtype="bfloat16"), 1.005, 0.97),
     "int8": (dict(quantization="int8"), 1.01, 0.93),  # dtype "auto": bf16 activations where the CPU has bf16
-    "int4": (dict(quantization="int4"), 1.10, 0.90),  # groups of 128
+    "int4": (dict(quantization="int4"), 1.10, 0.90),  # groups of 64
+    "int4-g128": (dict(quantization="int4", quantization_group_size=128), 1.10, 0.90),
     "int4-g32": (dict(quantization="int4", quantization_group_size=32), 1.10, 0.90),
 }
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
@@ -54,7 +55,7 @@ def test_format_keeps_perplexity_and_top1(fp32, name):
     fp32_ppl, fp32_top1 = fp32
     ppl, top1 = _score(**settings)
     agreement = sum(a == b for a, b in zip(top1, fp32_top1)) / len(top1)
-    print(f"{name}: perplexity {ppl:.3f} vs fp32 {fp32_ppl:.3f} ({ppl / fp32_ppl:.4f}x), top-1 agreement {agreement:.3f}")
+    summary = f"{name}: perplexity {ppl:.3f} vs fp32 {fp32_ppl:.3f} ({ppl / fp32_ppl:.4f}x), top-1 {agreement:.3f}"
     assert len(top1) > 250
-    assert ppl <= max_ratio * fp32_ppl
-    assert agreement >= min_agreement
+    assert ppl <= max_ratio * fp32_ppl, summary
+    assert agreement >= min_agreement, summary

@@ -6,6 +6,8 @@ from typing import Any
 
 QUANTIZATIONS = ("fp8", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
+# Divides every layer of DeepSeek-V2-Lite (dense width 10944 = 171 x 64) and V3; 128 would not.
+DEFAULT_INT4_GROUP_SIZE = 64
 FP8_SUPPORTED = {"quant_method": ("fp8",), "fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
 
 
@@ -40,14 +42,14 @@ class QuantConfig:
     """Quantization of linear weights at load: "int8" per output channel, "int4" per group of input columns."""
 
     method: str
-    group_size: int | None = None  # int4 only; None: 128
+    group_size: int | None = None  # int4 only; None: DEFAULT_INT4_GROUP_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in ("int8", "int4"):
             raise ValueError(f"load-time quantization must be 'int8' or 'int4', got {self.method!r}")
         if self.method == "int4":
             if self.group_size is None:
-                object.__setattr__(self, "group_size", 128)
+                object.__setattr__(self, "group_size", DEFAULT_INT4_GROUP_SIZE)
             if self.group_size not in INT4_GROUP_SIZES:
                 raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size!r}")
         elif self.group_size is not None:

@@ -10,10 +10,10 @@ from latentserve.layers.linear import linear
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q uint8 `[out, in]` in [0, 15], scale fp32 `[out, in/g]`, minimum fp32 `[out, in/g]`)."""
     out_features, in_features = weight.shape
-    w = weight.float().view(out_features, in_features // group_size, group_size)
-    minimum = w.amin(dim=-1)
-    scale = (w.amax(dim=-1) - minimum).clamp_(min=1e-12) / 15
-    q = torch.round((w - minimum[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    w = weight.to(torch.float32, copy=True).view(out_features, in_features // group_size, group_size)
+    minimum, maximum = w.aminmax(dim=-1)
+    scale = (maximum - minimum).clamp_(min=1e-12) / 15
+    q = w.sub_(minimum[..., None]).div_(scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
     return q.view(out_features, in_features), scale, minimum
 
 
@@ -47,7 +47,7 @@ class Int4Linear(nn.Module):
 
 class Int4PackLinear(nn.Module):
     """PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`): packed nibbles, per-group scale and zero in the
-    activations' dtype (`compute_dtype`; bf16 is its fast path)."""
+    activations' dtype (`compute_dtype`: bf16 is its fast path, on AVX2 too; fp32 is exact but far slower)."""
 
     kernel = "int4pack_mm"
 

@@ -13,9 +13,9 @@ from latentserve.layers.linear import linear
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 `[out, in]` in [-127, 127], scale fp32 `[out]`)."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp_(min=1e-12) / 127
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    w = weight.to(torch.float32, copy=True)  # the one full-size temporary
+    scale = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12) / 127
+    q = w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 

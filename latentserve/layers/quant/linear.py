@@ -28,20 +28,14 @@ def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
     return KernelChoice(Int8Linear.kernel, why)
 
 
-def int4_activation_dtype(features: CpuFeatures) -> torch.dtype:
-    """bf16 is int4pack_mm's fast path where the CPU has bf16; elsewhere fp32 avoids emulated bf16."""
-    return torch.bfloat16 if features.native_bf16 else torch.float32
-
-
 def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int4Linear.kernel, "not a CPU")
     if out_features is not None and out_features % INT4PACK_OUT_MULTIPLE:
         return KernelChoice(Int4Linear.kernel, f"{out_features} outputs, int4pack_mm needs a multiple of "
                             f"{INT4PACK_OUT_MULTIPLE}")
-    dtype = str(int4_activation_dtype(features)).removeprefix("torch.")
-    return KernelChoice(Int4PackLinear.kernel, f"PyTorch's CPU int4 kernel, {dtype} activations "
-                        f"({'native bf16' if features.native_bf16 else 'no native bf16'})")
+    return KernelChoice(Int4PackLinear.kernel, "PyTorch's CPU int4 kernel, bf16 activations on any CPU (its fp32 "
+                        "path measured 25-100x slower, benchmarks/RESULTS.md)")
 
 
 def quantize_linear(
@@ -63,5 +57,5 @@ def quantize_linear(
         )
     q, scale, minimum = quantize_int4(weight, config.group_size)
     if int4_kernel(device, features, weight.shape[0]).kernel == Int4PackLinear.kernel:
-        return Int4PackLinear(q, scale, minimum, bias, int4_activation_dtype(features))
+        return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16)
     return Int4Linear(q.to(device), scale.to(device), minimum.to(device), bias)
