@@ -117,7 +117,8 @@ def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(
         gate, up, down = (getattr(expert, n).weight.detach() for n in ("gate_proj", "up_proj", "down_proj"))
         expert.down_proj = quantize_linear(f"experts.{e}.down_proj", down, None, config, "cpu")
         if fused:
-            expert.fuse_gate_up(quantize_linear(f"experts.{e}.gate_up_proj", torch.cat([gate, up]), None, config, "cpu"))
+            gate_up = torch.cat([gate, up])
+            expert.fuse_gate_up(quantize_linear(f"experts.{e}.gate_up_proj", gate_up, None, config, "cpu"))
             gate, up = _effective_weight(expert.gate_up_proj).chunk(2)
         else:
             expert.gate_proj = quantize_linear(f"experts.{e}.gate_proj", gate, None, config, "cpu")
