@@ -9,13 +9,25 @@ from latentserve.layers.linear import Linear
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)); gate and up may run as one fused layer (`fuse_gate_up`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse_gate_up(self, gate_up_proj: nn.Module) -> None:
+        """Replace gate and up by one layer whose outputs are gate's then up's: one kernel call instead of two."""
+        if gate_up_proj.out_features != 2 * self.down_proj.in_features:
+            raise ValueError(f"a fused gate_up layer needs {2 * self.down_proj.in_features} outputs, "
+                             f"got {gate_up_proj.out_features}")
+        del self.gate_proj, self.up_proj
+        self.gate_up_proj = gate_up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.forward_context import dbo_yield
+from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 
 # scoring function -> the top-k methods DeepSeek pairs with it
@@ -141,6 +142,14 @@ class MoE(nn.Module):
         # Set by latentserve.distributed under expert parallelism: (x, weights, ids) -> routed output,
         # dispatching tokens to the ranks that own their experts and combining the results.
         self.expert_parallel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Set by stack_experts where the local experts' weights are plain tensors.
+        self.stacked: StackedExperts | None = None
+
+    def stack_experts(self, device: torch.device | str | None = None) -> None:
+        """Run the local routed experts stacked (`StackedExperts`, on `device`; None: their weights' device). Their
+        parameters become views of the stack, so a checkpoint loaded afterwards fills it in place. Quantized
+        experts, whose kernels take one weight each, keep the per-expert loop."""
+        self.stacked = StackedExperts.stack(self.experts, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -154,7 +163,13 @@ class MoE(nn.Module):
         return routed if shared is None else routed + shared
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert[ids[t, k]](x[t]), one batched call per expert that got tokens."""
+        """sum_k weights[t, k] * expert[ids[t, k]](x[t])."""
+        if self.stacked is not None:
+            return self.stacked(x, weights, ids)
+        return self._run_expert_loop(x, weights, ids)
+
+    def _run_expert_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One batched call per expert that got tokens."""
         out = torch.zeros_like(x)  # an expert-parallel rank may receive no tokens: then this is all
         top_k = ids.shape[1]
         flat_ids = ids.flatten()
@@ -172,3 +187,55 @@ class MoE(nn.Module):
                 out.index_add_(0, rows, y.to(x.dtype))
                 start += count
         return out
+
+
+def _is_plain(expert: nn.Module) -> bool:
+    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and all(
+        type(p) is Linear and p.bias is None for p in (expert.gate_proj, expert.up_proj, expert.down_proj)
+    )
+
+
+class StackedExperts(nn.Module):
+    """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
+    `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them)."""
+
+    def __init__(self, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.first = first
+        # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
+        self.register_buffer("w13", w13, persistent=False)  # [E, 2I, H]: gate rows, then up rows
+        self.register_buffer("w2", w2, persistent=False)  # [E, H, I]
+
+    @classmethod
+    def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None) -> StackedExperts | None:
+        """The stack of the local experts (a contiguous range: expert parallelism owns one), or None where one is
+        quantized or has a bias. Weights already there (not on meta) are copied in, one expert at a time."""
+        local = [(i, e) for i, e in enumerate(experts) if isinstance(e, GatedMLP)]
+        if not local or not all(_is_plain(e) for _, e in local) or local[-1][0] - local[0][0] + 1 != len(local):
+            return None
+        like = local[0][1].down_proj.weight
+        hidden, inter = like.shape
+        device = like.device if device is None else device
+        w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
+        w2 = torch.empty(len(local), hidden, inter, dtype=like.dtype, device=device)
+        for k, (_, e) in enumerate(local):
+            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2[k])):
+                if not layer.weight.is_meta:
+                    with torch.no_grad():
+                        view.copy_(layer.weight)
+                layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
+        return cls(local[0][0], w13, w2)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[1]
+        flat_ids = ids.flatten() - self.first
+        order = torch.argsort(flat_ids, stable=True)
+        tokens = order // top_k
+        # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
+        offs = torch.bincount(flat_ids, minlength=len(self.w13)).cumsum(0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(x.index_select(0, tokens), self.w13.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        y = y * weights.flatten().index_select(0, order)[:, None]
+        # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
+        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))

@@ -118,8 +118,9 @@ def _copy_moe_weights(hf_moe, moe: MoE) -> None:
         moe.shared_experts.load_state_dict(hf_moe.shared_experts.state_dict())
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["loop", "stacked"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_moe_block_matches_transformers(case: str) -> None:
+def test_moe_block_matches_transformers(case: str, stacked: bool) -> None:
     variant, overrides = CASES[case]
     hf_config = _hf_config(variant, **overrides)
     hf_config._experts_implementation = "eager"
@@ -133,6 +134,9 @@ def test_moe_block_matches_transformers(case: str) -> None:
             hf_moe.gate.e_score_correction_bias.normal_(0, 0.2)
     moe = MoE(HIDDEN, hf_config.moe_intermediate_size, _routing(hf_config), hf_config.n_shared_experts)
     _copy_moe_weights(hf_moe, moe)
+    if stacked:
+        moe.stack_experts()
+        assert moe.stacked is not None
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = hf_moe(x[None])[0]
