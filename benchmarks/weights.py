@@ -4,7 +4,8 @@ beside the fp32 engine in the same run, and the linear kernels each format can u
 The checkpoint (random bf16 weights, V2-Lite's layer shapes: hidden 2048, 16 heads, kv_lora 512, no q_lora, 64
 routed experts top-6, 2 shared, expert width 1408, first layer dense of width 10944, vocab 102400) is written once
 to --dir with --layers layers (V2-Lite has 27). Each format loads in its own process, so its peak RSS is its own.
-Run: `.venv/bin/python benchmarks/weights.py [--layers 2] [--formats fp32,auto,int8,int4] [--kernels-only]`.
+Run: `.venv/bin/python benchmarks/weights.py [--layers 2] [--formats fp32,auto,int8,int4] [--kernels-only]`;
+`--skip-kernels --formats ""` runs only the side-by-side decode (`--interleave`).
 """
 from __future__ import annotations
 
@@ -99,6 +100,35 @@ def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> d
     return result
 
 
+def interleaved_decode(path: Path, names: list[str], steps: int = 12) -> list[str]:
+    """Decode tok/s of several formats loaded in this one process, their steps alternating, fastest step each: the
+    steadiest comparison on a shared machine (every format sees the same noise)."""
+    from latentserve import LLM, SamplingParams
+
+    engines = {name: LLM(model=str(path), num_kv_blocks=64, block_size=16, max_model_len=512, max_num_seqs=8,
+                         **FORMATS[name]).engine for name in names}
+    rows = ["| batch | " + " | ".join(f"{n} tok/s" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for batch in (1, 8):
+        best = dict.fromkeys(names, float("inf"))
+        for engine in engines.values():
+            for i in range(batch):
+                engine.add_request([11 + i, 22, 33], SamplingParams(temperature=0.0, max_tokens=steps + 2,
+                                                                    ignore_eos=True))
+            engine.step()  # the prefills
+        for _ in range(steps):
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                engine.step()
+                best[name] = min(best[name], time.perf_counter() - start)
+        for engine in engines.values():
+            while engine.has_unfinished_requests():
+                engine.step()
+        base = best[names[0]]
+        rows.append(f"| {batch} | " + " | ".join(f"{batch / best[n]:.1f} ({base / best[n]:.2f}x)" for n in names)
+                    + " |")
+    return rows
+
+
 def kernel_table(threads: int) -> list[str]:
     """ms per call of each kernel on V2-Lite's expert matrices (1408x2048, 2048x1408), streamed: each call takes the
     next of 48 copies (int4: 69 MB, twice this CPU's 32 MB L3), as a model's weights stream."""
@@ -158,6 +188,9 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=6)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--kernels-only", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--interleave", default="auto,int8,int4",
+                        help="formats whose decode runs side by side in one process (empty: skip)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -168,7 +201,8 @@ def main() -> None:
 
     warnings.simplefilter("ignore")
     print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads")
-    print("\n".join(kernel_table(args.threads)), flush=True)
+    if not args.skip_kernels:
+        print("\n".join(kernel_table(args.threads)), flush=True)
     if args.kernels_only:
         return
     path = args.dir or Path(f"/tmp/latentserve-v2lite-{args.layers}l")
@@ -181,7 +215,7 @@ def main() -> None:
     print("| format | dtype | load s | peak RSS GB | decode b1 tok/s | decode b8 tok/s | prefill tok/s |")
     print("|---|---|---|---|---|---|---|")
     base = None
-    for name in args.formats.split(","):
+    for name in filter(None, args.formats.split(",")):
         run = subprocess.run([sys.executable, __file__, "--worker", name, "--dir", str(path), "--threads",
                               str(args.threads), "--decode-steps", str(args.decode_steps), "--prefill-len",
                               str(args.prefill_len)], capture_output=True, text=True)
@@ -196,6 +230,9 @@ def main() -> None:
 
         print(f"| {name} | {r['dtype']} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | {cell('decode_b1_tok_s')} | "
               f"{cell('decode_b8_tok_s')} | {cell('prefill_tok_s')} |", flush=True)
+    if args.interleave:
+        torch.set_num_threads(args.threads)
+        print("\ndecode side by side in one process\n" + "\n".join(interleaved_decode(path, args.interleave.split(","))))
 
 
 if __name__ == "__main__":
