@@ -51,8 +51,8 @@ def read_header(file: Path) -> list[TensorEntry]:
     with open(file, "rb") as f:
         size = f.seek(0, 2)
         f.seek(0)
-        (header_len,) = struct.unpack("<Q", f.read(8)) if size >= 8 else (size,)
-        if size < 8 or header_len > size - 8:
+        header_len = struct.unpack("<Q", f.read(8))[0] if size >= 8 else None
+        if header_len is None or header_len > size - 8:
             raise ValueError(f"{file} is not a safetensors file (header length {header_len}, file size {size})")
         try:
             header = json.loads(f.read(header_len))
@@ -66,8 +66,11 @@ def read_header(file: Path) -> list[TensorEntry]:
         dtype = DTYPES.get(info.get("dtype"))
         if dtype is None:
             raise ValueError(f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}; known: {sorted(DTYPES)}")
-        shape = tuple(info["shape"])
-        begin, end = info["data_offsets"]
+        try:
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{file}: tensor {name!r} has a malformed header entry {info!r}") from None
         numel = 1
         for dim in shape:
             numel *= dim

@@ -266,3 +266,17 @@ def test_indivisible_experts_fail_before_reading(v3_checkpoint, reads) -> None:
     with pytest.raises(ValueError, match=r"n_routed_experts \(8\) divisible by data_parallel_size \(3\)"):
         load_model(v3_checkpoint, prepare=_shard(0, 3))
     assert not reads
+
+
+@pytest.mark.parametrize("damage, error", [
+    (lambda data: data[:4], r"is not a safetensors file \(header length None"),
+    (lambda data: (10**9).to_bytes(8, "little") + data[8:], r"is not a safetensors file \(header length 1000000000"),
+    (lambda data: data[:-100], r"tensor '.*' has data offsets .* that do not fit"),
+])
+def test_damaged_safetensors_file_is_named(v2_checkpoint, tmp_path, damage, error) -> None:
+    path = tmp_path / "damaged"
+    path.mkdir()
+    (path / "config.json").write_text((v2_checkpoint / "config.json").read_text())
+    (path / SINGLE_FILE).write_bytes(damage((v2_checkpoint / SINGLE_FILE).read_bytes()))
+    with pytest.raises(ValueError, match=error):
+        load_model(path)

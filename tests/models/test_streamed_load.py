@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from latentserve.models import DeepseekConfig, DeepseekForCausalLM, load_model
 from latentserve.models.loader import SINGLE_FILE, _parameters_on_meta, checkpoint_name
@@ -90,3 +90,11 @@ def test_progress_is_logged_off_a_terminal(checkpoint, caplog):
     assert lines[0] == "loading shard 1/1: model.safetensors"
     assert lines[-1].startswith("loaded ") and lines[-1].endswith("(100%)")
     assert len(lines) >= 5
+
+
+def test_progress_bar_on_a_terminal(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    load_model(checkpoint, dtype=torch.bfloat16)
+    err = capsys.readouterr().err
+    total = f"{sum(t.nbytes for t in load_file(checkpoint / SINGLE_FILE).values()) / 1e6:.1f}M"
+    assert "shard 1/1: model.safetensors" in err and f"/{total}" in err and "B/s" in err  # shards and bytes

@@ -1,8 +1,11 @@
 """Weight formats: a DeepSeek FP8 checkpoint as published, and int8 / int4 quantization at load."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("fp8", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -74,4 +77,7 @@ def resolve_quantization(
         if group_size is not None:
             raise ValueError("quantization_group_size applies to quantization='int4' only")
         return None
+    if checkpoint is not None:
+        logger.info("FP8 checkpoint with quantization=%r: its weights are dequantized, then quantized to %s",
+                    requested, requested)
     return QuantConfig(requested, group_size)

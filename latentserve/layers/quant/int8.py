@@ -21,8 +21,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @contextmanager
 def _packing_for_fbgemm() -> Iterator[None]:
-    """Pack for fbgemm itself: the default "x86" engine's packing ran 1.9x slower at 1 row (benchmarks/RESULTS.md).
-    Quantized tensors are deprecated as a user API, but fbgemm's packing takes one."""
+    """Pack for fbgemm itself, whatever torch's default quantized engine ("x86" picks per op; one run measured its
+    packing 1.9x slower at 1 row, others equal: benchmarks/RESULTS.md). Quantized tensors are deprecated as a user
+    API, but fbgemm's packing takes one."""
     previous = torch.backends.quantized.engine
     torch.backends.quantized.engine = "fbgemm"
     try:

@@ -24,7 +24,7 @@ def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
     if device.type == "cpu" and features.fbgemm:
         return KernelChoice(FbgemmInt8Linear.kernel, "torch's quantized engine here is fbgemm, the fastest int8 "
                             "linear measured (benchmarks/RESULTS.md)")
-    why = "not a CPU" if device.type != "cpu" else "torch has no fbgemm/x86 quantized engine here"
+    why = "not a CPU" if device.type != "cpu" else "torch has no fbgemm quantized engine here"
     return KernelChoice(Int8Linear.kernel, why)
 
 
