@@ -71,6 +71,7 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None
 
+        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
         self.block_ids: list[int] = []  # the block table
         self.block_hashes: list[int] = []  # hash chain of the full blocks, filled lazily
 
