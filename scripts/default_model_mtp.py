@@ -148,8 +148,9 @@ def mtp_state_dict(mtp: MTPLayer, layer_idx: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().to(torch.float32 if k in router else torch.bfloat16).contiguous() for k, v in out.items()}
 
 
-def save_mtp(mtp: MTPLayer, layer_idx: int, out_dir: Path) -> None:
-    """Add (or replace) the MTP tensors in `model.safetensors` and declare the layer in config.json."""
+def save_mtp(mtp: MTPLayer, layer_idx: int, out_dir: Path) -> float:
+    """Add (or replace) the MTP tensors in `model.safetensors` and declare the layer in config.json; returns the
+    MTP tensors' size in MB."""
     weights_path = out_dir / "model.safetensors"
     prefix = f"model.layers.{layer_idx}."
     tensors = {k: v for k, v in load_file(weights_path).items() if not k.startswith(prefix)}
@@ -160,6 +161,7 @@ def save_mtp(mtp: MTPLayer, layer_idx: int, out_dir: Path) -> None:
     config = json.loads(config_path.read_text())
     config["num_nextn_predict_layers"] = 1
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith(prefix)) / 1e6
 
 
 MTP_HEADING = "## MTP layer"
@@ -178,7 +180,8 @@ One multi-token-prediction module (DeepSeek-V3 report, section 2.2), for specula
 `model.layers.{s['layer_idx']}.*` holds `enorm`, `hnorm`, `eh_proj` (over `[enorm(embed(t_(i+1))); hnorm(h_i)]`),
 one decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
 `embed_tokens` or `shared_head.head` of its own: it uses the main model's embedding and `lm_head` (DeepSeek-V3
-shares them too), so tokens appended to the vocabulary later reach both. {s['mtp_params']:,} parameters of its own.
+shares them too), so tokens appended to the vocabulary later reach both. {s['mtp_params']:,} parameters of its own
+(bf16, router in fp32), {s['mtp_mb']:.1f} MB of `model.safetensors` ({s['file_mb']:.1f} MB in all).
 
 Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss `lambda * CE(t_(i+2))` with
 lambda {args.mtp_loss_weight:g} (the report's value for its first 10T tokens; with the main model frozen it only

@@ -33,7 +33,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-from default_model_mtp import eval_mtp, new_mtp_layer, save_mtp, train_mtp, write_mtp_report
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its MTP stage sits beside it, however it is loaded
+from default_model_mtp import eval_mtp, new_mtp_layer, save_mtp, train_mtp, write_mtp_report  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "latentserve" / "assets" / "default_model"
@@ -80,8 +81,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--mtp-only", action="store_true",
                    help="keep the main model and tokenizer in --out-dir; train and write only the MTP layer")
-    p.add_argument("--mtp-steps", type=int, default=270)
-    p.add_argument("--mtp-time-budget-min", type=float, default=15.0)
+    p.add_argument("--mtp-steps", type=int, default=380)
+    p.add_argument("--mtp-time-budget-min", type=float, default=14.0)
     p.add_argument("--mtp-lr", type=float, default=2e-3)
     p.add_argument("--mtp-loss-weight", type=float, default=0.3,
                    help="lambda of the V3 report's MTP loss (0.3 there for the first 10T tokens)")
@@ -376,7 +377,8 @@ def train_mtp_stage(model, stream, val_stream, args, gen) -> None:
                  main_val_loss=eval_loss(model, val_stream, args.seq_len))
     print(f"mtp done: {stats['mtp_steps']} steps in {stats['mtp_wall_s'] / 60:.1f} min, val ce "
           f"{stats['mtp_val_ce']:.3f}, agreement with the main model {stats['mtp_val_agreement']:.3f}", flush=True)
-    save_mtp(mtp, model.config.num_hidden_layers, args.out_dir)
+    stats["mtp_mb"] = save_mtp(mtp, model.config.num_hidden_layers, args.out_dir)
+    stats["file_mb"] = (args.out_dir / "model.safetensors").stat().st_size / 1e6
     command = (f"nice -n 10 .venv/bin/python scripts/train_default_model.py --mtp-only --mtp-steps {args.mtp_steps} "
                f"--mtp-time-budget-min {args.mtp_time_budget_min:g} --mtp-lr {args.mtp_lr:g} "
                f"--mtp-loss-weight {args.mtp_loss_weight:g} --batch-size {args.batch_size} --seq-len {args.seq_len} "
