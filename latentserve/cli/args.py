@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from typing import Callable, Iterator, NoReturn
 
@@ -145,6 +146,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="emulated collective latency, for experiments on one machine")
     g.add_argument("--link-bandwidth-gbps", type=float, default=d.link_bandwidth_gbps,
                    help="emulated collective bandwidth (GB/s)")
+    g.add_argument("--speculative-config", type=speculative_config, default=None,
+                   help='speculative decoding with the checkpoint\'s MTP layer, as JSON: '
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config: vLLM's JSON form, e.g. '{"method": "mtp", "num_speculative_tokens": 2}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object like {{"method": "mtp"}}, got {text!r}')
+    return value
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -187,6 +202,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
             enable_expert_parallel=args.enable_expert_parallel,
             link_latency_us=args.link_latency_us,
             link_bandwidth_gbps=args.link_bandwidth_gbps,
+            speculative_config=args.speculative_config,
         )
 
 
