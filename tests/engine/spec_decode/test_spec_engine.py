@@ -47,6 +47,20 @@ def test_greedy_tokens_equal_those_without_speculation(checkpoint, baseline, k: 
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes seen
 
 
+def test_greedy_equality_under_preemption_and_chunked_prefill(checkpoint, baseline, monkeypatch) -> None:
+    """A small pool preempts (drafts are dropped, both caches recomputed), a small budget chunks prompts and
+    trims drafts."""
+    prompts = _prompts(12, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tight = {**ENGINE, "num_kv_blocks": 30, "max_num_batched_tokens": 16, "max_model_len": 64}
+    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **tight)
+    preempted = []
+    preempt = llm.engine.scheduler._preempt
+    monkeypatch.setattr(llm.engine.scheduler, "_preempt", lambda r: (preempted.append(r), preempt(r)))
+    assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
+    assert preempted and llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+
+
 def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) -> None:
     prompt = _prompts(1, seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
