@@ -39,6 +39,25 @@ def rejection_sample(
     drafts = draft_token_ids.long().clamp(min=0)  # padding may hold placeholders; those slots are ignored
     positions = torch.arange(k, device=device)
     exists = positions[None, :] < num_draft_tokens[:, None]
+    target_argmax = target_probs.argmax(-1)
+    rows = torch.arange(batch, device=device)
+    if bool(greedy.all()):  # the argmax chain alone: target_probs may be any scores (logits)
+        accepted = (drafts == target_argmax[:, :k]) & exists
+        num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)
+        last = target_argmax[rows, num_accepted]
+    else:
+        num_accepted, last = _verify_sampled(drafts, exists, num_draft_tokens, draft_probs, target_probs, greedy,
+                                             target_argmax, generators)
+    out = torch.where(positions[None, :] < num_accepted[:, None], drafts, PLACEHOLDER_TOKEN_ID)
+    out = torch.cat([out, torch.full((batch, 1), PLACEHOLDER_TOKEN_ID, dtype=out.dtype, device=device)], dim=1)
+    out[rows, num_accepted] = last
+    return out
+
+
+def _verify_sampled(drafts, exists, num_draft_tokens, draft_probs, target_probs, greedy, target_argmax, generators):
+    """-> (accepted drafts per row, the token each row emits after them)."""
+    batch, k = drafts.shape
+    device = target_probs.device
     p_draft = target_probs[:, :k].gather(-1, drafts[..., None])[..., 0]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
@@ -46,7 +65,6 @@ def rejection_sample(
         q_draft = draft_probs.gather(-1, drafts[..., None])[..., 0]
     uniform = _uniform((batch, k), generators, device)
     accepted = uniform * q_draft < p_draft  # u < p/q, without dividing; a draft the target rules out never passes
-    target_argmax = target_probs.argmax(-1)
     accepted = torch.where(greedy[:, None], drafts == target_argmax[:, :k], accepted) & exists
     num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)
 
@@ -66,12 +84,7 @@ def rejection_sample(
     final = torch.where(rejected[:, None], recovered, stop_p)
     # p == q exactly makes the recovered mass zero; such a draft is always accepted, so this only guards round-off.
     final = torch.where(final.sum(-1, keepdim=True) > 0, final, stop_p)
-    last = torch.where(greedy, target_argmax[rows, num_accepted], _sample(final, generators))
-
-    out = torch.where(positions[None, :] < num_accepted[:, None], drafts, PLACEHOLDER_TOKEN_ID)
-    out = torch.cat([out, torch.full((batch, 1), PLACEHOLDER_TOKEN_ID, dtype=out.dtype, device=device)], dim=1)
-    out[rows, num_accepted] = last
-    return out
+    return num_accepted, torch.where(greedy, target_argmax[rows, num_accepted], _sample(final, generators))
 
 
 def _check_shapes(draft_token_ids, num_draft_tokens, draft_probs, target_probs, greedy) -> None:

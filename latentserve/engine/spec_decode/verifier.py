@@ -37,7 +37,8 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
     draft_ids = torch.full((batch, k), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     probs = torch.ones(batch, k + 1, logits.shape[-1], device=device)  # padding rows: any valid distribution
     row_params = [r.sampling_params for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
-    flat = target_probs(logits, row_params)
+    # All greedy: the argmax chain needs no distribution.
+    flat = logits if all(p.is_greedy for p in row_params) else target_probs(logits, row_params)
     start = 0
     for i, d in enumerate(drafts):
         draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
