@@ -203,7 +203,7 @@ class LLMEngine:
         if spec is not None:
             mtp = load_mtp(model_dir, self.model, attn_config, dtype, config.device)
             proposer = MTPProposer(mtp, attn_config, num_blocks, cache_dtype, num_spec, config.device)
-            spec_decoder = SpecDecoder(self.model, proposer, max_model_len)
+            spec_decoder = SpecDecoder(self.model, proposer, max_model_len, spec.disable_by_batch_size)
         self.runner = ModelRunner(
             self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder
         )

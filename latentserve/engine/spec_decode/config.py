@@ -11,6 +11,9 @@ METHODS = ("mtp",)
 class SpeculativeConfig:
     method: str = "mtp"
     num_speculative_tokens: int = 1  # drafts per step; k > 1 chains the one MTP layer, as vLLM does
+    # Steps with more requests than this neither draft nor run the MTP layer (its cache then misses their
+    # positions, which costs later drafts some acceptance, never exactness). None: always draft.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -18,6 +21,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, got {k!r}")
+        b = self.disable_by_batch_size
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an int >= 1 or None, got {b!r}")
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":

@@ -29,9 +29,13 @@ class SpecStepOutput:
 
 
 class SpecDecoder:
-    def __init__(self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int) -> None:
+    def __init__(
+        self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
         self.model = model
         self.proposer = proposer
+        self.disable_by_batch_size = disable_by_batch_size
         self.k = proposer.k
         self.max_model_len = max_model_len
         self.sampler = Sampler()
@@ -63,7 +67,11 @@ class SpecDecoder:
             for (s, _), row in zip(spec, tokens):
                 emitted[id(s)], logprobs[id(s)] = row, None
                 self.stats.observe_draft(s.num_drafts, len(row) - 1)
-        drafts = self._propose(out.scheduled, starts, emitted, hidden)
+        limit = self.disable_by_batch_size
+        if limit is not None and len(out.scheduled) > limit:
+            drafts: list[list[int]] = []
+        else:
+            drafts = self._propose(out.scheduled, starts, emitted, hidden)
         return SpecStepOutput(
             sampled_token_ids=[emitted[id(s)][-1] for s, _ in sampling],
             accepted_draft_ids=[emitted[id(s)][:-1] for s, _ in sampling],

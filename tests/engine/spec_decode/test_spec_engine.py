@@ -61,6 +61,18 @@ def test_greedy_equality_under_preemption_and_chunked_prefill(checkpoint, baseli
     assert preempted and llm.engine.spec_decoding_stats.num_accepted_tokens > 0
 
 
+def test_disable_by_batch_size(checkpoint, baseline) -> None:
+    prompts = _prompts(4, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    off = LLM(model=checkpoint, speculative_config={**spec, "disable_by_batch_size": 3}, **ENGINE)
+    assert _tokens(off, prompts, params) == _tokens(baseline, prompts, params)
+    assert off.engine.spec_decoding_stats.num_drafts == 0  # four requests ran together throughout
+    on = LLM(model=checkpoint, speculative_config={**spec, "disable_by_batch_size": 4}, **ENGINE)
+    assert _tokens(on, prompts, params) == _tokens(baseline, prompts, params)
+    assert on.engine.spec_decoding_stats.num_drafts > 0
+
+
 def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) -> None:
     prompt = _prompts(1, seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
