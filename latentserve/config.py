@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class MLAConfig:
-    """The dimensions of one MLA layer (DESIGN.md §1 names)."""
+    """The dimensions of one MLA layer, named as in the checkpoints' config."""
 
     num_heads: int
     kv_lora_rank: int
@@ -40,7 +40,7 @@ class AttentionConfig:
     workspace_tokens: int = 8192
     prefill_backend: str | None = None
     decode_backend: str | None = None
-    # Ownership checks that catch state shared across ubatches; cheap, so on by default.
+    # Debug checks of DBO: per-batch state shared across ubatches, unequal yields per layer; cheap, so on by default.
     debug_ownership: bool = True
 
     def __post_init__(self) -> None:

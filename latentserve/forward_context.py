@@ -53,7 +53,8 @@ def set_dbo_yield_hook(hook: Callable[[], None] | None) -> None:
 def dbo_yield() -> None:
     """Hand control to the other ubatch and wait for it to hand back; a no-op outside DBO.
 
-    Call it where a ubatch would wait on communication, so the other ubatch computes meanwhile.
+    Call it where a ubatch would wait on communication, so the other ubatch computes meanwhile. Every ubatch
+    must call it equally often in each layer, whatever its batch holds (`latentserve.ubatch.runner` checks).
     """
     hook = getattr(_local, "yield_hook", None)
     if hook is not None:

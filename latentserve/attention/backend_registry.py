@@ -1,17 +1,15 @@
-"""Enum-based backend registries, shared by prefill and decode backends (vLLM's registry shape).
+"""Enum-based backend registries, shared by prefill and decode backends (vLLM's registry semantics).
 
-A member's value is the backend's class path. `CUSTOM` has none until registered; `register()`
-adds members at run time; overrides replace a member's class path without changing its name.
+A member's value is the backend's class path. `CUSTOM` has none until registered; `register()` adds members
+at run time; an override replaces the class path a member resolves to without changing its name.
 """
 from __future__ import annotations
 
 import enum
 import importlib
-import re
 from typing import Any, Callable
 
 _OVERRIDES: dict[enum.Enum, str] = {}
-_NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 
 def _import_class(class_path: str) -> type:
@@ -24,33 +22,42 @@ def _import_class(class_path: str) -> type:
         raise ImportError(f"cannot import backend class {class_path!r}: {e}") from e
 
 
-class BackendEnum(enum.Enum):
+class _BackendEnumMeta(enum.EnumMeta):
+    """`Enum[name]` of an unknown name raises ValueError listing the valid names, as vLLM's registries do."""
+
+    def __getitem__(cls, name: str) -> Any:
+        try:
+            return super().__getitem__(name)
+        except KeyError:
+            valid = ", ".join(cls.__members__)
+            raise ValueError(f"unknown {cls.__name__} name {name!r}; valid names: {valid}") from None
+
+
+class BackendEnum(enum.Enum, metaclass=_BackendEnumMeta):
     """Base for backend registries; subclasses list their built-in members."""
 
     @classmethod
     def lookup(cls, name: str) -> "BackendEnum":
-        """The member called `name` (case-insensitive)."""
-        try:
-            return cls[name.upper()]
-        except KeyError:
-            valid = ", ".join(m.name for m in cls)
-            raise ValueError(f"unknown {cls.__name__} name {name!r}; valid names: {valid}") from None
+        """The member called `name`, else the one called `name.upper()`."""
+        members = cls.__members__
+        return members[name] if name in members else cls[name.upper()]
 
     @classmethod
     def register(cls, name: str, class_path: str) -> "BackendEnum":
-        """Add a new member at run time."""
-        if not isinstance(name, str) or not _NAME_RE.match(name):
-            raise ValueError(f"invalid backend name {name!r}: use UPPER_SNAKE_CASE letters, digits and '_'")
+        """Add a new member at run time; its value may be "" when a decorator override supplies the class."""
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"invalid backend name {name!r}: use a Python identifier not starting with '_'")
         if name in cls.__members__:
-            raise ValueError(f"{cls.__name__} member {name!r} already exists")
-        if not class_path:
-            raise ValueError(f"backend {name!r} needs a class path")
+            raise ValueError(f"{cls.__name__} member {name!r} already exists; override it by passing the member")
+        if hasattr(cls, name):
+            raise ValueError(f"invalid backend name {name!r}: {cls.__name__}.{name} is reserved")
         member = object.__new__(cls)
         member._name_ = name
         member._value_ = class_path
         cls._member_map_[name] = member
         cls._member_names_.append(name)
-        cls._value2member_map_.setdefault(class_path, member)
+        if class_path:  # "" is CUSTOM's value: a lookup by value must keep finding CUSTOM
+            cls._value2member_map_.setdefault(class_path, member)
         type.__setattr__(cls, name, member)
         return member
 
@@ -77,30 +84,31 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def make_register_function(enum_cls: type[BackendEnum]) -> Callable[..., Any]:
-    """`register(member_or_name, class_path=None)`: a direct call, or a class decorator when no path is given.
+def make_register_function(enum_cls: type[BackendEnum]) -> Callable[..., Callable[[type], type]]:
+    """`register(member_or_name, class_path=None)`, with vLLM's semantics.
 
-    An existing member is overridden; a new name becomes a new member.
+    The backend is overridden to `class_path`, or, used as a class decorator without one, to the decorated
+    class. A new name first becomes a member (value `class_path`, or "" in the decorator form, so that
+    `clear_override()` leaves it unregistered); an existing name overrides that member. Returns a decorator
+    (the identity when `class_path` is given), so both forms also work as `@register(...)`.
     """
 
-    def register(member_or_name: BackendEnum | str, class_path: str | None = None) -> Any:
-        def apply(path: str) -> BackendEnum:
-            if isinstance(member_or_name, enum_cls):
-                member_or_name.set_override(path)
-                return member_or_name
-            if not isinstance(member_or_name, str):
-                raise TypeError(f"expected a {enum_cls.__name__} member or a name, got {member_or_name!r}")
-            if member_or_name.upper() in enum_cls.__members__:
-                member = enum_cls[member_or_name.upper()]
-                member.set_override(path)
-                return member
-            return enum_cls.register(member_or_name, path)
+    def register(member_or_name: BackendEnum | str, class_path: str | None = None) -> Callable[[type], type]:
+        if isinstance(member_or_name, str):
+            members = enum_cls.__members__
+            name = member_or_name if member_or_name in members else member_or_name.upper()
+            member = members[name] if name in members else enum_cls.register(member_or_name, class_path or "")
+        elif isinstance(member_or_name, enum_cls):
+            member = member_or_name
+        else:
+            raise TypeError(f"expected a {enum_cls.__name__} member or a name, got {member_or_name!r}")
 
         if class_path is not None:
-            return apply(class_path)
+            member.set_override(class_path)
+            return lambda cls: cls
 
         def decorator(cls: type) -> type:
-            apply(_class_path(cls))
+            member.set_override(_class_path(cls))
             return cls
 
         return decorator

@@ -150,6 +150,11 @@ class MLAMetadataBuilder:
             cu = [0]
             for n in lens:
                 cu.append(cu[-1] + n)
+            if cu[-1] > self.workspace.shape[0]:
+                # index_select(out=) would silently grow past the workspace instead of failing.
+                raise RuntimeError(
+                    f"context chunk {c} holds {cu[-1]} tokens but the workspace holds {self.workspace.shape[0]}"
+                )
             slots.append(torch.cat(chunk_slots).to(self.device))
             cu_seq_lens.append(torch.tensor(cu, dtype=torch.int32, device=self.device))
             cu_cpu.append(cu)

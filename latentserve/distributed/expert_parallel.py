@@ -103,7 +103,11 @@ class ExpertParallel:
         self._inflight[ubatch] = _Transfer(self.link.wrap(work, num_bytes), output)
 
     def _finish(self, overlap: bool = True) -> torch.Tensor:
-        """Wait for this ubatch's transfer, with `overlap` first letting the other ubatch run meanwhile."""
+        """Wait for this ubatch's transfer, with `overlap` first letting the other ubatch run meanwhile.
+
+        Every call of a layer overlaps or not alike in each ubatch (the counts never do, dispatch and combine always
+        do), so both ubatches yield equally often per layer, as DBO requires (`latentserve.ubatch.runner`).
+        """
         try:
             if overlap:
                 dbo_yield()

@@ -50,14 +50,20 @@ def exit_with_error(conn: mpc.Connection, error: BaseException) -> None:
     could block on dead peers."""
     text = traceback.format_exc()
     try:
-        pickle.dumps(error)
-    except Exception:  # noqa: BLE001 - an unpicklable exception still reports its text
-        error = None
-    try:
-        conn.send(("error", error, text))
+        conn.send(("error", _pickled(error), text))
     except (OSError, ValueError):  # the front end is gone too
         pass
     os._exit(1)
+
+
+def _pickled(error: BaseException) -> bytes | None:
+    """`error` pickled if it comes back out of the pickle too; None sends its text alone."""
+    try:
+        data = pickle.dumps(error)
+        pickle.loads(data)  # a constructor that wants other arguments than .args fails only here
+        return data
+    except Exception:  # noqa: BLE001 - any error that cannot cross still reports its text
+        return None
 
 
 class Workers:
@@ -125,9 +131,11 @@ class Workers:
                 if kind == "ok":
                     return ("ok", payload[0])
                 error, text = payload
-                return ("error", _ReportedError(rank, error, text))
+                return ("error", _ReportedError(rank, _unpickled(error), text))
         except (EOFError, ConnectionError, OSError):
             pass
+        except Exception as e:  # noqa: BLE001 - an answer that cannot be unpickled here: the rank is of no more use
+            return ("error", f"rank {rank} sent an answer the front end cannot read: {type(e).__name__}: {e}")
         if self._wait(self.procs[rank], 0.5):
             return ("error", self._death(rank))
         return None
@@ -193,6 +201,14 @@ class Workers:
         self.conns = []
         if self.error is None:
             self.error = WorkerFailure("shut down")
+
+
+def _unpickled(data: bytes | None) -> BaseException | None:
+    """The worker's exception, or None when this process cannot rebuild it (its text still says what it was)."""
+    try:
+        return None if data is None else pickle.loads(data)
+    except Exception:  # noqa: BLE001 - e.g. its class is not importable here
+        return None
 
 
 class _ReportedError:

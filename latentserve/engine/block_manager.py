@@ -48,6 +48,7 @@ class BlockManager:
         self.cached_block_ids: dict[int, int] = {}  # block hash -> block id
         self._num_hashed_blocks: dict[str, int] = {}  # request id -> leading blocks already offered to the cache
         self._pending: set[int] = set()  # blocks cached for the running step to write, until it is known to have run
+        self.num_forked_blocks = 0  # block references taken by fork(): KV computed once, used by several requests
 
     @property
     def num_free_blocks(self) -> int:
@@ -117,6 +118,19 @@ class BlockManager:
             request.block_ids.append(block_id)
         for _ in range(num_new_blocks):
             request.block_ids.append(self._take_free_block())
+
+    def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
+        """Start a fresh child on the parent's first `num_blocks` blocks (shared: one more reference each)."""
+        if child.block_ids:
+            raise RuntimeError(f"request {child.request_id!r} already has blocks: only a fresh request can fork")
+        if num_blocks > len(parent.block_ids):
+            raise RuntimeError(f"request {parent.request_id!r} has {len(parent.block_ids)} blocks, not {num_blocks}")
+        for block_id in parent.block_ids[:num_blocks]:
+            self.blocks[block_id].ref_cnt += 1
+            child.block_ids.append(block_id)
+        child.block_hashes = list(parent.block_hashes[:num_blocks])
+        self._num_hashed_blocks[child.request_id] = num_blocks  # the parent offered them already
+        self.num_forked_blocks += num_blocks
 
     def append_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the block table for a step that adds `num_new_tokens`; False (and no change) if the pool is full."""

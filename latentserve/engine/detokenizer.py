@@ -44,6 +44,19 @@ class TokenizerInfo:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
+def bad_words_token_ids(tokenizer: TokenizerInfo, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word as token ids, at the start of the text and (if that tokenizes differently) after a space."""
+    result: list[list[int]] = []
+    for word in bad_words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        result.append(bare)
+        # As vLLM: the spaced form counts when the space makes a different first token of a same-length word.
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            result.append(spaced)
+    return result
+
+
 def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
     """Load `tokenizer.json` (and `tokenizer_config.json` if present) from a checkpoint folder, offline."""
     model_dir = Path(model_dir)
@@ -88,10 +101,18 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
+        self.include_stop_str_in_output = include_stop_str_in_output
+        # As vLLM's fast detokenizer: without spaces, a special token right after another is its bare content.
+        self.added_tokens: dict[int, str] = {}
+        if not spaces_between_special_tokens and not skip_special_tokens:
+            self.added_tokens = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self.last_special = False  # whether the last output token was an added one (the prompt's do not count)
         self.output_text = ""
         self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         # token_ids[prefix_offset:read_offset] decodes to text already emitted (or prompt context).
@@ -104,17 +125,20 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token's text; return the stop string it completed (the text is cut before it), if any."""
         self.token_ids.append(token_id)
+        after_special, self.last_special = self.last_special, token_id in self.added_tokens
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         text = self._decode(self.token_ids[self.prefix_offset :])
         if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
             return None  # nothing new yet, or an incomplete character
         new_text = text[len(prefix_text) :]
+        if after_special and self.last_special:
+            new_text = self.added_tokens[token_id]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.output_text += new_text
         return self._find_stop(len(new_text)) if check_stop else None
 
     def _find_stop(self, num_new_chars: int) -> str | None:
-        """Earliest stop string ending in the new text; truncates output_text at its start."""
+        """Earliest stop string ending in the new text; truncates output_text at its start (or end, if kept)."""
         best: tuple[int, str] | None = None
         for stop in self.stop:
             start = max(len(self.output_text) - num_new_chars - len(stop) + 1, 0)
@@ -123,7 +147,8 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         if best is None:
             return None
-        self.output_text = self.output_text[: best[0]]
+        end = best[0] + len(best[1]) if self.include_stop_str_in_output else best[0]
+        self.output_text = self.output_text[:end]
         return best[1]
 
     def flush(self) -> None:
@@ -136,7 +161,7 @@ class IncrementalDetokenizer:
 
     def get_output_text(self, finished: bool) -> str:
         """Text safe to show now: while running, hold back a tail that could start a stop string."""
-        if finished or not self.stop:
+        if finished or not self.stop or self.include_stop_str_in_output:
             return self.output_text
         hold = max(len(s) for s in self.stop) - 1
         return self.output_text[: len(self.output_text) - hold] if hold else self.output_text

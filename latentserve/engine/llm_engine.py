@@ -14,9 +14,10 @@ from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.cpu_malloc import keep_freed_memory
-from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, load_tokenizer
+from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, load_tokenizer
 from latentserve.engine.model_runner import ModelRunner
-from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.outputs import RequestOutput, request_outputs
+from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.spec_decode.config import SpeculativeConfig
@@ -235,24 +236,48 @@ class LLMEngine:
         return tokenize_prompt(prompt, self.tokenizer, self.model.config.vocab_size)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and tokenize one prompt into a request (not yet scheduled)."""
+        """Validate and tokenize one prompt into a request (not yet scheduled).
+
+        With n or best_of > 1 this is the first sample of a `SampleGroup`; scheduling it schedules them all.
+        """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        params.validate_for_vocab(self.model.config.vocab_size)
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer: this checkpoint has no tokenizer.json")
         token_ids = self.tokenize(prompt)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if not token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        truncate = params.truncate_prompt_tokens
+        if truncate is not None:
+            token_ids = token_ids[-(self.max_model_len if truncate == -1 else truncate):]
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(token_ids)} tokens leaves no room to generate within "
                 f"max_model_len={self.max_model_len}"
             )
-        stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        text = prompt if isinstance(prompt, str) else None
+        if params.num_samples == 1:
+            return self._request(request_id, token_ids, params, text)
+        samples = [self._request(sample_request_id(request_id, i), token_ids, params.for_sample(i), text)
+                   for i in range(params.num_samples)]
+        return SampleGroup(request_id, params, samples).leader
+
+    def _request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt: str | None) -> Request:
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens, stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens,
+                                                 params.stop, params.include_stop_str_in_output,
+                                                 params.spaces_between_special_tokens)
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        return Request(request_id, token_ids, params, eos, prompt if isinstance(prompt, str) else None, detokenizer)
+        request = Request(request_id, token_ids, params, eos, prompt, detokenizer)
+        if params.bad_words:
+            request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            vocab_size = self.model.config.vocab_size
+            if any(t >= vocab_size for ids in request.bad_words_token_ids for t in ids):
+                raise ValueError(f"bad_words {params.bad_words!r} tokenize to ids outside the vocabulary (size {vocab_size})")
+        return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         request = self.make_request(prompt, params, request_id)
@@ -269,7 +294,7 @@ class LLMEngine:
         """Run one scheduled step; the outputs of every request that advanced or ended."""
         out = self.scheduler.schedule()
         if not out.scheduled and self.runner.lockstep_group is None:
-            return [RequestOutput.from_request(r) for r in self.scheduler.update(out, [])]
+            return request_outputs(self.scheduler.update(out, []))
         try:
             result = self.runner.execute_model(out)
         except BaseException:
@@ -279,4 +304,4 @@ class LLMEngine:
             out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs, result.accepted_draft_ids,
             result.spec_token_ids,
         )
-        return [RequestOutput.from_request(r) for r in updated]
+        return request_outputs(updated)

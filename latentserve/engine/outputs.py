@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from latentserve.engine.parallel_sampling import SampleGroup
 from latentserve.engine.request import Logprobs, Request
 
 
@@ -24,7 +25,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state so far: its prompt and its completions."""
+    """A request's state so far: its prompt and its completions (n of them, or best_of's n best)."""
 
     request_id: str
     prompt: str | None
@@ -37,24 +38,61 @@ class RequestOutput:
 
     @classmethod
     def from_request(cls, request: Request) -> "RequestOutput":
-        finished = request.is_finished
-        detok = request.detokenizer
-        completion = CompletionOutput(
-            index=0,
-            text=detok.get_output_text(finished) if detok is not None else "",
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
-            logprobs=list(request.logprobs) if request.logprobs is not None else None,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-        )
+        return cls._build(request, [_completion(request, 0)], request.is_finished, request.error)
+
+    @classmethod
+    def from_group(cls, group: SampleGroup) -> "RequestOutput":
+        """One output for the samples of an n / best_of request: with best_of > n, the n of highest
+        cumulative logprob (best first, indexed 0..n-1)."""
+        params = group.params
+        completions = [_completion(s, i) for i, s in enumerate(group.samples)]
+        if params.num_samples > params.n:
+            completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)[: params.n]
+            for index, completion in enumerate(completions):
+                completion.index = index
+        if params.logprobs is None:  # tracked for the ranking only
+            for completion in completions:
+                completion.logprobs = None
+        error = next((s.error for s in group.samples if s.error is not None), None)
+        return cls._build(group.leader, completions, group.finished, error)
+
+    @classmethod
+    def _build(cls, leader: Request, completions: list[CompletionOutput], finished: bool,
+               error: str | None) -> "RequestOutput":
         return cls(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-            outputs=[completion],
+            request_id=leader.request_id,
+            prompt=leader.prompt,
+            prompt_token_ids=list(leader.prompt_token_ids),
+            prompt_logprobs=list(leader.prompt_logprobs) if leader.prompt_logprobs is not None else None,
+            outputs=completions,
             finished=finished,
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            error=request.error,
+            num_cached_tokens=max(leader.num_cached_tokens, 0),
+            error=error,
         )
+
+
+def _completion(request: Request, index: int) -> CompletionOutput:
+    detok = request.detokenizer
+    return CompletionOutput(
+        index=index,
+        text=detok.get_output_text(request.is_finished) if detok is not None else "",
+        token_ids=list(request.output_token_ids),
+        cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+        logprobs=list(request.logprobs) if request.logprobs is not None else None,
+        finish_reason=request.finish_reason,
+        stop_reason=request.stop_reason,
+    )
+
+
+def request_outputs(requests: list[Request]) -> list[RequestOutput]:
+    """The outputs for requests a step updated: one per plain request, one per n / best_of group."""
+    outputs, seen = [], set()
+    for request in requests:
+        group = request.group
+        if group is None:
+            outputs.append(RequestOutput.from_request(request))
+        elif id(group) not in seen:
+            seen.add(id(group))
+            if group.reports_partial or group.finished:
+                outputs.append(RequestOutput.from_group(group))
+    return outputs

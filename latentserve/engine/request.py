@@ -11,6 +11,7 @@ from latentserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from latentserve.engine.detokenizer import IncrementalDetokenizer
+    from latentserve.engine.parallel_sampling import SampleGroup
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,7 +72,10 @@ class Request:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None
 
+        self.bad_words_token_ids: list[list[int]] = []  # the tokenized bad_words (set by the engine)
+        self.group: SampleGroup | None = None  # the samples of an n / best_of request this one belongs to
         self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
+
         self.block_ids: list[int] = []  # the block table
         self.block_hashes: list[int] = []  # hash chain of the full blocks, filled lazily
 
@@ -82,6 +86,7 @@ class Request:
         )
         self.cumulative_logprob = 0.0
         self._generator: torch.Generator | None = None
+        self._prompt_tensor: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -112,6 +117,12 @@ class Request:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(seed)
         return self._generator
+
+    def prompt_token_ids_tensor(self) -> torch.Tensor:
+        """The prompt as a CPU int64 tensor, built once (the penalties read it every step)."""
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
 
     def banned_token_ids(self) -> list[int]:
         """Tokens that may not be sampled yet: the stop tokens, until min_tokens are out."""

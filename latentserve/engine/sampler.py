@@ -1,25 +1,42 @@
-"""Next-token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Next-token sampling from logits, in vLLM's order.
+
+Raw logprobs; allowed token ids, bad words, min_tokens stop bans, logit bias, penalties; then greedy argmax, or
+temperature, min-p, top-k, top-p and a draw from the request's own seeded stream.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from latentserve.engine.logits_processors import (
+    BadWords,
+    LogitBias,
+    Penalties,
+    apply_min_p,
+    build_allowed_mask,
+    build_token_mask,
+)
 from latentserve.engine.request import Logprobs, Request
 from latentserve.sampling_params import SamplingParams
 
 
 @dataclass
 class SamplingMetadata:
-    """Per-row sampling settings of one batch, as tensors on the logits' device."""
+    """Per-row sampling settings of one batch, as tensors on the logits' device (None: no row uses it)."""
 
     temperature: torch.Tensor  # [B] fp32; 1.0 on greedy rows (they take the argmax instead)
     greedy: torch.Tensor  # [B] bool
-    top_k: torch.Tensor | None  # [B] int64, vocab size where off; None if no row uses it
-    top_p: torch.Tensor | None  # [B] fp32, 1.0 where off; None if no row uses it
+    top_k: torch.Tensor | None  # [B] int64, vocab size where off
+    top_p: torch.Tensor | None  # [B] fp32, 1.0 where off
+    min_p: torch.Tensor | None  # [B] fp32, 0.0 where off
     generators: dict[int, torch.Generator]  # row -> the seeded request's own stream
     num_logprobs: list[int | None]  # per row: top-k logprobs wanted, None for none
-    banned_token_ids: dict[int, list[int]]  # row -> tokens it may not sample (stop tokens before min_tokens)
+    banned: torch.Tensor | None  # [B, V] bool: stop tokens a row may not sample yet (min_tokens)
+    allowed_mask: torch.Tensor | None  # [B, V] bool: True where a row with allowed_token_ids may not sample
+    bad_words: BadWords | None
+    logit_bias: LogitBias | None
+    penalties: Penalties | None
     all_greedy: bool
 
     @classmethod
@@ -30,29 +47,45 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str = "cpu",
         banned_token_ids: list[list[int]] | None = None,
+        prompt_token_ids: list[torch.Tensor | list[int]] | None = None,
+        output_token_ids: list[list[int]] | None = None,
+        bad_words_token_ids: list[list[list[int]]] | None = None,
     ) -> "SamplingMetadata":
+        """Token histories default to empty; bad words are token id sequences (the engine tokenizes them).
+
+        Token ids in `params` are checked against the vocabulary when the request is made, not here (per step).
+        """
         if len(params) != len(generators):
             raise ValueError(f"{len(params)} sampling params but {len(generators)} generators")
-        banned = banned_token_ids or [[] for _ in params]
+        empty = [[] for _ in params]
+        banned = banned_token_ids or empty
+        outputs = output_token_ids or empty
         for row_banned in banned:
             for token_id in row_banned:
                 if not 0 <= token_id < vocab_size:
                     raise ValueError(f"stop token id {token_id} is outside the vocabulary (size {vocab_size})")
         greedy = [p.is_greedy for p in params]
         temperature = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
-        top_k = top_p = None
+        top_k = top_p = min_p = None
         if any(p.top_k_enabled for p in params):
             top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params], device=device)
         if any(p.top_p < 1.0 for p in params):
             top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32, device=device)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device)
         return cls(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             generators={i: g for i, (g, gr) in enumerate(zip(generators, greedy)) if g is not None and not gr},
             num_logprobs=[p.logprobs for p in params],
-            banned_token_ids={i: b for i, b in enumerate(banned) if b},
+            banned=build_token_mask(banned, vocab_size, device),
+            allowed_mask=build_allowed_mask([p.allowed_token_ids for p in params], vocab_size, device),
+            bad_words=BadWords.build(bad_words_token_ids or empty, outputs, device),
+            logit_bias=LogitBias.build([p.logit_bias for p in params], device),
+            penalties=Penalties.build(params, prompt_token_ids or empty, outputs, vocab_size, device),
             all_greedy=all(greedy),
         )
 
@@ -65,7 +98,15 @@ class SamplingMetadata:
             vocab_size,
             device,
             [r.banned_token_ids() for r in requests],
+            [r.prompt_token_ids_tensor() if r.sampling_params.uses_penalties else [] for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.bad_words_token_ids for r in requests],
         )
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor runs before temperature."""
+        return any(x is not None for x in (self.banned, self.allowed_mask, self.bad_words, self.logit_bias, self.penalties))
 
 
 @dataclass
@@ -130,11 +171,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
             raise ValueError(f"logits must be [{metadata.temperature.shape[0]}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()
-        logits = raw_logits
-        if metadata.banned_token_ids:
-            logits = raw_logits.clone()
-            for row, token_ids in metadata.banned_token_ids.items():
-                logits[row, token_ids] = float("-inf")
+        logits = self.process_logits(raw_logits.clone(), metadata) if metadata.processes_logits else raw_logits
         sampled = logits.argmax(dim=-1)
         if not metadata.all_greedy:
             sampled = torch.where(metadata.greedy, sampled, self._sample_random(logits, metadata))
@@ -145,8 +182,25 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled.tolist(), logprobs=logprobs)
 
     @staticmethod
+    def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The processors that can change the argmax, in place where they can, in vLLM's order."""
+        if metadata.allowed_mask is not None:
+            logits.masked_fill_(metadata.allowed_mask, float("-inf"))
+        if metadata.bad_words is not None:
+            metadata.bad_words.apply(logits)
+        if metadata.banned is not None:
+            logits.masked_fill_(metadata.banned, float("-inf"))
+        if metadata.logit_bias is not None:
+            metadata.logit_bias.apply(logits)
+        if metadata.penalties is not None:
+            logits = metadata.penalties.apply(logits)
+        return logits
+
+    @staticmethod
     def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         logits = logits / metadata.temperature.unsqueeze(-1)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
         if metadata.top_k is not None:
             logits = apply_top_k(logits, metadata.top_k)
         if metadata.top_p is not None:

@@ -9,6 +9,7 @@ import torch
 from latentserve.attention.builder import is_decode
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.engine.block_manager import BlockManager
+from latentserve.engine.parallel_sampling import SampleGroup
 from latentserve.engine.request import Logprobs, Request, RequestStatus
 
 
@@ -139,11 +140,16 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # oldest first; preemption takes from the back
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.requests: dict[str, Request] = {}  # unfinished requests (each sample of a group) by id
+        self.groups: dict[str, SampleGroup] = {}  # unfinished n / best_of requests by the user's id
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        """Queue a request; the first sample of an n / best_of request brings its whole group."""
+        group = request.group
+        samples = group.samples if group is not None else [request]
+        for sample in samples:
+            if sample.request_id in self.requests or sample.request_id in self.groups:
+                raise ValueError(f"request id {sample.request_id!r} is already in use")
         if request.num_prompt_tokens > self.config.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {request.num_prompt_tokens} tokens is longer than "
@@ -151,21 +157,30 @@ class Scheduler:
             )
         if request.sampling_params.stop and request.detokenizer is None:
             raise ValueError(f"request {request.request_id!r} has stop strings but no detokenizer to find them")
-        request.status = RequestStatus.WAITING
+        for sample in samples:
+            sample.status = RequestStatus.WAITING
+            self.requests[sample.request_id] = sample
+        # The other samples wait for the first one's prefill, then start on its blocks (see _fork).
         self.waiting.append(request)
-        self.requests[request.request_id] = request
+        if group is not None:
+            self.groups[group.request_id] = group
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Finish a request as aborted, freeing its blocks; None if it is unknown or already finished."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        else:
-            self.waiting.remove(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+        """Finish a request (every sample of an n / best_of one) as aborted, freeing its blocks;
+        None if it is unknown or already finished."""
+        group = self.groups.get(request_id)
+        samples = group.samples if group is not None else [self.requests.get(request_id)]
+        aborted = None
+        for request in samples:
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:  # not there: a sample held for its leader's prefill
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            aborted = aborted or request
+        return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -178,6 +193,28 @@ class Scheduler:
         request.error = error
         self.block_manager.free(request)
         del self.requests[request.request_id]
+        group = request.group
+        if group is None:
+            return
+        if not group.forked and request is group.leader:
+            self._release_samples(group)  # it ended before its prefill: the others compute their own prompt
+        if group.finished:
+            del self.groups[group.request_id]
+
+    def _fork(self, group: SampleGroup) -> None:
+        """The leader's prompt is computed: the other samples take its full prompt blocks and queue first."""
+        leader = group.leader
+        bs = self.block_manager.block_size
+        # The last prompt token is not shared: each sample computes it, for its own logits.
+        num_blocks = (leader.num_prompt_tokens - 1) // bs
+        for sample in group.samples[1:]:
+            self.block_manager.fork(leader, sample, num_blocks)
+            sample.num_computed_tokens = num_blocks * bs
+        self._release_samples(group)
+
+    def _release_samples(self, group: SampleGroup) -> None:
+        group.forked = True
+        self.waiting.extendleft(reversed([s for s in group.samples[1:] if not s.is_finished]))
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks; it recomputes prompt and outputs when it runs again."""
@@ -225,7 +262,10 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
                 out.finished.append(request)
                 continue
-            while not self.block_manager.append_slots(request, num_new + self._lookahead(request, num_new)):
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while not self.block_manager.append_slots(request, num_new + lookahead):
+                if self._drop_a_waiting_fork():  # before preempting a running request
+                    continue
                 victim = self.running.pop()  # the newest; not yet scheduled this step
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -248,12 +288,10 @@ class Scheduler:
             room = min(room, params.max_tokens - request.num_output_tokens - 1)
         return request.spec_token_ids[: max(0, min(room, budget))]
 
-    def _lookahead(self, request: Request, num_new: int) -> int:
-        """Slots past this step's tokens for the MTP's chained drafts (k - 1), within max_model_len."""
+    def _lookahead(self, seq_len: int) -> int:
+        """Slots past a step's last token (at seq_len - 1) for the MTP's chained drafts: k - 1, within max_model_len."""
         k = self.config.num_speculative_tokens
-        if k <= 1:
-            return 0
-        return max(0, min(k - 1, self.config.max_model_len - request.num_computed_tokens - num_new))
+        return max(0, min(k - 1, self.config.max_model_len - seq_len))
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[tuple[Request, int, list[int]]], out: SchedulerOutput
@@ -267,16 +305,18 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
                 out.finished.append(request)
                 continue
-            computed_blocks = self._cache_hits(request, budget)
-            num_cached = len(computed_blocks) * self.block_manager.block_size
+            computed_blocks, num_cached = self._computed(request, budget)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            lookahead = self._lookahead(request, num_cached + num_new) if num_cached + num_new == request.num_tokens else 0
+            samples = num_cached + num_new == request.num_tokens
+            lookahead = self._lookahead(num_cached + num_new) if samples else 0
             if not self.block_manager.can_allocate(request, num_new + lookahead, computed_blocks):
-                break
+                if self.running or not self._drop_a_waiting_fork():
+                    break
+                continue
             self.block_manager.allocate(request, num_new + lookahead, computed_blocks)
             self.block_manager.cache_blocks(request, num_cached + num_new)
             self.waiting.popleft()
@@ -288,6 +328,25 @@ class Scheduler:
             self.running.append(request)
             scheduled.append((request, num_new, []))
             budget -= num_new
+
+    def _computed(self, request: Request, budget: int) -> tuple[list[int], int]:
+        """The blocks a waiting request starts from, and how many of its tokens they hold."""
+        if request.block_ids:  # forked: starts on its leader's prompt blocks
+            return [], request.num_computed_tokens
+        hits = self._cache_hits(request, budget)
+        return hits, len(hits) * self.block_manager.block_size
+
+    def _drop_a_waiting_fork(self) -> bool:
+        """Make room: the newest waiting sample that holds forked blocks lets go of them (it will compute its
+        prompt itself). False if no waiting request holds blocks.
+
+        Waiting requests must not hold blocks that the running ones, or the queue's head, need to progress."""
+        holder = next((r for r in reversed(self.waiting) if r.block_ids), None)
+        if holder is None:
+            return False
+        self.block_manager.free(holder)
+        holder.num_computed_tokens = 0
+        return True
 
     def _cache_hits(self, request: Request, budget: int) -> list[int]:
         """Prefix-cache blocks a new request can start from.
@@ -371,6 +430,8 @@ class Scheduler:
             emitted = [(t, None) for t in accepted] + [(token_id, token_logprobs)]
             for token, token_logprobs in emitted:
                 request.append_output_token(token, token_logprobs)
+                if request.group is not None and not request.group.forked:
+                    self._fork(request.group)  # before the leader can finish and free its blocks
                 status = self._check_stop(request, token)
                 if status is not None:
                     self.running.remove(request)
@@ -400,6 +461,8 @@ class Scheduler:
             if not hit_max and request.num_tokens < self.config.max_model_len:
                 return None
             status = RequestStatus.FINISHED_LENGTH
-        if detok is not None:  # the stop token itself is not part of the text
+        if detok is not None:
+            if status == RequestStatus.FINISHED_STOPPED and params.include_stop_str_in_output:
+                detok.add_token(token_id, check_stop=False)  # the stop token's text is kept, as asked
             detok.flush()
         return status

@@ -8,7 +8,7 @@ import torch
 from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.forward_context import ForwardContext, set_forward_context
-from latentserve.ubatch.runner import run_ubatches
+from latentserve.ubatch.runner import enter_layer, run_ubatches
 from latentserve.ubatch.slicing import UBatchSlice, slice_common_metadata
 
 ForwardFn = Callable[..., torch.Tensor]
@@ -40,8 +40,22 @@ def run_forward(
 
         return run
 
-    return torch.cat(run_ubatches([task(i) for i in range(len(slices))]))
+    check_yields = builders[0].attn_config.debug_ownership
+    return torch.cat(run_ubatches([task(i) for i in range(len(slices))], check_yields))
+
+
+class _LayerMetadata(dict):
+    """Attention metadata by layer name; a layer's lookup is where it starts, for the runner's yield check."""
+
+    def __getitem__(self, name: str):
+        enter_layer(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default=None):
+        enter_layer(name)
+        return super().get(name, default)
 
 
 def _context(builder: MLAMetadataBuilder, metadata, ubatch_id: int | None) -> ForwardContext:
-    return ForwardContext(attn_metadata={name: metadata for name in builder.layer_names}, ubatch_id=ubatch_id)
+    layers = {name: metadata for name in builder.layer_names}
+    return ForwardContext(attn_metadata=layers if ubatch_id is None else _LayerMetadata(layers), ubatch_id=ubatch_id)

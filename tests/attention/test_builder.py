@@ -1,4 +1,6 @@
 """Metadata building: decode/prefill split, ordering, chunked-context plan."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -38,12 +40,20 @@ def test_chunk_plan_is_bounded_by_workspace_and_covers_context():
     assert all(s.numel() <= config.workspace_tokens for s in plan.slots)
     assert len(plan.slots) == 5
     # every context slot of every request is read exactly once, in position order per request
-    covered = torch.cat(plan.slots).tolist()
-    expected = []
     bt = batch.common.block_table
     for r, ctx in enumerate([23, 7]):
-        expected.append([int(bt[r, p // 4]) * 4 + p % 4 for p in range(ctx)])
-    assert sorted(covered) == sorted(expected[0] + expected[1])
+        read = [s for slots, cu in zip(plan.slots, plan.cu_seq_lens_cpu) for s in slots[cu[r] : cu[r + 1]].tolist()]
+        assert read == [int(bt[r, p // 4]) * 4 + p % 4 for p in range(ctx)], r
+
+
+def test_a_chunk_larger_than_the_workspace_is_an_error():
+    """A plan whose chunk is one token too large must fail, not let the gather grow past the workspace."""
+    config = AttentionConfig(block_size=4, workspace_tokens=10)
+    layer, builder, cache = setup(config, 64)
+    builder.attn_config = dataclasses.replace(config, workspace_tokens=11)  # the planner's size, one too large
+    batch = make_batch([Request(23, 2)], cache, 4)
+    with pytest.raises(RuntimeError, match="context chunk 0 holds 11 tokens but the workspace holds 10"):
+        builder.build(batch.common)
 
 
 def test_workspace_smaller_than_prefill_count_is_refused():

@@ -25,9 +25,12 @@ def test_clone_is_independent_instance_with_same_settings():
     assert type(clone) is type(backend) and clone is not backend
     for attr in ("num_heads", "scale", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "config"):
         assert getattr(clone, attr) == getattr(backend, attr)
-    backend._prefill_metadata = object()
-    clone._prefill_metadata = object()
-    assert clone._prefill_metadata is not backend._prefill_metadata
+    # Preparing one leaves the other as it was: no per-batch state is shared (on the instance or the class).
+    first, second = object(), object()
+    backend.prepare_metadata(first)
+    assert clone._prefill_metadata is None
+    clone.prepare_metadata(second)
+    assert backend.prefill_metadata is first and clone.prefill_metadata is second
 
 
 def test_clone_of_subclass_with_extra_constructor_arguments():

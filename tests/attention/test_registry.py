@@ -30,6 +30,7 @@ class CudaOnlyPrefill(ReferencePrefillBackend):
 
 PATH = f"{__name__}.CustomPrefill"
 CUDA_PATH = f"{__name__}.CudaOnlyPrefill"
+DECODE_PATH = "latentserve.attention.decode.reference.ReferenceDecodeBackend"
 
 
 @pytest.fixture(autouse=True)
@@ -65,30 +66,65 @@ def test_override_builtin_and_clear():
     assert MLAPrefillBackendEnum.TORCH_SDPA.get_class() is TorchSDPAPrefillBackend
 
 
-def test_decorator_registration_adds_member():
-    @register_mla_prefill_backend("MY_DECORATED")
-    class Decorated(ReferencePrefillBackend):
+@pytest.mark.parametrize(
+    "enum_cls,register,path",
+    [
+        (MLAPrefillBackendEnum, register_mla_prefill_backend, PATH),
+        (MLADecodeBackendEnum, register_mla_decode_backend, DECODE_PATH),
+    ],
+)
+def test_new_name_becomes_an_overridden_member(enum_cls, register, path):
+    """vLLM's semantics: a new string name makes a member and marks it overridden, in both forms."""
+    prefix = enum_cls.__name__[:6].upper()
+    register(f"{prefix}_DIRECT", path)
+    direct = enum_cls[f"{prefix}_DIRECT"]
+    assert direct in list(enum_cls) and direct.is_overridden() and direct.get_path() == path
+    direct.clear_override()
+    assert not direct.is_overridden() and direct.get_path() == path  # the member's own value remains
+
+    assert register(f"{prefix}_DECORATED")(CustomPrefill) is CustomPrefill  # the decorator form
+    decorated = enum_cls[f"{prefix}_DECORATED"]
+    assert decorated.is_overridden() and decorated.get_class() is CustomPrefill
+    assert enum_cls.lookup(f"{prefix.lower()}_decorated") is decorated
+    decorated.clear_override()
+    with pytest.raises(ValueError, match="must be registered before use"):
+        decorated.get_class()
+
+
+def test_plugin_style_names_and_decorator_with_a_path():
+    """What vLLM accepts is accepted: any identifier as a name, and the direct form used as a decorator."""
+    register_mla_prefill_backend("my_plugin_prefill", PATH)
+    assert MLAPrefillBackendEnum["my_plugin_prefill"].get_class() is CustomPrefill
+    assert MLAPrefillBackendEnum.lookup("my_plugin_prefill") is MLAPrefillBackendEnum.my_plugin_prefill
+
+    @register_mla_prefill_backend(MLAPrefillBackendEnum.CUSTOM, PATH)
+    class Unchanged:
         pass
 
-    member = MLAPrefillBackendEnum.MY_DECORATED
-    assert member in list(MLAPrefillBackendEnum)
-    assert member.get_path().endswith("Decorated")
-    assert MLAPrefillBackendEnum.lookup("my_decorated") is member
+    assert isinstance(Unchanged, type) and Unchanged.__name__ == "Unchanged"
+    assert MLAPrefillBackendEnum.CUSTOM.get_class() is CustomPrefill
 
 
 def test_register_rejects_duplicates_and_bad_names():
     MLAPrefillBackendEnum.register("RUNTIME_ONE", PATH)
     assert MLAPrefillBackendEnum.RUNTIME_ONE.get_class() is CustomPrefill
+    assert not MLAPrefillBackendEnum.RUNTIME_ONE.is_overridden()
     with pytest.raises(ValueError, match="already exists"):
         MLAPrefillBackendEnum.register("RUNTIME_ONE", PATH)
-    for bad in ["", "lower", "1ABC", "HAS-DASH", None]:
+    for bad in ["", "1ABC", "HAS-DASH", None, "_private"]:
         with pytest.raises(ValueError, match="invalid backend name"):
             MLAPrefillBackendEnum.register(bad, PATH)
+    with pytest.raises(ValueError, match="reserved"):
+        MLAPrefillBackendEnum.register("lookup", PATH)
 
 
-def test_unknown_name_lists_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown MLAPrefillBackendEnum name 'NOPE'.*TORCH_SDPA.*REFERENCE"):
-        MLAPrefillBackendEnum.lookup("NOPE")
+@pytest.mark.parametrize("enum_cls", [MLAPrefillBackendEnum, MLADecodeBackendEnum])
+def test_unknown_name_lists_valid_ones(enum_cls):
+    first = next(iter(enum_cls)).name
+    with pytest.raises(ValueError, match=rf"unknown {enum_cls.__name__} name 'NONEXISTENT'.*{first}.*CUSTOM"):
+        enum_cls["NONEXISTENT"]
+    with pytest.raises(ValueError, match=rf"unknown {enum_cls.__name__} name 'NOPE'.*{first}.*CUSTOM"):
+        enum_cls.lookup("nope")
 
 
 def test_selector_picks_first_valid_by_priority():

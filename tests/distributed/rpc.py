@@ -7,6 +7,7 @@ import signal
 
 from latentserve.distributed.expert_parallel import RemoteExpert, moe_layers
 from latentserve.distributed.parallel_state import get_dp_group
+from latentserve.forward_context import get_forward_context
 
 _steps: list[tuple[int, int]] = []  # (tokens, ubatches) of each step since the log was installed
 
@@ -58,15 +59,6 @@ def _fail_on_rank1(engine, action) -> None:
     engine.step = faulty
 
 
-def _raise() -> None:
-    raise RuntimeError("injected fault")
-
-
-def raise_on_rank1(engine) -> None:
-    """Rank 1 raises in its first step with a running request."""
-    _fail_on_rank1(engine, _raise)
-
-
 def die_on_rank1(engine) -> None:
     """Rank 1's process is killed (SIGKILL) in its first step with a running request."""
     _fail_on_rank1(engine, lambda: os.kill(os.getpid(), signal.SIGKILL))
@@ -77,3 +69,42 @@ def idle_worker(rank: int, world_size: int, init_method: str, conn) -> None:
     conn.send(("ok", os.getpid()))
     while True:
         conn.recv()
+
+
+def _raise_in_ubatch1(moe_forward):
+    def faulty(x):
+        if get_forward_context().ubatch_id == 1:
+            raise RuntimeError("injected fault in a ubatch")
+        return moe_forward(x)
+
+    return faulty
+
+
+def raise_in_ubatch1_on_rank1(engine) -> None:
+    """Rank 1's first MoE layer raises when ubatch 1 of a split step reaches it."""
+    if get_dp_group().rank == 1:
+        moe = moe_layers(engine.model)[0]
+        moe.forward = _raise_in_ubatch1(moe.forward)
+
+
+class TwoArgError(Exception):
+    """Pickles (its args are kept) but does not unpickle: __init__ wants two arguments, args holds one."""
+
+    def __init__(self, what: str, detail: str) -> None:
+        super().__init__(f"{what}: {detail}")
+
+
+def unreadable_worker(rank: int, world_size: int, init_method: str, how: str, conn) -> None:
+    """A `Workers` target whose rank 1 sends what the front end cannot unpickle: an error it raised ("raise") or
+    an answer ("answer")."""
+    from latentserve.distributed.launch import exit_with_error
+
+    conn.send(("ok", os.getpid()))
+    conn.recv()
+    if rank == 1 and how == "raise":
+        try:
+            raise TwoArgError("rank one", "broke")
+        except TwoArgError as e:
+            exit_with_error(conn, e)
+    conn.send(("ok", TwoArgError("rank one", "answered") if rank == 1 else rank))
+    conn.recv()

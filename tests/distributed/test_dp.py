@@ -112,12 +112,14 @@ def test_bad_prompt_is_refused_and_the_engine_goes_on(dp_llm, reference):
     _assert_same(dp_llm.generate(PROMPTS[:2], PARAMS), reference[:2])
 
 
-def test_a_rank_that_raises_stops_every_rank(dp_llm):
-    """Last test of the shared engine: it ends it."""
+def test_a_rank_that_raises_in_a_ubatch_stops_every_rank(dp_llm):
+    """Rank 1 raises inside ubatch 1: the error crosses the pipe (it pickles both ways), names both, and stops
+    every rank. Last test of the shared engine: it ends it."""
     pids = dp_llm.dp_engine.workers.pids
-    dp_llm.dp_engine.collective_rpc(rpc.raise_on_rank1)
+    dp_llm.dp_engine.collective_rpc(functools.partial(rpc.set_dbo, True))
+    dp_llm.dp_engine.collective_rpc(rpc.raise_in_ubatch1_on_rank1)
     start = time.monotonic()
-    with pytest.raises(WorkerFailure, match="rank 1 raised RuntimeError: injected fault"):
+    with pytest.raises(WorkerFailure, match=r"rank 1 raised .*UBatchError: ubatch 1 failed: RuntimeError: injected"):
         dp_llm.generate(PROMPTS, PARAMS)
     assert time.monotonic() - start < 30
     assert all(process_gone(pid) for pid in pids)

@@ -1,10 +1,12 @@
-"""The link emulator: completion no earlier than latency + bytes / bandwidth, a shared link, overlap under DBO."""
-from __future__ import annotations
+"""The link emulator: completion no earlier than latency + bytes / bandwidth, a shared link, overlap under DBO.
 
-import time
+Time is the emulator's own: a fake clock that only its sleeps advance, so a loaded machine changes nothing.
+"""
+from __future__ import annotations
 
 import pytest
 
+from latentserve.distributed import link_emulator
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.forward_context import dbo_yield
 from latentserve.ubatch.runner import run_ubatches
@@ -17,10 +19,30 @@ class Done:
         return True
 
 
-def _timed_wait(work) -> float:
-    start = time.perf_counter()
-    work.wait()
-    return time.perf_counter() - start
+class FakeClock:
+    """Stands in for the `time` module inside the emulator: sleeping advances it, nothing else does."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def compute(self, seconds: float) -> None:
+        """Time spent by the caller between issuing a transfer and waiting for it."""
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(link_emulator, "time", fake)
+    return fake
 
 
 def test_transfer_time():
@@ -34,43 +56,51 @@ def test_no_emulation_returns_the_work_itself():
     assert LinkEmulator().wrap(work, 10**9) is work
 
 
-def test_wait_lasts_until_the_transfer_would_arrive():
+def test_wait_lasts_until_the_transfer_would_arrive(clock):
     link = LinkEmulator(latency_us=20_000.0, bandwidth_gbps=1.0)
-    start = time.perf_counter()
-    work = link.wrap(Done(), 30_000_000)  # 20 ms + 30 ms
-    work.wait()
-    assert time.perf_counter() - start >= 0.05
-    assert _timed_wait(link.wrap(Done(), 0)) >= 0.015  # latency only, but queued behind nothing now
+    start = clock.now
+    link.wrap(Done(), 30_000_000).wait()  # 20 ms + 30 ms
+    assert clock.now - start == pytest.approx(0.05)
+    start = clock.now
+    link.wrap(Done(), 0).wait()  # latency only: the link is free again
+    assert clock.now - start == pytest.approx(0.02)
 
 
-def test_time_spent_computing_after_issue_is_not_added():
+def test_time_spent_computing_after_issue_is_not_added(clock):
     link = LinkEmulator(latency_us=30_000.0)
     work = link.wrap(Done(), 0)
-    time.sleep(0.04)  # "compute" longer than the transfer
-    assert _timed_wait(work) < 0.01
+    clock.compute(0.04)  # longer than the transfer
+    work.wait()
+    assert clock.slept == []
 
 
-def test_transfers_share_the_link():
-    link = LinkEmulator(bandwidth_gbps=1.0)
-    start = time.perf_counter()
+def test_transfers_share_the_link(clock):
+    link = LinkEmulator(latency_us=1_000.0, bandwidth_gbps=1.0)
+    start = clock.now
     first, second = link.wrap(Done(), 30_000_000), link.wrap(Done(), 30_000_000)
+    # The second leaves the wire 30 ms after the first does; latency is not occupancy, so it is not queued.
+    assert first.deadline - start == pytest.approx(0.031)
+    assert second.deadline - start == pytest.approx(0.061)
     first.wait()
     second.wait()
-    assert time.perf_counter() - start >= 0.06  # the second waits for the first to leave the wire
+    assert clock.now - start == pytest.approx(0.061)
 
 
-def test_ubatches_overlap_their_transfers_latency():
+def test_ubatches_overlap_their_transfers_latency(clock):
     """Each ubatch yields while its transfer is in flight: two 100 ms latencies overlap instead of adding up."""
     link = LinkEmulator(latency_us=100_000.0)
+    deadlines = []
 
     def ubatch() -> None:
         work = link.wrap(Done(), 0)
+        deadlines.append(work.deadline)
         dbo_yield()
         work.wait()
 
-    start = time.perf_counter()
+    start = clock.now
     run_ubatches([ubatch, ubatch])
-    assert 0.1 <= time.perf_counter() - start < 0.18
+    assert deadlines == [pytest.approx(start + 0.1)] * 2  # both issued before either waited
+    assert clock.now - start == pytest.approx(0.1)
 
 
 def test_bad_settings():

@@ -120,3 +120,56 @@ def test_load_tokenizer_reads_config(tiny_tokenizer, tmp_path):
 def test_load_tokenizer_without_file(tmp_path):
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(tiny_tokenizer):
+    ids = tiny_tokenizer.encode("hello world, the quick brown fox").ids
+    results = {}
+    for include in (False, True):
+        detok = IncrementalDetokenizer(tiny_tokenizer, [0], stop=["the q", "fox"], include_stop_str_in_output=include)
+        stop = next(s for s in (detok.add_token(t) for t in ids) if s is not None)
+        results[include] = (stop, detok.output_text)
+        # Kept stop strings are never held back while running: nothing shown can be taken back.
+        assert detok.get_output_text(False) == (detok.output_text if include else detok.output_text[:-4])
+    assert results == {False: ("the q", "hello world, "), True: ("the q", "hello world, the q")}
+
+
+def _wordpiece_with_specials():
+    """A tokenizer whose decoder joins tokens with spaces, specials included (as WordPiece models do)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "[A]": 3, "[B]": 4}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer.add_special_tokens(["[A]", "[B]"])
+    return tokenizer
+
+
+def test_spaces_between_special_tokens():
+    tokenizer = _wordpiece_with_specials()
+    ids = [1, 3, 4, 3, 2]
+
+    def text(prompt=(1,), **kwargs):
+        detok = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
+        for token_id in ids:
+            detok.add_token(token_id)
+        return detok.output_text
+
+    assert text(skip_special_tokens=False) == " hello [A] [B] [A] world"
+    # vLLM's fast-detokenizer rule: a special token right after another loses the decoder's space.
+    assert text(skip_special_tokens=False, spaces_between_special_tokens=False) == " hello [A][B][A] world"
+    assert text(spaces_between_special_tokens=False) == text() == " hello world"
+    # Only output tokens count: a prompt ending in a special token leaves the first output token's space.
+    ids[:] = [3, 4]
+    assert text(prompt=[4], skip_special_tokens=False, spaces_between_special_tokens=False) == " [A][B]"
+
+
+def test_bad_words_tokenized_bare_and_after_a_space(tiny_tokenizer):
+    from latentserve.engine.detokenizer import TokenizerInfo, bad_words_token_ids
+
+    info = TokenizerInfo(tiny_tokenizer)
+    words = bad_words_token_ids(info, ["fox", " quick brown"])
+    bare, spaced = tiny_tokenizer.encode("fox").ids, tiny_tokenizer.encode(" fox").ids
+    assert words[0] == bare
+    assert (spaced in words) == (spaced[0] != bare[0] and len(spaced) == len(bare))
+    assert tiny_tokenizer.encode("quick brown").ids in words

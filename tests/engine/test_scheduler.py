@@ -356,3 +356,89 @@ def test_random_workload_invariants(seed):
         if r.status == RequestStatus.FINISHED_ERROR:
             assert r.num_tokens + (0 if r.num_output_tokens == 0 else -1) >= capacity
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+
+
+def make_group(request_id, prompt_len, n, first=1, **params):
+    """An n-sample request as the engine builds it; returns its leader (the request the scheduler is given)."""
+    from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
+
+    params = SamplingParams(n=n, **params)
+    prompt = [(first + 7 * i) % VOCAB + 2 for i in range(prompt_len)]
+    samples = [Request(sample_request_id(request_id, i), prompt, params.for_sample(i)) for i in range(n)]
+    return SampleGroup(request_id, params, samples).leader
+
+
+@pytest.mark.parametrize("num_blocks, budget, caching", [(64, 32, False), (64, 32, True), (14, 8, False), (14, 8, True)])
+def test_samples_fork_the_leaders_prompt_blocks(num_blocks, budget, caching):
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_model_len=64),
+                          BlockManager(num_blocks, 4, enable_prefix_caching=caching))
+    scheduler.fake_kv = FakeKVCache(4)
+    groups = [make_group("g", 14, 3, max_tokens=6), make_group("h", 9, 2, max_tokens=5, first=40)]
+    others = [make_request("x", 7, max_tokens=6, first=80)]
+    steps = drive(scheduler, {0: groups[:1] + others, 2: groups[1:]})  # FakeKVCache checks every read and write
+    samples = [s for leader in groups for s in leader.group.samples]
+    assert all(s.status == RequestStatus.FINISHED_LENGTH for s in samples + others)
+    # The fake model depends on the sequence only: every sample equals the request run alone.
+    for s in samples:
+        alone = reference_outputs([Request("alone", s.prompt_token_ids, s.sampling_params)])["alone"]
+        assert s.output_token_ids == alone
+    if num_blocks == 64:  # no preemption: each other sample computed only its last prompt block
+        assert scheduler.block_manager.num_forked_blocks == 2 * 3 + 1 * 2
+        computed = {}
+        for out in steps:
+            for s in out.scheduled:
+                if s.num_computed_tokens < s.request.num_prompt_tokens:
+                    computed[s.request.request_id] = computed.get(s.request.request_id, 0) + s.num_new_tokens
+        assert computed == {"g": 14, "1_g": 2, "2_g": 2, "x": 7, "h": 9, "1_h": 1}
+    else:
+        assert any(s.num_preemptions for s in samples)
+    assert scheduler.block_manager.usage == 0 and not scheduler.groups and not scheduler.requests
+
+
+def test_group_whose_leader_cannot_fit_errors_every_sample():
+    scheduler = make_scheduler(num_blocks=4, max_model_len=64)
+    leader = make_group("big", 30, 3)
+    drive(scheduler, {0: [leader]})
+    assert [s.status for s in leader.group.samples] == [RequestStatus.FINISHED_ERROR] * 3
+    assert not scheduler.groups and scheduler.block_manager.usage == 0
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_workload_with_groups_and_aborts(seed):
+    from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
+
+    gen = torch.Generator().manual_seed(100 + seed)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=rand(8, 40), max_num_seqs=rand(2, 8), max_model_len=64),
+        BlockManager(rand(10, 24), rand(2, 5), enable_prefix_caching=bool(rand(0, 2))),
+    )
+    scheduler.fake_kv = FakeKVCache(scheduler.block_manager.block_size)
+    shared = [rand(2, VOCAB) for _ in range(12)]
+    arrivals, leaders = {}, []
+    for i in range(8):
+        prompt = (shared[: rand(0, 12)] + [rand(2, VOCAB) for _ in range(rand(1, 16))])[:30]
+        params = SamplingParams(n=rand(1, 4), max_tokens=rand(1, 10))
+        samples = [Request(sample_request_id(f"r{i}", k), prompt, params.for_sample(k)) for k in range(params.n)]
+        leader = SampleGroup(f"r{i}", params, samples).leader if params.n > 1 else samples[0]
+        leaders.append(leader)
+        arrivals.setdefault(rand(0, 10), []).append(leader)
+    to_abort = {rand(1, 20): leaders[rand(0, 8)].request_id for _ in range(2)}
+    steps = []
+
+    def check(out):
+        steps.append(out)
+        if len(steps) in to_abort:
+            scheduler.abort_request(to_abort[len(steps)])
+
+    drive(scheduler, arrivals, check=check)
+    for leader in leaders:
+        for sample in leader.group.samples if leader.group else [leader]:
+            assert sample.is_finished
+            if sample.status == RequestStatus.FINISHED_LENGTH:
+                alone = reference_outputs([Request("alone", sample.prompt_token_ids, sample.sampling_params)])["alone"]
+                assert sample.output_token_ids == alone
+    assert not scheduler.groups and not scheduler.requests and scheduler.block_manager.usage == 0

@@ -28,6 +28,7 @@ class Block(nn.Module):
         q = self.q(x).view(-1, MLA.num_heads, MLA.qk_head_dim)
         c, k_pe = self.kv_a(x).split([MLA.kv_lora_rank, MLA.qk_rope_head_dim], -1)
         x = x + self.o(self.attn(q, c, k_pe))
+        # Both yields run in every ubatch, whatever it holds: DBO needs equal yields per layer.
         dbo_yield()  # where a dispatch all-to-all would wait
         x = x + self.mlp(x)
         dbo_yield()  # where a combine would wait

@@ -45,8 +45,38 @@ def test_only_one_ubatch_runs_at_a_time():
     assert not overlap
 
 
-def test_dbo_yield_outside_dbo_is_a_no_op():
-    dbo_yield()
+def test_dbo_yield_outside_a_ubatch_is_a_no_op():
+    """Hooks are per thread: a yield from another thread, while ubatches run, neither blocks nor switches them."""
+    log = []
+    ubatch_waiting = threading.Event()
+    outsider_done = threading.Event()
+
+    def first():
+        log.append("a0")
+        ubatch_waiting.set()
+        assert outsider_done.wait(5)  # holds the turn while the outsider yields
+        log.append("a1")
+        dbo_yield()
+        log.append("a2")
+
+    def second():
+        log.append("b0")
+        dbo_yield()
+        log.append("b1")
+
+    def outsider():
+        assert ubatch_waiting.wait(5)
+        dbo_yield()
+        log.append("outsider")
+        outsider_done.set()
+
+    side = threading.Thread(target=outsider)
+    side.start()
+    run_ubatches([first, second])
+    side.join(5)
+    assert log == ["a0", "outsider", "a1", "b0", "a2", "b1"]
+    dbo_yield()  # and on the caller's thread after the run
+    assert not _ubatch_threads()
 
 
 @pytest.mark.parametrize("failing", [0, 1])

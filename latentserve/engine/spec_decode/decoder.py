@@ -100,6 +100,6 @@ class SpecDecoder:
     def _num_drafts(self, request: Request, num_computed: int) -> int:
         """Drafts worth proposing: none for requests verification cannot serve; chained ones stay within the
         slots the scheduler reserved (max_model_len)."""
-        if not supports_speculation(request.sampling_params) or request.banned_token_ids():
+        if not supports_speculation(request):
             return 0
         return max(0, min(self.k, self.max_model_len - num_computed + 1))

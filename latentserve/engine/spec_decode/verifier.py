@@ -3,42 +3,51 @@ from __future__ import annotations
 
 import torch
 
+from latentserve.engine.logits_processors import apply_min_p
 from latentserve.engine.request import Request
-from latentserve.engine.sampler import apply_top_k, apply_top_p
+from latentserve.engine.sampler import Sampler, SamplingMetadata, apply_top_k, apply_top_p
 from latentserve.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from latentserve.sampling_params import SamplingParams
 
 
-def supports_speculation(params: SamplingParams) -> bool:
-    """Whether a request's sampling can be verified here; other requests decode one token a step, as without
-    speculation (logprobs would need every emitted position's own entry)."""
-    return params.logprobs is None and params.prompt_logprobs is None
+def supports_speculation(request: Request) -> bool:
+    """Whether verification can serve the request: its target distribution must not depend on the tokens it
+    emits within the step (penalties, bad words, min_tokens' banned stop tokens do), and each emitted token would
+    need its own logprobs entry. Other requests decode one token a step, as without speculation."""
+    p = request.sampling_params
+    return (p.logprobs is None and p.prompt_logprobs is None and not p.uses_penalties
+            and not request.bad_words_token_ids and not request.banned_token_ids())
 
 
-def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution each row samples from: softmax after temperature, top-k and top-p (the sampler's order)."""
-    vocab = logits.shape[-1]
-    temperature = torch.tensor([1.0 if p.is_greedy else float(p.temperature) for p in params], device=logits.device)
-    logits = logits.float() / temperature[:, None]
-    if any(p.top_k_enabled for p in params):
-        top_k = [min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params]
-        logits = apply_top_k(logits, torch.tensor(top_k, device=logits.device))
-    if any(p.top_p < 1.0 for p in params):
-        logits = apply_top_p(logits, torch.tensor([float(p.top_p) for p in params], device=logits.device))
+def target_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """What each row samples from, in the sampler's order: logit bias and allowed tokens, then temperature,
+    min-p, top-k, top-p, softmax. When every row is greedy, the processed logits (their argmax is the token)."""
+    metadata = SamplingMetadata.from_params(params, [None] * len(params), logits.shape[-1], logits.device)
+    logits = logits.float()
+    if metadata.processes_logits:
+        logits = Sampler.process_logits(logits.clone(), metadata)
+    if metadata.all_greedy:
+        return logits
+    logits = logits / metadata.temperature.unsqueeze(-1)
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p)
+    if metadata.top_k is not None:
+        logits = apply_top_k(logits, metadata.top_k)
+    if metadata.top_p is not None:
+        logits = apply_top_p(logits, metadata.top_p)
     return logits.softmax(-1)
 
 
 def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]], k: int) -> list[list[int]]:
     """logits `[sum(len(d) + 1), vocab]`: each request's positions in order -> its emitted tokens (its accepted
-    drafts, then one more), for requests whose `sampling_params` pass `supports_speculation`."""
+    drafts, then one more), for requests that pass `supports_speculation`."""
     device = logits.device
     batch = len(requests)
     num_drafts = torch.tensor([len(d) for d in drafts], device=device)
     draft_ids = torch.full((batch, k), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     probs = torch.ones(batch, k + 1, logits.shape[-1], device=device)  # padding rows: any valid distribution
     row_params = [r.sampling_params for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
-    # All greedy: the argmax chain needs no distribution.
-    flat = logits if all(p.is_greedy for p in row_params) else target_probs(logits, row_params)
+    flat = target_scores(logits, row_params)
     start = 0
     for i, d in enumerate(drafts):
         draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)

@@ -47,6 +47,27 @@ def test_greedy_tokens_equal_those_without_speculation(checkpoint, baseline, k: 
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # both outcomes seen
 
 
+def test_greedy_with_every_logits_processor_equals_without_speculation(checkpoint, baseline) -> None:
+    """Requests whose target does not depend on their own new tokens are verified (bias, allowed tokens); the
+    others (penalties, min_tokens, logprobs) decode a token a step in the same batch."""
+    prompts = _prompts(6, seed=9)
+    greedy = dict(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = [
+        SamplingParams(**greedy, logit_bias={1: 2.0, 3: -1.0}),
+        SamplingParams(**greedy, allowed_token_ids=[0, 2, 3, 5]),
+        SamplingParams(**greedy, repetition_penalty=1.3),
+        SamplingParams(**greedy, min_tokens=6),
+        SamplingParams(**greedy, logprobs=2),
+        SamplingParams(**greedy),
+    ]
+    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    ours, theirs = llm.generate(prompts, params), baseline.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    for mine, ref in zip(ours[4].outputs[0].logprobs, theirs[4].outputs[0].logprobs):
+        assert mine.keys() == ref.keys() and all(abs(mine[t] - ref[t]) < 1e-5 for t in ref)
+    assert llm.engine.spec_decoding_stats.num_accepted_tokens > 0
+
+
 def test_greedy_equality_under_preemption_and_chunked_prefill(checkpoint, baseline, monkeypatch) -> None:
     """A small pool preempts (drafts are dropped, both caches recomputed), a small budget chunks prompts and
     trims drafts."""
