@@ -217,7 +217,8 @@ def test_backends_lists_every_member_and_why_not(capsys):
     assert "CUSTOM: unregistered" in prefill and "CUSTOM: unregistered" in decode
     assert "CLI_CUDA_ONLY: tests.test_cli.CudaOnlyPrefill\n    cpu: invalid: CLI_CUDA_ONLY does not support " \
         "device 'cpu'" in prefill
-    assert "TORCH: latentserve.attention.decode.torch_mqa.TorchMQADecodeBackend\n    cpu: valid (default)" in decode
+    assert "PAGED: latentserve.attention.decode.paged.PagedMQADecodeBackend\n    cpu: valid (default)" in decode
+    assert "TORCH: latentserve.attention.decode.torch_mqa.TorchMQADecodeBackend\n    cpu: valid\n" in decode
 
 
 def test_engine_flags_reach_llm(monkeypatch, capsys):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -83,6 +83,9 @@ class MLADecodeMetadata:
     query_start_loc: torch.Tensor  # [num_decodes + 1], starts at 0
     max_query_len: int
     max_seq_len: int
+    # What a decode backend derives from these tensors once per step (the first layer), for every layer
+    # of this ubatch; it lives here because the metadata belongs to exactly one ubatch.
+    backend_plan: Any = None
 
 
 @dataclass

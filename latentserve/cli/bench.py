@@ -19,6 +19,9 @@ from latentserve.cli.args import (
     user_errors,
     write,
 )
+from latentserve.cli.step_profile import (
+    StepBreakdown, categorize, format_breakdown, instrumented, new_profiler, seconds_per_step, step_range,
+)
 from latentserve.cli.streaming import check_finished
 from latentserve.sampling_params import SamplingParams
 
@@ -31,6 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=positive_int, default=64, help="prompt tokens per request")
     p.add_argument("--output-len", type=positive_int, default=32, help="generated tokens per request (EOS ignored)")
     p.add_argument("--output-json", type=Path, default=None, help="also write the results to this JSON file")
+    p.add_argument("--profile", action="store_true",
+                   help="then run requests of the same shape under torch.profiler and print where a step's time goes "
+                        "(weight GEMMs, attention, MoE routing, other ops, Python)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -80,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.input_len + args.output_len > engine.max_model_len:
         raise CLIError(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds "
                        f"max_model_len={engine.max_model_len}")
+    if args.profile and not hasattr(engine, "runner"):
+        raise CLIError("--profile needs the model in this process: drop --data-parallel-size")
     generator = torch.Generator().manual_seed(args.seed)
     vocab_size = engine.model.config.vocab_size
     prompts = torch.randint(0, vocab_size, (args.num_prompts, args.input_len), generator=generator).tolist()
@@ -88,12 +96,16 @@ def run(args: argparse.Namespace) -> int:
         requests = [engine.make_request(prompt, params) for prompt in prompts]
     # Seconds from the start at which each request's output tokens came back.
     token_times: dict[str, list[float]] = {r.request_id: [] for r in requests}
+    step_times: dict[str, list[float]] = {"decode": [], "prefill": []}
     bar = ProgressBar(len(requests))
     start = time.perf_counter()
     for request in requests:
         engine.scheduler.add_request(request)
     while engine.has_unfinished_requests():
+        kind = step_kind(engine) if args.profile else "decode"
+        step_start = time.perf_counter()
         outputs = engine.step()
+        step_times[kind].append(time.perf_counter() - step_start)
         now = time.perf_counter() - start
         for output in outputs:
             times = token_times[output.request_id]
@@ -107,10 +119,38 @@ def run(args: argparse.Namespace) -> int:
     results = summarize(args, total_time, list(token_times.values()))
     results["model"] = str(llm.model_dir)
     write(format_table(results))
+    if args.profile:
+        median_times = {kind: percentile(t, 50) for kind, t in step_times.items() if t}
+        # Fresh prompts of the same shape: the first ones would now hit the prefix cache.
+        fresh = torch.randint(0, vocab_size, (args.num_prompts, args.input_len), generator=generator).tolist()
+        breakdowns = profile_run(engine, fresh, params)
+        results["profile_ms_per_step"] = {
+            kind: {c: 1e3 * s for c, s in seconds_per_step(b).items()} for kind, b in breakdowns.items()
+        }
+        write("\nwhere a step's time goes (requests of the same shape, run again under torch.profiler):\n")
+        write(format_breakdown(breakdowns, median_times))
     if args.output_json is not None:
         with user_errors():
             args.output_json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def step_kind(engine) -> str:
+    """"decode" when every request is past its prompt and none waits, else "prefill"."""
+    requests = engine.scheduler.requests.values()
+    decoding = not engine.scheduler.waiting and all(r.num_computed_tokens >= r.num_prompt_tokens for r in requests)
+    return "decode" if decoding else "prefill"
+
+
+def profile_run(engine, prompts: list[list[int]], params: SamplingParams) -> dict[str, StepBreakdown]:
+    """Run `prompts` to the end under the profiler, each step in a range named by its kind."""
+    for prompt in prompts:
+        engine.scheduler.add_request(engine.make_request(prompt, params))
+    with instrumented(engine), new_profiler() as prof:
+        while engine.has_unfinished_requests():
+            with step_range(step_kind(engine)):
+                engine.step()
+    return categorize(prof.events())
 
 
 def summarize(args: argparse.Namespace, total_time: float, token_times: list[list[float]]) -> dict:

@@ -11,6 +11,7 @@ from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.config import AttentionConfig, DBOConfig
 from latentserve.distributed.expert_parallel import run_empty_forward
 from latentserve.distributed.parallel_state import DPGroup
+from latentserve.engine.input_buffers import InputBuffers
 from latentserve.engine.request import Logprobs
 from latentserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from latentserve.engine.scheduler import SchedulerOutput
@@ -64,6 +65,7 @@ class ModelRunner:
             for i in range(num_builders)
         ]
         self.sampler = Sampler()
+        self.input_buffers = InputBuffers(device)
 
     @torch.no_grad()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -71,16 +73,15 @@ class ModelRunner:
             num_ubatches = 2 if self._agree_on_dbo(True) else 1
             run_empty_forward(self.model, num_ubatches, self.model.lm_head.weight.dtype)
             return ModelRunnerOutput([], [], {}, num_ubatches)
-        common = out.common_attention_metadata(self.device)
-        input_ids = torch.tensor(out.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(out.positions, dtype=torch.long, device=self.device)
+        inputs = self.input_buffers.prepare(out)
+        common = inputs.common
         slices = self._ubatch_slices(common)
         if self.spec_decoder is not None:
-            return self._execute_speculative(out, input_ids, positions, common, slices)
-        hidden = run_forward(self.model, [input_ids, positions], common, self.builders, slices)
+            return self._execute_speculative(out, inputs.input_ids, inputs.positions, common, slices)
+        hidden = run_forward(self.model, [inputs.input_ids, inputs.positions], common, self.builders, slices)
 
         requests = out.sampling_requests
-        logits = self.model.compute_logits(hidden[out.logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
         metadata = SamplingMetadata.from_requests(requests, logits.shape[-1], self.device)
         sampled = self.sampler(logits, metadata)
         return ModelRunnerOutput(

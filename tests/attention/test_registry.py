@@ -149,7 +149,8 @@ def test_validate_configuration_lists_reasons():
 
 
 def test_decode_registry_and_selector():
-    assert get_mla_decode_backend("cpu", CFG).get_name() == "TORCH"
+    assert get_mla_decode_backend("cpu", CFG).get_name() == "PAGED"
+    assert get_mla_decode_backend("cuda", CFG).get_name() == "TORCH"
     assert get_mla_decode_backend("cpu", CFG, "reference").get_name() == "REFERENCE"
     with pytest.raises(ValueError, match="must be registered before use"):
         MLADecodeBackendEnum.CUSTOM.get_class()

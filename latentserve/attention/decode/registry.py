@@ -5,6 +5,7 @@ from latentserve.attention.backend_registry import BackendEnum, make_register_fu
 
 
 class MLADecodeBackendEnum(BackendEnum):
+    PAGED = "latentserve.attention.decode.paged.PagedMQADecodeBackend"
     TORCH = "latentserve.attention.decode.torch_mqa.TorchMQADecodeBackend"
     REFERENCE = "latentserve.attention.decode.reference.ReferenceDecodeBackend"
     CUSTOM = ""

@@ -1,0 +1,72 @@
+"""The step profile behind `latentserve bench --profile`: ops land in their category, the engine is left as it was."""
+import json
+
+import torch
+import torch.nn.functional as F
+
+from latentserve import LLM, SamplingParams
+from latentserve.cli import main
+from latentserve.cli.step_profile import (
+    ATTENTION, CATEGORIES, MOE, categorize, instrumented, new_profiler, step_range,
+)
+from latentserve.layers.moe import MoE
+from tests.checkpoints import make_checkpoint
+
+
+def test_categories_follow_scopes_and_gemms():
+    x = torch.randn(64, 64)
+    with new_profiler() as prof:
+        with step_range("decode"):
+            F.linear(x, x)  # a weight GEMM
+            with torch.profiler.record_function(ATTENTION):
+                torch.softmax(x @ x, dim=-1)  # a GEMM in attention is attention
+            with torch.profiler.record_function(MOE):
+                torch.topk(x, 4, dim=-1)  # routing
+                F.linear(x, x)  # an expert's GEMM
+            torch.tanh(x)
+        torch.exp(x)  # outside any step: not counted
+    events = prof.events()
+    b = categorize(events)["decode"]
+    assert b.num_steps == 1
+    assert set(b.op_seconds) == set(CATEGORIES[:-1])
+
+    def total(name):  # seconds of the top-level calls of op `name` (each wholly counted, children included)
+        top = [e for e in events if e.name == name and (e.cpu_parent is None or e.cpu_parent.is_user_annotation)]
+        return sum(e.cpu_time_total for e in top) * 1e-6
+
+    assert abs(b.op_seconds["weight GEMMs"] - total("aten::linear")) < 1e-9
+    assert abs(b.op_seconds["MoE routing + dispatch"] - total("aten::topk")) < 1e-9
+    assert abs(b.op_seconds["other ops"] - total("aten::tanh")) < 1e-9
+    assert abs(b.op_seconds["attention"] - total("aten::matmul") - total("aten::softmax")) < 1e-9
+
+
+def test_profiling_an_engine_step_and_undoing_the_wrappers(tmp_path):
+    llm = LLM(model=str(make_checkpoint(tmp_path, "v3")), block_size=4, num_kv_blocks=64)
+    engine = llm.engine
+    layer = next(iter(engine.model.static_forward_context.values()))
+    moe = next(m for m in engine.model.modules() if isinstance(m, MoE))
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    with instrumented(engine), new_profiler() as prof:
+        kinds = ["prefill", "decode", "decode"]
+        for kind in kinds:
+            with step_range(kind):
+                engine.step()
+    assert not engine.has_unfinished_requests()
+    assert "forward" not in vars(layer.decode_backend) and "forward" not in vars(moe)
+    result = categorize(prof.events())
+    assert result["decode"].num_steps == 2 and result["prefill"].num_steps == 1
+    for kind in ("prefill", "decode"):
+        for category in ("weight GEMMs", "attention", "MoE routing + dispatch"):
+            assert result[kind].op_seconds[category] > 0, (kind, category)
+
+
+def test_bench_profile_prints_the_breakdown(tmp_path, capsys):
+    model = make_checkpoint(tmp_path, "v3")
+    out_json = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(model), "--num-prompts", "2", "--input-len", "6", "--output-len", "3",
+                 "--profile", "--output-json", str(out_json), "--block-size", "4", "--num-kv-blocks", "64"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "decode steps" in out and all(c in out for c in CATEGORIES)
+    profile = json.loads(out_json.read_text())["profile_ms_per_step"]
+    assert set(profile["decode"]) == set(CATEGORIES)
