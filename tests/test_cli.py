@@ -234,9 +234,10 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
         ["bench", "--model", "m", "--dtype", "bf16", "--block-size", "8", "--max-num-seqs", "3",
          "--max-num-batched-tokens", "99", "--max-model-len", "77", "--num-kv-blocks", "5", *DBO_FLAGS[:3],
          "--dbo-prefill-token-threshold", "6", "--prefill-backend", "reference", "--decode-backend", "Torch",
-         "--seed", "9", "--num-threads", "3"], capsys)
+         "--seed", "9", "--num-threads", "3", "--quantization", "int4", "--quantization-group-size", "64"], capsys)
     assert (code, err) == (1, "latentserve: error: recorded\n")
-    assert seen == dict(model="m", dtype="bf16", device="cpu", block_size=8, max_num_seqs=3,
+    assert seen == dict(model="m", dtype="bf16", device="cpu", quantization="int4", quantization_group_size=64,
+                        block_size=8, max_num_seqs=3,
                         max_num_batched_tokens=99, max_model_len=77, num_kv_blocks=5, enable_dbo=True,
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
@@ -341,3 +342,17 @@ def test_serve_and_scale_out_flags_parse():
         ["serve", "--port", "9001", "--api-key", "k", "--data-parallel-size", "2", "--enable-expert-parallel"]
     )
     assert (args.port, args.api_key, args.data_parallel_size, args.enable_expert_parallel) == (9001, "k", 2, True)
+
+
+def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypatch):
+    from latentserve.layers.quant.cpu import AUTO_DTYPE_ENV, cpu_features
+
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+    code, out, _ = run_cli(["backends"], capsys)
+    features = cpu_features()
+    weights = out.split("weights:\n", 1)[1]
+    assert code == 0 and f"cpu: {features.describe()}" in weights
+    auto = "bfloat16 (native bf16" if features.native_bf16 else "float32 (no native bf16"
+    assert f"dtype auto: {auto}" in weights
+    assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
+    assert "int4: int4pack_mm" in weights

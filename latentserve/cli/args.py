@@ -14,6 +14,7 @@ from latentserve.attention.decode.registry import MLADecodeBackendEnum
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.llm_engine import EngineConfig, parse_dtype
+from latentserve.layers.quant.config import QUANTIZATIONS
 from latentserve.sampling_params import SamplingParams
 
 _ENGINE_DEFAULTS = EngineConfig()
@@ -117,6 +118,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
     g.add_argument("--dtype", type=dtype_name, default=d.dtype, help="weights and compute dtype")
     g.add_argument("--device", type=device_name, default=d.device, help="cpu or cuda[:N]")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
+                   help="int8 / int4: quantize linear weights at load (experts included); fp8: the checkpoint is "
+                        "DeepSeek FP8 (detected from config.json anyway)")
+    g.add_argument("--quantization-group-size", type=positive_int, default=d.quantization_group_size,
+                   help="int4: input columns per scale (32, 64 or 128; default 64)")
     g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,
@@ -186,6 +192,8 @@ def build_llm(args: argparse.Namespace) -> LLM:
             model=args.model,
             dtype=args.dtype,
             device=args.device,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -1,4 +1,5 @@
-"""`latentserve backends`: every prefill and decode backend, and whether it can run here."""
+"""`latentserve backends`: every prefill and decode backend, and whether it can run here; the dtype and the
+quantized weight kernels this machine gets."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +14,8 @@ from latentserve.attention.prefill import selector as prefill_selector
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.args import HelpFormatter, dtype_name, write
 from latentserve.engine.llm_engine import parse_dtype
+from latentserve.layers.quant.cpu import auto_dtype, cpu_features
+from latentserve.layers.quant.linear import int4_kernel, int8_kernel
 
 # DeepSeek-V3's attention shape; the built-in checks depend only on device and dtype.
 _V3_SHAPE = dict(num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
@@ -63,6 +66,20 @@ def _first_valid(priority: tuple[BackendEnum, ...], device: str, config: Selecto
     return None
 
 
+def describe_weights(device: str) -> str:
+    """dtype="auto" and the int8 / int4 kernels on `device`, each with why."""
+    features = cpu_features()
+    dtype, why = auto_dtype(device)
+    int8, int4 = int8_kernel(torch.device(device), features), int4_kernel(torch.device(device), features)
+    return "\n".join([
+        f"  {device}: {features.describe() if device == 'cpu' else ''}".rstrip(),
+        f"    dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
+        f"    int8: {int8.kernel} ({int8.reason})",
+        f"    int4: {int4.kernel} ({int4.reason}; layers whose outputs are not a multiple of 16: dequantize)",
+        "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
+    ]) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
     config = SelectorConfig(dtype=parse_dtype(args.dtype), **_V3_SHAPE)
     dtype = str(config.dtype).removeprefix("torch.")
@@ -70,4 +87,7 @@ def run(args: argparse.Namespace) -> int:
     write(describe(MLAPrefillBackendEnum, prefill_selector.PRIORITY, config))
     write(f"decode backends (dtype {dtype}):\n")
     write(describe(MLADecodeBackendEnum, decode_selector.PRIORITY, config))
+    write("weights:\n")
+    for device in devices():
+        write(describe_weights(device))
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.config import AttentionConfig, DBOConfig
+from latentserve.config import DTYPES, AttentionConfig, DBOConfig
 from latentserve.distributed.expert_parallel import shard_experts
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
@@ -24,23 +24,22 @@ from latentserve.engine.spec_decode.config import SpeculativeConfig
 from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
+from latentserve.layers.quant.config import resolve_quantization
+from latentserve.layers.quant.cpu import auto_dtype
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
 from latentserve.models.mtp import load_mtp
 from latentserve.sampling_params import SamplingParams
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
+    """A dtype name, or "auto": bf16 where `device` computes it natively, else fp32 (`auto_dtype`)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.float32  # fp32 compute is the fast path on CPU
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
+        return auto_dtype(device)[0]
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 # Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens per rank the
@@ -58,6 +57,8 @@ class EngineConfig:
 
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"  # auto: the model dtype
+    quantization: str | None = None  # "int8" / "int4" at load; "fp8" (or None) for a DeepSeek FP8 checkpoint
+    quantization_group_size: int | None = None  # int4's group of input columns: 32, 64 or 128 (None: 64)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -153,8 +154,8 @@ class LLMEngine:
             # In a data-parallel rank this overrides the front end's even share of the cores.
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = parse_dtype(config.dtype)
-        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype)
+        dtype = parse_dtype(config.dtype, config.device)
+        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         attn_config = AttentionConfig(
@@ -170,6 +171,8 @@ class LLMEngine:
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json declares "
                              "none (num_nextn_predict_layers is 0)")
+        quantization = resolve_quantization(config.quantization, config.quantization_group_size,
+                                            model_config.quantization)
         model_len = model_config.max_position_embeddings
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:
@@ -185,7 +188,7 @@ class LLMEngine:
             # Other ranks' routed experts are dropped before loading: this rank never allocates or reads them.
             link = LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps)
             prepare = functools.partial(shard_experts, group=expert_group, link=link)
-        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare)
+        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare, quantization)
         self.tokenizer: TokenizerInfo | None = (
             load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         )

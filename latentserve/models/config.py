@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from latentserve.config import MLAConfig
+from latentserve.layers.quant.config import Fp8Config
 from latentserve.layers.moe import RoutingConfig
 from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
 
@@ -94,6 +95,7 @@ class DeepseekConfig:
     tie_word_embeddings: bool
     num_nextn_predict_layers: int  # MTP layers stored after the main ones; not run
     max_position_embeddings: int
+    quantization: Fp8Config | None = None  # how the checkpoint stores its weights; None: plain fp32/bf16/fp16
 
     @property
     def qk_head_dim(self) -> int:
@@ -134,8 +136,6 @@ class DeepseekConfig:
             raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
         f = _Fields(raw)
         architecture, model_type = _architecture(f)
-        if raw.get("quantization_config"):
-            raise ValueError("config.json: field 'quantization_config' is set; quantized checkpoints are not supported")
         if f.str("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
         defaults = _VARIANT_DEFAULTS[model_type]
@@ -172,6 +172,7 @@ class DeepseekConfig:
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
             num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, minimum=0),
             max_position_embeddings=max_positions,
+            quantization=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
         )
 
 

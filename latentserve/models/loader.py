@@ -1,4 +1,5 @@
-"""Build a `DeepseekForCausalLM` from a local safetensors checkpoint (single file or sharded)."""
+"""Build a `DeepseekForCausalLM` from a local safetensors checkpoint (single file or sharded), streamed: each tensor
+is read, converted (FP8 dequantized, cast, or quantized to int8/int4) and freed before the next."""
 from __future__ import annotations
 
 import json
@@ -8,13 +9,18 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from latentserve.config import AttentionConfig
+from latentserve.layers.linear import Linear
+from latentserve.layers.quant.config import Fp8Config, QuantConfig
+from latentserve.layers.quant.fp8 import dequantize_block_fp8
+from latentserve.layers.quant.linear import quantize_linear
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
+from latentserve.models.safetensors_reader import read_tensors
 
+SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales: `{weight name}_scale_inv`
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,11 +52,33 @@ def iter_checkpoint_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every `wanted` tensor of the checkpoint, on the CPU, in stored dtype; the others are
     never read."""
-    for file in checkpoint_files(model_dir):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if wanted(name):
-                    yield name, f.get_tensor(name)
+    return read_tensors(checkpoint_files(model_dir), wanted)
+
+
+def dequantize_fp8(
+    tensors: Iterator[tuple[str, torch.Tensor]], config: Fp8Config
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each float8 weight of an FP8 checkpoint, dequantized to fp32 with its `weight_scale_inv` as soon as both are
+    read (in either order); every other tensor passes through."""
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(SCALE_SUFFIX):
+            name = name.removesuffix(SCALE_SUFFIX)
+            scales[name] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            weights[name] = tensor
+        else:
+            yield name, tensor
+            continue
+        if name in weights and name in scales:
+            yield name, dequantize_block_fp8(weights.pop(name), scales.pop(name), config.weight_block_size, name)
+    if weights:
+        name = next(iter(weights))
+        raise ValueError(f"FP8 tensor {name!r} has no {name + SCALE_SUFFIX!r} in the checkpoint")
+    if scales:
+        name = next(iter(scales))
+        raise ValueError(f"checkpoint has {name + SCALE_SUFFIX!r} but {name!r} is not a float8_e4m3fn tensor in it")
 
 
 def param_name(checkpoint_name: str) -> str:
@@ -72,26 +100,56 @@ def _is_mtp(name: str, config: DeepseekConfig) -> bool:
     return config.num_hidden_layers <= layer < config.num_hidden_layers + config.num_nextn_predict_layers
 
 
-def load_weights(model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into the model, casting to each parameter's dtype; strict about names and shapes."""
+def quantizable_linears(model: DeepseekForCausalLM) -> list[str]:
+    """The linear layers that int8/int4 quantize: attention projections and every MLP, routed experts included.
+    Not `lm_head` (kept high precision, as DeepSeek's FP8 checkpoints keep it) nor `kv_b_proj`, which decode reads
+    as absorbed weight matrices."""
+    return [
+        name for name, module in model.named_modules()
+        if type(module) is Linear and name != "lm_head" and not name.endswith(".attn.kv_b_proj")
+    ]
+
+
+def _quantize_into(model: nn.Module, name: str, weight: torch.Tensor, config: QuantConfig, device) -> None:
+    """Swap the linear layer `name` for its quantized stand-in; its bias parameter carries over."""
+    parent, _, child = name.rpartition(".")
+    layer = model.get_submodule(name)
+    setattr(model.get_submodule(parent), child, quantize_linear(name, weight, layer.bias, config, device))
+
+
+def load_weights(
+    model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], quantization: QuantConfig | None = None,
+    device: torch.device | str = "cpu",
+) -> None:
+    """Copy checkpoint tensors into the model, casting to each parameter's dtype, or quantize them into their layer;
+    strict about names and shapes."""
     targets = model.state_dict(keep_vars=True)
+    quantized = {f"{name}.weight": name for name in quantizable_linears(model)} if quantization else {}
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight")
     loaded: set[str] = set()
     for name, tensor in tensors:
         target = targets.get(param_name(name))
         if target is None:
-            raise ValueError(f"unexpected tensor {name!r} in the checkpoint")
+            scale = name.endswith(SCALE_SUFFIX)
+            fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if scale else ""
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
         if name in loaded:
             raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
         if tensor.dtype not in STORED_DTYPES:
-            raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16")
+            fp8 = " (FP8 weights need config.json's quantization_config)" if tensor.dtype.itemsize == 1 else ""
+            raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16{fp8}")
         if tensor.shape != target.shape:
             raise ValueError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
             )
-        with torch.no_grad():
-            target.copy_(tensor)
+        if param_name(name) in quantized:
+            _quantize_into(model, quantized[param_name(name)], tensor, quantization, device)
+        elif tensor.dtype == target.dtype and tensor.device == target.device:
+            target.data = tensor  # the read buffer becomes the parameter (its own storage is never touched)
+        else:
+            with torch.no_grad():
+                target.copy_(tensor)
         loaded.add(name)
     missing = sorted(checkpoint_name(p) for p in set(targets) - {param_name(n) for n in loaded})
     if missing:
@@ -119,12 +177,13 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def _materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Uninitialized storage on `device` for every parameter still on meta; tied parameters stay one."""
+def _materialize(model: nn.Module, device: torch.device | str, skip: set[str]) -> None:
+    """Uninitialized storage on `device` for every parameter still on meta but those in `skip`; tied parameters
+    stay one."""
     made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
+    for prefix, module in model.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.is_meta:
+            if param.is_meta and f"{prefix}.{name}" not in skip:
                 if id(param) not in made:
                     made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
                 setattr(module, name, made[id(param)])
@@ -136,8 +195,10 @@ def load_model(
     attn_config: AttentionConfig = AttentionConfig(),
     device: torch.device | str = "cpu",
     prepare: Callable[[DeepseekForCausalLM], None] | None = None,
+    quantization: QuantConfig | None = None,
 ) -> DeepseekForCausalLM:
-    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`).
+    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`, an FP8
+    checkpoint's dequantized as published, linear layers quantized as `quantization` says).
 
     `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
     modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither
@@ -152,12 +213,16 @@ def load_model(
     if prepare is not None:
         prepare(model)
     dropped = declared - set(model.state_dict())
-    _materialize(model, device)
+    # Weights to be quantized never exist in full precision beyond the one being converted.
+    _materialize(model, device, {f"{n}.weight" for n in quantizable_linears(model)} if quantization else set())
 
     def wanted(name: str) -> bool:
-        return not _is_mtp(name, config) and param_name(name) not in dropped
+        return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped
 
-    load_weights(model, iter_checkpoint_tensors(model_dir, wanted))
+    tensors = iter_checkpoint_tensors(model_dir, wanted)
+    if config.quantization is not None:
+        tensors = dequantize_fp8(tensors, config.quantization)
+    load_weights(model, tensors, quantization, device)
     for layer in model.static_forward_context.values():
         layer.process_weights_after_loading()
     return model.eval()

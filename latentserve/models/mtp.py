@@ -36,6 +36,7 @@ from latentserve.models.loader import (
     _parameters_on_meta,
     checkpoint_files,
     checkpoint_name,
+    dequantize_fp8,
     iter_checkpoint_tensors,
     param_name,
 )
@@ -155,7 +156,8 @@ def load_mtp(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> DeepseekMTP:
-    """The MTP layer of the checkpoint at `path`, whose main model is `main`; refuses a checkpoint without one."""
+    """The MTP layer of the checkpoint at `path`, whose main model is `main`; refuses a checkpoint without one.
+    An FP8 checkpoint's layer is dequantized as the main model's is; int8/int4 quantization leaves it alone."""
     model_dir = Path(path)
     config = main.config
     if config.num_nextn_predict_layers < 1:
@@ -170,8 +172,11 @@ def load_mtp(
     with _parameters_on_meta():
         mtp = DeepseekMTP(main, prefix + "embed_tokens.weight" in names, prefix + "shared_head.head.weight" in names,
                           attn_config, dtype, device)
-    _materialize(mtp, device)
-    _copy_weights(mtp, prefix, iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix)))
+    _materialize(mtp, device, set())
+    tensors = iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix))
+    if config.quantization is not None:  # DeepSeek's FP8 checkpoints store the MTP layer in FP8 too
+        tensors = dequantize_fp8(tensors, config.quantization)
+    _copy_weights(mtp, prefix, tensors)
     for layer in mtp.static_forward_context.values():
         layer.process_weights_after_loading()
     return mtp.eval()

@@ -9,7 +9,7 @@ PROMPTS = ["And God said", "In the beginning", "The LORD is my shepherd"]
 
 
 def test_default_llm_matches_transformers_greedy():
-    llm = LLM(max_num_seqs=4, num_kv_blocks=64)  # no model: the embedded one
+    llm = LLM(max_num_seqs=4, num_kv_blocks=64, dtype="float32")  # no model: the embedded one
     assert llm.model_dir == DEFAULT_MODEL_DIR
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
     outputs = llm.generate(PROMPTS, params)

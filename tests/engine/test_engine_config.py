@@ -15,7 +15,7 @@ from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import make_checkpoint
 
 # The checkpoint's max_position_embeddings is 256: 64 blocks of 4 tokens.
-ENGINE = dict(block_size=4, max_num_batched_tokens=64)
+ENGINE = dict(dtype="float32", block_size=4, max_num_batched_tokens=64)  # fp32: the KV sizes below are 4-byte
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _llm(path, **kwargs):
-    defaults = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)
+    # fp32: these compare with transformers' fp32 and across engines at fp32 round-off (dtype="auto" may be bf16).
+    defaults = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)
     return LLM(model=str(path), **{**defaults, **kwargs})
 
 

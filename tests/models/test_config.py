@@ -9,6 +9,7 @@ from transformers import DeepseekV2Config, DeepseekV3Config
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
+from latentserve.layers.quant.config import Fp8Config
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models import DeepseekConfig
 from tests.checkpoints import make_config
@@ -142,7 +143,7 @@ _DROP = object()
     (_bad(norm_topk_prob="yes"), "norm_topk_prob"),
     (_bad(routed_scaling_factor=0), "routed_scaling_factor"),
     (_bad(hidden_act="gelu"), "hidden_act"),
-    (_bad(quantization_config={"quant_method": "fp8"}), "quantization_config"),
+    (_bad(quantization_config={"quant_method": "awq"}), "quantization_config: field 'quant_method' is 'awq'"),
     (_bad(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type"),
     (_bad(rope_scaling="yarn"), "rope_scaling"),
     (_bad(rope_scaling={"type": "yarn", "factor": "big"}), "factor"),
@@ -151,6 +152,12 @@ _DROP = object()
 def test_bad_configs_name_the_field(raw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         DeepseekConfig.from_dict(raw)
+
+
+def test_fp8_quantization_config_as_deepseek_publishes_it() -> None:
+    fp8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+    assert DeepseekConfig.from_dict({**LEGACY_V3, "quantization_config": fp8}).quantization == Fp8Config((128, 128))
+    assert DeepseekConfig.from_dict(LEGACY_V3).quantization is None
 
 
 def test_config_must_be_an_object() -> None:

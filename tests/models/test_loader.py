@@ -4,18 +4,15 @@ from __future__ import annotations
 import functools
 import json
 import re
-from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from latentserve.distributed.expert_parallel import RemoteExpert, shard_experts
 from latentserve.distributed.parallel_state import DPGroup
-from latentserve.models import load_model
+from latentserve.models import load_model, safetensors_reader
 from latentserve.models.loader import INDEX_FILE, SINGLE_FILE, checkpoint_name
 from tests.checkpoints import make_checkpoint
 
@@ -196,12 +193,13 @@ def reads(monkeypatch) -> list[str]:
     """The names of the checkpoint tensors the loader reads."""
     names: list[str] = []
 
-    @contextmanager
-    def spy_open(*args, **kwargs):
-        with safe_open(*args, **kwargs) as f:
-            yield SimpleNamespace(keys=f.keys, get_tensor=lambda name: names.append(name) or f.get_tensor(name))
+    read = safetensors_reader._read
 
-    monkeypatch.setattr("latentserve.models.loader.safe_open", spy_open)
+    def spy_read(f, entry, file):
+        names.append(entry.name)
+        return read(f, entry, file)
+
+    monkeypatch.setattr(safetensors_reader, "_read", spy_read)
     return names
 
 

@@ -1,0 +1,200 @@
+"""Weight formats on a DeepSeek-V2-Lite-shaped checkpoint: load time, peak RSS, decode and prefill speed per format
+beside the fp32 engine in the same run, and the linear kernels each format can use, per shape and row count.
+
+The checkpoint (random bf16 weights, V2-Lite's layer shapes: hidden 2048, 16 heads, kv_lora 512, no q_lora, 64
+routed experts top-6, 2 shared, expert width 1408, first layer dense of width 10944, vocab 102400) is written once
+to --dir with --layers layers (V2-Lite has 27). Each format loads in its own process, so its peak RSS is its own.
+Run: `.venv/bin/python benchmarks/weights.py [--layers 2] [--formats fp32,auto,int8,int4] [--kernels-only]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import best_time  # noqa: E402
+from latentserve.layers.quant.cpu import auto_dtype, cpu_features  # noqa: E402
+from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_int4  # noqa: E402
+from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8  # noqa: E402
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+    "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "q_lora_rank": None, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
+    "n_shared_experts": 2, "first_k_dense_replace": 1, "moe_layer_freq": 1, "topk_method": "greedy",
+    "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+FORMATS = {"fp32": dict(dtype="float32"), "auto": dict(dtype="auto"), "int8": dict(quantization="int8"),
+           "int4": dict(quantization="int4")}
+
+
+def write_checkpoint(path: Path, layers: int) -> None:
+    """One safetensors shard per layer, written as generated (never the whole model in memory)."""
+    from safetensors.torch import save_file
+
+    from latentserve.models import DeepseekConfig, DeepseekForCausalLM
+    from latentserve.models.loader import _parameters_on_meta, checkpoint_name
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**V2_LITE, "num_hidden_layers": layers}))
+    with _parameters_on_meta():
+        skeleton = DeepseekForCausalLM(DeepseekConfig.from_pretrained(path))
+    shards: dict[str, dict[str, torch.Size]] = {}
+    for name, t in skeleton.state_dict().items():
+        name = checkpoint_name(name)
+        shard = name.split(".")[2] if name.startswith("model.layers.") else "rest"
+        shards.setdefault(shard, {})[name] = t.shape
+    weight_map = {}
+    for shard, tensors in shards.items():
+        file = f"model-{shard}.safetensors"
+        save_file({n: (torch.randn(s) * (1.0 if n.endswith("norm.weight") else 0.02)).to(torch.bfloat16)
+                   for n, s in tensors.items()}, path / file)
+        weight_map.update(dict.fromkeys(tensors, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def rss(field: str) -> int:
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+
+def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> dict:
+    """Load with `settings`, then time batch-1 and batch-8 decode steps and one prefill of `prefill_len` tokens."""
+    from latentserve import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
+              max_num_batched_tokens=prefill_len, **settings)
+    result = dict(load_s=time.perf_counter() - start, peak_rss_gb=rss("VmHWM") / 1e9,
+                  dtype=str(llm.engine.model.lm_head.weight.dtype).removeprefix("torch."))
+    engine = llm.engine
+    for batch in (1, 8):
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request([11 + i, 22, 33, 44], params)
+        engine.step()  # the prefills
+        times = []
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t)
+        result[f"decode_b{batch}_tok_s"] = batch / min(times)
+    prompt = [(7 * i) % 100000 + 5 for i in range(prefill_len)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+    def prefill() -> None:
+        engine.add_request(prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    result["prefill_tok_s"] = prefill_len / best_time(prefill, repeats=2)
+    return result
+
+
+def kernel_table(threads: int) -> list[str]:
+    """ms per call of each kernel on V2-Lite's expert (1408x2048, 2048x1408) and a 2816x2048 matrix."""
+    torch.set_num_threads(threads)
+    features = cpu_features()
+    rows = ["| shape (out x in) | rows | fp32 | bf16 | int8 fbgemm | int8 x86-packed | int8 dequant | "
+            "int4pack bf16 | int4pack fp32 | int4 dequant |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for out_f, in_f in ((1408, 2048), (2048, 1408), (2816, 2048)):
+        copies = 8  # more weight than the caches hold, as in a real model: each call streams its weight
+        w = [torch.randn(out_f, in_f) * 0.02 for _ in range(copies)]
+        q8 = [quantize_int8(x) for x in w]
+        q4 = [quantize_int4(x, 128) for x in w]
+        kernels = {
+            "fp32": [lambda x, m=m: torch.nn.functional.linear(x, m) for m in w],
+            "bf16": [lambda x, m=m.bfloat16(): torch.nn.functional.linear(x.bfloat16(), m) for m in w],
+            "fbgemm": [FbgemmInt8Linear(q, s, None, not features.vnni) for q, s in q8] if features.fbgemm else None,
+            "x86": _x86_packed(q8, features) if features.fbgemm else None,
+            "int8 dequant": [Int8Linear(q, s, None) for q, s in q8],
+            "int4 bf16": [Int4PackLinear(q, s, m, None, torch.bfloat16) for q, s, m in q4],
+            "int4 fp32": [Int4PackLinear(q, s, m, None, torch.float32) for q, s, m in q4],
+            "int4 dequant": [Int4Linear(q, s, m, None) for q, s, m in q4],
+        }
+        for n in (1, 8):
+            x = torch.randn(n, in_f)
+            cells = []
+            for layers in kernels.values():
+                if layers is None:
+                    cells.append("n/a")
+                    continue
+                seconds = best_time(lambda: [layer(x) for layer in layers], repeats=8)
+                cells.append(f"{seconds / copies * 1e3:.3f}")
+            rows.append(f"| {out_f}x{in_f} | {n} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def _x86_packed(q8, features) -> list:
+    """fbgemm's kernel on a weight packed by torch's default "x86" quantized engine."""
+    previous = torch.backends.quantized.engine
+    layers = []
+    for q, s in q8:
+        layer = FbgemmInt8Linear(q, s, None, not features.vnni)
+        torch.backends.quantized.engine = "x86"
+        qweight = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
+        layer.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        torch.backends.quantized.engine = previous
+        layers.append(layer)
+    return layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (V2-Lite: 27)")
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (written if missing)")
+    parser.add_argument("--formats", default="fp32,auto,int8,int4")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--decode-steps", type=int, default=6)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--kernels-only", action="store_true")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        torch.set_num_threads(args.threads)
+        print(json.dumps(worker(args.dir, FORMATS[args.worker], args.decode_steps, args.prefill_len)))
+        return
+    import warnings
+
+    warnings.simplefilter("ignore")
+    print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads")
+    print("\n".join(kernel_table(args.threads)), flush=True)
+    if args.kernels_only:
+        return
+    path = args.dir or Path(f"/tmp/latentserve-v2lite-{args.layers}l")
+    if not (path / "model.safetensors.index.json").is_file():
+        start = time.perf_counter()
+        write_checkpoint(path, args.layers)
+        print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    print(f"\n{args.layers} layers, {size / 1e9:.2f} GB bf16 on disk")
+    print("| format | dtype | load s | peak RSS GB | decode b1 tok/s | decode b8 tok/s | prefill tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    base = None
+    for name in args.formats.split(","):
+        run = subprocess.run([sys.executable, __file__, "--worker", name, "--dir", str(path), "--threads",
+                              str(args.threads), "--decode-steps", str(args.decode_steps), "--prefill-len",
+                              str(args.prefill_len)], capture_output=True, text=True)
+        if run.returncode:
+            print(f"| {name} | failed: {run.stderr.strip().splitlines()[-1]} |")
+            continue
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        base = base or r
+
+        def cell(key: str) -> str:
+            return f"{r[key]:.1f} ({r[key] / base[key]:.2f}x)"
+
+        print(f"| {name} | {r['dtype']} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | {cell('decode_b1_tok_s')} | "
+              f"{cell('decode_b8_tok_s')} | {cell('prefill_tok_s')} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

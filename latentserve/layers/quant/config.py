@@ -1,0 +1,77 @@
+"""Weight formats: a DeepSeek FP8 checkpoint as published, and int8 / int4 quantization at load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QUANTIZATIONS = ("fp8", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
+# Divides every layer of DeepSeek-V2-Lite (dense width 10944 = 171 x 64) and V3; 128 would not.
+DEFAULT_INT4_GROUP_SIZE = 64
+FP8_SUPPORTED = {"quant_method": ("fp8",), "fmt": ("e4m3",), "activation_scheme": ("dynamic",)}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """config.json `quantization_config` of DeepSeek's block-wise FP8 (V3, R1, Kimi-K2): float8_e4m3fn weights with
+    one float32 `weight_scale_inv` per `weight_block_size` block."""
+
+    weight_block_size: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Fp8Config:
+        where = "config.json quantization_config"
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be an object, got {raw!r}")
+        for field, supported in FP8_SUPPORTED.items():
+            value = raw.get(field, supported[0] if field != "quant_method" else None)
+            if value not in supported:
+                raise ValueError(f"{where}: field {field!r} is {value!r}; supported: {list(supported)}")
+        block = raw.get("weight_block_size")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ValueError(
+                f"{where}: field 'weight_block_size' must be two positive ints [rows, cols] (DeepSeek publishes "
+                f"[128, 128]), got {block!r}"
+            )
+        return cls(tuple(block))
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Quantization of linear weights at load: "int8" per output channel, "int4" per group of input columns."""
+
+    method: str
+    group_size: int | None = None  # int4 only; None: DEFAULT_INT4_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in ("int8", "int4"):
+            raise ValueError(f"load-time quantization must be 'int8' or 'int4', got {self.method!r}")
+        if self.method == "int4":
+            if self.group_size is None:
+                object.__setattr__(self, "group_size", DEFAULT_INT4_GROUP_SIZE)
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size!r}")
+        elif self.group_size is not None:
+            raise ValueError(f"quantization_group_size applies to int4 only, not to {self.method!r}")
+
+
+def resolve_quantization(
+    requested: str | None, group_size: int | None, checkpoint: Fp8Config | None
+) -> QuantConfig | None:
+    """The load-time quantization for a user's `quantization` on a checkpoint stored as `checkpoint` (None: plain).
+
+    An FP8 checkpoint is always dequantized as published; "int8"/"int4" then re-quantize it (they win), and "fp8"
+    only confirms what config.json says."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {requested!r}; use one of: {', '.join(QUANTIZATIONS)} (or None)")
+    if requested == "fp8" and checkpoint is None:
+        raise ValueError(
+            "quantization='fp8' needs a DeepSeek FP8 checkpoint (config.json quantization_config with quant_method "
+            "'fp8'); this checkpoint is not quantized: use 'int8' or 'int4' to quantize it at load"
+        )
+    if requested in (None, "fp8"):
+        if group_size is not None:
+            raise ValueError("quantization_group_size applies to quantization='int4' only")
+        return None
+    return QuantConfig(requested, group_size)

@@ -1,0 +1,72 @@
+"""int8 weights, symmetric per output channel: w ≈ q * scale[out]."""
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from latentserve.layers.linear import linear
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 `[out, in]` in [-127, 127], scale fp32 `[out]`)."""
+    w = weight.to(torch.float32, copy=True)  # the one full-size temporary
+    scale = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12) / 127
+    q = w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+@contextmanager
+def _packing_for_fbgemm() -> Iterator[None]:
+    """Pack for fbgemm itself: the default "x86" engine's packing ran 1.9x slower at 1 row (benchmarks/RESULTS.md).
+    Quantized tensors are deprecated as a user API, but fbgemm's packing takes one."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+class Int8Linear(nn.Module):
+    """The portable kernel: the weight is dequantized to the activations' dtype at each call."""
+
+    kernel = "int8 dequantize + matmul"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.qweight.to(x.dtype) * self.scale[:, None].to(x.dtype)
+        return linear(x, w, self.bias)
+
+
+class FbgemmInt8Linear(nn.Module):
+    """Dynamic int8 through fbgemm: each call quantizes the activations per tensor (uint8) and runs an int8 GEMM
+    on the prepacked weight (`torch.ops.quantized.linear_dynamic`), fp32 out."""
+
+    kernel = "fbgemm int8 linear_dynamic"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, reduce_range: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        # Without VNNI fbgemm's u8*s8 pair sums saturate int16: 7-bit activations avoid that.
+        self.reduce_range = reduce_range
+        zero_points = torch.zeros(q.shape[0], dtype=torch.long)
+        with _packing_for_fbgemm():
+            qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range).to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)

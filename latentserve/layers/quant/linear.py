@@ -1,0 +1,61 @@
+"""Quantize a linear layer's weight as it is loaded, with the fastest kernel this device offers for its shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from latentserve.layers.quant.config import QuantConfig
+from latentserve.layers.quant.cpu import CpuFeatures, cpu_features
+from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_int4
+from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
+
+INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernel: str
+    reason: str
+
+
+def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
+    if device.type == "cpu" and features.fbgemm:
+        return KernelChoice(FbgemmInt8Linear.kernel, "torch's quantized engine here is fbgemm, the fastest int8 "
+                            "linear measured (benchmarks/RESULTS.md)")
+    why = "not a CPU" if device.type != "cpu" else "torch has no fbgemm/x86 quantized engine here"
+    return KernelChoice(Int8Linear.kernel, why)
+
+
+def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int | None = None) -> KernelChoice:
+    if device.type != "cpu":
+        return KernelChoice(Int4Linear.kernel, "not a CPU")
+    if out_features is not None and out_features % INT4PACK_OUT_MULTIPLE:
+        return KernelChoice(Int4Linear.kernel, f"{out_features} outputs, int4pack_mm needs a multiple of "
+                            f"{INT4PACK_OUT_MULTIPLE}")
+    return KernelChoice(Int4PackLinear.kernel, "PyTorch's CPU int4 kernel, bf16 activations on any CPU (its fp32 "
+                        "path measured 25-100x slower, benchmarks/RESULTS.md)")
+
+
+def quantize_linear(
+    name: str, weight: torch.Tensor, bias: nn.Parameter | None, config: QuantConfig, device: torch.device | str
+) -> nn.Module:
+    """The quantized stand-in for the linear layer `name` with this (full precision) weight."""
+    device = torch.device(device)
+    features = cpu_features()
+    if config.method == "int8":
+        q, scale = quantize_int8(weight)
+        if int8_kernel(device, features).kernel == FbgemmInt8Linear.kernel:
+            return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni)
+        return Int8Linear(q.to(device), scale.to(device), bias)
+    in_features = weight.shape[1]
+    if in_features % config.group_size:
+        raise ValueError(
+            f"{name}: int4 group size {config.group_size} does not divide its {in_features} input columns; "
+            f"choose a quantization_group_size that does"
+        )
+    q, scale, minimum = quantize_int4(weight, config.group_size)
+    if int4_kernel(device, features, weight.shape[0]).kernel == Int4PackLinear.kernel:
+        return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16)
+    return Int4Linear(q.to(device), scale.to(device), minimum.to(device), bias)

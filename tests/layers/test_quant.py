@@ -1,0 +1,150 @@
+"""Weight formats against naive fp32 references: DeepSeek FP8 block dequantization, int8 and int4 kernels."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from latentserve.layers.quant import linear as quant_linear
+from latentserve.layers.quant.config import Fp8Config, QuantConfig, resolve_quantization
+from latentserve.layers.quant.cpu import cpu_features
+from latentserve.layers.quant.fp8 import dequantize_block_fp8
+from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, dequantize_int4, quantize_int4
+from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
+from latentserve.layers.quant.linear import quantize_linear
+
+FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+
+
+def _naive_block_dequant(w: torch.Tensor, scale_inv: torch.Tensor, bo: int, bi: int) -> torch.Tensor:
+    out = torch.empty(w.shape)
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            block = w[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi].float()
+            out[i * bo:(i + 1) * bo, j * bi:(j + 1) * bi] = block * scale_inv[i, j].item()
+    return out
+
+
+def test_fp8_dequantization_is_the_published_one_with_partial_edge_blocks():
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 200, generator=g) * 100).to(torch.float8_e4m3fn)  # 3 x 2 blocks, the last ones partial
+    scale_inv = torch.rand(3, 2, generator=g) + 0.01
+    got = dequantize_block_fp8(w, scale_inv, (128, 128))
+    assert torch.equal(got, _naive_block_dequant(w, scale_inv, 128, 128))
+    with pytest.raises(ValueError, match=r"layer.weight_scale_inv has shape \(2, 2\).*needs \(3, 2\)"):
+        dequantize_block_fp8(w, scale_inv[:2], (128, 128), "layer.weight")
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("quant_method", "awq", r"field 'quant_method' is 'awq'; supported: \['fp8'\]"),
+    ("fmt", "e5m2", r"field 'fmt' is 'e5m2'; supported: \['e4m3'\]"),
+    ("activation_scheme", "static", r"field 'activation_scheme' is 'static'; supported: \['dynamic'\]"),
+    ("weight_block_size", [128], r"field 'weight_block_size' must be two positive ints"),
+    ("weight_block_size", [128, 0], r"field 'weight_block_size' must be two positive ints"),
+])
+def test_fp8_config_names_the_unsupported_field(field, value, match):
+    assert Fp8Config.from_dict(FP8) == Fp8Config((128, 128))
+    with pytest.raises(ValueError, match=match):
+        Fp8Config.from_dict({**FP8, field: value})
+
+
+def test_quantization_options_resolve_or_say_why_not():
+    fp8 = Fp8Config()
+    assert resolve_quantization(None, None, fp8) is None and resolve_quantization("fp8", None, fp8) is None
+    assert resolve_quantization("int8", None, fp8) == QuantConfig("int8")  # re-quantizes the dequantized FP8
+    assert resolve_quantization("int4", None, None) == QuantConfig("int4", 64)
+    with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint"):
+        resolve_quantization("fp8", None, None)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        resolve_quantization("int3", None, None)
+    with pytest.raises(ValueError, match=r"quantization_group_size must be one of \(32, 64, 128\), got 48"):
+        resolve_quantization("int4", 48, None)
+    with pytest.raises(ValueError, match="applies to int4 only"):
+        resolve_quantization("int8", 64, None)
+
+
+def _layer(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g),
+            torch.randn(5, in_features, generator=g))
+
+
+def test_int8_quantization_error_is_half_a_step():
+    w, _, _ = _layer(64, 96)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.skipif(not cpu_features().fbgemm, reason="no fbgemm quantized engine in this torch")
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fbgemm_int8_matches_the_dequantized_weight_within_activation_rounding(rows):
+    w, bias, x = _layer(64, 96)
+    x = x[:rows]
+    q, scale = quantize_int8(w)
+    layer = FbgemmInt8Linear(q, scale, torch.nn.Parameter(bias), reduce_range=True)
+    w_deq = q.float() * scale[:, None]
+    packed_back = torch.ops.quantized.linear_unpack(layer.packed)[0]
+    assert torch.equal(packed_back.int_repr(), q)
+    expected = x @ w_deq.t() + bias
+    # Activations are quantized per tensor to 7 bits over [min(x, 0), max(x, 0)]: each is off by half a step.
+    step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
+    bound = step / 2 * w_deq.abs().sum(dim=1) + 1e-4
+    assert ((layer(x) - expected).abs() <= bound).all()
+    assert ((layer(x) - expected).abs() > 0).any()  # activations really are quantized
+
+
+def test_int8_fallback_matches_the_dequantized_weight():
+    w, bias, x = _layer(40, 96)
+    q, scale = quantize_int8(w)
+    layer = Int8Linear(q, scale, torch.nn.Parameter(bias))
+    torch.testing.assert_close(layer(x), x @ (q.float() * scale[:, None]).t() + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_quantization_error_is_half_a_step(group_size):
+    w, _, _ = _layer(32, 256)
+    q, scale, minimum = quantize_int4(w, group_size)
+    assert q.max() <= 15 and scale.shape == (32, 256 // group_size)
+    err = (dequantize_int4(q, scale, minimum) - w).abs().view(32, -1, group_size)
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_int4pack_matches_the_dequantized_weight(group_size):
+    w, bias, x = _layer(48, 256)
+    q, scale, minimum = quantize_int4(w, group_size)
+    expected = x @ dequantize_int4(q, scale, minimum).t() + bias
+    exact = Int4PackLinear(q, scale, minimum, torch.nn.Parameter(bias), torch.float32)
+    torch.testing.assert_close(exact(x), expected, rtol=1e-4, atol=1e-4)
+    # bf16 activations, scales and zeros, bf16 out: bf16 round-off on top.
+    fast = Int4PackLinear(q, scale, minimum, torch.nn.Parameter(bias), torch.bfloat16)
+    torch.testing.assert_close(fast(x), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+def test_int4_fallback_matches_the_dequantized_weight():
+    w, bias, x = _layer(40, 64)
+    q, scale, minimum = quantize_int4(w, 32)
+    layer = Int4Linear(q, scale, minimum, torch.nn.Parameter(bias))
+    assert layer.qweight.shape == (40, 32)  # two weights a byte
+    torch.testing.assert_close(layer(x), x @ dequantize_int4(q, scale, minimum).t() + bias, rtol=1e-5, atol=1e-5)
+    no_bias = Int4Linear(q, scale, minimum, None)
+    full = no_bias(x)
+    torch.testing.assert_close(no_bias(x.bfloat16()).float(), full, rtol=2e-2, atol=2e-2 * full.abs().max().item())
+
+
+def test_kernels_are_chosen_by_what_the_cpu_has(monkeypatch):
+    w, bias, x = _layer(48, 64)
+    here = cpu_features()
+    int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
+    assert isinstance(int8, FbgemmInt8Linear if here.fbgemm else Int8Linear)
+    assert isinstance(quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu"), Int4PackLinear)
+    assert isinstance(quantize_linear("l", w[:40], None, QuantConfig("int4", 32), "cpu"), Int4Linear)  # 40 % 16
+    avx2 = dataclasses.replace(here, capability="AVX2", fbgemm=False)
+    monkeypatch.setattr(quant_linear, "cpu_features", lambda: avx2)
+    assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu"), Int8Linear)
+    int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
+    assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="model.layers.3.mlp.down_proj: int4 group size 128 does not divide its 64"):
+        quantize_linear("model.layers.3.mlp.down_proj", w, None, QuantConfig("int4", 128), "cpu")
