@@ -10,7 +10,8 @@ from latentserve.engine.spec_decode import SpeculativeConfig
 from tests.models.mtp_checkpoint import make_mtp_checkpoint
 
 VOCAB = 6  # random drafts then agree with the target often enough that both acceptance and rejection happen
-ENGINE = dict(num_threads=1, num_kv_blocks=96, block_size=4, max_num_batched_tokens=256, max_model_len=96)
+ENGINE = dict(dtype="float32", num_threads=1, num_kv_blocks=96, block_size=4, max_num_batched_tokens=256,
+              max_model_len=96)
 
 
 @pytest.fixture(scope="module")
