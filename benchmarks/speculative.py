@@ -85,12 +85,14 @@ def bench_model(name: str, path: Path, prompts_for, args) -> None:
         cells = [f"{rate:.1f}"]
         for k, llm in spec.items():
             stats = llm.engine.spec_decoding_stats
-            before = (stats.num_drafts, list(stats.num_accepted_tokens_per_pos))
+            before = (stats.num_drafts, stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos),
+                      list(stats.num_drafts_per_pos))
             spec_rate = decode_rate(llm, prompts, args.max_tokens, args.repeats)
-            drafts = stats.num_drafts - before[0]
-            per_pos = [(n - b) / max(drafts, 1) for n, b in zip(stats.num_accepted_tokens_per_pos, before[1])]
-            cells += [f"{spec_rate:.1f} ({spec_rate / rate:.2f}x)", " / ".join(f"{p:.0%}" for p in per_pos),
-                      f"{1 + sum(per_pos):.2f}"]
+            accepted = [a - b for a, b in zip(stats.num_accepted_tokens_per_pos, before[2])]
+            reached = [d - b for d, b in zip(stats.num_drafts_per_pos, before[3])]
+            per_pos = " / ".join(f"{a / max(d, 1):.0%}" for a, d in zip(accepted, reached))
+            mean_len = 1 + (stats.num_accepted_tokens - before[1]) / max(stats.num_drafts - before[0], 1)
+            cells += [f"{spec_rate:.1f} ({spec_rate / rate:.2f}x)", per_pos, f"{mean_len:.2f}"]
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
 
 

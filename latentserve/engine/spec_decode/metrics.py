@@ -13,10 +13,11 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafts_per_pos: list[int] = field(default_factory=list)  # drafts that reached each position
 
     def __post_init__(self) -> None:
-        if not self.num_accepted_tokens_per_pos:
-            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+        self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos or [0] * self.num_spec_tokens
+        self.num_drafts_per_pos = self.num_drafts_per_pos or [0] * self.num_spec_tokens
 
     def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         if not 0 <= num_accepted_tokens <= num_draft_tokens <= self.num_spec_tokens:
@@ -24,6 +25,8 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+        for pos in range(num_draft_tokens):
+            self.num_drafts_per_pos[pos] += 1
         for pos in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[pos] += 1
 
@@ -33,7 +36,8 @@ class SpecDecodingStats:
 
     @property
     def acceptance_rate_per_pos(self) -> list[float]:
-        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.num_accepted_tokens_per_pos]
+        """Of the drafts that reached a position, the share whose token there was accepted (all before it were)."""
+        return [a / d if d else 0.0 for a, d in zip(self.num_accepted_tokens_per_pos, self.num_drafts_per_pos)]
 
     @property
     def mean_acceptance_length(self) -> float:
