@@ -54,7 +54,8 @@ def random_mtp_checkpoint(path: Path) -> Path:
     weights = load_file(path / "model.safetensors")
     prefix = f"model.layers.{layers}."
     weights.update({prefix + "enorm.weight": torch.ones(h), prefix + "hnorm.weight": torch.ones(h),
-                    prefix + "shared_head.norm.weight": torch.ones(h), prefix + "eh_proj.weight": torch.randn(h, 2 * h) * 0.02})
+                    prefix + "shared_head.norm.weight": torch.ones(h),
+                    prefix + "eh_proj.weight": torch.randn(h, 2 * h) * 0.02})
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": layers, "num_nextn_predict_layers": 1}))
@@ -76,8 +77,8 @@ def bench_model(name: str, path: Path, prompts_for, args) -> None:
     spec = {k: LLM(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
             for k in args.k}
     print(f"\n{name}: decode tok/s, greedy, {args.max_tokens} tokens per request, {args.threads} thread(s)")
-    print("| batch | no MTP | " + " | ".join(f"k={k} (ratio) | k={k} acceptance per position | k={k} mean accepted length"
-                                            for k in args.k) + " |")
+    columns = [f"k={k} (ratio) | k={k} acceptance per position | k={k} mean accepted length" for k in args.k]
+    print("| batch | no MTP | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|---|---|" * len(args.k))
     for batch in args.batch:
         prompts = prompts_for(batch)

@@ -132,7 +132,8 @@ def mtp_state_dict(mtp: MTPLayer, layer_idx: int) -> dict[str, torch.Tensor]:
     """Checkpoint names and layout (per-expert tensors, as DeepSeek stores them); bf16 except the router."""
     prefix = f"model.layers.{layer_idx}."
     out = {prefix + "enorm.weight": mtp.enorm.weight, prefix + "hnorm.weight": mtp.hnorm.weight,
-           prefix + "eh_proj.weight": mtp.eh_proj.weight, prefix + "shared_head.norm.weight": mtp.shared_head_norm.weight}
+           prefix + "eh_proj.weight": mtp.eh_proj.weight,
+           prefix + "shared_head.norm.weight": mtp.shared_head_norm.weight}
     for name, tensor in mtp.block.state_dict().items():
         if name == "mlp.experts.gate_up_proj":
             for e, fused in enumerate(tensor):

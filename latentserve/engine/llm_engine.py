@@ -169,8 +169,8 @@ class LLMEngine:
         # Settings that cannot work fail here, before any weight is read.
         model_config = DeepseekConfig.from_pretrained(model_dir)
         if spec is not None and model_config.num_nextn_predict_layers < 1:
-            raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json declares "
-                             "none (num_nextn_predict_layers is 0)")
+            raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
+                             "declares none (num_nextn_predict_layers is 0)")
         quantization = resolve_quantization(config.quantization, config.quantization_group_size,
                                             model_config.quantization)
         model_len = model_config.max_position_embeddings

@@ -96,11 +96,13 @@ class ModelRunner:
         forward = functools.partial(self.model, final_norm=False)
         hidden = run_forward(forward, [input_ids, positions], common, self.builders, slices)
         result = self.spec_decoder.step(out, hidden)
-        wants_prompt_logprobs = any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled)
+        prompt_logprobs = {}
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled):
+            prompt_logprobs = self._prompt_logprobs(out, self.model.apply_final_norm(hidden))
         return ModelRunnerOutput(
             sampled_token_ids=result.sampled_token_ids,
             logprobs=result.logprobs,
-            prompt_logprobs=self._prompt_logprobs(out, self.model.apply_final_norm(hidden)) if wants_prompt_logprobs else {},
+            prompt_logprobs=prompt_logprobs,
             num_ubatches=len(slices) if slices else 1,
             accepted_draft_ids=result.accepted_draft_ids,
             spec_token_ids=result.spec_token_ids,

@@ -248,7 +248,9 @@ class Scheduler:
         out.num_decodes = sum(1 for s in batch if self._is_decode(s))
         return out
 
-    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int, list[int]]], out: SchedulerOutput) -> int:
+    def _schedule_running(
+        self, budget: int, scheduled: list[tuple[Request, int, list[int]]], out: SchedulerOutput
+    ) -> int:
         """Decodes and unfinished prefill chunks, oldest first, preempting the newest when blocks run out."""
         i = 0
         while i < len(self.running) and budget > 0:

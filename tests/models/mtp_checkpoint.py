@@ -36,8 +36,8 @@ def make_mtp_checkpoint(tmp_path: Path, own_embed_head: bool = False, seed: int 
     n, h = config.num_hidden_layers, config.hidden_size
     layer = DeepseekV3DecoderLayer(config, n).float().eval()
     g = torch.Generator().manual_seed(seed + 7)
-    weights = {"enorm.weight": torch.empty(h), "hnorm.weight": torch.empty(h), "shared_head.norm.weight": torch.empty(h),
-               "eh_proj.weight": torch.empty(h, 2 * h)}
+    weights = {"enorm.weight": torch.empty(h), "hnorm.weight": torch.empty(h),
+               "shared_head.norm.weight": torch.empty(h), "eh_proj.weight": torch.empty(h, 2 * h)}
     if own_embed_head:
         weights["embed_tokens.weight"] = torch.empty(config.vocab_size, h)
         weights["shared_head.head.weight"] = torch.empty(config.vocab_size, h)

@@ -31,7 +31,7 @@ class SpeculativeConfig:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict like {{'method': 'mtp', 'num_speculative_tokens': 1}}, "
+            raise ValueError("speculative_config must be a dict like {'method': 'mtp', 'num_speculative_tokens': 1}, "
                              f"got {type(value).__name__}")
         unknown = sorted(set(value) - set(cls.__dataclass_fields__))
         if unknown:

@@ -92,7 +92,9 @@ def _check_shapes(draft_token_ids, num_draft_tokens, draft_probs, target_probs, 
     if target_probs.dim() != 3 or target_probs.shape[:2] != (batch, k + 1):
         raise ValueError(f"target_probs must be [batch={batch}, k+1={k + 1}, vocab], got {tuple(target_probs.shape)}")
     if draft_probs is not None and draft_probs.shape != (batch, k, target_probs.shape[-1]):
-        raise ValueError(f"draft_probs must be [{batch}, {k}, {target_probs.shape[-1]}], got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"draft_probs must be [{batch}, {k}, {target_probs.shape[-1]}], got {tuple(draft_probs.shape)}"
+        )
     if num_draft_tokens.shape != (batch,) or greedy.shape != (batch,):
         raise ValueError(f"num_draft_tokens and greedy must be [batch={batch}], got "
                          f"{tuple(num_draft_tokens.shape)} and {tuple(greedy.shape)}")

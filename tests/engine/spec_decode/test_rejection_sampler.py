@@ -56,7 +56,8 @@ def _speculate(target, draft, k: int, greedy_draft: bool = False, lie_about_q: b
         draft_probs = None if greedy_draft else torch.stack(q, 1)
         if lie_about_q:  # claim the drafts came from the target itself: every draft passes
             draft_probs = target_probs[:, :k]
-        emitted = rejection_sample(drafts_t, num_drafts, draft_probs, target_probs, torch.zeros(SAMPLES, dtype=torch.bool))
+        greedy = torch.zeros(SAMPLES, dtype=torch.bool)
+        emitted = rejection_sample(drafts_t, num_drafts, draft_probs, target_probs, greedy)
         counts = (emitted != PLACEHOLDER_TOKEN_ID).sum(1)
         assert bool(((counts >= 1) & (counts <= num_drafts + 1)).all())
         for j in range(k + 1):
