@@ -183,3 +183,15 @@ def test_sampled_tokens_follow_the_models_distribution(checkpoint, temperature, 
     expected = torch.cat([joint[keep], joint[~keep].sum()[None]]) * samples
     counts = torch.cat([observed[keep], observed[~keep].sum()[None]])
     assert chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-3
+
+
+def test_greedy_equality_over_data_parallel_ranks_with_expert_parallelism(checkpoint, baseline) -> None:
+    """Each rank drafts with its own MTP layer (all experts local); the main model's experts are split."""
+    prompts = _prompts(4, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(model=checkpoint, data_parallel_size=2, enable_expert_parallel=True,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    try:
+        assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
+    finally:
+        llm.shutdown()
