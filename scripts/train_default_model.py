@@ -312,7 +312,7 @@ q_lora_rank {s['cfg'].q_lora_rank}, kv_lora_rank {s['cfg'].kv_lora_rank}, qk_nop
 (top-{s['cfg'].num_experts_per_tok}, {s['cfg'].n_group} groups, top-{s['cfg'].topk_group} group) + {s['cfg'].n_shared_experts}
 shared, expert width {s['cfg'].moe_intermediate_size}, dense width {s['cfg'].intermediate_size}, default RoPE
 (rope_interleave={s['cfg'].rope_interleave}), untied embeddings, one MTP layer (below).
-{s['params']:,} parameters ({s['active_params']:,} active per token); `model.safetensors` is {s['file_mb']:.1f} MB
+{s['params']:,} parameters ({s['active_params']:,} active per token); the main model takes {s['file_mb']:.1f} MB of `model.safetensors`
 (bf16; router weights and `e_score_correction_bias` in fp32).
 Routers were balanced with DeepSeek-V3's auxiliary-loss-free bias update (rate 1e-3 per step), so
 `e_score_correction_bias` is non-zero.
