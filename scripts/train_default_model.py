@@ -6,6 +6,11 @@ tokenizer and a `transformers.DeepseekV3ForCausalLM`, written as a Hugging Face 
 
     nice -n 10 .venv/bin/python scripts/train_default_model.py              # the shipped model
     .venv/bin/python scripts/train_default_model.py --out-dir /tmp/m --steps 20   # a quick run
+    nice -n 10 .venv/bin/python scripts/train_default_model.py --mtp-only   # retrain only the MTP layer
+
+After the main model, the script trains one multi-token-prediction (MTP) layer on top of it with the main model
+frozen (DeepSeek-V3 report, section 2.2), stored as `model.layers.{num_hidden_layers}.*` as DeepSeek-V3 ships it
+but without its own `embed_tokens` and `shared_head.head`: those are the main model's (shared, as in DeepSeek-V3).
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its MTP stage sits beside it, however it is loaded
+from default_model_mtp import eval_mtp, new_mtp_layer, save_mtp, train_mtp, write_mtp_report  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "latentserve" / "assets" / "default_model"
@@ -71,12 +79,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--seed", type=int, default=1611)
     p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--mtp-only", action="store_true",
+                   help="keep the main model and tokenizer in --out-dir; train and write only the MTP layer")
+    p.add_argument("--mtp-steps", type=int, default=380)
+    p.add_argument("--mtp-time-budget-min", type=float, default=14.0)
+    p.add_argument("--mtp-lr", type=float, default=2e-3)
+    p.add_argument("--mtp-loss-weight", type=float, default=0.3,
+                   help="lambda of the V3 report's MTP loss (0.3 there for the first 10T tokens)")
     args = p.parse_args()
-    for name in ("steps", "batch_size", "seq_len", "vocab_size", "log_every"):
+    for name in ("steps", "batch_size", "seq_len", "vocab_size", "log_every", "mtp_steps"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    if args.time_budget_min <= 0:
-        p.error(f"--time-budget-min must be positive, got {args.time_budget_min}")
+    for name in ("time_budget_min", "mtp_time_budget_min", "mtp_lr", "mtp_loss_weight"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return args
 
 
@@ -295,8 +311,8 @@ q_lora_rank {s['cfg'].q_lora_rank}, kv_lora_rank {s['cfg'].kv_lora_rank}, qk_nop
 {s['cfg'].qk_nope_head_dim}/{s['cfg'].qk_rope_head_dim}/{s['cfg'].v_head_dim}, {s['cfg'].n_routed_experts} routed experts
 (top-{s['cfg'].num_experts_per_tok}, {s['cfg'].n_group} groups, top-{s['cfg'].topk_group} group) + {s['cfg'].n_shared_experts}
 shared, expert width {s['cfg'].moe_intermediate_size}, dense width {s['cfg'].intermediate_size}, default RoPE
-(rope_interleave={s['cfg'].rope_interleave}), untied embeddings, no MTP layers.
-{s['params']:,} parameters ({s['active_params']:,} active per token); `model.safetensors` is {s['file_mb']:.1f} MB
+(rope_interleave={s['cfg'].rope_interleave}), untied embeddings, one MTP layer (below).
+{s['params']:,} parameters ({s['active_params']:,} active per token); the main model takes {s['file_mb']:.1f} MB of `model.safetensors`
 (bf16; router weights and `e_score_correction_bias` in fp32).
 Routers were balanced with DeepSeek-V3's auxiliary-loss-free bias update (rate 1e-3 per step), so
 `e_score_correction_bias` is non-zero.
@@ -322,25 +338,10 @@ is reproducible (same torch build and CPU) when the step budget, not the time bu
 """)
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(1)  # the build machine's cores are shared
-    torch.manual_seed(args.seed)
-    gen = torch.Generator().manual_seed(args.seed)
-
-    chapters = load_corpus()
-    val_chapters = chapters[::50]
-    train_chapters = [ch for i, ch in enumerate(chapters) if i % 50 != 0]
-    base_tok = train_tokenizer([chapter_text(ch) for ch in chapters], args.vocab_size)
-    tok = hf_tokenizer(base_tok)
-    stream = build_stream(train_chapters, tok, gen)
-    val_stream = torch.tensor(
-        [t for ch in val_chapters for t in tok(chapter_text(ch), verbose=False)["input_ids"] + [tok.eos_token_id]])
+def train_main_model(args, chapters, tok, stream, val_stream, gen):
+    """The main model, written to --out-dir with its report; returned in fp32 with the weights as shipped."""
     dialogues = int((stream == tok.convert_tokens_to_ids(USER)).sum())
-    print(f"corpus: {len(chapters)} chapters; train stream {stream.numel():,} tokens "
-          f"({dialogues} dialogues), val {val_stream.numel():,}", flush=True)
-
-    cfg = model_config(len(base_tok.get_vocab()), tok)
+    cfg = model_config(len(tok.get_vocab()), tok)
     model = DeepseekV3ForCausalLM(cfg)
     params = sum(p.numel() for p in model.parameters())
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
@@ -359,10 +360,55 @@ def main() -> None:
     stats.update(
         text_version=package_version(DEBIAN_PACKAGES[0]), reader_version=package_version(DEBIAN_PACKAGES[1]),
         chapters=len(chapters), verses=len(all_text), words=sum(len(v.split()) for v in all_text),
-        chars=sum(len(v) for v in all_text), dialogues=dialogues, val_chapters=len(val_chapters),
+        chars=sum(len(v) for v in all_text), dialogues=dialogues, val_chapters=len(chapters[::50]),
         train_tokens=stream.numel(), val_tokens=val_stream.numel(), vocab=cfg.vocab_size, cfg=cfg,
         params=params, active_params=active, file_mb=(args.out_dir / "model.safetensors").stat().st_size / 1e6)
     write_report(args.out_dir, args, stats)
+    return model.float()  # the MTP layer learns against the bf16-rounded weights that ship
+
+
+def train_mtp_stage(model, stream, val_stream, args, gen) -> None:
+    """Train the MTP layer over the frozen main model and add it to the checkpoint in --out-dir."""
+    mtp = new_mtp_layer(model)
+    print(f"mtp: {sum(p.numel() for p in mtp.parameters()):,} parameters", flush=True)
+    stats = train_mtp(model, mtp, stream, args, gen, random_batch, ExpertLoadBalancer)
+    stats.update(eval_mtp(model, mtp, val_stream, args.seq_len))
+    stats.update(layer_idx=model.config.num_hidden_layers, mtp_params=sum(p.numel() for p in mtp.parameters()),
+                 main_val_loss=eval_loss(model, val_stream, args.seq_len))
+    print(f"mtp done: {stats['mtp_steps']} steps in {stats['mtp_wall_s'] / 60:.1f} min, val ce "
+          f"{stats['mtp_val_ce']:.3f}, agreement with the main model {stats['mtp_val_agreement']:.3f}", flush=True)
+    stats["mtp_mb"] = save_mtp(mtp, model.config.num_hidden_layers, args.out_dir)
+    stats["file_mb"] = (args.out_dir / "model.safetensors").stat().st_size / 1e6
+    command = (f"nice -n 10 .venv/bin/python scripts/train_default_model.py --mtp-only --mtp-steps {args.mtp_steps} "
+               f"--mtp-time-budget-min {args.mtp_time_budget_min:g} --mtp-lr {args.mtp_lr:g} "
+               f"--mtp-loss-weight {args.mtp_loss_weight:g} --batch-size {args.batch_size} --seq-len {args.seq_len} "
+               f"--seed {args.seed}")
+    write_mtp_report(args.out_dir, args, stats, command)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)  # the build machine's cores are shared
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    chapters = load_corpus()
+    val_chapters = chapters[::50]
+    train_chapters = [ch for i, ch in enumerate(chapters) if i % 50 != 0]
+    if args.mtp_only:
+        tok = PreTrainedTokenizerFast.from_pretrained(args.out_dir)
+    else:
+        tok = hf_tokenizer(train_tokenizer([chapter_text(ch) for ch in chapters], args.vocab_size))
+    stream = build_stream(train_chapters, tok, gen)
+    val_stream = torch.tensor(
+        [t for ch in val_chapters for t in tok(chapter_text(ch), verbose=False)["input_ids"] + [tok.eos_token_id]])
+    print(f"corpus: {len(chapters)} chapters; train stream {stream.numel():,} tokens, val {val_stream.numel():,}",
+          flush=True)
+    if args.mtp_only:
+        model = DeepseekV3ForCausalLM.from_pretrained(args.out_dir, dtype=torch.float32)
+    else:
+        model = train_main_model(args, chapters, tok, stream, val_stream, gen)
+    train_mtp_stage(model, stream, val_stream, args, gen)
     print(f"wrote {args.out_dir}", flush=True)
 
 

@@ -35,8 +35,8 @@ CHAT_TEMPLATE = (
     "{% else %}{{ '" + ASSISTANT + "' + m['content'] + eos_token }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
 )
-ENGINE = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
-ENGINE_FLAGS = ["--block-size", "4", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64"]
+ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64)
+ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "64", "--max-num-batched-tokens", "64"]
 GREEDY = ["--temperature", "0"]
 DBO_FLAGS = ["--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "2"]
 # One intra-op thread, as in conftest.py: CPU thread hand-offs dominate tiny models on shared cores.
@@ -242,7 +242,8 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
                         max_num_batched_tokens=99, max_model_len=77, num_kv_blocks=5, enable_dbo=True,
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
-                        link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1")
+                        link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1",
+                        speculative_config=None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from typing import Callable, Iterator, NoReturn
 
@@ -154,6 +155,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="emulated collective bandwidth (GB/s)")
     g.add_argument("--reasoning-parser", choices=reasoning_parser_names(), default=None,
                    help="split a reasoning model's output into reasoning_content and content")
+    g.add_argument("--speculative-config", type=speculative_config, default=None,
+                   help='speculative decoding with the checkpoint\'s MTP layer, as JSON: '
+                        '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config: vLLM's JSON form, e.g. '{"method": "mtp", "num_speculative_tokens": 2}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object like {{"method": "mtp"}}, got {text!r}')
+    return value
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -199,6 +214,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
             link_latency_us=args.link_latency_us,
             link_bandwidth_gbps=args.link_bandwidth_gbps,
             reasoning_parser=args.reasoning_parser,
+            speculative_config=args.speculative_config,
         )
 
 

@@ -22,10 +22,15 @@ from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
+from latentserve.engine.spec_decode.config import SpeculativeConfig
+from latentserve.engine.spec_decode.decoder import SpecDecoder
+from latentserve.engine.spec_decode.metrics import SpecDecodingStats
+from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
 from latentserve.layers.quant.cpu import auto_dtype
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
+from latentserve.models.mtp import load_mtp
 from latentserve.sampling_params import SamplingParams
 
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -79,8 +84,11 @@ class EngineConfig:
     link_latency_us: float = 0.0  # link emulation of the expert all-to-all: 0 / None leave it real
     link_bandwidth_gbps: float | None = None
     reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
+    # {"method": "mtp", "num_speculative_tokens": k}: draft with the checkpoint's MTP layer, verify exactly.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if not _is_int_at_least(self.data_parallel_size, 1):
             raise ValueError(f"data_parallel_size must be an int >= 1, got {self.data_parallel_size!r}")
         for name in ("num_threads", "num_kv_blocks"):
@@ -114,10 +122,8 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vo
 
 
 def _blocks_for_memory(config: EngineConfig, model_config: DeepseekConfig, cache_dtype: torch.dtype) -> int:
-    per_block = (
-        config.block_size * model_config.mla_config.kv_cache_dim * model_config.num_hidden_layers
-        * cache_dtype.itemsize
-    )
+    num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
+    per_block = config.block_size * model_config.mla_config.kv_cache_dim * num_layers * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")
@@ -153,8 +159,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         dtype = parse_dtype(config.dtype, config.device)
         cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
+        spec = config.speculative_config
+        num_spec = spec.num_speculative_tokens if spec is not None else 0
         attn_config = AttentionConfig(
             block_size=config.block_size,
+            decode_threshold=1 + num_spec,  # a verification step is a decode with k+1 new tokens
             workspace_tokens=config.workspace_tokens,
             prefill_backend=config.prefill_backend,
             decode_backend=config.decode_backend,
@@ -162,6 +171,9 @@ class LLMEngine:
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
         model_config = DeepseekConfig.from_pretrained(model_dir)
+        if spec is not None and model_config.num_nextn_predict_layers < 1:
+            raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
+                             "declares none (num_nextn_predict_layers is 0)")
         quantization = resolve_quantization(config.quantization, config.quantization_group_size,
                                             model_config.quantization)
         model_len = model_config.max_position_embeddings
@@ -190,11 +202,17 @@ class LLMEngine:
                 max_model_len=max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 decode_threshold=attn_config.decode_threshold,
+                num_speculative_tokens=num_spec,
             ),
             BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
         )
+        spec_decoder = None
+        if spec is not None:
+            mtp = load_mtp(model_dir, self.model, attn_config, dtype, config.device)
+            proposer = MTPProposer(mtp, attn_config, num_blocks, cache_dtype, num_spec, config.device)
+            spec_decoder = SpecDecoder(self.model, proposer, max_model_len, spec.disable_by_batch_size)
         self.runner = ModelRunner(
-            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group
+            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder
         )
         self._ids = itertools.count()
         self.reasoning_parser = make_reasoning_parser(config.reasoning_parser, self.tokenizer)
@@ -211,6 +229,12 @@ class LLMEngine:
                 "size: use LLM(...), which starts the ranks"
             )
         return group if config.enable_expert_parallel else None
+
+    @property
+    def spec_decoding_stats(self) -> SpecDecodingStats | None:
+        """Acceptance counters of speculative decoding; None when it is off."""
+        decoder = self.runner.spec_decoder
+        return decoder.stats if decoder is not None else None
 
     @property
     def max_model_len(self) -> int:
@@ -305,5 +329,8 @@ class LLMEngine:
         except BaseException:
             self.scheduler.block_manager.discard_step()  # what the step was to write, it did not
             raise
-        updated = self.scheduler.update(out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs)
+        updated = self.scheduler.update(
+            out, result.sampled_token_ids, result.logprobs, result.prompt_logprobs, result.accepted_draft_ids,
+            result.spec_token_ids,
+        )
         return request_outputs(updated)

@@ -1,7 +1,8 @@
 """`ModelRunner`: one scheduled step through the model — metadata, (DBO) forward, logits, sampling."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +15,7 @@ from latentserve.engine.input_buffers import InputBuffers
 from latentserve.engine.request import Logprobs
 from latentserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from latentserve.engine.scheduler import SchedulerOutput
+from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.ubatch.dbo import run_forward
 from latentserve.ubatch.slicing import should_ubatch, split_ubatches
@@ -25,6 +27,10 @@ class ModelRunnerOutput:
     logprobs: list[Logprobs | None]
     prompt_logprobs: dict[str, list[Logprobs]]  # request id -> logprobs of this step's prompt positions
     num_ubatches: int
+    # Speculative decoding: per sampling request the drafts it accepted (emitted before its sampled token), and
+    # per request id its drafts for the next step.
+    accepted_draft_ids: list[list[int]] | None = None
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -39,8 +45,10 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype,
         device: torch.device | str = "cpu",
         lockstep_group: DPGroup | None = None,
+        spec_decoder: SpecDecoder | None = None,
     ) -> None:
         self.model = model
+        self.spec_decoder = spec_decoder
         # Under expert parallelism every rank runs every step (an empty one if idle) and splits it alike.
         self.lockstep_group = lockstep_group
         self.attn_config = attn_config
@@ -68,6 +76,8 @@ class ModelRunner:
         inputs = self.input_buffers.prepare(out)
         common = inputs.common
         slices = self._ubatch_slices(common)
+        if self.spec_decoder is not None:
+            return self._execute_speculative(out, inputs.input_ids, inputs.positions, common, slices)
         hidden = run_forward(self.model, [inputs.input_ids, inputs.positions], common, self.builders, slices)
 
         requests = out.sampling_requests
@@ -79,6 +89,23 @@ class ModelRunner:
             logprobs=sampled.logprobs,
             prompt_logprobs=self._prompt_logprobs(out, hidden),
             num_ubatches=len(slices) if slices else 1,
+        )
+
+    def _execute_speculative(self, out, input_ids, positions, common, slices) -> ModelRunnerOutput:
+        """The main model keeps its hidden states before the final norm: the MTP layer reads them."""
+        forward = functools.partial(self.model, final_norm=False)
+        hidden = run_forward(forward, [input_ids, positions], common, self.builders, slices)
+        result = self.spec_decoder.step(out, hidden)
+        prompt_logprobs = {}
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled):
+            prompt_logprobs = self._prompt_logprobs(out, self.model.apply_final_norm(hidden))
+        return ModelRunnerOutput(
+            sampled_token_ids=result.sampled_token_ids,
+            logprobs=result.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_ubatches=len(slices) if slices else 1,
+            accepted_draft_ids=result.accepted_draft_ids,
+            spec_token_ids=result.spec_token_ids,
         )
 
     def _ubatch_slices(self, common):

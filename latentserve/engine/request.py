@@ -76,6 +76,7 @@ class Request:
         self.bad_words_token_ids: list[list[int]] = []  # the tokenized bad_words (set by the engine)
         self.group: SampleGroup | None = None  # the samples of an n / best_of request this one belongs to
         self.structured_output: StructuredOutputRequest | None = None  # its grammar state (set by the engine)
+        self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
 
         self.block_ids: list[int] = []  # the block table
         self.block_hashes: list[int] = []  # hash chain of the full blocks, filled lazily

@@ -21,12 +21,18 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Requests with at most this many new tokens and some context are decodes (batched first).
     decode_threshold: int = 1
+    # Speculative decoding: up to this many draft tokens per request and step (0: off); chained drafts write
+    # this many minus one slots past a request's verified tokens.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "decode_threshold"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"SchedulerConfig.{name} must be a positive int, got {value!r}")
+        if self.num_speculative_tokens and self.decode_threshold < self.num_speculative_tokens + 1:
+            raise ValueError(f"decode_threshold ({self.decode_threshold}) must cover a verification step of "
+                             f"num_speculative_tokens + 1 ({self.num_speculative_tokens + 1}) tokens")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -45,6 +51,11 @@ class ScheduledRequest:
     slot_mapping: list[int]  # KV cache slot of each new token
     block_ids: list[int]  # the block table for this step
     do_sample: bool  # False for a prefill chunk that leaves part of the prompt for later
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify: the last num_drafts tokens fed
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self.spec_token_ids)
 
     @property
     def seq_len(self) -> int:
@@ -226,30 +237,35 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(scheduled=[], num_decodes=0)
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []  # request, new tokens, drafts among them
         budget = self._schedule_running(self.config.max_num_batched_tokens, scheduled, out)
         if not out.preempted:  # a step that had to preempt admits nobody new
             self._schedule_waiting(budget, scheduled, out)
-        batch = [self._scheduled_request(r, n) for r, n in scheduled]
+        batch = [self._scheduled_request(r, n, d) for r, n, d in scheduled]
         # Decodes first (stable), by the attention builder's own rule: it splits the batch there.
         batch.sort(key=lambda s: not self._is_decode(s))
         out.scheduled = batch
         out.num_decodes = sum(1 for s in batch if self._is_decode(s))
         return out
 
-    def _schedule_running(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> int:
+    def _schedule_running(
+        self, budget: int, scheduled: list[tuple[Request, int, list[int]]], out: SchedulerOutput
+    ) -> int:
         """Decodes and unfinished prefill chunks, oldest first, preempting the newest when blocks run out."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = self._drafts(request, budget - num_new) if num_new == 1 else []
+            num_new += len(drafts)
             error = self._never_fits(request, request.num_computed_tokens + num_new)
             if error is not None:
                 self.running.pop(i)
                 self._finish(request, RequestStatus.FINISHED_ERROR, error)
                 out.finished.append(request)
                 continue
-            while not self.block_manager.append_slots(request, num_new):
+            lookahead = self._lookahead(request.num_computed_tokens + num_new)
+            while not self.block_manager.append_slots(request, num_new + lookahead):
                 if self._drop_a_waiting_fork():  # before preempting a running request
                     continue
                 victim = self.running.pop()  # the newest; not yet scheduled this step
@@ -258,13 +274,30 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.block_manager.cache_blocks(request, request.num_computed_tokens + num_new)
-                scheduled.append((request, num_new))
+                # Drafts are not the request's tokens (yet): their blocks are not offered to the prefix cache.
+                self.block_manager.cache_blocks(request, request.num_computed_tokens + num_new - len(drafts))
+                scheduled.append((request, num_new, drafts))
                 budget -= num_new
                 i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: list[tuple[Request, int]], out: SchedulerOutput) -> None:
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that this step can verify: within the token budget, and no more than the tokens it
+        may still emit after the one it samples anyway."""
+        params = request.sampling_params
+        room = self.config.max_model_len - request.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[: max(0, min(room, budget))]
+
+    def _lookahead(self, seq_len: int) -> int:
+        """Slots past a step's last token (at seq_len - 1) for the MTP's chained drafts: k - 1, within max_model_len."""
+        k = self.config.num_speculative_tokens
+        return max(0, min(k - 1, self.config.max_model_len - seq_len))
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[tuple[Request, int, list[int]]], out: SchedulerOutput
+    ) -> None:
         """New and preempted requests, oldest first, while budget, sequence slots and free blocks last.
 
         A request whose grammar is still compiling keeps its place and is passed over for this step.
@@ -288,19 +321,22 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.block_manager.can_allocate(request, num_new, computed_blocks):
+            samples = num_cached + num_new == request.num_tokens
+            lookahead = self._lookahead(num_cached + num_new) if samples else 0
+            if not self.block_manager.can_allocate(request, num_new + lookahead, computed_blocks):
                 if self.running or not self._drop_a_waiting_fork():
                     break
                 continue
-            self.block_manager.allocate(request, num_new, computed_blocks)
+            self.block_manager.allocate(request, num_new + lookahead, computed_blocks)
             self.block_manager.cache_blocks(request, num_cached + num_new)
             self.waiting.popleft()
+            request.spec_token_ids = []
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append((request, num_new))
+            scheduled.append((request, num_new, []))
             budget -= num_new
         self.waiting.extendleft(reversed(compiling))
 
@@ -342,18 +378,20 @@ class Scheduler:
     def _is_decode(self, s: ScheduledRequest) -> bool:
         return is_decode(s.num_new_tokens, s.num_computed_tokens, self.config.decode_threshold)
 
-    def _scheduled_request(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled_request(self, request: Request, num_new: int, drafts: list[int]) -> ScheduledRequest:
         start = request.num_computed_tokens
         bs = self.block_manager.block_size
         blocks = list(request.block_ids)
+        num_real = num_new - len(drafts)
         return ScheduledRequest(
             request=request,
             num_computed_tokens=start,
             num_new_tokens=num_new,
-            token_ids=request.all_token_ids[start : start + num_new],
+            token_ids=request.all_token_ids[start : start + num_real] + drafts,
             slot_mapping=[blocks[p // bs] * bs + p % bs for p in range(start, start + num_new)],
             block_ids=blocks,
-            do_sample=start + num_new == request.num_tokens,
+            do_sample=start + num_real == request.num_tokens,
+            spec_token_ids=list(drafts),
         )
 
     def update(
@@ -362,9 +400,13 @@ class Scheduler:
         sampled_token_ids: list[int],
         logprobs: list[Logprobs | None] | None = None,
         prompt_logprobs: dict[str, list[Logprobs]] | None = None,
+        accepted_draft_ids: list[list[int]] | None = None,
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Record a step's results: one sampled token per sampling request (in `sampling_requests` order),
-        their logprobs if asked, and per request id the prompt logprobs of its new positions.
+        their logprobs if asked, and per request id the prompt logprobs of its new positions. Under speculative
+        decoding also, per sampling request, the drafts it accepted (emitted before its sampled token; the KV of
+        the rejected ones is dropped), and per request id its drafts for the next step.
 
         Returns the requests with something new for the user: a token, or their end.
         """
@@ -373,28 +415,41 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for {num_samples} sampling requests")
         if logprobs is not None and len(logprobs) != num_samples:
             raise ValueError(f"{len(logprobs)} logprobs entries for {num_samples} sampling requests")
+        if accepted_draft_ids is not None and len(accepted_draft_ids) != num_samples:
+            raise ValueError(f"{len(accepted_draft_ids)} accepted-draft lists for {num_samples} sampling requests")
         self.block_manager.commit_step()
         updated = list(output.finished)
         row = 0
         for s in output.scheduled:
             request = s.request
+            accepted: list[int] = []
             if s.do_sample:
                 token_id, token_logprobs = sampled_token_ids[row], logprobs[row] if logprobs is not None else None
+                accepted = accepted_draft_ids[row] if accepted_draft_ids is not None else []
                 row += 1
             if request.is_finished:  # aborted after this step was scheduled
                 continue
-            request.num_computed_tokens += s.num_new_tokens
+            if accepted != s.spec_token_ids[: len(accepted)]:
+                raise ValueError(f"request {request.request_id!r}: accepted tokens {accepted} are not a prefix of "
+                                 f"its drafts {s.spec_token_ids}")
+            # Rollback: the KV of rejected drafts stays in its slots, past the computed tokens, to be overwritten.
+            request.num_computed_tokens += s.num_new_tokens - s.num_drafts + len(accepted)
             if prompt_logprobs is not None and request.request_id in prompt_logprobs:
                 request.append_prompt_logprobs(s.num_computed_tokens + 1, prompt_logprobs[request.request_id])
             if not s.do_sample:
                 continue
-            request.append_output_token(token_id, token_logprobs)
-            if request.group is not None and not request.group.forked:
-                self._fork(request.group)  # before the leader can finish and free its blocks
-            status = self._check_grammar(request) or self._check_stop(request, token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status, request.error)
+            emitted = [(t, None) for t in accepted] + [(token_id, token_logprobs)]
+            for token, token_logprobs in emitted:
+                request.append_output_token(token, token_logprobs)
+                if request.group is not None and not request.group.forked:
+                    self._fork(request.group)  # before the leader can finish and free its blocks
+                status = self._check_grammar(request) or self._check_stop(request, token)
+                if status is not None:
+                    self.running.remove(request)
+                    self._finish(request, status, request.error)
+                    break
+            else:
+                request.spec_token_ids = (spec_token_ids or {}).get(request.request_id, [])
             updated.append(request)
         return updated
 

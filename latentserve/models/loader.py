@@ -95,7 +95,7 @@ def checkpoint_name(param: str) -> str:
 
 
 def _is_mtp(name: str, config: DeepseekConfig) -> bool:
-    """Multi-token-prediction layers are stored as extra layers after the main ones; we do not run them."""
+    """Multi-token-prediction layers are stored as extra layers after the main ones; models/mtp.py loads them."""
     match = _LAYER_INDEX.match(name)
     if match is None:
         return False

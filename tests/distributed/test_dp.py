@@ -22,9 +22,9 @@ from tests.distributed.helpers import process_gone, rank_steps
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 60], [3, 88], list(range(10, 40)), [70, 71, 72, 73, 74], [1, 2, 3, 4, 5, 6]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-# max_num_seqs=2: each rank gets 3 of the 5 prompts, more than run at once. fp32: compared at fp32 round-off.
-CONFIG = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=2, enable_dbo=True,
-              dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
+# max_num_seqs=2: each rank gets 3 of the 5 prompts, more than run at once.
+CONFIG = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=2,
+              enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ def path(tmp_path_factory):
 
 
 def _llm(path, **kwargs):
-    defaults = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)
+    defaults = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)  # bf16 round-off
     return LLM(model=str(path), **{**defaults, **kwargs})
 
 

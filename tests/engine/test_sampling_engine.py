@@ -58,7 +58,7 @@ def _check_against_reference(ref, prompt, params, out):
 @pytest.mark.parametrize("mode", ["plain", "dbo_chunked_preempt"])
 def test_each_parameter_matches_the_naive_reference(setup, mode):
     path, ref = setup
-    kwargs = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)
+    kwargs = dict(dtype="float32", block_size=4, num_kv_blocks=128, max_num_batched_tokens=256)
     if mode != "plain":
         kwargs.update(num_kv_blocks=12, max_model_len=48, max_num_batched_tokens=16, enable_dbo=True,
                       dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)

@@ -20,7 +20,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _llm(path, **kwargs) -> LLM:
-    defaults = dict(block_size=4, num_kv_blocks=64, max_num_batched_tokens=256, num_threads=1)
+    defaults = dict(dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=256, num_threads=1)
     return LLM(model=str(path), **{**defaults, **kwargs})
 
 

@@ -38,8 +38,14 @@ class PagedRunner:
         table = torch.tensor(blocks)
         return positions, table[positions // self.block_size] * self.block_size + positions % self.block_size
 
-    def step(self, batch: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, batch: list[tuple[int, list[int]]], *extra: torch.Tensor, **kwargs) -> torch.Tensor:
         """batch: (request id, new token ids) in the order given (decodes first) -> logits [T, vocab]."""
+        hidden = self.forward(batch, *extra, **kwargs)
+        with torch.no_grad():
+            return self.model.compute_logits(hidden)
+
+    def forward(self, batch: list[tuple[int, list[int]]], *extra: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The model's output over the batch; `extra` per-token inputs and `kwargs` go to the model's forward."""
         ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for request, tokens in batch:
             pos, slot = self._slots(request, len(tokens))
@@ -56,8 +62,7 @@ class PagedRunner:
         metadata = self.builder.build(common)
         context = ForwardContext({name: metadata for name in self.model.attention_layer_names})
         with torch.no_grad(), set_forward_context(context):
-            hidden = self.model(torch.tensor(ids), torch.cat(positions))
-            logits = self.model.compute_logits(hidden)
+            hidden = self.model(torch.tensor(ids), torch.cat(positions), *extra, **kwargs)
         for request, tokens in batch:
             self.lens[request] = self.lens.get(request, 0) + len(tokens)
-        return logits
+        return hidden

@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # The engine settings of every server here and of the offline reference.
-ENGINE = dict(dtype="float32", num_kv_blocks=256, block_size=8, max_num_seqs=64)
+ENGINE = dict(dtype="float32", num_kv_blocks=256, block_size=8, max_num_seqs=64)  # fp32: compared at round-off
 
 
 def write_tokenizer(model_dir: Path) -> None:

@@ -51,13 +51,13 @@ def assert_all_valid(outputs, specs=SPECS) -> None:
 @pytest.fixture(scope="module")
 def baseline():
     """Greedy outputs with DBO off, no prefix caching, plenty of KV blocks."""
-    outputs = generate(LLM(max_num_seqs=64, enable_prefix_caching=False))
+    outputs = generate(LLM(dtype="float32", max_num_seqs=64, enable_prefix_caching=False))
     assert_all_valid(outputs)
     return [o.outputs[0].token_ids for o in outputs]
 
 
 def test_sampled_outputs_validate():
-    assert_all_valid(generate(LLM(max_num_seqs=64), temperature=1.0, top_p=0.95))
+    assert_all_valid(generate(LLM(dtype="float32", max_num_seqs=64), temperature=1.0, top_p=0.95))
 
 
 def test_greedy_matches_naive_loop_over_transformers(baseline):
@@ -95,7 +95,7 @@ def test_same_outputs_in_every_engine_mode(baseline, mode):
         # 16 blocks of 16 tokens: all requests at once do not fit, so the newest are preempted and recomputed.
         "preemption": dict(num_kv_blocks=16, max_model_len=256, max_num_batched_tokens=256),
     }[mode]
-    llm = LLM(max_num_seqs=64, **kwargs)
+    llm = LLM(dtype="float32", max_num_seqs=64, **kwargs)
     scheduler = llm.engine.scheduler
     preempted = []
     original = scheduler._preempt
@@ -113,7 +113,7 @@ def test_same_outputs_in_every_engine_mode(baseline, mode):
 
 def test_unlikely_only_completion_still_completes():
     """No dead ends: the grammar's only path needs tokens the model would never pick."""
-    llm = LLM()
+    llm = LLM(dtype="float32")
     specs = [StructuredOutputsParams(regex=r"§¤\{QQ\}~~"), StructuredOutputsParams(json={"const": "zxq%$#&ÆØ"})]
     outputs = llm.generate([PROMPT] * 2, [SamplingParams(temperature=0, max_tokens=60, structured_outputs=s)
                                          for s in specs])
@@ -123,7 +123,7 @@ def test_unlikely_only_completion_still_completes():
 
 
 def test_json_object_and_flexible_whitespace():
-    llm = LLM()
+    llm = LLM(dtype="float32")
     tokenizer = llm.engine.tokenizer
     quote = tokenizer.encode('"', add_special_tokens=False)[0]
     close = tokenizer.encode("}", add_special_tokens=False)[0]
@@ -144,7 +144,7 @@ def test_json_object_and_flexible_whitespace():
 
 
 def test_grammar_ends_the_request_under_ignore_eos_and_samples_keep_their_own_matchers():
-    llm = LLM()
+    llm = LLM(dtype="float32")
     spec = StructuredOutputsParams(choice=["yea", "nay", "amen"])
     out = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=0, n=4, ignore_eos=True, max_tokens=20,
                                                 structured_outputs=spec))[0]
@@ -163,7 +163,7 @@ def test_grammar_ends_the_request_under_ignore_eos_and_samples_keep_their_own_ma
     (dict(grammar="root ::= undefined_rule"), 'Rule "undefined_rule" is not defined'),
 ])
 def test_bad_spec_is_a_value_error_naming_the_problem(spec, message):
-    llm = LLM()
+    llm = LLM(dtype="float32")
     with pytest.raises(ValueError, match=re.escape(message)):
         llm.generate([PROMPT], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
     assert not llm.engine.has_unfinished_requests()
@@ -193,7 +193,7 @@ def test_unknown_field_in_dict_is_refused():
 
 def test_data_parallel_ranks_constrain_their_own_requests(baseline):
     """Each rank runs the same engine path: greedy outputs equal one process's."""
-    llm = LLM(data_parallel_size=2, enable_expert_parallel=True, max_num_seqs=64, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", data_parallel_size=2, enable_expert_parallel=True, max_num_seqs=64, enable_prefix_caching=False)
     specs = SPECS[::5]
     try:
         outputs = generate(llm, specs=specs)

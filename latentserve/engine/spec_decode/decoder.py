@@ -1,0 +1,105 @@
+"""`SpecDecoder`: one speculative step after the main model's forward — verify drafts, sample, propose the next.
+
+The main model ran every scheduled token, drafts included (a decode with k+1 new tokens), and returned its hidden
+states before the final norm. Requests with drafts are verified by rejection sampling over their k+1 positions;
+the others sample their last position as without speculation. The MTP layer then runs over every kept position
+and proposes each sampling request's drafts for the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from latentserve.engine.request import Logprobs, Request
+from latentserve.engine.sampler import Sampler, SamplingMetadata
+from latentserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from latentserve.engine.spec_decode.metrics import SpecDecodingStats
+from latentserve.engine.spec_decode.mtp_proposer import DraftRequest, MTPProposer
+from latentserve.engine.spec_decode.verifier import supports_speculation, verify
+from latentserve.models.deepseek import DeepseekForCausalLM
+
+
+@dataclass
+class SpecStepOutput:
+    sampled_token_ids: list[int]  # per sampling request: its last emitted token
+    accepted_draft_ids: list[list[int]]  # per sampling request: the drafts it accepted, emitted before that token
+    logprobs: list[Logprobs | None]
+    spec_token_ids: dict[str, list[int]]  # request id -> drafts for the next step
+
+
+class SpecDecoder:
+    def __init__(
+        self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int,
+        disable_by_batch_size: int | None = None,
+    ) -> None:
+        self.model = model
+        self.proposer = proposer
+        self.disable_by_batch_size = disable_by_batch_size
+        self.k = proposer.k
+        self.max_model_len = max_model_len
+        self.sampler = Sampler()
+        self.stats = SpecDecodingStats(self.k)
+
+    def step(self, out: SchedulerOutput, hidden: torch.Tensor) -> SpecStepOutput:
+        """hidden `[num tokens, hidden]`: the main model's output before its final norm."""
+        starts, offset = [], 0
+        for s in out.scheduled:
+            starts.append(offset)
+            offset += s.num_new_tokens
+        sampling = [(s, start) for s, start in zip(out.scheduled, starts) if s.do_sample]
+        plain = [(s, start) for s, start in sampling if not s.num_drafts]
+        spec = [(s, start) for s, start in sampling if s.num_drafts]
+        emitted: dict[int, list[int]] = {}
+        logprobs: dict[int, Logprobs | None] = {}
+        if plain:
+            rows = torch.tensor([start + s.num_new_tokens - 1 for s, start in plain], device=hidden.device)
+            logits = self._logits(hidden[rows])
+            requests = [s.request for s, _ in plain]
+            sampled = self.sampler(logits, SamplingMetadata.from_requests(requests, logits.shape[-1], hidden.device))
+            for (s, _), token, entry in zip(plain, sampled.sampled_token_ids, sampled.logprobs):
+                emitted[id(s)], logprobs[id(s)] = [token], entry
+        if spec:
+            first = [start + s.num_new_tokens - s.num_drafts - 1 for s, start in spec]
+            rows = torch.cat([torch.arange(f, f + s.num_drafts + 1) for (s, _), f in zip(spec, first)])
+            logits = self._logits(hidden[rows.to(hidden.device)])
+            tokens = verify(logits, [s.request for s, _ in spec], [s.spec_token_ids for s, _ in spec], self.k)
+            for (s, _), row in zip(spec, tokens):
+                emitted[id(s)], logprobs[id(s)] = row, None
+                self.stats.observe_draft(s.num_drafts, len(row) - 1)
+        limit = self.disable_by_batch_size
+        if limit is not None and len(out.scheduled) > limit:
+            drafts: list[list[int]] = []
+        else:
+            drafts = self._propose(out.scheduled, starts, emitted, hidden)
+        return SpecStepOutput(
+            sampled_token_ids=[emitted[id(s)][-1] for s, _ in sampling],
+            accepted_draft_ids=[emitted[id(s)][:-1] for s, _ in sampling],
+            logprobs=[logprobs[id(s)] for s, _ in sampling],
+            spec_token_ids={s.request.request_id: d for s, d in zip(out.scheduled, drafts) if d},
+        )
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.model.apply_final_norm(hidden))
+
+    def _propose(
+        self, scheduled: list[ScheduledRequest], starts: list[int], emitted: dict[int, list[int]], hidden: torch.Tensor
+    ) -> list[list[int]]:
+        """The MTP over each request's kept positions: pair p holds h_p and token p+1."""
+        requests, rows = [], []
+        for s, start in zip(scheduled, starts):
+            new = emitted.get(id(s), [])
+            kept = s.num_new_tokens - s.num_drafts + max(len(new) - 1, 0)
+            tokens = s.request.all_token_ids + new
+            pos = s.num_computed_tokens
+            requests.append(DraftRequest(pos, tokens[pos + 1 : pos + 1 + kept], s.block_ids,
+                                         self._num_drafts(s.request, pos + kept) if new else 0))
+            rows.append(torch.arange(start, start + kept))
+        return self.proposer.propose(requests, hidden[torch.cat(rows).to(hidden.device)])
+
+    def _num_drafts(self, request: Request, num_computed: int) -> int:
+        """Drafts worth proposing: none for requests verification cannot serve; chained ones stay within the
+        slots the scheduler reserved (max_model_len)."""
+        if not supports_speculation(request):
+            return 0
+        return max(0, min(self.k, self.max_model_len - num_computed + 1))

@@ -1,0 +1,182 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) layer: the draft model of MTP speculative decoding.
+
+Checkpoints store it after the main layers as `model.layers.{num_hidden_layers}.*`: `enorm`, `hnorm`, `eh_proj`,
+one full decoder layer (MoE by the `first_k_dense_replace` rule), `shared_head.norm`, and optionally
+`embed_tokens` and `shared_head.head`. DeepSeek-V3 ships copies of the main model's embedding and head there;
+a checkpoint without them shares the main model's.
+
+The draft for position i+1 reads the main model's last hidden state h_i (before its final norm) and token i+1:
+`head(shared_head.norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the layer attending over the MTP's
+own paged latent KV cache at position i. Chained drafts (k > 1) feed the MTP its own output as h.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from latentserve.config import AttentionConfig
+from latentserve.forward_context import StaticForwardContext
+from latentserve.layers.linear import Linear
+from latentserve.layers.norm import RMSNorm
+from latentserve.layers.rotary import RotaryEmbedding
+from latentserve.models.config import DeepseekConfig
+from latentserve.models.deepseek import (
+    DeepseekAttention,
+    DeepseekDecoderLayer,
+    DeepseekForCausalLM,
+    _default_dtype,
+    attention_layer_name,
+)
+from latentserve.models.loader import (
+    STORED_DTYPES,
+    _materialize,
+    _parameters_on_meta,
+    checkpoint_files,
+    checkpoint_name,
+    dequantize_fp8,
+    iter_checkpoint_tensors,
+    param_name,
+)
+
+
+def mtp_prefix(config: DeepseekConfig) -> str:
+    """Checkpoint name prefix of the (first) MTP layer."""
+    return f"model.layers.{config.num_hidden_layers}."
+
+
+class SharedHead(nn.Module):
+    def __init__(self, config: DeepseekConfig, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if own_head:
+            self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class DeepseekMTPLayer(DeepseekDecoderLayer):
+    """A decoder layer plus the MTP input projection and output norm; parameter names follow the checkpoint."""
+
+    def __init__(self, config: DeepseekConfig, attention: DeepseekAttention, own_embed: bool, own_head: bool) -> None:
+        super().__init__(config, config.num_hidden_layers, attention)
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(config, own_head)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(config.vocab_size, h)
+
+
+class DeepseekMTP(nn.Module):
+    """The MTP draft model: its layer and its own static forward context (so its own KV cache)."""
+
+    def __init__(
+        self,
+        main: DeepseekForCausalLM,
+        own_embed: bool = False,
+        own_head: bool = False,
+        attn_config: AttentionConfig = AttentionConfig(),
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        config = main.config
+        if config.num_nextn_predict_layers < 1:
+            raise ValueError("config.json declares no MTP layer (num_nextn_predict_layers is 0)")
+        self.config = config
+        self.mla_config = config.mla_config
+        self.static_forward_context = StaticForwardContext()
+        idx = config.num_hidden_layers
+        self.attention_layer_names = [attention_layer_name(idx)]
+        with torch.device(device), _default_dtype(dtype):
+            self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_style)
+            attention = DeepseekAttention(
+                config, idx, self.rotary_emb, attn_config, self.static_forward_context, dtype, device
+            )
+            self.layer = DeepseekMTPLayer(config, attention, own_embed, own_head)
+        # Borrowed from the main model unless the checkpoint has the MTP's own; a tuple keeps them out of our
+        # parameters (they are loaded, and counted, once: with the main model).
+        self._shared = (
+            self.layer.embed_tokens if own_embed else main.model.embed_tokens,
+            self.layer.shared_head.head if own_head else main.lm_head,
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor) -> torch.Tensor:
+        """Token t_{i+1} `[T]`, the position i of the hidden state it pairs with `[T]`, h_i `[T, hidden]` ->
+        the layer's output `[T, hidden]` before `shared_head.norm` (the h of a chained draft)."""
+        embed, _ = self._shared
+        layer = self.layer
+        x = layer.eh_proj(torch.cat([layer.enorm(embed(input_ids)), layer.hnorm(previous_hidden)], dim=-1))
+        cos, sin = self.rotary_emb.cos_sin(positions)
+        return layer(cos, sin, x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 draft logits `[T, vocab_size]` for the tokens after the next."""
+        _, head = self._shared
+        return head(self.layer.shared_head.norm(hidden)).float()
+
+
+def _checkpoint_names(model_dir: Path, prefix: str) -> set[str]:
+    names: set[str] = set()
+    for file in checkpoint_files(model_dir):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(name for name in f.keys() if name.startswith(prefix))
+    return names
+
+
+def _copy_weights(mtp: DeepseekMTP, prefix: str, tensors) -> None:
+    """Strict about names, dtypes and shapes, like the main loader."""
+    targets = {prefix + name: p for name, p in mtp.layer.state_dict(keep_vars=True).items()}
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        target = targets.get(param_name(name))
+        if target is None:
+            raise ValueError(f"unexpected tensor {name!r} in the checkpoint's MTP layer")
+        if tensor.dtype not in STORED_DTYPES:
+            raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16")
+        if tensor.shape != target.shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the MTP layer expects "
+                             f"{tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.add(param_name(name))
+    missing = sorted(checkpoint_name(n) for n in set(targets) - loaded)
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint's MTP layer is missing tensor(s) {shown}{more}")
+
+
+def load_mtp(
+    path: str | Path,
+    main: DeepseekForCausalLM,
+    attn_config: AttentionConfig = AttentionConfig(),
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> DeepseekMTP:
+    """The MTP layer of the checkpoint at `path`, whose main model is `main`; refuses a checkpoint without one.
+    An FP8 checkpoint's layer is dequantized as the main model's is; int8/int4 quantization leaves it alone."""
+    model_dir = Path(path)
+    config = main.config
+    if config.num_nextn_predict_layers < 1:
+        raise ValueError(f"{model_dir}/config.json declares no MTP layer (num_nextn_predict_layers is 0): "
+                         "this checkpoint cannot draft with method 'mtp'")
+    prefix = mtp_prefix(config)
+    names = _checkpoint_names(model_dir, prefix)
+    if not names:
+        raise ValueError(f"{model_dir}/config.json declares num_nextn_predict_layers="
+                         f"{config.num_nextn_predict_layers} but the checkpoint has no '{prefix}*' tensors: "
+                         "its MTP weights are missing")
+    with _parameters_on_meta():
+        mtp = DeepseekMTP(main, prefix + "embed_tokens.weight" in names, prefix + "shared_head.head.weight" in names,
+                          attn_config, dtype, device)
+    _materialize(mtp, device, set())
+    tensors = iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix))
+    if config.quantization is not None:  # DeepSeek's FP8 checkpoints store the MTP layer in FP8 too
+        tensors = dequantize_fp8(tensors, config.quantization)
+    _copy_weights(mtp, prefix, tensors)
+    for layer in mtp.static_forward_context.values():
+        layer.process_weights_after_loading()
+    return mtp.eval()

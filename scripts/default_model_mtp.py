@@ -1,0 +1,200 @@
+"""The multi-token-prediction (MTP) stage of `train_default_model.py`: one MTP layer over a frozen main model.
+
+DeepSeek-V3 report, section 2.2: for position i the MTP module combines the main model's last hidden state h_i
+(before its final norm) with the embedding of token i+1, `eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])`, runs one
+decoder layer over that sequence (causal attention, its own KV), and predicts t_{i+2} through the shared output
+head after its own norm (`shared_head.norm`). The loss is `lambda * mean_i CE(t_{i+2})` (one MTP depth).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    DeepseekV3DecoderLayer,
+    DeepseekV3RMSNorm,
+    DeepseekV3TopkRouter,
+)
+
+
+class MTPLayer(nn.Module):
+    """One MTP module; embedding and output head are borrowed from the main model at call time."""
+
+    def __init__(self, cfg, layer_idx: int) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm = DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.hnorm = DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = DeepseekV3DecoderLayer(cfg, layer_idx)  # MoE by first_k_dense_replace, as DeepSeek builds it
+        self.shared_head_norm = DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
+
+    def forward(self, main, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """hidden `[B, S, H]` (h_0..h_{S-1}), next_ids `[B, S]` (t_1..t_S) -> logits `[B, S, V]` for t_2..t_{S+1}."""
+        x = self.eh_proj(torch.cat([self.enorm(main.model.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
+        n = x.shape[1]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = self.block(x, attention_mask=mask, position_ids=positions,
+                       position_embeddings=main.model.rotary_emb(x, positions))
+        return main.lm_head(self.shared_head_norm(x))
+
+
+def new_mtp_layer(main) -> MTPLayer:
+    """An MTP layer whose decoder block starts as a copy of the main model's last layer (same shapes: both MoE)."""
+    cfg = main.config
+    mtp = MTPLayer(cfg, cfg.num_hidden_layers)
+    mtp.block.load_state_dict(main.model.layers[-1].state_dict())
+    mtp.shared_head_norm.weight.data.copy_(main.model.norm.weight.data)
+    nn.init.normal_(mtp.eh_proj.weight, std=cfg.initializer_range)
+    return mtp
+
+
+@torch.no_grad()
+def main_hidden(main, ids: torch.Tensor) -> torch.Tensor:
+    """The main model's last hidden states before its final norm, `[B, S, H]`."""
+    captured = []
+    handle = main.model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        main.model(input_ids=ids)
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def mtp_loss(main, mtp: MTPLayer, window: torch.Tensor) -> torch.Tensor:
+    """Mean CE of t_{i+2} over a `[B, S+1]` window: main sees t_0..t_{S-1}; MTP position i gets (h_i, t_{i+1})."""
+    hidden = main_hidden(main, window[:, :-1])
+    logits = mtp(main, hidden[:, :-1], window[:, 1:-1])
+    return F.cross_entropy(logits.flatten(0, 1), window[:, 2:].flatten())
+
+
+def _lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
+    if progress < warmup:
+        return peak * progress / warmup
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup)))))
+
+
+def train_mtp(main, mtp: MTPLayer, stream, args, gen, random_batch, balancer_cls) -> dict:
+    """AdamW on the MTP layer only; `lambda * CE` is the V3 report's MTP loss (main frozen, so lambda scales it)."""
+    main.eval()
+    for p in main.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(mtp.parameters(), lr=args.mtp_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    balancer = balancer_cls(mtp, rate=1e-3)
+    budget_s = args.mtp_time_budget_min * 60
+    start, recent, step = time.time(), [], 0
+    mtp.train()
+    while step < args.mtp_steps and time.time() - start < budget_s:
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step / args.mtp_steps, args.mtp_lr)
+        ce = mtp_loss(main, mtp, random_batch(stream, args.batch_size, args.seq_len, gen))
+        (args.mtp_loss_weight * ce).backward()
+        torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        imbalance = balancer.step()
+        step += 1
+        recent = (recent + [ce.item()])[-50:]
+        if step % args.log_every == 0 or step == 1:
+            print(f"mtp step {step:5d}  ce {ce.item():.3f}  avg50 {sum(recent) / len(recent):.3f}  "
+                  f"max/mean expert load {imbalance:.2f}  elapsed {time.time() - start:6.0f}s", flush=True)
+    ended_by = "" if step == args.mtp_steps else " (the time budget ended training)"
+    return {"mtp_steps": step, "mtp_wall_s": time.time() - start, "mtp_final_ce": sum(recent) / len(recent),
+            "mtp_ended_by": ended_by}
+
+
+@torch.no_grad()
+def eval_mtp(main, mtp: MTPLayer, stream: torch.Tensor, seq_len: int) -> dict:
+    """Held-out MTP CE, and how often the MTP's argmax for t_{i+2} equals the main model's (teacher-forced)."""
+    mtp.eval()
+    windows = stream[: stream.numel() // (seq_len + 1) * (seq_len + 1)].view(-1, seq_len + 1)
+    ce, agree, count = 0.0, 0, 0
+    for w in windows:
+        w = w[None]
+        hidden = main_hidden(main, w[:, :-1])
+        draft = mtp(main, hidden[:, :-1], w[:, 1:-1])
+        target = main.lm_head(main.model.norm(hidden[:, 1:]))  # main's prediction of t_{i+2} from t_0..t_{i+1}
+        ce += F.cross_entropy(draft[0], w[0, 2:], reduction="sum").item()
+        agree += int((draft.argmax(-1) == target.argmax(-1)).sum())
+        count += draft.shape[1]
+    mtp.train()
+    return {"mtp_val_ce": ce / count, "mtp_val_agreement": agree / count}
+
+
+def mtp_state_dict(mtp: MTPLayer, layer_idx: int) -> dict[str, torch.Tensor]:
+    """Checkpoint names and layout (per-expert tensors, as DeepSeek stores them); bf16 except the router."""
+    prefix = f"model.layers.{layer_idx}."
+    out = {prefix + "enorm.weight": mtp.enorm.weight, prefix + "hnorm.weight": mtp.hnorm.weight,
+           prefix + "eh_proj.weight": mtp.eh_proj.weight,
+           prefix + "shared_head.norm.weight": mtp.shared_head_norm.weight}
+    for name, tensor in mtp.block.state_dict().items():
+        if name == "mlp.experts.gate_up_proj":
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up
+        elif name == "mlp.experts.down_proj":
+            for e, down in enumerate(tensor):
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = down
+        else:
+            out[prefix + name] = tensor
+    router = (f"{prefix}mlp.gate.weight", f"{prefix}mlp.gate.e_score_correction_bias")
+    return {k: v.detach().to(torch.float32 if k in router else torch.bfloat16).contiguous() for k, v in out.items()}
+
+
+def save_mtp(mtp: MTPLayer, layer_idx: int, out_dir: Path) -> float:
+    """Add (or replace) the MTP tensors in `model.safetensors` and declare the layer in config.json; returns the
+    MTP tensors' size in MB."""
+    weights_path = out_dir / "model.safetensors"
+    prefix = f"model.layers.{layer_idx}."
+    tensors = {k: v for k, v in load_file(weights_path).items() if not k.startswith(prefix)}
+    tensors.update(mtp_state_dict(mtp, layer_idx))
+    save_file(tensors, weights_path, metadata={"format": "pt"})
+    weights_path.chmod(0o644)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return sum(t.numel() * t.element_size() for k, t in tensors.items() if k.startswith(prefix)) / 1e6
+
+
+MTP_HEADING = "## MTP layer"
+
+
+def write_mtp_report(out_dir: Path, args, stats: dict, command: str) -> None:
+    """Replace (or append) the MTP section at the end of TRAINING.md."""
+    path = out_dir / "TRAINING.md"
+    text = path.read_text() if path.is_file() else ""
+    text = text.split("\n" + MTP_HEADING)[0].rstrip("\n") + "\n"
+    s = stats
+    tokens = s["mtp_steps"] * args.batch_size * args.seq_len
+    path.write_text(text + f"""
+{MTP_HEADING}
+One multi-token-prediction module (DeepSeek-V3 report, section 2.2), for speculative decoding:
+`model.layers.{s['layer_idx']}.*` holds `enorm`, `hnorm`, `eh_proj` (over `[enorm(embed(t_(i+1))); hnorm(h_i)]`),
+one decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
+`embed_tokens` or `shared_head.head` of its own: it uses the main model's embedding and `lm_head` (DeepSeek-V3
+shares them too), so tokens appended to the vocabulary later reach both. {s['mtp_params']:,} parameters of its own
+(bf16, router in fp32), {s['mtp_mb']:.1f} MB of `model.safetensors` ({s['file_mb']:.1f} MB in all).
+
+Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss `lambda * CE(t_(i+2))` with
+lambda {args.mtp_loss_weight:g} (the report's value for its first 10T tokens; with the main model frozen it only
+scales the gradient). The decoder layer started as a copy of the main model's last layer, `shared_head.norm` as
+its final norm. AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine, one
+thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
+({tokens:,} tokens), wall time {s['mtp_wall_s'] / 60:.1f} min. Final training CE (mean of the last 50 steps)
+{s['mtp_final_ce']:.3f}; held-out CE {s['mtp_val_ce']:.3f} (the main model's next-token loss there:
+{s['main_val_loss']:.3f}). On the held-out chapters, teacher-forced, the MTP's argmax for t_(i+2) equals the main
+model's in {100 * s['mtp_val_agreement']:.1f} % of positions (the greedy acceptance rate of the first draft token).
+
+```
+{command}
+```
+""")
