@@ -34,7 +34,7 @@ from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend  # noqa
 from latentserve.attention.metadata import CommonAttentionMetadata, MLADecodeMetadata  # noqa: E402
 from latentserve.engine.input_buffers import InputBuffers  # noqa: E402
 from latentserve.engine.model_runner import ModelRunnerOutput  # noqa: E402
-from latentserve.engine.scheduler import ScheduledRequest, SchedulerOutput  # noqa: E402
+from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
 from latentserve.layers.linear import linear  # noqa: E402
 
 V2_LITE = dict(

@@ -4,7 +4,8 @@ from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
 from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.engine.request import Request, RequestStatus
 from latentserve.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, compute_prompt_logprobs
-from latentserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from latentserve.engine.scheduler import Scheduler, SchedulerConfig
+from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 __all__ = [
     "BlockManager",

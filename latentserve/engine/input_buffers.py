@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from latentserve.attention.metadata import CommonAttentionMetadata
-from latentserve.engine.scheduler import SchedulerOutput
+from latentserve.engine.scheduler_output import SchedulerOutput
 
 
 @dataclass

@@ -14,7 +14,7 @@ from latentserve.distributed.parallel_state import DPGroup
 from latentserve.engine.input_buffers import InputBuffers
 from latentserve.engine.request import Logprobs
 from latentserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
-from latentserve.engine.scheduler import SchedulerOutput
+from latentserve.engine.scheduler_output import SchedulerOutput
 from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.ubatch.dbo import run_forward

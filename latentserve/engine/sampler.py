@@ -204,7 +204,8 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def random_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """What a sampled row draws from, given its processed logits: temperature, min-p, top-k, top-p, softmax."""
         logits = logits / metadata.temperature.unsqueeze(-1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
@@ -212,7 +213,11 @@ class Sampler:
             logits = apply_top_k(logits, metadata.top_k)
         if metadata.top_p is not None:
             logits = apply_top_p(logits, metadata.top_p)
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    @classmethod
+    def _sample_random(cls, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        probs = cls.random_probs(logits, metadata)
         # argmax(p / E) with E ~ Exp(1) samples from p (the exponential race), without a device sync.
         noise = _exponential_noise(probs.shape, metadata.generators, probs.device)
         return (probs / noise).argmax(dim=-1)

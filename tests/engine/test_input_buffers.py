@@ -4,7 +4,7 @@ import random
 import torch
 
 from latentserve.engine.input_buffers import InputBuffers
-from latentserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 def _step(rng: random.Random, num_reqs: int, max_ctx: int, block_size: int = 4) -> SchedulerOutput:

@@ -13,7 +13,7 @@ import torch
 
 from latentserve.engine.request import Logprobs, Request
 from latentserve.engine.sampler import Sampler, SamplingMetadata
-from latentserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import DraftRequest, MTPProposer
 from latentserve.engine.spec_decode.verifier import supports_speculation, verify

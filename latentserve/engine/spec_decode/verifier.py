@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from latentserve.engine.logits_processors import apply_min_p
 from latentserve.engine.request import Request
-from latentserve.engine.sampler import Sampler, SamplingMetadata, apply_top_k, apply_top_p
+from latentserve.engine.sampler import Sampler, SamplingMetadata
 from latentserve.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from latentserve.sampling_params import SamplingParams
 
@@ -28,14 +27,7 @@ def target_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         logits = Sampler.process_logits(logits.clone(), metadata)
     if metadata.all_greedy:
         return logits
-    logits = logits / metadata.temperature.unsqueeze(-1)
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p)
-    if metadata.top_k is not None:
-        logits = apply_top_k(logits, metadata.top_k)
-    if metadata.top_p is not None:
-        logits = apply_top_p(logits, metadata.top_p)
-    return logits.softmax(-1)
+    return Sampler.random_probs(logits, metadata)
 
 
 def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]], k: int) -> list[list[int]]:
