@@ -299,6 +299,7 @@ class LLMEngine:
             vocab_size = self.model.config.vocab_size
             if any(t >= vocab_size for ids in request.bad_words_token_ids for t in ids):
                 raise ValueError(f"bad_words {params.bad_words!r} tokenize to ids outside the vocabulary (size {vocab_size})")
+        _check_something_to_sample(request)
         return request
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -334,3 +335,17 @@ class LLMEngine:
             result.spec_token_ids,
         )
         return request_outputs(updated)
+
+
+def _check_something_to_sample(request: Request) -> None:
+    """Refuse a request whose first token has no candidate: every allowed id banned by a one-token bad word or,
+    until min_tokens, as a stop token (the sampler would otherwise draw from an all -inf row)."""
+    params = request.sampling_params
+    if params.allowed_token_ids is None:
+        return
+    banned = set(request.banned_token_ids()) | {ids[0] for ids in request.bad_words_token_ids if len(ids) == 1}
+    if banned.issuperset(params.allowed_token_ids):
+        raise ValueError(
+            f"allowed_token_ids {params.allowed_token_ids} are all banned at the first token (bad_words, or stop "
+            f"tokens before min_tokens={params.min_tokens}): nothing could be sampled"
+        )
