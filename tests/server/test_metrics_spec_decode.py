@@ -1,13 +1,17 @@
 """/metrics with speculative decoding and structured outputs: vLLM's spec-decode counters equal the engine's own
 acceptance totals after greedy requests through a live server on the embedded model (which has an MTP layer), and are
 absent without speculation; structured-output requests are counted by kind."""
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.engine.llm import LLM
+from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.server.async_engine import _spec_decoding_stats
+from latentserve.server.metrics import Metrics
 from tests.server.conftest import MODEL_NAME, LiveServer
 
 PROMPTS = ["In the beginning", "And God said", "The sons of Noah", "And it came to pass"]
@@ -81,8 +85,8 @@ def test_data_parallel_ranks_are_summed():
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     server = LiveServer(DEFAULT_MODEL_DIR, engine=llm.engine)
     try:
-        for prompt in PROMPTS:
-            complete(server.url, prompt)
+        with ThreadPoolExecutor(2) as pool:  # two at once: one on each rank
+            list(pool.map(lambda prompt: complete(server.url, prompt, max_tokens=12), PROMPTS[:2]))
         server.wait_idle()
         samples = scrape(server.url)
         ranks = llm.dp_engine.collective_rpc(_spec_decoding_stats)
@@ -97,3 +101,18 @@ def test_data_parallel_ranks_are_summed():
     finally:
         server.stop()
         llm.shutdown()
+
+
+def test_vllm_prefix_gives_vllms_exact_names():
+    stats = SpecDecodingStats(num_spec_tokens=3)
+    for drafted, accepted in ((3, 3), (3, 1), (2, 0), (3, 2)):
+        stats.observe_draft(drafted, accepted)
+    metrics = Metrics(lambda: {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}, "m", "vllm", lambda: stats)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    m = (("model_name", "m"),)
+    assert samples[("vllm:spec_decode_num_drafts_total", m)] == 4
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", m)] == 11
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", m)] == 6
+    assert [samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", m + (("position", str(p)),))]
+            for p in range(3)] == [3, 2, 1]
