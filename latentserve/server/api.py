@@ -15,17 +15,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from latentserve.server.async_engine import AsyncLLMEngine, Engine
-from latentserve.server.protocol import (
-    ChatCompletionRequest,
+from latentserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from latentserve.server.protocol_responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )

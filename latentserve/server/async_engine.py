@@ -8,6 +8,7 @@ behind may skip to the newest one and lose nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from latentserve.distributed.dp_engine import rank_load
 from latentserve.engine.llm import DPLLMEngine
 from latentserve.engine.llm_engine import LLMEngine
 from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.metrics import Metrics
 
@@ -102,6 +104,26 @@ def engine_load(engine: Engine) -> dict[str, float]:
             "kv_cache_usage": sum(load.kv_cache_usage for load in loads) / len(loads)}
 
 
+def _spec_decoding_stats(engine: LLMEngine) -> SpecDecodingStats | None:
+    stats = engine.spec_decoding_stats
+    return dataclasses.replace(stats, num_accepted_tokens_per_pos=list(stats.num_accepted_tokens_per_pos),
+                               num_drafts_per_pos=list(stats.num_drafts_per_pos)) if stats is not None else None
+
+
+def engine_spec_decoding_stats(engine: Engine) -> SpecDecodingStats | None:
+    """A copy of the engine's speculative-decoding totals, summed over data-parallel ranks; None when it is off."""
+    if not isinstance(engine, DPLLMEngine):
+        return _spec_decoding_stats(engine)
+    ranks = [s for s in engine.dp_engine.collective_rpc(_spec_decoding_stats) if s is not None]
+    if not ranks:
+        return None
+    return SpecDecodingStats(
+        ranks[0].num_spec_tokens, sum(s.num_drafts for s in ranks), sum(s.num_draft_tokens for s in ranks),
+        sum(s.num_accepted_tokens for s in ranks),
+        [sum(pos) for pos in zip(*(s.num_accepted_tokens_per_pos for s in ranks))],
+        [sum(pos) for pos in zip(*(s.num_drafts_per_pos for s in ranks))])
+
+
 class AsyncLLMEngine:
     """Drives an `LLMEngine`, or a `DPLLMEngine` over data-parallel ranks, through its per-step surface."""
 
@@ -110,7 +132,9 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.seats = engine_seats(engine)
-        self.metrics = Metrics(self._gauges, model_name, metrics_prefix)
+        # Refreshed by the engine thread after each step: ranks are only reachable from it, and a copy is consistent.
+        self.spec_decoding_stats = engine_spec_decoding_stats(engine)
+        self.metrics = Metrics(self._gauges, model_name, metrics_prefix, lambda: self.spec_decoding_stats)
         self._ops: deque[_Add | str] = deque()  # a request to add, or the id of one to abort
         self._streams: dict[str, RequestStream] = {}
         self._timings: dict[str, _Timing] = {}  # engine thread only: requests added and not finished
@@ -180,7 +204,10 @@ class AsyncLLMEngine:
                     self._wakeup.wait()
                     self._wakeup.clear()  # before the next _apply_ops: an op queued after this wakes us again
                     continue
-                self._dispatch(self.engine.step())
+                outputs = self.engine.step()
+                if self.spec_decoding_stats is not None:  # before the outputs: a client sees its step counted
+                    self.spec_decoding_stats = engine_spec_decoding_stats(self.engine)
+                self._dispatch(outputs)
         except BaseException as e:  # the engine's state is unknown now: fail every request and refuse new ones
             logger.exception("engine step failed")
             self.error = e
@@ -205,6 +232,8 @@ class AsyncLLMEngine:
             self._close(op.request_id).put(e)
             return
         num_prompt_tokens = len(op.prompt) if isinstance(op.prompt, list) else 0  # a text prompt's: at its output
+        if op.params.structured_outputs is not None:
+            self.metrics.observe_structured(op.params.structured_outputs.kind)
         self._timings[op.request_id] = _Timing(op.arrival, num_prompt_tokens, op.params)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -3,7 +3,7 @@ tool calls found by the request's tool plan."""
 from __future__ import annotations
 
 from latentserve.engine.reasoning import ReasoningParser
-from latentserve.server.protocol import AssistantMessage, DeltaMessage
+from latentserve.server.protocol_responses import AssistantMessage, DeltaMessage
 from latentserve.server.tool_parsers import ToolParser
 from latentserve.server.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall, \
     random_tool_call_id

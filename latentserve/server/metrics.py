@@ -2,15 +2,19 @@
 
 Names are `<prefix>:<vLLM's name>`: the default prefix `latentserve`, or `vllm` for the exact names vLLM exports, so
 that dashboards and alerts written for vLLM work unchanged. Only the front-end process records (data-parallel ranks
-hand their outputs back to it), so one process-local registry sees every request.
+hand their outputs back to it), so one process-local registry sees every request. Speculative decoding's counters are
+the engine's own totals (summed over data-parallel ranks), read when scraped.
 """
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from latentserve.engine.spec_decode.metrics import SpecDecodingStats
+from latentserve.structured_params import _KINDS as STRUCTURED_KINDS
 
 PREFIX = "latentserve"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -39,10 +43,37 @@ class _Gauges(Collector):
             yield family
 
 
+class _SpecDecode(Collector):
+    """vLLM's spec-decode counters from the engine's acceptance totals; absent when speculation is off."""
+
+    def __init__(self, prefix: str, model_name: str, read: Callable[[], SpecDecodingStats | None]) -> None:
+        self.prefix, self.model_name, self.read = prefix, model_name, read
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.read()
+        if stats is None:
+            return
+        p, m = self.prefix, self.model_name
+        for name, help_text, value in (
+                ("spec_decode_num_drafts", "Speculative drafts (one request's draft tokens of one step).",
+                 stats.num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens)):
+            family = CounterMetricFamily(f"{p}:{name}", help_text, labels=["model_name"])
+            family.add_metric([m], value)
+            yield family
+        family = CounterMetricFamily(f"{p}:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.", labels=["model_name", "position"])
+        for pos, value in enumerate(stats.num_accepted_tokens_per_pos):
+            family.add_metric([m, str(pos)], value)
+        yield family
+
+
 class Metrics:
     """Counters and histograms the engine thread records; gauges read live from the scheduler when scraped."""
 
-    def __init__(self, gauges: Callable[[], dict[str, float]], model_name: str = "", prefix: str = PREFIX) -> None:
+    def __init__(self, gauges: Callable[[], dict[str, float]], model_name: str = "", prefix: str = PREFIX,
+                 spec_decoding_stats: Callable[[], SpecDecodingStats | None] = lambda: None) -> None:
         disable_created_metrics()  # as vLLM: no `_created` series next to each counter and histogram
         self.registry = CollectorRegistry()
         self.model_name = model_name
@@ -72,11 +103,21 @@ class Metrics:
                                   registry=r)
         self.params_max_tokens = Histogram(f"{p}:request_params_max_tokens", "The max_tokens of finished requests.",
                                            labels, buckets=TOKEN_BUCKETS, registry=r)
+        # Not a vLLM metric (vLLM exports none for structured outputs): requests by the kind of constraint they asked for.
+        self.structured_requests = Counter(f"{p}:structured_output_requests", "Requests with structured outputs, by kind.",
+                                           labels + ["kind"], registry=r)
+        for kind in STRUCTURED_KINDS:
+            self.structured_requests.labels(model_name, kind)
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
                        self.ttft, self.itl, self.e2e, self.request_prompt_tokens, self.request_generation_tokens,
                        self.params_n, self.params_max_tokens):
             metric.labels(model_name)  # exported from the start, at zero
         self.registry.register(_Gauges(prefix, model_name, gauges))
+        self.registry.register(_SpecDecode(prefix, model_name, spec_decoding_stats))
+
+    def observe_structured(self, kind: str) -> None:
+        """A request with structured outputs of this kind was admitted."""
+        self.structured_requests.labels(self.model_name, kind).inc()
 
     def observe_tokens(self, num_new: int, first: bool, seconds: float) -> None:
         """`num_new` tokens of one request arrived `seconds` after its arrival (first) or its previous token."""

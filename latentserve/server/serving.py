@@ -16,15 +16,8 @@ from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from latentserve.server.protocol import (
-    ChatMessage,
-    ErrorInfo,
-    ErrorResponse,
-    PromptLogprob,
-    PromptLogprobs,
-    SamplingRequest,
-    UsageInfo,
-)
+from latentserve.server.protocol import ChatMessage, SamplingRequest
+from latentserve.server.protocol_responses import ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs, UsageInfo
 from latentserve.server.structured_outputs import SpecError, requested_structured_outputs
 
 Prompt = str | list[int]

@@ -12,18 +12,17 @@ from latentserve.engine.request import Logprobs
 from latentserve.engine.structured.backend import build_grammar
 from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
 from latentserve.server.chat_output import ChatOutput
-from latentserve.server.protocol import (
+from latentserve.server.protocol import ChatCompletionRequest, random_id
+from latentserve.server.protocol_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
     UsageInfo,
-    random_id,
 )
 from latentserve.server.serving import OpenAIError, Serving, sampling_params, top_entries, usage
 from latentserve.server.tool_parsers import ToolParser

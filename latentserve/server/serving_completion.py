@@ -7,14 +7,8 @@ from fastapi.responses import Response, StreamingResponse
 from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.server.async_engine import RequestStream
-from latentserve.server.protocol import (
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
-    random_id,
-)
+from latentserve.server.protocol import CompletionRequest, random_id
+from latentserve.server.protocol_responses import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
 from latentserve.server.serving import Serving, sampling_params, top_entries, usage
 
 

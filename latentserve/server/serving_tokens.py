@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
-from latentserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from latentserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from latentserve.server.protocol_responses import DetokenizeResponse, TokenizeResponse
 from latentserve.server.serving import OpenAIError, Serving, encode
 
 
