@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -20,10 +20,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True
 
     def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             named = ", ".join(given) if given else "none"
-            raise ValueError(f"structured_outputs needs exactly one of {', '.join(_KINDS)}; got {named}")
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS)}; got {named}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {type(self.json).__name__}")
         if self.json_object not in (None, True, False):
@@ -45,7 +45,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple[str, str, bool]:
         """Identifies the compiled grammar: equal keys share one compilation."""

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
-from latentserve.structured_params import _KINDS as STRUCTURED_KINDS
+from latentserve.structured_params import KINDS as STRUCTURED_KINDS
 
 PREFIX = "latentserve"
 FINISH_REASONS = ("stop", "length", "abort", "error")
