@@ -53,6 +53,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+def run(command: list[str]) -> str:
+    """stdout of `command`; on failure, exit naming the command with the end of what it printed."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        sys.exit(f"{Path(command[0]).name} {' '.join(command[1:3])} ... failed ({done.returncode}):\n{tail}")
+    return done.stdout
+
+
 def convert_source(checkpoint: Path, work: Path) -> Path:
     """The checkpoint's files plus the embedded model's tokenizer, linked into one directory for the converter
     (ids past the tokenizer's 4096 become padding tokens); the checkpoint itself is left as it is."""
@@ -69,25 +78,22 @@ def make_ggufs(checkpoint: Path, work: Path, src: Path, build: Path, types: list
     """F32 GGUF by llama.cpp's converter, the other types by llama-quantize from it; existing files are reused."""
     f32 = work / "model-F32.gguf"
     if not f32.is_file():
-        subprocess.run([sys.executable, "-c", CONVERT, str(src), str(convert_source(checkpoint, work)),
-                        "--outtype", "f32", "--outfile", str(f32)], check=True)
+        run([sys.executable, "-c", CONVERT, str(src), str(convert_source(checkpoint, work)), "--outtype", "f32",
+             "--outfile", str(f32)])
     files = {"F32": f32}
     for name in types:
         if name == "F32":
             continue
         files[name] = work / f"model-{name}.gguf"
         if not files[name].is_file():
-            subprocess.run([str(build / "bin" / "llama-quantize"), str(f32), str(files[name]), name], check=True,
-                           capture_output=True)
+            run([str(build / "bin" / "llama-quantize"), str(f32), str(files[name]), name])
     return files
 
 
 def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int, repeats: int) -> dict:
     """llama-bench's mean tok/s for a `prefill`-token prompt and `decode` batch-1 generated tokens."""
-    run = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prefill),
-                          "-n", str(decode), "-r", str(repeats), "-o", "json"], check=True, capture_output=True,
-                         text=True)
-    rows = json.loads(run.stdout)
+    rows = json.loads(run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prefill),
+                           "-n", str(decode), "-r", str(repeats), "-o", "json"]))
     return {"prefill_tok_s": next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"]),
             "decode_b1_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"]),
             "size_gb": rows[0]["model_size"] / 1e9}
@@ -110,9 +116,12 @@ print(json.dumps(worker(Path(sys.argv[2]), settings, int(sys.argv[5]), int(sys.a
 def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode: int) -> dict:
     """One format in its own process: load, fastest batch-1 decode step, best of 2 prefills of `prefill` tokens."""
     root = Path(__file__).resolve().parent.parent
-    run = subprocess.run([sys.executable, "-c", WORKER, str(root), str(checkpoint), name, str(threads), str(decode),
-                          str(prefill)], check=True, capture_output=True, text=True)
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), name, str(threads), str(decode), str(prefill)])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -128,14 +137,18 @@ def main() -> None:
                         "latentserve's decode steps")
     parser.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions")
     args = parser.parse_args()
+    if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
+        parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
+    missing = [t for t in ("llama-bench", "llama-quantize") if not (args.llama_build / "bin" / t).is_file()]
+    if missing:
+        parser.error(f"--llama-build {args.llama_build} has no bin/{', bin/'.join(missing)} (build them first)")
     checkpoint = args.dir or Path(f"/tmp/latentserve-v2lite-{args.layers}l")
     if not (checkpoint / "model.safetensors.index.json").is_file():
         write_checkpoint(checkpoint, args.layers)
     work = args.gguf_dir or checkpoint.with_name(checkpoint.name + "-gguf")
     ggufs = make_ggufs(checkpoint, work, args.llama_src, args.llama_build, sorted({t for _, t in PAIRS}))
-    load = os.getloadavg()
     print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load_average()}")
     theirs = {name: llama_bench(args.llama_build, path, args.threads, args.prefill_len, args.decode_len, args.repeats)
               for name, path in ggufs.items()}
     ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len) for name, _ in PAIRS}
@@ -146,8 +159,7 @@ def main() -> None:
                  for k in ("decode_b1_tok_s", "prefill_tok_s")]
         print(f"| {name} ({ours[name]['dtype']}) | {kind} ({theirs[kind]['size_gb']:.2f} GB) | " + " | ".join(cells)
               + " |")
-    load = os.getloadavg()
-    print(f"load average after: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":
