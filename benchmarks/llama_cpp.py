@@ -1,0 +1,166 @@
+"""latentserve beside llama.cpp on one DeepSeek-V2-Lite-shaped checkpoint: batch-1 decode and 512-token prefill
+tok/s per format, and the ratios the weights issue targets (int8 vs Q8_0, int4 vs Q4_K_M, auto vs F32 prefill).
+
+llama.cpp is not a dependency; build its two tools once, CPU only, outside the repository. Its source is vendored
+in the llama-cpp-python sdist on PyPI:
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llsrc && tar xzf /tmp/llsrc/*.tar.gz -C /tmp/llsrc
+    cmake -S /tmp/llsrc/llama_cpp_python-*/vendor/llama.cpp -B /tmp/llbuild -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+    cmake --build /tmp/llbuild -j2 --target llama-bench llama-quantize      (~15-20 min on 2 cores)
+The converter (vendor/llama.cpp/convert_hf_to_gguf.py) uses the gguf-py next to it and transformers from our venv.
+Run: `.venv/bin/python benchmarks/llama_cpp.py --llama-src /tmp/llsrc/llama_cpp_python-*/vendor/llama.cpp
+--llama-build /tmp/llbuild [--layers 2] [--threads 2]`. The checkpoint is benchmarks/weights.py's; the GGUF files
+go to --gguf-dir (a few GB; never inside the repository).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.weights import write_checkpoint  # noqa: E402
+from latentserve.layers.quant.cpu import auto_dtype, cpu_features  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parent.parent / "latentserve" / "assets" / "default_model"
+# Which latentserve format each llama.cpp type is compared with (the issue's targets).
+PAIRS = (("fp32", "F32"), ("auto", "F32"), ("int8", "Q8_0"), ("int4", "Q4_K_M"))
+
+# Two patches to the converter. It refuses a tokenizer whose pre-tokenizer hash it does not know; tokens do not
+# matter to llama-bench (it feeds random ids), so the embedded model's byte-level BPE is declared plain GPT-2.
+# It writes no q_lora_rank when the config's is null (V2-Lite's), and llama.cpp then requires one unless the model
+# has V2-Lite's 27 layers; 0 is how llama.cpp says "no q LoRA".
+CONVERT = """
+import runpy, sys
+src = sys.argv[1]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base, conversion.deepseek
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+model = conversion.deepseek.DeepseekV2Model
+set_parameters = model.set_gguf_parameters
+def set_gguf_parameters(self):
+    set_parameters(self)
+    if self.hparams.get("q_lora_rank") is None:
+        self.gguf_writer.add_q_lora_rank(0)
+model.set_gguf_parameters = set_gguf_parameters
+sys.argv = [src + "/convert_hf_to_gguf.py"] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run(command: list[str]) -> str:
+    """stdout of `command`; on failure, exit naming the command with the end of what it printed."""
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        sys.exit(f"{Path(command[0]).name} {' '.join(command[1:3])} ... failed ({done.returncode}):\n{tail}")
+    return done.stdout
+
+
+def convert_source(checkpoint: Path, work: Path) -> Path:
+    """The checkpoint's files plus the embedded model's tokenizer, linked into one directory for the converter
+    (ids past the tokenizer's 4096 become padding tokens); the checkpoint itself is left as it is."""
+    source = work / "hf"
+    source.mkdir(parents=True, exist_ok=True)
+    for f in [*checkpoint.iterdir(), ASSETS / "tokenizer.json", ASSETS / "tokenizer_config.json"]:
+        link = source / f.name
+        if not link.exists():
+            link.symlink_to(f.resolve())
+    return source
+
+
+def make_ggufs(checkpoint: Path, work: Path, src: Path, build: Path, types: list[str]) -> dict[str, Path]:
+    """F32 GGUF by llama.cpp's converter, the other types by llama-quantize from it; existing files are reused."""
+    f32 = work / "model-F32.gguf"
+    if not f32.is_file():
+        run([sys.executable, "-c", CONVERT, str(src), str(convert_source(checkpoint, work)), "--outtype", "f32",
+             "--outfile", str(f32)])
+    files = {"F32": f32}
+    for name in types:
+        if name == "F32":
+            continue
+        files[name] = work / f"model-{name}.gguf"
+        if not files[name].is_file():
+            run([str(build / "bin" / "llama-quantize"), str(f32), str(files[name]), name])
+    return files
+
+
+def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int, repeats: int) -> dict:
+    """llama-bench's mean tok/s for a `prefill`-token prompt and `decode` batch-1 generated tokens."""
+    rows = json.loads(run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prefill),
+                           "-n", str(decode), "-r", str(repeats), "-o", "json"]))
+    return {"prefill_tok_s": next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"]),
+            "decode_b1_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"]),
+            "size_gb": rows[0]["model_size"] / 1e9}
+
+
+# benchmarks/weights.py's worker, with prefix caching off: its prefill is timed on one prompt run twice, and the
+# second run would otherwise compute only the prompt's last block.
+WORKER = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from pathlib import Path
+from benchmarks.weights import FORMATS, worker
+torch.set_num_threads(int(sys.argv[4]))
+settings = {**FORMATS[sys.argv[3]], "enable_prefix_caching": False}
+print(json.dumps(worker(Path(sys.argv[2]), settings, int(sys.argv[5]), int(sys.argv[6]))))
+"""
+
+
+def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode: int) -> dict:
+    """One format in its own process: load, fastest batch-1 decode step, best of 2 prefills of `prefill` tokens."""
+    root = Path(__file__).resolve().parent.parent
+    out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), name, str(threads), str(decode), str(prefill)])
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-src", type=Path, required=True, help="llama.cpp source (has convert_hf_to_gguf.py)")
+    parser.add_argument("--llama-build", type=Path, required=True, help="build dir with bin/llama-bench, -quantize")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (V2-Lite: 27)")
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (written if missing)")
+    parser.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF files go (reused if present)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--decode-len", type=int, default=32, help="llama.cpp's tokens per decode run; "
+                        "latentserve's decode steps")
+    parser.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions")
+    args = parser.parse_args()
+    if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
+        parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
+    missing = [t for t in ("llama-bench", "llama-quantize") if not (args.llama_build / "bin" / t).is_file()]
+    if missing:
+        parser.error(f"--llama-build {args.llama_build} has no bin/{', bin/'.join(missing)} (build them first)")
+    checkpoint = args.dir or Path(f"/tmp/latentserve-v2lite-{args.layers}l")
+    if not (checkpoint / "model.safetensors.index.json").is_file():
+        write_checkpoint(checkpoint, args.layers)
+    work = args.gguf_dir or checkpoint.with_name(checkpoint.name + "-gguf")
+    ggufs = make_ggufs(checkpoint, work, args.llama_src, args.llama_build, sorted({t for _, t in PAIRS}))
+    print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load_average()}")
+    theirs = {name: llama_bench(args.llama_build, path, args.threads, args.prefill_len, args.decode_len, args.repeats)
+              for name, path in ggufs.items()}
+    ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len) for name, _ in PAIRS}
+    print("| latentserve | llama.cpp | decode b1 tok/s (ours / theirs = ratio) | "
+          f"prefill {args.prefill_len} tok/s (ours / theirs = ratio) |\n|---|---|---|---|")
+    for name, kind in PAIRS:
+        cells = [f"{ours[name][k]:.1f} / {theirs[kind][k]:.1f} = {ours[name][k] / theirs[kind][k]:.2f}x"
+                 for k in ("decode_b1_tok_s", "prefill_tok_s")]
+        print(f"| {name} ({ours[name]['dtype']}) | {kind} ({theirs[kind]['size_gb']:.2f} GB) | " + " | ".join(cells)
+              + " |")
+    print(f"load average after: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
