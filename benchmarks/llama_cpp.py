@@ -99,8 +99,7 @@ def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int
             "size_gb": rows[0]["model_size"] / 1e9}
 
 
-# benchmarks/weights.py's worker, with prefix caching off: its prefill is timed on one prompt run twice, and the
-# second run would otherwise compute only the prompt's last block.
+# benchmarks/weights.py's worker in a process of its own, with `threads` torch threads.
 WORKER = """
 import json, sys
 import torch
@@ -108,8 +107,7 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from benchmarks.weights import FORMATS, worker
 torch.set_num_threads(int(sys.argv[4]))
-settings = {**FORMATS[sys.argv[3]], "enable_prefix_caching": False}
-print(json.dumps(worker(Path(sys.argv[2]), settings, int(sys.argv[5]), int(sys.argv[6]))))
+print(json.dumps(worker(Path(sys.argv[2]), FORMATS[sys.argv[3]], int(sys.argv[5]), int(sys.argv[6]))))
 """
 
 

@@ -72,8 +72,9 @@ def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> d
     from latentserve import LLM, SamplingParams
 
     start = time.perf_counter()
+    # No prefix caching: the prefill below runs the same prompt each repeat and must compute all of it.
     llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
-              max_num_batched_tokens=prefill_len, **settings)
+              max_num_batched_tokens=prefill_len, enable_prefix_caching=False, **settings)
     result = dict(load_s=time.perf_counter() - start, peak_rss_gb=rss("VmHWM") / 1e9,
                   dtype=str(llm.engine.model.lm_head.weight.dtype).removeprefix("torch."))
     engine = llm.engine
