@@ -97,10 +97,17 @@ def test_selector_prefers_paged_on_cpu_only():
     assert PagedMQADecodeBackend.validate_configuration("cuda", CFG)
 
 
+@pytest.fixture(params=[1, 8], ids=["batched", "in_place"])
+def in_place_requests(request, monkeypatch):
+    """Batches of more than this many requests take the batched path; 8 reads every test batch in place."""
+    monkeypatch.setattr(PagedMQADecodeBackend, "max_in_place_requests", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["contiguous", "fragmented", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("query_len", [1, 3])
-def test_paged_matches_naive_fp32(kind, block_size, query_len):
+def test_paged_matches_naive_fp32(kind, block_size, query_len, in_place_requests):
     contexts = [5, 70, 200, 1, 131]
     requests = [Request(c, query_len) for c in contexts]
     config = AttentionConfig(block_size=block_size, decode_threshold=query_len, decode_backend="PAGED")
@@ -116,7 +123,8 @@ def test_paged_matches_naive_fp32(kind, block_size, query_len):
     assert (out - ref).abs().max().item() <= 1e-5
 
 
-def test_plan_is_made_once_per_step_and_shared_by_layers():
+def test_plan_is_made_once_per_step_and_shared_by_layers(monkeypatch):
+    monkeypatch.setattr(PagedMQADecodeBackend, "max_in_place_requests", 2)
     config = AttentionConfig(block_size=16, decode_backend="PAGED")
     layer, builder, cache = setup(config, 40)
     batch = make_batch_with_layout([Request(150, 1), Request(30, 1)], cache, 16, "contiguous")
@@ -136,7 +144,7 @@ def test_plan_is_made_once_per_step_and_shared_by_layers():
 
 @pytest.mark.parametrize("kind", ["contiguous", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_paged_in_low_and_full_precision_against_reference_backend(kind, dtype):
+def test_paged_in_low_and_full_precision_against_reference_backend(kind, dtype, in_place_requests):
     """The backend alone on q and cache in `dtype`, against the fp32 REFERENCE on the same values."""
     config = AttentionConfig(block_size=16, decode_threshold=2, decode_backend="PAGED")
     requests = [Request(300, 1), Request(64, 2), Request(9, 1), Request(150, 2)]
@@ -153,7 +161,7 @@ def test_paged_in_low_and_full_precision_against_reference_backend(kind, dtype):
     assert (out.float() - ref).abs().max().item() <= tolerance
 
 
-def test_half_precision_cache_under_full_precision_queries():
+def test_half_precision_cache_under_full_precision_queries(in_place_requests):
     """A bf16 cache read by fp32 queries: views are cast on the fly; the reference sees the same rounded latents."""
     config = AttentionConfig(block_size=16, decode_backend="PAGED")
     requests = [Request(150, 1), Request(20, 1), Request(90, 1)]
@@ -163,3 +171,22 @@ def test_half_precision_cache_under_full_precision_queries():
     ref = naive_mla(layer, batch, torch.bfloat16)
     assert out.dtype == torch.float32 and not torch.isnan(out).any()
     assert (out - ref).abs().max().item() <= 2e-2
+
+
+def test_only_a_lone_request_is_read_in_place():
+    config = AttentionConfig(block_size=16, decode_backend="PAGED")
+    layer, builder, cache = setup(config, 40)
+    backend = layer.decode_backend
+    assert backend.max_in_place_requests == 1
+    batch = make_batch_with_layout([Request(150, 1), Request(140, 1)], cache, 16, "contiguous", write_new=True)
+    md = builder.build(batch.common).decode
+    q = torch.randn(2, MLA.num_heads, MLA.kv_cache_dim)
+    out = backend.forward(q, cache, md)
+    plan = md.backend_plan
+    # Both go through TORCH, which plans on its own copy of the metadata and leaves PAGED's plan in place.
+    assert plan.query_ranges == [] and plan.gathered is not md and plan.gathered.backend_plan is not None
+    assert not out.isnan().any() and backend.forward(q, cache, md).equal(out) and md.backend_plan is plan
+    lone = make_batch_with_layout([Request(150, 1)], cache, 16, "contiguous")
+    lone_md = builder.build(lone.common).decode
+    backend.forward(q[:1], cache, lone_md)
+    assert lone_md.backend_plan.query_ranges == [(0, 1)] and lone_md.backend_plan.gathered is None
