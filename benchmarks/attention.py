@@ -2,12 +2,16 @@
 
 Decode also reports the bytes/s it achieves reading the latent cache, as a ratio of the copy
 bandwidth measured in the same run. DeepSeek-V2-Lite head dims (16 heads, L=512, R=64, P=V=128).
-Run: `.venv/bin/python benchmarks/attention.py [--quick]`.
+`--decode-backends` times the decode backends alone (no layer around them) in bf16 and fp32 on the
+engine's block layout, calls alternating, CPU time of this thread (other tenants of a busy machine
+only add wall time): what the decode selector's choices rest on.
+Run: `.venv/bin/python benchmarks/attention.py [--quick] [--decode-backends]`.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -16,10 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import best_time, copy_bandwidth  # noqa: E402
 from latentserve.attention.builder import MLAMetadataBuilder  # noqa: E402
+from latentserve.attention.decode.registry import MLADecodeBackendEnum  # noqa: E402
 from latentserve.attention.kv_cache import allocate_kv_caches, slots_for_positions  # noqa: E402
-from latentserve.attention.metadata import CommonAttentionMetadata  # noqa: E402
+from latentserve.attention.metadata import CommonAttentionMetadata, MLADecodeMetadata  # noqa: E402
 from latentserve.attention.mla import MLAAttention  # noqa: E402
 from latentserve.config import AttentionConfig, MLAConfig  # noqa: E402
+from latentserve.engine.cpu_malloc import keep_freed_memory  # noqa: E402
 from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context  # noqa: E402
 
 MLA = MLAConfig(num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
@@ -81,12 +87,72 @@ def bench_decode(cases: list[tuple[int, int]], bandwidth: float) -> None:
               f"| {rate / 1e9:.2f} | {rate / bandwidth:.0%} |")
 
 
+def engine_layout(batch: int, context: int, block_size: int = 16) -> torch.Tensor:
+    """Block table as the engine leaves it after a few batches: each request's context in one run of blocks,
+    its newest block apart from it (allocated after the other requests' runs)."""
+    seq_len = context + 1
+    blocks, run = -(-seq_len // block_size), context // block_size
+    table = torch.empty(batch, blocks, dtype=torch.int32)
+    for r in range(batch):
+        table[r, :run] = torch.arange(r * run, (r + 1) * run)
+        table[r, run:] = torch.arange(batch * run + r * (blocks - run), batch * run + (r + 1) * (blocks - run))
+    return table
+
+
+def bench_decode_backends(cases: list[tuple[int, int]], layers: int = 8, repeats: int = 9) -> None:
+    """Each decode backend alone over `layers` layers, each with its own cache (V3-94M dims), ms."""
+    keep_freed_memory()  # as the engine does: gather buffers reuse warm pages
+    heads, latent, rope = 16, 256, 32
+    names = ["TORCH", "PAGED", "PAGED in place", "REFERENCE"]
+    print(f"\n## Decode backends alone: {heads} heads x ({latent} + {rope}), block 16, {layers} layers, ms "
+          f"(thread CPU time, fastest of {repeats}); REFERENCE (a per-token loop) up to 8 x 512 only")
+    print("| dtype | batch | context | " + " | ".join(names) + " | TORCH vs PAGED in place |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for batch, context in cases:
+            table = engine_layout(batch, context)
+            # One cache per layer, as in the model: a layer's latents are not in the CPU cache when it runs.
+            caches = [torch.randn(int(table.max()) + 1, 16, latent + rope, generator=g).to(dtype) for _ in range(layers)]
+            q = torch.randn(batch, heads, latent + rope, generator=g).to(dtype)
+            backends = {n: MLADecodeBackendEnum.lookup(n.split()[0]).get_class()(heads, 0.1, latent, rope) for n in names}
+            backends["PAGED in place"].max_in_place_requests = batch  # what PAGED did with every batch before
+            if batch * context > 8 * 512:
+                del backends["REFERENCE"]
+
+            def run(backend) -> float:
+                start = time.thread_time()
+                md = MLADecodeMetadata(table, torch.full((batch,), context + 1, dtype=torch.int32),
+                                       torch.arange(batch + 1, dtype=torch.int32), 1, context + 1)
+                for cache in caches:  # the first layer makes the step's plan, the others reuse it
+                    backend.forward(q, cache, md)
+                return time.thread_time() - start
+
+            times = {n: [] for n in backends}
+            for i in range(repeats + 1):
+                for n, b in backends.items():
+                    t = run(b)
+                    if i:
+                        times[n].append(t)
+            best = {n: min(t) * 1e3 for n, t in times.items()}
+            cells = " | ".join(f"{best[n]:.2f}" if n in best else "−" for n in names)
+            print(f"| {str(dtype).removeprefix('torch.')} | {batch} | {context} | {cells} | "
+                  f"{best['PAGED in place'] / best['TORCH']:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
+    parser.add_argument("--decode-backends", action="store_true", help="only the decode backends alone")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.decode_backends:
+        torch.set_num_threads(1)  # the thread's CPU time is then the backends'
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.decode_backends:
+        cases = [(1, 64), (4, 64)] if args.quick else [(1, 512), (8, 512), (32, 512), (1, 4096), (2, 4096), (8, 4096)]
+        bench_decode_backends(cases, repeats=2 if args.quick else 9)
+        return
     if args.quick:
         bench_prefill([(1, 128)])
         bench_decode([(4, 512)], copy_bandwidth(64 << 20))
