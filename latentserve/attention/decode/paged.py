@@ -152,13 +152,17 @@ class PagedMQADecodeBackend(MLADecodeBackend):
             block_size, self.min_run_tokens)
         if made_alike:
             return plan
+        if metadata.seq_lens.shape[0] > self.max_in_place_requests:
+            # All batched, under a copy of the metadata whose backend_plan slot TORCH fills without evicting this.
+            plan = PagedPlan(block_size, self.min_run_tokens, [], [], replace(metadata, backend_plan=None), None)
+            metadata.backend_plan = plan
+            return plan
         qsl = metadata.query_start_loc.tolist()
         seq_lens = metadata.seq_lens.tolist()
         table = metadata.block_table.tolist()
-        in_place = len(seq_lens) <= self.max_in_place_requests
         ranges, pieces, batched = [], [], []
         for r, seq_len in enumerate(seq_lens):
-            request_pieces = plan_pieces(table[r], seq_len, block_size, self.min_run_tokens) if in_place else []
+            request_pieces = plan_pieces(table[r], seq_len, block_size, self.min_run_tokens)
             if any(p.block_ids is None for p in request_pieces):
                 ranges.append((qsl[r], qsl[r + 1]))
                 pieces.append(request_pieces)
@@ -167,7 +171,7 @@ class PagedMQADecodeBackend(MLADecodeBackend):
         gathered = tokens = None
         if batched and ranges:
             gathered, tokens = _sub_metadata(metadata, batched, qsl)
-        elif batched:  # all of them: a copy whose backend_plan slot TORCH may fill without evicting this plan
+        elif batched:  # a copy for TORCH to plan on, as above
             gathered = replace(metadata, backend_plan=None)
         plan = PagedPlan(block_size, self.min_run_tokens, ranges, pieces, gathered, tokens)
         metadata.backend_plan = plan
