@@ -97,7 +97,9 @@ def select_experts(
         weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
 
 
 class Router(nn.Module):
@@ -114,7 +116,7 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 
@@ -228,7 +230,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[1]
-        flat_ids = ids.flatten() - self.first
+        flat_ids = ids.flatten() - self.first if self.first else ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // top_k
         # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
@@ -238,4 +240,4 @@ class StackedExperts(nn.Module):
         y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
         y = y * weights.flatten().index_select(0, order)[:, None]
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
-        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
