@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.forward_context import dbo_yield
-from latentserve.layers.linear import Linear
+from latentserve.layers.linear import Linear, linear
 from latentserve.layers.mlp import GatedMLP
 
+# At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
+PER_EXPERT_MAX_PAIRS = 64
 # scoring function -> the top-k methods DeepSeek pairs with it
 TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 
@@ -233,11 +235,33 @@ class StackedExperts(nn.Module):
         flat_ids = ids.flatten() - self.first if self.first else ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // top_k
-        # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
-        offs = torch.bincount(flat_ids, minlength=len(self.w13)).cumsum(0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(x.index_select(0, tokens), self.w13.transpose(1, 2), offs=offs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        counts = torch.bincount(flat_ids, minlength=len(self.w13))
+        rows = x.index_select(0, tokens)
+        if per_expert_wins(x, len(flat_ids)):
+            y = self._per_expert(rows, counts.tolist())
+        else:
+            # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
+            offs = counts.cumsum(0, dtype=torch.int32)
+            gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
         y = y * weights.flatten().index_select(0, order)[:, None]
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
         return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
+
+    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The sorted rows through their experts with `linear`, one expert with tokens at a time."""
+        out = rows.new_empty(rows.shape[0], self.w2.shape[1])
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                gate, up = linear(rows[start : start + count], self.w13[expert]).chunk(2, dim=-1)
+                out[start : start + count] = linear(F.silu(gate) * up, self.w2[expert])
+                start += count
+        return out
+
+
+def per_expert_wins(x: torch.Tensor, num_pairs: int) -> bool:
+    """Whether a few (token, expert) pairs run faster expert by expert through `linear` than in `_grouped_mm`: on a
+    CPU with several threads (there `_grouped_mm` measured 1.6-10x slower up to 64 pairs, faster from 256; see
+    benchmarks/RESULTS.md); on one thread the two are even, and the grouped call makes fewer dispatches."""
+    return x.device.type == "cpu" and num_pairs <= PER_EXPERT_MAX_PAIRS and torch.get_num_threads() > 1
