@@ -2,8 +2,9 @@
 batch-1 decode tok/s after a `--context`-token prompt, fp32 on both sides, same thread count.
 
 llama.cpp: `llama-bench -p 0 -n N -d CONTEXT` (mean over N generated tokens after a CONTEXT-token prompt; its KV
-cache in its default F16: llama-bench offers no F32 cache). latentserve: its engine on one request of CONTEXT random tokens, prefilled
-for real, then N decode steps (scheduler, runner, model, sampler), in a process of its own; mean and fastest step.
+cache in its default F16: llama-bench offers no F32 cache). latentserve: its engine on one request of CONTEXT random
+tokens, prefilled for real, then N decode steps (scheduler, runner, model, sampler), in a process of its own; mean
+and fastest step.
 The two alternate `--rounds` times. Build llama.cpp as `benchmarks/llama_cpp.py` says; the GGUF is written once by
 its patched converter.
 Run: `.venv/bin/python benchmarks/llama_cpp_v3.py --llama-src <sdist>/vendor/llama.cpp --llama-build /tmp/llbuild`.
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.llama_cpp import CONVERT, convert_source, load_average, run  # noqa: E402
 from benchmarks.vs_transformers import FULL, make_checkpoint  # noqa: E402
 
-# The engine in a process of its own: argv = root, checkpoint, threads, context, decode steps, extra LLM kwargs.
+# The engine in a process of its own: argv = root, checkpoint, threads, context, decode steps.
 WORKER = """
 import json, sys, time
 import torch
@@ -30,7 +31,7 @@ from latentserve import LLM, SamplingParams
 torch.set_num_threads(int(sys.argv[3]))
 context, steps = int(sys.argv[4]), int(sys.argv[5])
 llm = LLM(model=sys.argv[2], dtype="float32", max_num_seqs=1, max_model_len=context + steps + 8,
-          enable_prefix_caching=False, **json.loads(sys.argv[6]))
+          enable_prefix_caching=False)
 engine = llm.engine
 prompt = torch.randint(0, engine.model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
 engine.add_request(prompt.tolist(), SamplingParams(max_tokens=steps + 1, ignore_eos=True, temperature=0.0))
@@ -51,10 +52,9 @@ def llama_bench(build: Path, gguf: Path, threads: int, context: int, decode: int
     return rows[0]["avg_ts"]
 
 
-def latentserve(checkpoint: Path, threads: int, context: int, decode: int, llm_kwargs: dict) -> dict:
+def latentserve(checkpoint: Path, threads: int, context: int, decode: int) -> dict:
     root = Path(__file__).resolve().parent.parent
-    out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), str(threads), str(context), str(decode),
-               json.dumps(llm_kwargs)])
+    out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), str(threads), str(context), str(decode)])
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -69,7 +69,6 @@ def main() -> None:
     parser.add_argument("--decode-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions per round")
     parser.add_argument("--rounds", type=int, default=2, help="llama.cpp and latentserve alternately, this often")
-    parser.add_argument("--compile", action="store_true", help="latentserve with torch.compile (enforce_eager=False)")
     args = parser.parse_args()
     if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
         parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
@@ -83,14 +82,13 @@ def main() -> None:
     if not gguf.is_file():
         run([sys.executable, "-c", CONVERT, str(args.llama_src), str(convert_source(args.dir, work)), "--outtype",
              "f32", "--outfile", str(gguf)])
-    llm_kwargs = {"enforce_eager": False} if args.compile else {}
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.threads} threads; batch 1 after "
           f"{args.context} tokens; load average {load_average()}")
     print(f"| round | llama.cpp F32 tok/s (mean of {args.decode_len}) | latentserve fp32 tok/s mean (fastest step) "
           "| ratio (mean) |\n|---|---|---|---|")
     for i in range(args.rounds):
         theirs = llama_bench(args.llama_build, gguf, args.threads, args.context, args.decode_len, args.repeats)
-        ours = latentserve(args.dir, args.threads, args.context, args.decode_len, llm_kwargs)
+        ours = latentserve(args.dir, args.threads, args.context, args.decode_len)
         mean = 1 / ours["mean_s"]
         print(f"| {i + 1} | {theirs:.1f} | {mean:.1f} ({1 / ours['min_s']:.1f}) | {mean / theirs:.2f}x |", flush=True)
     print(f"load average after: {load_average()}")

@@ -203,12 +203,19 @@ class StackedExperts(nn.Module):
     """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
     `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them)."""
 
-    def __init__(self, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor) -> None:
         super().__init__()
         self.first = first
         # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
         self.register_buffer("w13", w13, persistent=False)  # [E, 2I, H]: gate rows, then up rows
-        self.register_buffer("w2", w2, persistent=False)  # [E, H, I]
+        # [E, I, H]: down projections stored transposed. A product of a few rows with [H, I] reads rows of I
+        # (short: 384-2048) at about half the memory bandwidth of one with [I, H] (2x faster at batch 1).
+        self.register_buffer("w2t", w2t, persistent=False)
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """The down projections as the checkpoint has them, [E, H, I] (a view)."""
+        return self.w2t.transpose(1, 2)
 
     @classmethod
     def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None) -> StackedExperts | None:
@@ -221,14 +228,14 @@ class StackedExperts(nn.Module):
         hidden, inter = like.shape
         device = like.device if device is None else device
         w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
-        w2 = torch.empty(len(local), hidden, inter, dtype=like.dtype, device=device)
+        w2t = torch.empty(len(local), inter, hidden, dtype=like.dtype, device=device)
         for k, (_, e) in enumerate(local):
-            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2[k])):
+            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2t[k].t())):
                 if not layer.weight.is_meta:
                     with torch.no_grad():
                         view.copy_(layer.weight)
                 layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
-        return cls(local[0][0], w13, w2)
+        return cls(local[0][0], w13, w2t)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[1]
@@ -243,7 +250,7 @@ class StackedExperts(nn.Module):
             # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
             offs = counts.cumsum(0, dtype=torch.int32)
             gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+            y = torch._grouped_mm(F.silu(gate) * up, self.w2t, offs=offs)
         y = y * weights.flatten().index_select(0, order)[:, None]
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
         return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
@@ -255,7 +262,7 @@ class StackedExperts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 gate, up = linear(rows[start : start + count], self.w13[expert]).chunk(2, dim=-1)
-                out[start : start + count] = linear(F.silu(gate) * up, self.w2[expert])
+                out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t())
                 start += count
         return out
 
