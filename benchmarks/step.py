@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,8 +62,16 @@ def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
     return min(times)
 
 
-def decode_gemms(c: dict, batch: int) -> list[Gemm]:
-    """The weight GEMMs of one decode step of `batch` tokens (absorbed attention, even expert shares)."""
+@dataclass(frozen=True)
+class StepGemm(Gemm):
+    """A GEMM whose weight is stored `[k, n]` (x @ W) instead of `[n, k]` (x @ Wᵀ) when `transposed`."""
+
+    transposed: bool = False
+
+
+def decode_gemms(c: dict, batch: int, down_transposed: bool = False) -> list[Gemm]:
+    """The weight GEMMs of one decode step of `batch` tokens (absorbed attention, even expert shares); the routed
+    experts' down projections stored transposed where the engine keeps them so."""
     h, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
     nope, rope, v, lat = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     q_out = heads * (nope + rope)
@@ -76,7 +85,7 @@ def decode_gemms(c: dict, batch: int) -> list[Gemm]:
     share = -(-batch * top_k // active)
     shared = inter * c["n_shared_experts"]
     moe = [Gemm(batch, h, experts), Gemm(batch, h, shared, 2), Gemm(batch, shared, h),
-           Gemm(share, h, inter, 2 * active), Gemm(share, inter, h, active)]
+           Gemm(share, h, inter, 2 * active), StepGemm(share, inter, h, active, down_transposed)]
     num_dense = c["first_k_dense_replace"]
     return attn * layers + dense * num_dense + moe * (layers - num_dense) + [Gemm(batch, h, c["vocab_size"])]
 
@@ -92,6 +101,9 @@ def time_streamed_gemms(gemms: list[Gemm], dtype: torch.dtype) -> float:
             if g.count > 1 and g.k * g.n < 1 << 16:  # the per-head absorbed matrices: one bmm
                 ops.append((torch.bmm, torch.randn(g.count, g.rows, g.k, dtype=dtype),
                             torch.randn(g.count, g.k, g.n, dtype=dtype)))
+            elif getattr(g, "transposed", False):
+                ops += [(torch.mm, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype))
+                        for _ in range(g.count)]
             else:
                 ops += [(linear, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype))
                         for _ in range(g.count)]
@@ -184,7 +196,8 @@ def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str
     for request_id in ids:
         engine.abort_request(request_id)
     # The fastest step, like every other figure here: other tenants of the machine only ever slow one down.
-    gemms = time_streamed_gemms(decode_gemms(c, batch), engine.model.lm_head.weight.dtype)
+    down_transposed = any(hasattr(m, "w2t") for m in engine.model.modules())  # StackedExperts' layout
+    gemms = time_streamed_gemms(decode_gemms(c, batch, down_transposed), engine.model.lm_head.weight.dtype)
     return dict(step=min(times), gemms=gemms, attention=attention,
                 attention_torch=attention_torch)
 
