@@ -9,8 +9,11 @@ written straight into the KV cache (random latents) instead of being prefilled: 
 would take minutes here and changes nothing in a decode step.
 Models: the ~94M-parameter DeepSeek-V3-shaped config of `benchmarks/vs_transformers.py`, and a
 DeepSeek-V2-Lite-shaped one cut to 2 layers (one dense, one with 64 routed experts top-6) and a 32k vocab.
-Each case is measured `--repeats` times and each figure's fastest counts.
-Run: `.venv/bin/python benchmarks/step.py [--quick] [--threads 2] [--models v3-94m v2-lite]`.
+Each case is measured `--repeats` times and each figure's fastest counts. The model runs at `--dtype` (default
+float32, the precision llama.cpp's F32 runs; the GEMMs alone at the same dtype). `--clock cpu` times everything by
+the calling thread's CPU time instead of wall time (1 torch thread only): on a shared machine it leaves out the
+time the process waits descheduled, which wall time charges to whichever op was running.
+Run: `.venv/bin/python benchmarks/step.py [--quick] [--threads 2] [--models v3-94m v2-lite] [--clock cpu]`.
 """
 from __future__ import annotations
 
@@ -20,13 +23,13 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import best_time  # noqa: E402
 from benchmarks.vs_transformers import FULL, QUICK, Gemm, make_checkpoint  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
 from latentserve.attention.decode.paged import PagedMQADecodeBackend  # noqa: E402
@@ -44,10 +47,31 @@ V2_LITE = dict(
     n_group=1, topk_group=1, first_k_dense_replace=1, max_position_embeddings=8192,
 )
 STREAM_BYTES = 512 << 20
+clock = time.perf_counter  # or time.thread_time under --clock cpu
 
 
-def decode_gemms(c: dict, batch: int) -> list[Gemm]:
-    """The weight GEMMs of one decode step of `batch` tokens (absorbed attention, even expert shares)."""
+def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
+    """Fastest of `repeats` runs of `fn` by `clock`, in seconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return min(times)
+
+
+@dataclass(frozen=True)
+class StepGemm(Gemm):
+    """A GEMM whose weight is stored `[k, n]` (x @ W) instead of `[n, k]` (x @ Wᵀ) when `transposed`."""
+
+    transposed: bool = False
+
+
+def decode_gemms(c: dict, batch: int, down_transposed: bool = False) -> list[Gemm]:
+    """The weight GEMMs of one decode step of `batch` tokens (absorbed attention, even expert shares); the routed
+    experts' down projections stored transposed where the engine keeps them so."""
     h, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
     nope, rope, v, lat = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     q_out = heads * (nope + rope)
@@ -61,23 +85,28 @@ def decode_gemms(c: dict, batch: int) -> list[Gemm]:
     share = -(-batch * top_k // active)
     shared = inter * c["n_shared_experts"]
     moe = [Gemm(batch, h, experts), Gemm(batch, h, shared, 2), Gemm(batch, shared, h),
-           Gemm(share, h, inter, 2 * active), Gemm(share, inter, h, active)]
+           Gemm(share, h, inter, 2 * active), StepGemm(share, inter, h, active, down_transposed)]
     num_dense = c["first_k_dense_replace"]
     return attn * layers + dense * num_dense + moe * (layers - num_dense) + [Gemm(batch, h, c["vocab_size"])]
 
 
-def time_streamed_gemms(gemms: list[Gemm]) -> float:
-    """Seconds for every GEMM once, weights cycled over enough copies that none is in cache when used."""
-    step_bytes = sum(g.weight_bytes for g in gemms)
+def time_streamed_gemms(gemms: list[Gemm], dtype: torch.dtype) -> float:
+    """Seconds for every GEMM once at `dtype`, weights cycled over enough copies that none is in cache when used."""
+    step_bytes = sum(g.weight_bytes for g in gemms) * dtype.itemsize // 4
     copies = max(2, -(-STREAM_BYTES // step_bytes))
     sets = []
     for _ in range(copies):
         ops = []
         for g in gemms:
             if g.count > 1 and g.k * g.n < 1 << 16:  # the per-head absorbed matrices: one bmm
-                ops.append((torch.bmm, torch.randn(g.count, g.rows, g.k), torch.randn(g.count, g.k, g.n)))
+                ops.append((torch.bmm, torch.randn(g.count, g.rows, g.k, dtype=dtype),
+                            torch.randn(g.count, g.k, g.n, dtype=dtype)))
+            elif getattr(g, "transposed", False):
+                ops += [(torch.mm, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype))
+                        for _ in range(g.count)]
             else:
-                ops += [(linear, torch.randn(g.rows, g.k), torch.randn(g.n, g.k)) for _ in range(g.count)]
+                ops += [(linear, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype))
+                        for _ in range(g.count)]
         sets.append(ops)
     cycle = itertools.cycle(sets)
 
@@ -136,16 +165,16 @@ def time_attention(llm: LLM, repeats: int = 7) -> tuple[float, float]:
     common = decode_metadata(llm)
     layers = list(engine.model.static_forward_context.values())
     m = engine.model.mla_config
-    q = torch.randn(common.num_reqs, m.num_heads, m.kv_cache_dim)
+    q = torch.randn(common.num_reqs, m.num_heads, m.kv_cache_dim, dtype=layers[0].kv_cache.dtype)
     torch_backends = [TorchMQADecodeBackend(m.num_heads, layer.scale, m.kv_lora_rank, m.qk_rope_head_dim)
                       for layer in layers]
 
     def run(backends) -> float:
-        start = time.perf_counter()
+        start = clock()
         md = builder.build(common).decode  # fresh each time, as in a step
         for layer, backend in zip(layers, backends):
             backend.forward(q, layer.kv_cache, md)
-        return time.perf_counter() - start
+        return clock() - start
 
     ours = [layer.decode_backend for layer in layers]
     run(ours), run(torch_backends)
@@ -158,16 +187,18 @@ def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str
     ids = fill_contexts(llm, batch, context)
     times = []
     for i in range(steps):
-        start = time.perf_counter()
+        start = clock()
         engine.step()
         if i >= 2:  # the first steps after a batch change pay one-time costs
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
     assert len(engine.scheduler.running) == batch
     attention, attention_torch = time_attention(llm)
     for request_id in ids:
         engine.abort_request(request_id)
     # The fastest step, like every other figure here: other tenants of the machine only ever slow one down.
-    return dict(step=min(times), gemms=time_streamed_gemms(decode_gemms(c, batch)), attention=attention,
+    down_transposed = any(hasattr(m, "w2t") for m in engine.model.modules())  # StackedExperts' layout
+    gemms = time_streamed_gemms(decode_gemms(c, batch, down_transposed), engine.model.lm_head.weight.dtype)
+    return dict(step=min(times), gemms=gemms, attention=attention,
                 attention_torch=attention_torch)
 
 
@@ -237,7 +268,8 @@ def cpu_description() -> str:
 
 
 def run_model(
-    name: str, c: dict, batches: list[int], contexts: list[int], steps: int, block_size: int, repeats: int
+    name: str, c: dict, batches: list[int], contexts: list[int], steps: int, block_size: int, repeats: int,
+    dtype: str = "float32",
 ) -> None:
     max_len = max(contexts) + 64  # room for the steps and the early requests' decodes while others fill
     blocks = max(batches) * -(-max_len // block_size) + 8
@@ -245,10 +277,11 @@ def run_model(
     with tempfile.TemporaryDirectory() as tmp:
         make_checkpoint(Path(tmp), c)
         llm = LLM(model=tmp, max_num_seqs=max(batches), max_model_len=max_len, num_kv_blocks=blocks,
-                  block_size=block_size, enable_prefix_caching=False, max_num_batched_tokens=8192)
+                  block_size=block_size, enable_prefix_caching=False, max_num_batched_tokens=8192, dtype=dtype)
     backend = type(next(iter(llm.engine.model.static_forward_context.values())).decode_backend).get_name()
     print(f"\n## {name}: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, {c['n_routed_experts']} "
-          f"experts top-{c['num_experts_per_tok']}; decode backend {backend}; load {os.getloadavg()[0]:.2f}")
+          f"experts top-{c['num_experts_per_tok']}; {dtype}; decode backend {backend}; {clock.__name__}; "
+          f"load {os.getloadavg()[0]:.2f}")
     print("| batch | context | step ms | tok/s | weight GEMMs ms (streamed) | attention ms | remainder ms "
           "| GEMMs | attention | remainder | attention TORCH ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -274,7 +307,15 @@ def main() -> None:
                         help="only PAGED against TORCH on a synthetic cache (V3 and V2-Lite head dims)")
     parser.add_argument("--repeats", type=int, default=2, help="measurements of each case; each figure's fastest "
                                                                "counts (default 2)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="cpu: the thread's CPU time (needs --threads 1)")
     args = parser.parse_args()
+    if args.clock == "cpu":
+        if args.threads != 1:
+            parser.error("--clock cpu needs --threads 1 (other threads' work is not the calling thread's time)")
+        global clock
+        clock = time.thread_time
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.steps < 4:
@@ -285,13 +326,13 @@ def main() -> None:
         return
     if args.quick:
         print_input_preparation([1, 4], [32, 64])
-        run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16, args.repeats)
+        run_model("quick V3-shaped", QUICK, [1, 4], [32, 64], args.steps, 16, args.repeats, args.dtype)
         return
     print_input_preparation(args.batches, args.contexts)
     models = {"v3-94m": ("DeepSeek-V3-shaped ~94M (vs_transformers FULL)", FULL),
               "v2-lite": ("V2-Lite-shaped", V2_LITE)}
     for key in args.models:
-        run_model(*models[key], args.batches, args.contexts, args.steps, 16, args.repeats)
+        run_model(*models[key], args.batches, args.contexts, args.steps, 16, args.repeats, args.dtype)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,7 @@ class MLAAttention(nn.Module):
 
     def _forward_decode(self, q: torch.Tensor, md: MLADecodeMetadata) -> torch.Tensor:
         q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("tnp,npl->tnl", q_nope, self.W_UK_T)
+        # Per-head products as bmm over [N, T, *] views: what einsum would run, without its parsing per call.
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)
         o_latent = self.decode_backend.forward(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, md)
-        return torch.einsum("tnl,nlv->tnv", o_latent, self.W_UV)
+        return torch.bmm(o_latent.transpose(0, 1), self.W_UV).transpose(0, 1)

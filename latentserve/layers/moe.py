@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.forward_context import dbo_yield
-from latentserve.layers.linear import Linear
+from latentserve.layers.linear import Linear, linear
 from latentserve.layers.mlp import GatedMLP
 
+# At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
+PER_EXPERT_MAX_PAIRS = 64
 # scoring function -> the top-k methods DeepSeek pairs with it
 TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 
@@ -97,7 +99,9 @@ def select_experts(
         weights = scores.gather(1, ids)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, ids
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return weights, ids
 
 
 class Router(nn.Module):
@@ -114,7 +118,7 @@ class Router(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
         return select_experts(logits, self.cfg, self.e_score_correction_bias)
 
 
@@ -199,12 +203,19 @@ class StackedExperts(nn.Module):
     """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
     `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them)."""
 
-    def __init__(self, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor) -> None:
         super().__init__()
         self.first = first
         # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
         self.register_buffer("w13", w13, persistent=False)  # [E, 2I, H]: gate rows, then up rows
-        self.register_buffer("w2", w2, persistent=False)  # [E, H, I]
+        # [E, I, H]: down projections stored transposed. A product of a few rows with [H, I] reads rows of I
+        # (short: 384-2048) at about half the memory bandwidth of one with [I, H] (2x faster at batch 1).
+        self.register_buffer("w2t", w2t, persistent=False)
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """The down projections as the checkpoint has them, [E, H, I] (a view)."""
+        return self.w2t.transpose(1, 2)
 
     @classmethod
     def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None) -> StackedExperts | None:
@@ -217,25 +228,47 @@ class StackedExperts(nn.Module):
         hidden, inter = like.shape
         device = like.device if device is None else device
         w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
-        w2 = torch.empty(len(local), hidden, inter, dtype=like.dtype, device=device)
+        w2t = torch.empty(len(local), inter, hidden, dtype=like.dtype, device=device)
         for k, (_, e) in enumerate(local):
-            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2[k])):
+            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2t[k].t())):
                 if not layer.weight.is_meta:
                     with torch.no_grad():
                         view.copy_(layer.weight)
                 layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
-        return cls(local[0][0], w13, w2)
+        return cls(local[0][0], w13, w2t)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[1]
-        flat_ids = ids.flatten() - self.first
+        flat_ids = ids.flatten() - self.first if self.first else ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
         tokens = order // top_k
-        # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
-        offs = torch.bincount(flat_ids, minlength=len(self.w13)).cumsum(0, dtype=torch.int32)
-        gate_up = torch._grouped_mm(x.index_select(0, tokens), self.w13.transpose(1, 2), offs=offs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+        counts = torch.bincount(flat_ids, minlength=len(self.w13))
+        rows = x.index_select(0, tokens)
+        if per_expert_wins(x, len(flat_ids)):
+            y = self._per_expert(rows, counts.tolist())
+        else:
+            # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
+            offs = counts.cumsum(0, dtype=torch.int32)
+            gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y = torch._grouped_mm(F.silu(gate) * up, self.w2t, offs=offs)
         y = y * weights.flatten().index_select(0, order)[:, None]
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
-        return torch.zeros_like(x).index_add_(0, tokens, y.to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
+
+    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """The sorted rows through their experts with `linear`, one expert with tokens at a time."""
+        out = rows.new_empty(rows.shape[0], self.w2.shape[1])
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                gate, up = linear(rows[start : start + count], self.w13[expert]).chunk(2, dim=-1)
+                out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t())
+                start += count
+        return out
+
+
+def per_expert_wins(x: torch.Tensor, num_pairs: int) -> bool:
+    """Whether a few (token, expert) pairs run faster expert by expert through `linear` than in `_grouped_mm`: on a
+    CPU with several threads (there `_grouped_mm` measured 1.6-10x slower up to 64 pairs, faster from 256; see
+    benchmarks/RESULTS.md); on one thread the two are even, and the grouped call makes fewer dispatches."""
+    return x.device.type == "cpu" and num_pairs <= PER_EXPERT_MAX_PAIRS and torch.get_num_threads() > 1

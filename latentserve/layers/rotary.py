@@ -93,18 +93,16 @@ def rope_frequencies(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
     return interpolated * (1 - keep) + extrapolated * keep, _yarn_attention_factor(rope)
 
 
-def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def _rotate_gptj(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-
-
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    """(x0, x1, x2, x3, ...) -> (x0, x2, ..., x1, x3, ...): pairs to halves."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+def _partner(x: torch.Tensor, style: str) -> torch.Tensor:
+    """Each element's rotation partner: the other half (halves layout) or the other of its pair (gptj)."""
+    if style == "gptj":
+        return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return x.roll(x.shape[-1] // 2, dims=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -122,21 +120,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, R/2] in fp32, with YaRN's attention factor folded in."""
+        """cos and signed sin [T, R] in fp32 in the output layout, with YaRN's attention factor folded in:
+        `rotate` is then x * cos + partner(x) * sin, three elementwise ops per call for every layer."""
         # fp32 whatever the model dtype: angles at large positions need the precision.
         freqs = positions.float()[:, None] * self.inv_freq.float()
-        return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        if self.style == "gptj":  # (c0, c0, c1, c1, ...), (-s0, s0, -s1, s1, ...)
+            return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotates x [..., R]; cos/sin broadcast against x's leading dims."""
-        x32 = x.float()
-        if self.style == "gptj":
-            out = _rotate_gptj(x32, cos, sin)
-        elif self.style == "interleave":
-            out = _rotate_neox(_deinterleave(x32), cos, sin)
-        else:
-            out = _rotate_neox(x32, cos, sin)
-        return out.to(x.dtype)
+        """Rotates x [..., R]; cos/sin (from `cos_sin`) broadcast against x's leading dims."""
+        x32 = x if x.dtype == torch.float32 else x.float()
+        if self.style == "interleave":
+            x32 = _deinterleave(x32)
+        # x1 * cos - x2 * sin is x1 * cos + x2 * (-sin) to the last bit: negation is exact.
+        out = (x32 * cos).add_(_partner(x32, self.style) * sin)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def forward(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
