@@ -56,6 +56,7 @@ class FbgemmInt8Linear(nn.Module):
     on the prepacked weight (`torch.ops.quantized.linear_dynamic`), fp32 out."""
 
     kernel = "fbgemm int8 linear_dynamic"
+    activation_dtype = torch.float32  # what the kernel takes and returns
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, reduce_range: bool) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_i
 from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
+LM_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,12 @@ def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int |
 def quantize_linear(
     name: str, weight: torch.Tensor, bias: nn.Parameter | None, config: QuantConfig, device: torch.device | str
 ) -> nn.Module:
-    """The quantized stand-in for the linear layer `name` with this (full precision) weight."""
+    """The quantized stand-in for the linear layer `name` with this (full precision) weight. `lm_head` is int8 under
+    int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows
+    (one row per sequence here), fbgemm's barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy."""
     device = torch.device(device)
+    if name == LM_HEAD and config.method == "int4":
+        config = QuantConfig("int8")
     features = cpu_features()
     if config.method == "int8":
         q, scale = quantize_int8(weight)
