@@ -161,6 +161,7 @@ def test_kernels_are_chosen_by_what_the_cpu_has(monkeypatch):
     assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu"), Int8Linear)
     int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
     assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.bfloat16
+    assert int4.gemm_dtype == torch.float32  # its many-row GEMM: bf16 is emulated on AVX2
     with pytest.raises(ValueError, match="model.layers.3.mlp.down_proj: int4 group size 128 does not divide its 64"):
         quantize_linear("model.layers.3.mlp.down_proj", w, None, QuantConfig("int4", 128), "cpu")
 
@@ -183,6 +184,9 @@ def test_int4pack_many_rows_dequantize_once_and_match_the_dequantized_weight(row
     torch.testing.assert_close(fast(x)[:4], one_row, rtol=2e-2, atol=2e-2 * one_row.abs().max().item())
     expected = x @ reference.t() + bias
     torch.testing.assert_close(fast(x), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    fp32_gemm = Int4PackLinear(q, scale, minimum, torch.nn.Parameter(bias), torch.bfloat16, torch.float32)  # AVX2's
+    assert fp32_gemm.dequantized().dtype == torch.float32
+    torch.testing.assert_close(fp32_gemm(x), expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())
 
 
 AVX2_CHECK = """

@@ -9,10 +9,10 @@ from torch import nn
 
 from latentserve.layers.linear import linear
 
-# From this many rows on, dequantizing the weight once and running one GEMM in the compute dtype beats
-# int4pack_mm, whose cost grows with every 4 rows (the crossover measured 40-60 rows on V2-Lite's shapes,
-# the same for every shape since both sides scale with the weight: benchmarks/RESULTS.md, "int4 prefill").
-INT4_DEQUANT_ROWS = 64
+# From this many rows on, dequantizing the weight once and running one plain GEMM beats int4pack_mm, whose cost
+# grows with every 4 rows (the crossover measured 70-130 rows on V2-Lite's shapes, about the same for every shape
+# since both sides scale with the weight: benchmarks/RESULTS.md, "int4 many rows").
+INT4_DEQUANT_ROWS = 128
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,18 +74,20 @@ def int4pack_block_n() -> int | None:
 class Int4PackLinear(nn.Module):
     """PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`): packed nibbles, per-group scale and zero in the
     activations' dtype (`compute_dtype`: bf16 is its fast path, on AVX2 too; fp32 is exact but far slower). From
-    `dequant_rows` rows on (None: never) the weight is dequantized to `compute_dtype` for one plain GEMM instead."""
+    `dequant_rows` rows on (None: never) the weight is dequantized to `gemm_dtype` (None: `compute_dtype`) for one
+    plain GEMM instead (fp32 where bf16 GEMMs are emulated)."""
 
     kernel = "int4pack_mm"
 
     def __init__(
         self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: nn.Parameter | None,
-        compute_dtype: torch.dtype,
+        compute_dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group_size = q.shape[1] // scale.shape[1]
         self.compute_dtype = self.activation_dtype = compute_dtype
+        self.gemm_dtype = gemm_dtype or compute_dtype
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
         # The kernel computes (q - 8) * scale + zero.
         zero = minimum + 8 * scale
@@ -97,17 +99,17 @@ class Int4PackLinear(nn.Module):
         self.dequant_rows = INT4_DEQUANT_ROWS if self.block_n is not None else None
 
     def dequantized(self) -> torch.Tensor:
-        """The weight `[out, in]` in `compute_dtype`, as the kernel sees it: (q - 8) * scale + zero."""
+        """The weight `[out, in]` in `gemm_dtype`, as the kernel sees it: (q - 8) * scale + zero."""
         groups = self.in_features // self.group_size
         q = _unpack(self.packed, self.block_n, self.out_features, self.in_features)
-        w = q.view(self.out_features, groups, self.group_size).to(self.compute_dtype)
-        sz = self.scales_and_zeros.transpose(0, 1)  # [out, groups, 2]
+        w = q.view(self.out_features, groups, self.group_size).to(self.gemm_dtype)
+        sz = self.scales_and_zeros.transpose(0, 1).to(self.gemm_dtype)  # [out, groups, 2]
         # In place, one op each: a fused addcmul measured 3x slower in bf16.
         return w.sub_(8).mul_(sz[..., :1].contiguous()).add_(sz[..., 1:].contiguous()).view(self.out_features, -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dequant_rows is not None and x.shape[0] >= self.dequant_rows:
-            y = F.linear(x.to(self.compute_dtype), self.dequantized())
+            y = F.linear(x.to(self.gemm_dtype), self.dequantized())
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(self.compute_dtype), self.packed, self.group_size, self.scales_and_zeros
