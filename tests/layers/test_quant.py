@@ -230,6 +230,8 @@ def test_lm_head_is_quantized_to_int8_unless_kept(tmp_path, method):
     expected = hidden @ (q.float() * scale[:, None]).t()
     got = model.compute_logits(hidden)
     assert got.dtype == torch.float32
+    if cpu_features().fbgemm:  # the kernel's fp32 logits, not rounded to bf16 activations' dtype on the way
+        assert model.lm_head(hidden.bfloat16()).dtype == torch.float32
     # fbgemm quantizes the activations to 8 bits as well: within a few of their steps.
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     kept = load_model(src, quantization=QuantConfig(method, group, lm_head=False))

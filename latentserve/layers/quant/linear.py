@@ -56,7 +56,9 @@ def quantize_linear(
     if config.method == "int8":
         q, scale = quantize_int8(weight)
         if int8_kernel(device, features).kernel == FbgemmInt8Linear.kernel:
-            return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni)
+            # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
+            out_dtype = torch.float32 if name == LM_HEAD else None
+            return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
     in_features = weight.shape[1]
     if in_features % config.group_size:
