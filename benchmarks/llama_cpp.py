@@ -9,8 +9,9 @@ in the llama-cpp-python sdist on PyPI:
     cmake --build /tmp/llbuild -j2 --target llama-bench llama-quantize      (~15-20 min on 2 cores)
 The converter (vendor/llama.cpp/convert_hf_to_gguf.py) uses the gguf-py next to it and transformers from our venv.
 Run: `.venv/bin/python benchmarks/llama_cpp.py --llama-src /tmp/llsrc/llama_cpp_python-*/vendor/llama.cpp
---llama-build /tmp/llbuild [--layers 2] [--threads 2]`. The checkpoint is benchmarks/weights.py's; the GGUF files
-go to --gguf-dir (a few GB; never inside the repository).
+--llama-build /tmp/llbuild [--layers 2] [--threads 2] [--formats int8,int4] [--interleave 3]`. The checkpoint is
+benchmarks/weights.py's; the GGUF files go to --gguf-dir (a few GB; never inside the repository). On a shared machine
+use --interleave: each format loads once, and single llama-bench runs alternate with rounds of ours.
 """
 from __future__ import annotations
 
