@@ -11,8 +11,8 @@ from torch import nn
 from latentserve.layers.linear import linear
 
 # From this many rows on, dequantizing the weight once and running one plain GEMM beats int4pack_mm, whose cost
-# grows with every 4 rows (the crossover measured 70-130 rows on V2-Lite's shapes, about the same for every shape
-# since both sides scale with the weight: benchmarks/RESULTS.md, "int4 many rows").
+# grows with every 4 rows (the crossover measured between 64 and 128 rows on V2-Lite's shapes, about the same for
+# every shape since both sides scale with the weight: benchmarks/RESULTS.md, "Quantized kernels per shape").
 INT4_DEQUANT_ROWS = 128
 
 
