@@ -9,8 +9,9 @@ in the llama-cpp-python sdist on PyPI:
     cmake --build /tmp/llbuild -j2 --target llama-bench llama-quantize      (~15-20 min on 2 cores)
 The converter (vendor/llama.cpp/convert_hf_to_gguf.py) uses the gguf-py next to it and transformers from our venv.
 Run: `.venv/bin/python benchmarks/llama_cpp.py --llama-src /tmp/llsrc/llama_cpp_python-*/vendor/llama.cpp
---llama-build /tmp/llbuild [--layers 2] [--threads 2]`. The checkpoint is benchmarks/weights.py's; the GGUF files
-go to --gguf-dir (a few GB; never inside the repository).
+--llama-build /tmp/llbuild [--layers 2] [--threads 2] [--formats int8,int4] [--interleave 3]`. The checkpoint is
+benchmarks/weights.py's; the GGUF files go to --gguf-dir (a few GB; never inside the repository). On a shared machine
+use --interleave: each format loads once, and single llama-bench runs alternate with rounds of ours.
 """
 from __future__ import annotations
 
@@ -118,6 +119,55 @@ def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def our_round(engine, prefill: int, decode: int) -> dict:
+    """One round as llama-bench measures it: mean tok/s of `decode` batch-1 steps after a 4-token prompt, and of one
+    `prefill`-token prompt."""
+    from latentserve import SamplingParams
+
+    engine.add_request([11, 22, 33, 44], SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True))
+    engine.step()  # the prompt
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    decode_s = time.perf_counter() - start
+    engine.add_request([(7 * i) % 100000 + 5 for i in range(prefill)], SamplingParams(temperature=0.0, max_tokens=1))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return {"decode_b1_tok_s": decode / decode_s, "prefill_tok_s": prefill / (time.perf_counter() - start)}
+
+
+def _best(so_far: dict | None, this: dict) -> dict:
+    return this if so_far is None else {k: max(v, so_far[k]) for k, v in this.items()}
+
+
+def interleaved(
+    checkpoint: Path, ggufs: dict[str, Path], pairs: list[tuple[str, str]], args: argparse.Namespace
+) -> tuple[dict, dict]:
+    """Each latentserve format loaded once in this process, then `args.interleave` rounds of one llama-bench run
+    (-r 1) and one round of ours: the best round of each side counts, and both saw the same noise."""
+    import gc
+
+    import torch
+
+    from benchmarks.weights import FORMATS
+    from latentserve import LLM
+
+    torch.set_num_threads(args.threads)
+    ours, theirs = {}, {}
+    for name, kind in pairs:
+        llm = LLM(model=str(checkpoint), num_kv_blocks=64, block_size=16, max_model_len=1024, max_num_seqs=1,
+                  max_num_batched_tokens=args.prefill_len, enable_prefix_caching=False, **FORMATS[name])
+        for _ in range(args.interleave):
+            theirs[kind] = _best(theirs.get(kind), llama_bench(args.llama_build, ggufs[kind], args.threads,
+                                                               args.prefill_len, args.decode_len, 1))
+            ours[name] = _best(ours.get(name), our_round(llm.engine, args.prefill_len, args.decode_len))
+        ours[name]["dtype"] = str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+        del llm
+        gc.collect()
+    return ours, theirs
+
+
 def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -134,7 +184,17 @@ def main() -> None:
     parser.add_argument("--decode-len", type=int, default=32, help="llama.cpp's tokens per decode run; "
                         "latentserve's decode steps")
     parser.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions")
+    parser.add_argument("--formats", default=",".join(name for name, _ in PAIRS),
+                        help=f"latentserve formats to compare, from {[name for name, _ in PAIRS]}")
+    parser.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                        help="load each format once in this process and alternate ROUNDS single llama-bench runs with "
+                             "ROUNDS of ours (mean decode step, as llama-bench's), best round each: steadier on a "
+                             "shared machine")
     args = parser.parse_args()
+    names = args.formats.split(",")
+    pairs = [(name, kind) for name, kind in PAIRS if name in names]
+    if len(pairs) != len(set(names)):
+        parser.error(f"--formats {args.formats!r}: each must be one of {[name for name, _ in PAIRS]}")
     if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
         parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
     missing = [t for t in ("llama-bench", "llama-quantize") if not (args.llama_build / "bin" / t).is_file()]
@@ -144,15 +204,19 @@ def main() -> None:
     if not (checkpoint / "model.safetensors.index.json").is_file():
         write_checkpoint(checkpoint, args.layers)
     work = args.gguf_dir or checkpoint.with_name(checkpoint.name + "-gguf")
-    ggufs = make_ggufs(checkpoint, work, args.llama_src, args.llama_build, sorted({t for _, t in PAIRS}))
+    ggufs = make_ggufs(checkpoint, work, args.llama_src, args.llama_build, sorted({t for _, t in pairs}))
     print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average {load_average()}")
-    theirs = {name: llama_bench(args.llama_build, path, args.threads, args.prefill_len, args.decode_len, args.repeats)
-              for name, path in ggufs.items()}
-    ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len) for name, _ in PAIRS}
+    if args.interleave:
+        ours, theirs = interleaved(checkpoint, ggufs, pairs, args)
+    else:
+        theirs = {kind: llama_bench(args.llama_build, ggufs[kind], args.threads, args.prefill_len, args.decode_len,
+                                    args.repeats) for kind in sorted({t for _, t in pairs})}
+        ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len)
+                for name, _ in pairs}
     print("| latentserve | llama.cpp | decode b1 tok/s (ours / theirs = ratio) | "
           f"prefill {args.prefill_len} tok/s (ours / theirs = ratio) |\n|---|---|---|---|")
-    for name, kind in PAIRS:
+    for name, kind in pairs:
         cells = [f"{ours[name][k]:.1f} / {theirs[kind][k]:.1f} = {ours[name][k] / theirs[kind][k]:.2f}x"
                  for k in ("decode_b1_tok_s", "prefill_tok_s")]
         print(f"| {name} ({ours[name]['dtype']}) | {kind} ({theirs[kind]['size_gb']:.2f} GB) | " + " | ".join(cells)

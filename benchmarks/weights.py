@@ -76,7 +76,7 @@ def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> d
     llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
               max_num_batched_tokens=prefill_len, enable_prefix_caching=False, **settings)
     result = dict(load_s=time.perf_counter() - start, peak_rss_gb=rss("VmHWM") / 1e9,
-                  dtype=str(llm.engine.model.lm_head.weight.dtype).removeprefix("torch."))
+                  dtype=str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch."))
     engine = llm.engine
     for batch in (1, 8):
         params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)

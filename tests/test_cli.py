@@ -238,7 +238,7 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
          "--quantization-group-size", "64"], capsys)
     assert (code, err) == (1, "latentserve: error: recorded\n")
     assert seen == dict(model="m", dtype="bf16", device="cpu", quantization="int4", quantization_group_size=64,
-                        block_size=8, max_num_seqs=3,
+                        lm_head_quantized=None, block_size=8, max_num_seqs=3,
                         max_num_batched_tokens=99, max_model_len=77, num_kv_blocks=5, enable_dbo=True,
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,

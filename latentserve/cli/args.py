@@ -124,6 +124,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "DeepSeek FP8 (detected from config.json anyway)")
     g.add_argument("--quantization-group-size", type=positive_int, default=d.quantization_group_size,
                    help="int4: input columns per scale (32, 64 or 128; default 64)")
+    g.add_argument("--lm-head-quantized", action=argparse.BooleanOptionalAction, default=d.lm_head_quantized,
+                   help="int8 / int4: quantize lm_head too (default: yes; --no-lm-head-quantized keeps it in the "
+                        "compute dtype)")
     g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,
@@ -197,6 +200,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
             device=args.device,
             quantization=args.quantization,
             quantization_group_size=args.quantization_group_size,
+            lm_head_quantized=args.lm_head_quantized,
             block_size=args.block_size,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -61,6 +61,7 @@ class EngineConfig:
     kv_cache_dtype: str | torch.dtype = "auto"  # auto: the model dtype
     quantization: str | None = None  # "int8" / "int4" at load; "fp8" (or None) for a DeepSeek FP8 checkpoint
     quantization_group_size: int | None = None  # int4's group of input columns: 32, 64 or 128 (None: 64)
+    lm_head_quantized: bool | None = None  # int8/int4: quantize lm_head too (None: yes, as llama.cpp does)
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -175,7 +176,7 @@ class LLMEngine:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
         quantization = resolve_quantization(config.quantization, config.quantization_group_size,
-                                            model_config.quantization)
+                                            model_config.quantization, config.lm_head_quantized)
         model_len = model_config.max_position_embeddings
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:

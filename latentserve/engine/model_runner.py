@@ -71,7 +71,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if not out.scheduled:
             num_ubatches = 2 if self._agree_on_dbo(True) else 1
-            run_empty_forward(self.model, num_ubatches, self.model.lm_head.weight.dtype)
+            run_empty_forward(self.model, num_ubatches, self.model.model.embed_tokens.weight.dtype)
             return ModelRunnerOutput([], [], {}, num_ubatches)
         inputs = self.input_buffers.prepare(out)
         common = inputs.common

@@ -11,6 +11,7 @@ from torch import nn
 from latentserve.forward_context import dbo_yield
 from latentserve.layers.linear import Linear, linear
 from latentserve.layers.mlp import GatedMLP
+from latentserve.layers.quant.experts import run_expert_loop
 
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
 PER_EXPERT_MAX_PAIRS = 64
@@ -173,24 +174,8 @@ class MoE(nn.Module):
         return self._run_expert_loop(x, weights, ids)
 
     def _run_expert_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One batched call per expert that got tokens."""
-        out = torch.zeros_like(x)  # an expert-parallel rank may receive no tokens: then this is all
-        top_k = ids.shape[1]
-        flat_ids = ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        tokens = order // top_k
-        pair_weights = weights.flatten().index_select(0, order)[:, None]
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
-        # Gather and scatter per expert: no buffer of all T*k rows, whose fresh pages cost more than the
-        # math at prefill sizes. Contributions still add up in (expert, token) order, as under expert parallelism.
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                rows = tokens[start : start + count]
-                y = expert(x.index_select(0, rows)) * pair_weights[start : start + count]
-                out.index_add_(0, rows, y.to(x.dtype))
-                start += count
-        return out
+        """One batched call per expert that got tokens (experts that cannot be stacked: quantized, or biased)."""
+        return run_expert_loop(self.experts, x, weights, ids)
 
 
 def _is_plain(expert: nn.Module) -> bool:

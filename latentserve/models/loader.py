@@ -103,13 +103,14 @@ def _is_mtp(name: str, config: DeepseekConfig) -> bool:
     return config.num_hidden_layers <= layer < config.num_hidden_layers + config.num_nextn_predict_layers
 
 
-def quantizable_linears(model: DeepseekForCausalLM) -> list[str]:
-    """The linear layers that int8/int4 quantize: attention projections and every MLP, routed experts included.
-    Not `lm_head` (kept high precision, as DeepSeek's FP8 checkpoints keep it) nor `kv_b_proj`, which decode reads
-    as absorbed weight matrices."""
+def quantizable_linears(model: DeepseekForCausalLM, lm_head: bool = False) -> list[str]:
+    """The linear layers that int8/int4 quantize: attention projections and every MLP, routed experts included, and
+    `lm_head` if asked (unless tied to the embedding, a lookup table that stays as it is). Never `kv_b_proj`, which
+    decode reads as absorbed weight matrices."""
+    head = lm_head and not model.config.tie_word_embeddings
     return [
         name for name, module in model.named_modules()
-        if type(module) is Linear and name != "lm_head" and not name.endswith(".attn.kv_b_proj")
+        if type(module) is Linear and (name != "lm_head" or head) and not name.endswith(".attn.kv_b_proj")
     ]
 
 
@@ -144,7 +145,8 @@ def load_weights(
     """Copy checkpoint tensors into the model, casting to each parameter's dtype, or quantize them into their layer;
     strict about names and shapes."""
     targets = model.state_dict(keep_vars=True)
-    quantized = {f"{name}.weight": name for name in quantizable_linears(model)} if quantization else {}
+    quantized = ({f"{name}.weight": name for name in quantizable_linears(model, quantization.lm_head)}
+                 if quantization else {})
     if model.config.tie_word_embeddings:
         targets.pop("lm_head.weight")
     loaded: set[str] = set()
@@ -238,7 +240,8 @@ def load_model(
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
             moe.stack_experts(device)  # the checkpoint's expert weights then load straight into the stacks
     # Weights to be quantized never exist in full precision beyond the one being converted.
-    _materialize(model, device, {f"{n}.weight" for n in quantizable_linears(model)} if quantization else set())
+    _materialize(model, device,
+                 {f"{n}.weight" for n in quantizable_linears(model, quantization.lm_head)} if quantization else set())
 
     def wanted(name: str) -> bool:
         return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped

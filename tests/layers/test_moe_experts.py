@@ -105,10 +105,11 @@ def _effective_weight(layer: torch.nn.Module) -> torch.Tensor:
     return layer(torch.eye(layer.in_features)).t().float()
 
 
+@pytest.mark.parametrize("tokens", [1, 7], ids=["1 token", "7 tokens"])  # 1: the batch-1 path, no sort or gather
 @pytest.mark.parametrize("fused", [False, True], ids=["gate,up", "gate_up"])
 @pytest.mark.parametrize("config, tol", [(QuantConfig("int8"), 2e-2), (QuantConfig("int4", 32), 2e-2)])
 def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(
-    config: QuantConfig, tol: float, fused: bool
+    config: QuantConfig, tol: float, fused: bool, tokens: int
 ) -> None:
     """As the loader leaves them: gate, up, down quantized each, or gate and up quantized as one fused weight."""
     moe = _moe()
@@ -127,7 +128,7 @@ def test_quantized_experts_keep_the_loop_and_match_their_dequantized_reference(
         experts.append((gate, up, _effective_weight(expert.down_proj)))
     moe.stack_experts()
     assert moe.stacked is None
-    x, weights, ids = _routing(7)
+    x, weights, ids = _routing(tokens)
     with torch.no_grad():
         got = moe.run_experts(x, weights, ids)
     expected = _naive(x, weights, ids, experts)

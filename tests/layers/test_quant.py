@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,14 @@ from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import Fp8Config, QuantConfig, resolve_quantization
 from latentserve.layers.quant.cpu import cpu_features
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
-from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, dequantize_int4, quantize_int4
+from latentserve.layers.quant.int4 import (
+    INT4_DEQUANT_ROWS,
+    Int4Linear,
+    Int4PackLinear,
+    dequantize_int4,
+    int4pack_block_n,
+    quantize_int4,
+)
 from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
 from latentserve.layers.quant.linear import quantize_linear
 
@@ -52,8 +62,13 @@ def test_fp8_config_names_the_unsupported_field(field, value, match):
 def test_quantization_options_resolve_or_say_why_not():
     fp8 = Fp8Config()
     assert resolve_quantization(None, None, fp8) is None and resolve_quantization("fp8", None, fp8) is None
-    assert resolve_quantization("int8", None, fp8) == QuantConfig("int8")  # re-quantizes the dequantized FP8
-    assert resolve_quantization("int4", None, None) == QuantConfig("int4", 64)
+    # re-quantizes the dequantized FP8; lm_head too unless told not to
+    assert resolve_quantization("int8", None, fp8) == QuantConfig("int8", lm_head=True)
+    assert resolve_quantization("int4", None, None, False) == QuantConfig("int4", 64, lm_head=False)
+    with pytest.raises(ValueError, match="lm_head_quantized applies to quantization='int8' or 'int4' only"):
+        resolve_quantization(None, None, None, False)
+    with pytest.raises(ValueError, match="lm_head_quantized must be True, False or None, got 'yes'"):
+        resolve_quantization("int8", None, None, "yes")
     with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint"):
         resolve_quantization("fp8", None, None)
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
@@ -146,5 +161,78 @@ def test_kernels_are_chosen_by_what_the_cpu_has(monkeypatch):
     assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu"), Int8Linear)
     int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
     assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.bfloat16
+    assert int4.gemm_dtype == torch.float32  # its many-row GEMM: bf16 is emulated on AVX2
     with pytest.raises(ValueError, match="model.layers.3.mlp.down_proj: int4 group size 128 does not divide its 64"):
         quantize_linear("model.layers.3.mlp.down_proj", w, None, QuantConfig("int4", 128), "cpu")
+
+
+@pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")
+@pytest.mark.parametrize("rows", [INT4_DEQUANT_ROWS - 1, INT4_DEQUANT_ROWS, 3 * INT4_DEQUANT_ROWS])
+def test_int4pack_many_rows_dequantize_once_and_match_the_dequantized_weight(rows):
+    """From INT4_DEQUANT_ROWS rows on the layer unpacks its int4pack weight for one plain GEMM: same arithmetic."""
+    w, bias, _ = _layer(128, 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(3))
+    q, scale, minimum = quantize_int4(w, 64)
+    reference = dequantize_int4(q, scale, minimum)
+    exact = Int4PackLinear(q, scale, minimum, torch.nn.Parameter(bias), torch.float32)
+    torch.testing.assert_close(exact.dequantized(), reference, rtol=0, atol=1e-6)
+    torch.testing.assert_close(exact(x), x @ reference.t() + bias, rtol=1e-4, atol=1e-4)
+    fast = Int4PackLinear(q, scale, minimum, torch.nn.Parameter(bias), torch.bfloat16)
+    # bf16 scales and zeros: within bf16 round-off of the fp32 weight, and the same weight the kernel uses.
+    torch.testing.assert_close(fast.dequantized().float(), reference, rtol=0, atol=1e-2 * reference.abs().max().item())
+    one_row = torch.cat([fast(x[i : i + 1]) for i in range(4)])  # 1 row: int4pack_mm itself
+    torch.testing.assert_close(fast(x)[:4], one_row, rtol=2e-2, atol=2e-2 * one_row.abs().max().item())
+    expected = x @ reference.t() + bias
+    torch.testing.assert_close(fast(x), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    fp32_gemm = Int4PackLinear(q, scale, minimum, torch.nn.Parameter(bias), torch.bfloat16, torch.float32)  # AVX2's
+    assert fp32_gemm.dequantized().dtype == torch.float32
+    torch.testing.assert_close(fp32_gemm(x), expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())
+
+
+AVX2_CHECK = """
+import torch
+from latentserve.layers.quant.int4 import Int4PackLinear, dequantize_int4, int4pack_block_n, quantize_int4
+w = torch.randn(96, 128, generator=torch.Generator().manual_seed(0))
+q, scale, minimum = quantize_int4(w, 32)
+layer = Int4PackLinear(q, scale, minimum, None, torch.float32)
+x = torch.randn(80, 128, generator=torch.Generator().manual_seed(1))
+print(torch.backends.cpu.get_cpu_capability(), int4pack_block_n(), layer.dequant_rows,
+      (layer.dequantized() - dequantize_int4(q, scale, minimum)).abs().max().item(),
+      (layer(x) - x @ dequantize_int4(q, scale, minimum).t()).abs().max().item())
+"""
+
+
+def test_int4pack_layout_is_found_under_avx2():
+    """torch packs int4 in blocks of 32 output rows on AVX2 (64 on AVX-512): the probe finds it, the unpacked
+    weight is the quantized one."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, check=True)
+    capability, block, dequant_rows, weight_error, output_error = out.stdout.split()
+    assert (capability, block, dequant_rows) == ("AVX2", "32", str(INT4_DEQUANT_ROWS))
+    assert float(weight_error) < 1e-6 and float(output_error) < 1e-4
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_lm_head_is_quantized_to_int8_unless_kept(tmp_path, method):
+    """lm_head: int8 under int8 and int4 (llama.cpp keeps Q4_K_M's output matrix at 6 bits), or left alone."""
+    from latentserve.models import load_model
+    from latentserve.models.loader import SINGLE_FILE
+    from safetensors.torch import load_file
+    from tests.checkpoints import make_checkpoint
+
+    src = make_checkpoint(tmp_path, "v3", q_lora_rank=32, moe_intermediate_size=32, intermediate_size=64)
+    stored = load_file(src / SINGLE_FILE)["lm_head.weight"]
+    group = 32 if method == "int4" else None
+    model = load_model(src, quantization=QuantConfig(method, group, lm_head=True))
+    assert isinstance(model.lm_head, FbgemmInt8Linear if cpu_features().fbgemm else Int8Linear)
+    hidden = torch.randn(3, stored.shape[1], generator=torch.Generator().manual_seed(2))
+    q, scale = quantize_int8(stored)
+    expected = hidden @ (q.float() * scale[:, None]).t()
+    got = model.compute_logits(hidden)
+    assert got.dtype == torch.float32
+    if cpu_features().fbgemm:  # the kernel's fp32 logits, not rounded to bf16 activations' dtype on the way
+        assert model.lm_head(hidden.bfloat16()).dtype == torch.float32
+    # fbgemm quantizes the activations to 8 bits as well: within a few of their steps.
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    kept = load_model(src, quantization=QuantConfig(method, group, lm_head=False))
+    assert torch.equal(kept.lm_head.weight, stored)

@@ -46,6 +46,8 @@ class QuantConfig:
 
     method: str
     group_size: int | None = None  # int4 only; None: DEFAULT_INT4_GROUP_SIZE
+    # Quantize the output projection too (vLLM's `lm_head_quantized`); LLM(...) turns it on, as llama.cpp does.
+    lm_head: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in ("int8", "int4"):
@@ -60,14 +62,16 @@ class QuantConfig:
 
 
 def resolve_quantization(
-    requested: str | None, group_size: int | None, checkpoint: Fp8Config | None
+    requested: str | None, group_size: int | None, checkpoint: Fp8Config | None, lm_head_quantized: bool | None = None
 ) -> QuantConfig | None:
     """The load-time quantization for a user's `quantization` on a checkpoint stored as `checkpoint` (None: plain).
 
     An FP8 checkpoint is always dequantized as published; "int8"/"int4" then re-quantize it (they win), and "fp8"
-    only confirms what config.json says."""
+    only confirms what config.json says. `lm_head_quantized` (None: yes) applies to int8/int4 only."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {requested!r}; use one of: {', '.join(QUANTIZATIONS)} (or None)")
+    if lm_head_quantized not in (None, True, False):
+        raise ValueError(f"lm_head_quantized must be True, False or None, got {lm_head_quantized!r}")
     if requested == "fp8" and checkpoint is None:
         raise ValueError(
             "quantization='fp8' needs a DeepSeek FP8 checkpoint (config.json quantization_config with quant_method "
@@ -76,8 +80,10 @@ def resolve_quantization(
     if requested in (None, "fp8"):
         if group_size is not None:
             raise ValueError("quantization_group_size applies to quantization='int4' only")
+        if lm_head_quantized is not None:
+            raise ValueError("lm_head_quantized applies to quantization='int8' or 'int4' only")
         return None
     if checkpoint is not None:
         logger.info("FP8 checkpoint with quantization=%r: its weights are dequantized, then quantized to %s",
                     requested, requested)
-    return QuantConfig(requested, group_size)
+    return QuantConfig(requested, group_size, lm_head=lm_head_quantized is not False)

@@ -56,10 +56,15 @@ class FbgemmInt8Linear(nn.Module):
     on the prepacked weight (`torch.ops.quantized.linear_dynamic`), fp32 out."""
 
     kernel = "fbgemm int8 linear_dynamic"
+    activation_dtype = torch.float32  # what the kernel takes and returns
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, reduce_range: bool) -> None:
+    def __init__(
+        self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, reduce_range: bool,
+        out_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.out_dtype = out_dtype  # None: the activations' dtype
         # Without VNNI fbgemm's u8*s8 pair sums saturate int16: 7-bit activations avoid that.
         self.reduce_range = reduce_range
         zero_points = torch.zeros(q.shape[0], dtype=torch.long)
@@ -69,5 +74,5 @@ class FbgemmInt8Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range).to(x.dtype)
+        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range).to(self.out_dtype or x.dtype)
         return y if self.bias is None else y.add_(self.bias)

@@ -8,10 +8,11 @@ from torch import nn
 
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.cpu import CpuFeatures, cpu_features
-from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_int4
+from latentserve.layers.quant.int4 import INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, int4pack_block_n, quantize_int4
 from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
+LM_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,30 @@ def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int |
     if out_features is not None and out_features % INT4PACK_OUT_MULTIPLE:
         return KernelChoice(Int4Linear.kernel, f"{out_features} outputs, int4pack_mm needs a multiple of "
                             f"{INT4PACK_OUT_MULTIPLE}")
+    block_n = int4pack_block_n()
+    gemm = "bf16" if features.native_bf16 else "fp32 (bf16 is emulated here)"
+    many_rows = (f"from {INT4_DEQUANT_ROWS} rows the weight is unpacked (blocks of {block_n} rows here) for one {gemm} "
+                 "GEMM" if block_n else "int4pack layout unknown here: int4pack_mm at every row count")
     return KernelChoice(Int4PackLinear.kernel, "PyTorch's CPU int4 kernel, bf16 activations on any CPU (its fp32 "
-                        "path measured 25-100x slower, benchmarks/RESULTS.md)")
+                        f"path measured 25-100x slower, benchmarks/RESULTS.md); {many_rows}")
 
 
 def quantize_linear(
     name: str, weight: torch.Tensor, bias: nn.Parameter | None, config: QuantConfig, device: torch.device | str
 ) -> nn.Module:
-    """The quantized stand-in for the linear layer `name` with this (full precision) weight."""
+    """The quantized stand-in for the linear layer `name` with this (full precision) weight. `lm_head` is int8 under
+    int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows
+    (one row per sequence here), fbgemm's barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy."""
     device = torch.device(device)
+    if name == LM_HEAD and config.method == "int4":
+        config = QuantConfig("int8")
     features = cpu_features()
     if config.method == "int8":
         q, scale = quantize_int8(weight)
         if int8_kernel(device, features).kernel == FbgemmInt8Linear.kernel:
-            return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni)
+            # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
+            out_dtype = torch.float32 if name == LM_HEAD else None
+            return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
     in_features = weight.shape[1]
     if in_features % config.group_size:
@@ -57,5 +68,6 @@ def quantize_linear(
         )
     q, scale, minimum = quantize_int4(weight, config.group_size)
     if int4_kernel(device, features, weight.shape[0]).kernel == Int4PackLinear.kernel:
-        return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16)
+        return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16,
+                              torch.bfloat16 if features.native_bf16 else torch.float32)
     return Int4Linear(q.to(device), scale.to(device), minimum.to(device), bias)
