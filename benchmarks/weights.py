@@ -39,9 +39,8 @@ FORMATS = {"fp32": dict(dtype="float32"), "auto": dict(dtype="auto"), "int8": di
 
 
 def write_checkpoint(path: Path, layers: int) -> None:
-    """One safetensors shard per layer, written as generated (never the whole model in memory)."""
-    from safetensors.torch import save_file
-
+    """One safetensors shard per layer (~1.2 GB for a MoE layer), each tensor generated and written on its own:
+    memory stays at one tensor however large the checkpoint (27 layers: 31 GB)."""
     from latentserve.models import DeepseekConfig, DeepseekForCausalLM
     from latentserve.models.loader import _parameters_on_meta, checkpoint_name
 
@@ -57,26 +56,71 @@ def write_checkpoint(path: Path, layers: int) -> None:
     weight_map = {}
     for shard, tensors in shards.items():
         file = f"model-{shard}.safetensors"
-        save_file({n: (torch.randn(s) * (1.0 if n.endswith("norm.weight") else 0.02)).to(torch.bfloat16)
-                   for n, s in tensors.items()}, path / file)
+        _write_random_shard(path / file, tensors)
         weight_map.update(dict.fromkeys(tensors, file))
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _write_random_shard(file: Path, shapes: dict[str, torch.Size]) -> None:
+    """A bf16 safetensors file of random weights (norms ~1, the rest ~0.02), written tensor by tensor."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = shape.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(file.with_suffix(".tmp"), "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for name, shape in shapes.items():
+            t = torch.randn(shape).mul_(1.0 if name.endswith("norm.weight") else 0.02).to(torch.bfloat16)
+            f.write(t.view(torch.int16).numpy().data)
+    file.with_suffix(".tmp").rename(file)  # a shard exists only once complete
 
 
 def rss(field: str) -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
+class AnonPeak:
+    """The process's peak anonymous memory (RssAnon, sampled every 50 ms on a thread) while in the `with` block:
+    page cache of the checkpoint does not count, as the issue's loading target says."""
+
+    def __enter__(self) -> AnonPeak:
+        import threading
+
+        self.before = self.peak = rss("RssAnon")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, rss("RssAnon"))
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.after = rss("RssAnon")
+        self.peak = max(self.peak, self.after)
+
+
 def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> dict:
-    """Load with `settings`, then time batch-1 and batch-8 decode steps and one prefill of `prefill_len` tokens."""
+    """Load with `settings`, then time batch-1 and batch-8 decode steps and one prefill of `prefill_len` tokens
+    (none if 0)."""
     from latentserve import LLM, SamplingParams
 
     start = time.perf_counter()
     # No prefix caching: the prefill below runs the same prompt each repeat and must compute all of it.
-    llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
-              max_num_batched_tokens=prefill_len, enable_prefix_caching=False, **settings)
+    with AnonPeak() as anon:
+        llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
+                  max_num_batched_tokens=max(prefill_len, 64), enable_prefix_caching=False, **settings)
     result = dict(load_s=time.perf_counter() - start, peak_rss_gb=rss("VmHWM") / 1e9,
-                  dtype=str(llm.engine.model.lm_head.weight.dtype).removeprefix("torch."))
+                  dtype=str(llm.engine.model.lm_head.weight.dtype).removeprefix("torch."),
+                  anon_before_gb=anon.before / 1e9, anon_loaded_gb=(anon.after - anon.before) / 1e9,
+                  anon_peak_gb=(anon.peak - anon.before) / 1e9)
+    print(json.dumps(result), file=sys.stderr, flush=True)  # the load alone, should decoding fail
     engine = llm.engine
     for batch in (1, 8):
         params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
@@ -89,6 +133,8 @@ def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> d
             engine.step()
             times.append(time.perf_counter() - t)
         result[f"decode_b{batch}_tok_s"] = batch / min(times)
+    if not prefill_len:
+        return result
     prompt = [(7 * i) % 100000 + 5 for i in range(prefill_len)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -189,6 +235,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=6)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--kernels-only", action="store_true")
+    parser.add_argument("--write-only", action="store_true", help="write the checkpoint and stop")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--interleave", default="auto,int8,int4",
                         help="formats whose decode runs side by side in one process (empty: skip)")
@@ -202,7 +249,7 @@ def main() -> None:
 
     warnings.simplefilter("ignore")
     print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads")
-    if not args.skip_kernels:
+    if not args.skip_kernels and not args.write_only:
         print("\n".join(kernel_table(args.threads)), flush=True)
     if args.kernels_only:
         return
@@ -210,7 +257,9 @@ def main() -> None:
     if not (path / "model.safetensors.index.json").is_file():
         start = time.perf_counter()
         write_checkpoint(path, args.layers)
-        print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
+        print(f"wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.write_only:
+        return
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"\n{args.layers} layers, {size / 1e9:.2f} GB bf16 on disk")
     print("| format | dtype | load s | peak RSS GB | decode b1 tok/s | decode b8 tok/s | prefill tok/s |")
