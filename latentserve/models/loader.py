@@ -31,6 +31,9 @@ INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _GATE_UP = re.compile(r"^(.+)\.(gate|up)_proj$")
+# Each quantizes ~200 M weights/s (fbgemm's packing dominates), so a few outrun reading the checkpoint; more would
+# only hold more tensors in flight.
+MAX_QUANTIZE_WORKERS = 8
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -145,12 +148,14 @@ def _quantize(name: str, parts: list[torch.Tensor], bias, config: QuantConfig, d
 
 
 class _Quantizer:
-    """Quantizes linear weights on worker threads (one per torch thread, each running torch on one) while the
-    loader reads the next tensors; at most two jobs per worker wait, so a few tensors are in flight at a time."""
+    """Quantizes linear weights on worker threads (one per torch thread, up to MAX_QUANTIZE_WORKERS, each running
+    torch on one) while the loader reads the next tensors; at most two jobs per worker wait, so a few tensors are
+    in flight at a time."""
 
     def __init__(self, config: QuantConfig, device) -> None:
         self.config, self.device = config, device
-        self.workers = max(1, torch.get_num_threads())
+        self.threads = torch.get_num_threads()
+        self.workers = min(MAX_QUANTIZE_WORKERS, max(1, self.threads))
         self.pool = ThreadPoolExecutor(self.workers, initializer=torch.set_num_threads, initargs=(1,))
         self.pending: deque[tuple[Future, Callable[[nn.Module], None]]] = deque()
 
@@ -166,6 +171,8 @@ class _Quantizer:
 
     def close(self) -> None:
         self.pool.shutdown(cancel_futures=True)
+        # The workers' one thread is their own under OpenMP, but would be everyone's under torch's native pool.
+        torch.set_num_threads(self.threads)
 
     def _install_oldest(self) -> None:
         job, install = self.pending.popleft()

@@ -84,6 +84,7 @@ def test_threaded_load_installs_the_whole_tensor_quantization(tmp_path, monkeypa
     torch.set_num_threads(threads)
     try:
         model = load_model(src, dtype=torch.bfloat16, quantization=config)
+        assert torch.get_num_threads() == threads  # the workers' single thread stays theirs
     finally:
         torch.set_num_threads(previous)
     monkeypatch.setattr(quant_linear, "quantize_int8", naive_int8)
