@@ -3,9 +3,11 @@ beside the fp32 engine in the same run, and the linear kernels each format can u
 
 The checkpoint (random bf16 weights, V2-Lite's layer shapes: hidden 2048, 16 heads, kv_lora 512, no q_lora, 64
 routed experts top-6, 2 shared, expert width 1408, first layer dense of width 10944, vocab 102400) is written once
-to --dir with --layers layers (V2-Lite has 27). Each format loads in its own process, so its peak RSS is its own.
+to --dir with --layers layers (V2-Lite has 27: 31 GB, `--write-only` writes it and stops). Each format loads in its
+own process, so its peak RSS (and peak anonymous memory, which leaves out page cache) is its own.
 Run: `.venv/bin/python benchmarks/weights.py [--layers 2] [--formats fp32,auto,int8,int4] [--kernels-only]`;
-`--skip-kernels --formats ""` runs only the side-by-side decode (`--interleave`).
+`--skip-kernels --formats ""` runs only the side-by-side decode (`--interleave`); `--load-speed` times each
+load-time quantization step and the quantized loads.
 """
 from __future__ import annotations
 
@@ -335,8 +337,9 @@ def main() -> None:
         return
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"\n{args.layers} layers, {size / 1e9:.2f} GB bf16 on disk")
-    print("| format | dtype | load s | peak RSS GB | decode b1 tok/s | decode b8 tok/s | prefill tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| format | dtype | load s | peak RSS GB | load's peak anon GB | decode b1 tok/s | decode b8 tok/s | "
+          "prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     base = None
     for name in filter(None, args.formats.split(",")):
         run = subprocess.run([sys.executable, __file__, "--worker", name, "--dir", str(path), "--threads",
@@ -351,7 +354,8 @@ def main() -> None:
         def cell(key: str) -> str:
             return f"{r[key]:.1f} ({r[key] / base[key]:.2f}x)"
 
-        print(f"| {name} | {r['dtype']} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | {cell('decode_b1_tok_s')} | "
+        print(f"| {name} | {r['dtype']} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['anon_peak_gb']:.2f} | "
+              f"{cell('decode_b1_tok_s')} | "
               f"{cell('decode_b8_tok_s')} | {cell('prefill_tok_s')} |", flush=True)
     if args.interleave:
         torch.set_num_threads(args.threads)
