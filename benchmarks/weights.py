@@ -3,9 +3,11 @@ beside the fp32 engine in the same run, and the linear kernels each format can u
 
 The checkpoint (random bf16 weights, V2-Lite's layer shapes: hidden 2048, 16 heads, kv_lora 512, no q_lora, 64
 routed experts top-6, 2 shared, expert width 1408, first layer dense of width 10944, vocab 102400) is written once
-to --dir with --layers layers (V2-Lite has 27). Each format loads in its own process, so its peak RSS is its own.
+to --dir with --layers layers (V2-Lite has 27: 31 GB, `--write-only` writes it and stops). Each format loads in its
+own process, so its peak RSS (and peak anonymous memory, which leaves out page cache) is its own.
 Run: `.venv/bin/python benchmarks/weights.py [--layers 2] [--formats fp32,auto,int8,int4] [--kernels-only]`;
-`--skip-kernels --formats ""` runs only the side-by-side decode (`--interleave`).
+`--skip-kernels --formats ""` runs only the side-by-side decode (`--interleave`); `--load-speed` times each
+load-time quantization step and the quantized loads.
 """
 from __future__ import annotations
 
@@ -39,9 +41,8 @@ FORMATS = {"fp32": dict(dtype="float32"), "auto": dict(dtype="auto"), "int8": di
 
 
 def write_checkpoint(path: Path, layers: int) -> None:
-    """One safetensors shard per layer, written as generated (never the whole model in memory)."""
-    from safetensors.torch import save_file
-
+    """One safetensors shard per layer (~1.2 GB for a MoE layer), each tensor generated and written on its own:
+    memory stays at one tensor however large the checkpoint (27 layers: 31 GB)."""
     from latentserve.models import DeepseekConfig, DeepseekForCausalLM
     from latentserve.models.loader import _parameters_on_meta, checkpoint_name
 
@@ -57,26 +58,71 @@ def write_checkpoint(path: Path, layers: int) -> None:
     weight_map = {}
     for shard, tensors in shards.items():
         file = f"model-{shard}.safetensors"
-        save_file({n: (torch.randn(s) * (1.0 if n.endswith("norm.weight") else 0.02)).to(torch.bfloat16)
-                   for n, s in tensors.items()}, path / file)
+        _write_random_shard(path / file, tensors)
         weight_map.update(dict.fromkeys(tensors, file))
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _write_random_shard(file: Path, shapes: dict[str, torch.Size]) -> None:
+    """A bf16 safetensors file of random weights (norms ~1, the rest ~0.02), written tensor by tensor."""
+    header, offset = {}, 0
+    for name, shape in shapes.items():
+        nbytes = shape.numel() * 2
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(file.with_suffix(".tmp"), "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for name, shape in shapes.items():
+            t = torch.randn(shape).mul_(1.0 if name.endswith("norm.weight") else 0.02).to(torch.bfloat16)
+            f.write(t.view(torch.int16).numpy().data)
+    file.with_suffix(".tmp").rename(file)  # a shard exists only once complete
 
 
 def rss(field: str) -> int:
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(field + ":"))
 
 
+class AnonPeak:
+    """The process's peak anonymous memory (RssAnon, sampled every 50 ms on a thread) while in the `with` block:
+    page cache of the checkpoint does not count, as the issue's loading target says."""
+
+    def __enter__(self) -> AnonPeak:
+        import threading
+
+        self.before = self.peak = rss("RssAnon")
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.05):
+            self.peak = max(self.peak, rss("RssAnon"))
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.after = rss("RssAnon")
+        self.peak = max(self.peak, self.after)
+
+
 def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> dict:
-    """Load with `settings`, then time batch-1 and batch-8 decode steps and one prefill of `prefill_len` tokens."""
+    """Load with `settings`, then time batch-1 and batch-8 decode steps and one prefill of `prefill_len` tokens
+    (none if 0)."""
     from latentserve import LLM, SamplingParams
 
     start = time.perf_counter()
     # No prefix caching: the prefill below runs the same prompt each repeat and must compute all of it.
-    llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
-              max_num_batched_tokens=prefill_len, enable_prefix_caching=False, **settings)
+    with AnonPeak() as anon:
+        llm = LLM(model=str(path), num_kv_blocks=160, block_size=16, max_model_len=1024, max_num_seqs=8,
+                  max_num_batched_tokens=max(prefill_len, 64), enable_prefix_caching=False, **settings)
     result = dict(load_s=time.perf_counter() - start, peak_rss_gb=rss("VmHWM") / 1e9,
-                  dtype=str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch."))
+                  dtype=str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                  anon_before_gb=anon.before / 1e9, anon_loaded_gb=(anon.after - anon.before) / 1e9,
+                  anon_peak_gb=(anon.peak - anon.before) / 1e9)
+    print(json.dumps(result), file=sys.stderr, flush=True)  # the load alone, should decoding fail
     engine = llm.engine
     for batch in (1, 8):
         params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
@@ -89,6 +135,8 @@ def worker(path: Path, settings: dict, decode_steps: int, prefill_len: int) -> d
             engine.step()
             times.append(time.perf_counter() - t)
         result[f"decode_b{batch}_tok_s"] = batch / min(times)
+    if not prefill_len:
+        return result
     prompt = [(7 * i) % 100000 + 5 for i in range(prefill_len)]
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -166,6 +214,69 @@ def kernel_table(threads: int) -> list[str]:
     return rows
 
 
+def _whole_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 quantization as it was before blockwise: each pass over the whole fp32 copy."""
+    w = weight.to(torch.float32, copy=True)
+    scale = torch.linalg.vector_norm(w, ord=float("inf"), dim=1).clamp_(min=1e-12) / 127
+    return w.div_(scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def _whole_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 quantization as it was before blockwise."""
+    w = weight.to(torch.float32, copy=True).view(weight.shape[0], -1, group_size)
+    minimum, maximum = w.aminmax(dim=-1)
+    scale = (maximum - minimum).clamp_(min=1e-12) / 15
+    q = w.sub_(minimum[..., None]).div_(scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return q.view(weight.shape), scale, minimum
+
+
+def quantize_speed(threads: int) -> list[str]:
+    """M weights/s of each load-time step on V2-Lite's fused expert gate_up (2816x2048, bf16 as read), 16 copies,
+    round-robin, fastest of 3: the whole-tensor quantizers beside the blockwise ones, then each kernel's packing."""
+    torch.set_num_threads(threads)
+    w = [(torch.randn(2816, 2048) * 0.02).bfloat16() for _ in range(16)]
+    q8, q4 = [quantize_int8(x) for x in w], [quantize_int4(x, 64) for x in w]
+    steps = {
+        "int8 quantize, whole tensor (before)": lambda i: _whole_int8(w[i]),
+        "int8 quantize, blockwise": lambda i: quantize_int8(w[i]),
+        "int8 fbgemm prepack": lambda i: FbgemmInt8Linear(*q8[i], None, False),
+        "int4 quantize, whole tensor (before)": lambda i: _whole_int4(w[i], 64),
+        "int4 quantize, blockwise": lambda i: quantize_int4(w[i], 64),
+        "int4pack conversion": lambda i: Int4PackLinear(*q4[i], None, torch.bfloat16),
+    }
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(3):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for i in range(len(w)):
+                step(i)
+            best[name] = min(best[name], time.perf_counter() - start)
+    numel = sum(x.numel() for x in w)
+    return ["| step | M weights/s |", "|---|---|"] + [f"| {name} | {numel / best[name] / 1e6:.0f} |" for name in steps]
+
+
+def load_speed(path: Path, threads: int) -> dict:
+    """Seconds (wall and CPU) to load `path` quantized, and quantized weights per second (torch threads =
+    quantizing workers). On a shared machine the CPU seconds are the steadier figure."""
+    import gc
+
+    from latentserve.layers.quant.config import QuantConfig
+    from latentserve.models import load_model
+
+    torch.set_num_threads(threads)
+    result = {}
+    for method in ("int8", "int4"):
+        start, cpu = time.perf_counter(), time.process_time()
+        model = load_model(path, dtype=torch.bfloat16, quantization=QuantConfig(method))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        numel = sum(m.in_features * m.out_features for name, m in model.named_modules()
+                    if hasattr(m, "kernel") and not isinstance(m, torch.nn.Linear))
+        result[method] = dict(load_s=seconds, cpu_s=cpu, mweights_s=numel / seconds / 1e6)
+        del model
+        gc.collect()
+    return result
+
+
 def _x86_packed(q8, features) -> list:
     """fbgemm's kernel on a weight packed by torch's default "x86" quantized engine."""
     previous = torch.backends.quantized.engine
@@ -189,6 +300,9 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=6)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--kernels-only", action="store_true")
+    parser.add_argument("--write-only", action="store_true", help="write the checkpoint and stop")
+    parser.add_argument("--load-speed", action="store_true",
+                        help="time quantization steps and quantized loads (1 and --threads threads) only")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--interleave", default="auto,int8,int4",
                         help="formats whose decode runs side by side in one process (empty: skip)")
@@ -202,7 +316,9 @@ def main() -> None:
 
     warnings.simplefilter("ignore")
     print(f"CPU: {cpu_features().describe()}; dtype auto -> {auto_dtype('cpu')[0]}; {args.threads} threads")
-    if not args.skip_kernels:
+    if args.load_speed:
+        print("\n".join(quantize_speed(1)), flush=True)
+    if not args.skip_kernels and not args.write_only and not args.load_speed:
         print("\n".join(kernel_table(args.threads)), flush=True)
     if args.kernels_only:
         return
@@ -210,11 +326,20 @@ def main() -> None:
     if not (path / "model.safetensors.index.json").is_file():
         start = time.perf_counter()
         write_checkpoint(path, args.layers)
-        print(f"wrote {path} in {time.perf_counter() - start:.0f} s")
+        print(f"wrote {path} in {time.perf_counter() - start:.0f} s", flush=True)
+    if args.write_only:
+        return
+    if args.load_speed:
+        for threads in sorted({1, args.threads}):
+            for method, r in load_speed(path, threads).items():
+                print(f"{path.name} {method}, {threads} thread(s): {r['load_s']:.1f} s ({r['cpu_s']:.1f} s of CPU), "
+                      f"{r['mweights_s']:.0f} M quantized weights/s", flush=True)
+        return
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"\n{args.layers} layers, {size / 1e9:.2f} GB bf16 on disk")
-    print("| format | dtype | load s | peak RSS GB | decode b1 tok/s | decode b8 tok/s | prefill tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| format | dtype | load s | peak RSS GB | load's peak anon GB | decode b1 tok/s | decode b8 tok/s | "
+          "prefill tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     base = None
     for name in filter(None, args.formats.split(",")):
         run = subprocess.run([sys.executable, __file__, "--worker", name, "--dir", str(path), "--threads",
@@ -229,7 +354,8 @@ def main() -> None:
         def cell(key: str) -> str:
             return f"{r[key]:.1f} ({r[key] / base[key]:.2f}x)"
 
-        print(f"| {name} | {r['dtype']} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | {cell('decode_b1_tok_s')} | "
+        print(f"| {name} | {r['dtype']} | {r['load_s']:.1f} | {r['peak_rss_gb']:.2f} | {r['anon_peak_gb']:.2f} | "
+              f"{cell('decode_b1_tok_s')} | "
               f"{cell('decode_b8_tok_s')} | {cell('prefill_tok_s')} |", flush=True)
     if args.interleave:
         torch.set_num_threads(args.threads)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -28,6 +31,9 @@ INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _GATE_UP = re.compile(r"^(.+)\.(gate|up)_proj$")
+# Each quantizes ~200 M weights/s (fbgemm's packing dominates), so a few outrun reading the checkpoint; more would
+# only hold more tensors in flight.
+MAX_QUANTIZE_WORKERS = 8
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -119,23 +125,74 @@ def _is_view(param: torch.Tensor) -> bool:
     return param.untyped_storage().nbytes() != param.nbytes
 
 
-def _quantize_into(
-    model: nn.Module, name: str, weight: torch.Tensor, config: QuantConfig, device, halves: dict[str, dict]
-) -> None:
-    """Swap the linear layer `name` for its quantized stand-in; its bias parameter carries over. A bias-free MLP's
-    gate and up become one quantized layer once both are read (`halves` holds the first): int8 and int4 scale each
-    output row on its own, so the fused weight quantizes exactly as the two would."""
+def _quantization_job(
+    model: nn.Module, name: str, weight: torch.Tensor, halves: dict[str, dict]
+) -> tuple[str, list[torch.Tensor], nn.Parameter | None, Callable[[nn.Module], None]] | None:
+    """(layer name, weight parts, bias, install) to quantize the linear layer `name` and swap in its stand-in; its
+    bias parameter carries over. A bias-free MLP's gate and up become one quantized layer once both are read
+    (`halves` holds the first; None until then): int8 and int4 scale each output row on its own, so the fused
+    weight quantizes exactly as the two would."""
     match = _GATE_UP.match(name)
     mlp = model.get_submodule(match[1]) if match else None
     if isinstance(mlp, GatedMLP) and mlp.gate_proj.bias is None:
         halves.setdefault(match[1], {})[match[2]] = weight
-        if len(halves[match[1]]) == 2:
-            gate_up = torch.cat([halves[match[1]]["gate"], halves.pop(match[1])["up"]])
-            mlp.fuse_gate_up(quantize_linear(f"{match[1]}.gate_up_proj", gate_up, None, config, device))
-        return
+        if len(halves[match[1]]) < 2:
+            return None
+        parts = halves.pop(match[1])
+        return f"{match[1]}.gate_up_proj", [parts["gate"], parts["up"]], None, mlp.fuse_gate_up
     parent, _, child = name.rpartition(".")
-    layer = model.get_submodule(name)
-    setattr(model.get_submodule(parent), child, quantize_linear(name, weight, layer.bias, config, device))
+    return name, [weight], model.get_submodule(name).bias, partial(setattr, model.get_submodule(parent), child)
+
+
+def _quantize(name: str, parts: list[torch.Tensor], bias, config: QuantConfig, device) -> nn.Module:
+    return quantize_linear(name, torch.cat(parts) if len(parts) > 1 else parts[0], bias, config, device)
+
+
+class _Quantizer:
+    """Quantizes linear weights on worker threads (one per torch thread, up to MAX_QUANTIZE_WORKERS, each running
+    torch on one) while the loader reads the next tensors; at most two jobs per worker wait, so a few tensors are
+    in flight at a time."""
+
+    def __init__(self, config: QuantConfig, device) -> None:
+        self.config, self.device = config, device
+        self.threads = torch.get_num_threads()
+        self.workers = min(MAX_QUANTIZE_WORKERS, max(1, self.threads))
+        self.pool = ThreadPoolExecutor(self.workers, initializer=torch.set_num_threads, initargs=(1,))
+        self.pending: deque[tuple[Future, Callable[[nn.Module], None]]] = deque()
+
+    def submit(self, name: str, parts: list[torch.Tensor], bias, install: Callable[[nn.Module], None]) -> None:
+        job = self.pool.submit(_quantize, name, parts, bias, self.config, self.device)
+        self.pending.append((job, install))
+        while len(self.pending) > 2 * self.workers:
+            self._install_oldest()
+
+    def finish(self) -> None:
+        while self.pending:
+            self._install_oldest()
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+        # The workers' one thread is their own under OpenMP, but would be everyone's under torch's native pool.
+        torch.set_num_threads(self.threads)
+
+    def _install_oldest(self) -> None:
+        job, install = self.pending.popleft()
+        install(job.result())
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None, loaded: set[str]) -> None:
+    """A clear error for a checkpoint tensor the model has no place for."""
+    if target is None:
+        scale = name.endswith(SCALE_SUFFIX)
+        fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if scale else ""
+        raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
+    if name in loaded:
+        raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
+    if tensor.dtype not in STORED_DTYPES:
+        fp8 = " (FP8 weights need config.json's quantization_config)" if tensor.dtype.itemsize == 1 else ""
+        raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16{fp8}")
+    if tensor.shape != target.shape:
+        raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}")
 
 
 def load_weights(
@@ -151,29 +208,26 @@ def load_weights(
         targets.pop("lm_head.weight")
     loaded: set[str] = set()
     halves: dict[str, dict] = {}  # gate or up weights waiting for the other half
-    for name, tensor in tensors:
-        target = targets.get(param_name(name))
-        if target is None:
-            scale = name.endswith(SCALE_SUFFIX)
-            fp8 = " (an FP8 block scale, but config.json has no quantization_config)" if scale else ""
-            raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
-        if name in loaded:
-            raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-        if tensor.dtype not in STORED_DTYPES:
-            fp8 = " (FP8 weights need config.json's quantization_config)" if tensor.dtype.itemsize == 1 else ""
-            raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16{fp8}")
-        if tensor.shape != target.shape:
-            raise ValueError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
-            )
-        if param_name(name) in quantized:
-            _quantize_into(model, quantized[param_name(name)], tensor, quantization, device, halves)
-        elif tensor.dtype == target.dtype and tensor.device == target.device and not _is_view(target):
-            target.data = tensor  # the read buffer becomes the parameter (its own storage is never touched)
-        else:
-            with torch.no_grad():
-                target.copy_(tensor)
-        loaded.add(name)
+    quantizer = _Quantizer(quantization, device) if quantized else None
+    try:
+        for name, tensor in tensors:
+            _check_tensor(name, tensor, targets.get(param_name(name)), loaded)
+            target = targets[param_name(name)]
+            if param_name(name) in quantized:
+                job = _quantization_job(model, quantized[param_name(name)], tensor, halves)
+                if job is not None:
+                    quantizer.submit(*job)
+            elif tensor.dtype == target.dtype and tensor.device == target.device and not _is_view(target):
+                target.data = tensor  # the read buffer becomes the parameter (its own storage is never touched)
+            else:
+                with torch.no_grad():
+                    target.copy_(tensor)
+            loaded.add(name)
+        if quantizer is not None:
+            quantizer.finish()
+    finally:
+        if quantizer is not None:
+            quantizer.close()
     missing = sorted(checkpoint_name(p) for p in set(targets) - {param_name(n) for n in loaded})
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])

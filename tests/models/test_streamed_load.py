@@ -35,7 +35,8 @@ def status(field):
 path, warmup = sys.argv[1], sys.argv[2]
 load_model(warmup, quantization=QuantConfig("int8"))  # a first load pages in ~150 MiB of code and libraries
 for case in sys.argv[4:]:
-    dtype, method = case.split(":")
+    dtype, method, threads = case.split(":")
+    torch.set_num_threads(int(threads))  # quantizing workers: one per thread
     gc.collect()
     ctypes.CDLL(None).malloc_trim(0)  # the previous case's model is gone from the process
     before = status("VmRSS")
@@ -44,7 +45,8 @@ for case in sys.argv[4:]:
     print(json.dumps(dict(case=case, before=before, peak=status("VmHWM"), after=status("VmRSS"))))
     del model
 """
-CASES = ["float32:", "bfloat16:int8"]  # a cast of every tensor (bf16 -> fp32); quantization as read
+# dtype:quantization:threads. A cast of every tensor (bf16 -> fp32); quantization as read, on one and two workers.
+CASES = ["float32::1", "bfloat16:int8:1", "bfloat16:int8:2"]
 TRIM_EVERY_BYTES = 2 << 20
 
 
