@@ -45,8 +45,9 @@ def test_prefill_then_multi_token_steps_match_the_formula(tmp_path, own_embed_he
     main_runner, mtp_runner, mtp = _runners(path, attn_config)
     assert isinstance(mtp.layer.mlp, MoE) == ("first_k_dense_replace" not in overrides)
     sequences = _tokens(LENS)
-    # Prefill: MTP position i pairs h_i with t_{i+1}; the last prompt token has no successor yet.
-    hidden = main_runner.forward(list(enumerate(sequences)), final_norm=False)
+    # Prefill: MTP position i pairs h_i (the main model's output, after its final norm) with t_{i+1}; the last
+    # prompt token has no successor yet.
+    hidden = main_runner.forward(list(enumerate(sequences)))
     pairs = torch.cat([h[:-1] for h in hidden.split(LENS)])
     logits = mtp_runner.step([(r, seq[1:]) for r, seq in enumerate(sequences)], pairs)
     for seq, ours in zip(sequences, logits.split([n - 1 for n in LENS])):
@@ -55,25 +56,13 @@ def test_prefill_then_multi_token_steps_match_the_formula(tmp_path, own_embed_he
     last_hidden = [h[-1:] for h in hidden.split(LENS)]
     for step, width in enumerate((1, 3, 1)):
         new = _tokens([width] * len(sequences), seed=10 + step)
-        hidden = main_runner.forward(list(enumerate(new)), final_norm=False).split(width)
+        hidden = main_runner.forward(list(enumerate(new))).split(width)
         pairs = torch.cat([torch.cat([last[-1:], h[:-1]]) for last, h in zip(last_hidden, hidden)])
         logits = mtp_runner.step(list(enumerate(new)), pairs)
         for r, ours in enumerate(logits.split(width)):
             sequences[r] += new[r]
             _check(ours, reference_mtp_logprobs(reference, ref_mtp, sequences[r])[-width:])
         last_hidden = hidden
-
-
-def test_main_model_hidden_before_the_final_norm(tmp_path) -> None:
-    path, reference, _ = make_mtp_checkpoint(tmp_path)
-    attn_config = AttentionConfig(block_size=4)
-    runner = PagedRunner(load_model(path, attn_config=attn_config), attn_config)
-    tokens = _tokens([6])[0]
-    pre = runner.forward([(0, tokens)], final_norm=False)
-    with torch.no_grad():
-        expected = reference(torch.tensor([tokens])).logits[0]
-        torch.testing.assert_close(runner.model.compute_logits(runner.model.apply_final_norm(pre)), expected,
-                                   rtol=0, atol=1e-4)
 
 
 def test_refuses_a_checkpoint_without_mtp_weights(tmp_path) -> None:

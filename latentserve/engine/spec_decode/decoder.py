@@ -1,7 +1,7 @@
 """`SpecDecoder`: one speculative step after the main model's forward — verify drafts, sample, propose the next.
 
 The main model ran every scheduled token, drafts included (a decode with k+1 new tokens), and returned its hidden
-states before the final norm. Requests with drafts are verified by rejection sampling over their k+1 positions;
+states (after the final norm: the MTP layer reads them too). Requests with drafts are verified by rejection sampling over their k+1 positions;
 the others sample their last position as without speculation. The MTP layer then runs over every kept position
 and proposes each sampling request's drafts for the next step.
 """
@@ -42,7 +42,7 @@ class SpecDecoder:
         self.stats = SpecDecodingStats(self.k)
 
     def step(self, out: SchedulerOutput, hidden: torch.Tensor) -> SpecStepOutput:
-        """hidden `[num tokens, hidden]`: the main model's output before its final norm."""
+        """hidden `[num tokens, hidden]`: the main model's output."""
         starts, offset = [], 0
         for s in out.scheduled:
             starts.append(offset)
@@ -54,7 +54,7 @@ class SpecDecoder:
         logprobs: dict[int, Logprobs | None] = {}
         if plain:
             rows = torch.tensor([start + s.num_new_tokens - 1 for s, start in plain], device=hidden.device)
-            logits = self._logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows])
             requests = [s.request for s, _ in plain]
             sampled = self.sampler(logits, SamplingMetadata.from_requests(requests, logits.shape[-1], hidden.device))
             for (s, _), token, entry in zip(plain, sampled.sampled_token_ids, sampled.logprobs):
@@ -62,7 +62,7 @@ class SpecDecoder:
         if spec:
             first = [start + s.num_new_tokens - s.num_drafts - 1 for s, start in spec]
             rows = torch.cat([torch.arange(f, f + s.num_drafts + 1) for (s, _), f in zip(spec, first)])
-            logits = self._logits(hidden[rows.to(hidden.device)])
+            logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
             tokens = verify(logits, [s.request for s, _ in spec], [s.spec_token_ids for s, _ in spec], self.k)
             for (s, _), row in zip(spec, tokens):
                 emitted[id(s)], logprobs[id(s)] = row, None
@@ -78,9 +78,6 @@ class SpecDecoder:
             logprobs=[logprobs[id(s)] for s, _ in sampling],
             spec_token_ids={s.request.request_id: d for s, d in zip(out.scheduled, drafts) if d},
         )
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.model.apply_final_norm(hidden))
 
     def _propose(
         self, scheduled: list[ScheduledRequest], starts: list[int], emitted: dict[int, list[int]], hidden: torch.Tensor
