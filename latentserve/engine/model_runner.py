@@ -92,7 +92,7 @@ class ModelRunner:
 
     def _execute_speculative(self, out, input_ids, positions, common, slices) -> ModelRunnerOutput:
         hidden = run_forward(self.model, [input_ids, positions], common, self.builders, slices)
-        result = self.spec_decoder.step(out, hidden)
+        result = self.spec_decoder.step(out, hidden, input_ids, positions, common)
         return ModelRunnerOutput(
             sampled_token_ids=result.sampled_token_ids,
             logprobs=result.logprobs,
