@@ -23,6 +23,7 @@ from torch import nn
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.layers.linear import Linear
+from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.config import DeepseekConfig
@@ -175,6 +176,8 @@ def load_mtp(
     with _parameters_on_meta():
         mtp = DeepseekMTP(main, prefix + "embed_tokens.weight" in names, prefix + "shared_head.head.weight" in names,
                           attn_config, dtype, device)
+    for moe in (m for m in mtp.modules() if isinstance(m, MoE)):
+        moe.stack_experts(device)  # two grouped GEMMs per step, as in the main model, instead of a loop
     _materialize(mtp, device, set())
     tensors = iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix))
     if config.quantization is not None:  # DeepSeek's FP8 checkpoints store the MTP layer in FP8 too

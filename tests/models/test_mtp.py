@@ -44,6 +44,8 @@ def test_prefill_then_multi_token_steps_match_the_formula(tmp_path, own_embed_he
     attn_config = AttentionConfig(block_size=4)
     main_runner, mtp_runner, mtp = _runners(path, attn_config)
     assert isinstance(mtp.layer.mlp, MoE) == ("first_k_dense_replace" not in overrides)
+    if isinstance(mtp.layer.mlp, MoE):
+        assert mtp.layer.mlp.stacked is not None  # its experts run as the main model's do
     sequences = _tokens(LENS)
     # Prefill: MTP position i pairs h_i (the main model's output, after its final norm) with t_{i+1}; the last
     # prompt token has no successor yet.
