@@ -5,6 +5,11 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("mtp",)
+# Above this many requests in a step, drafting is off by default. benchmarks/speculative.py's cost model puts the
+# crossover (speculative steps no faster than plain ones) of the embedded model between 64 and 128 requests at
+# k = 1 and 2 with its ~80 % acceptance (at 64: 1.07x and 1.08x; at 128: 0.96x); half of 64 leaves room for noise
+# and for text the draft predicts less well (benchmarks/RESULTS.md, "MTP speculative decoding").
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -13,7 +18,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 1  # drafts per step; k > 1 chains the one MTP layer, as vLLM does
     # Steps with more requests than this neither draft nor run the MTP layer (its cache then misses their
     # positions, which costs later drafts some acceptance, never exactness). None: always draft.
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -32,7 +32,7 @@ class SpecStepOutput:
 class SpecDecoder:
     def __init__(
         self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int,
-        disable_by_batch_size: int | None = None,
+        disable_by_batch_size: int | None,
     ) -> None:
         self.model = model
         self.proposer = proposer

@@ -7,6 +7,7 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.engine.spec_decode import SpeculativeConfig
+from latentserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
 from tests.models.mtp_checkpoint import make_mtp_checkpoint, reference_mtp_logprobs
 
 VOCAB = 6  # random drafts then agree with the target often enough that both acceptance and rejection happen
@@ -93,6 +94,23 @@ def test_disable_by_batch_size(checkpoint, baseline) -> None:
     on = LLM(model=checkpoint, speculative_config={**spec, "disable_by_batch_size": 4}, **ENGINE)
     assert _tokens(on, prompts, params) == _tokens(baseline, prompts, params)
     assert on.engine.spec_decoding_stats.num_drafts > 0
+
+
+def test_drafting_is_off_by_default_above_the_crossover_batch_size(checkpoint, baseline) -> None:
+    limit = DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert SpeculativeConfig.from_value({"method": "mtp"}).disable_by_batch_size == limit
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = {**ENGINE, "max_num_seqs": limit + 1, "num_kv_blocks": 4 * (limit + 1) + 8}
+    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
+    prompts = _prompts(limit + 1, seed=8)
+    assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
+    assert llm.engine.spec_decoding_stats.num_drafts == 0  # limit + 1 requests ran together throughout
+    assert _tokens(llm, prompts[:limit], params) == _tokens(baseline, prompts[:limit], params)
+    assert llm.engine.spec_decoding_stats.num_drafts > 0
+    always = SpeculativeConfig(num_speculative_tokens=1, disable_by_batch_size=None)
+    llm = LLM(model=checkpoint, speculative_config=always, **engine)
+    assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
+    assert llm.engine.spec_decoding_stats.num_drafts > 0
 
 
 def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) -> None:
