@@ -231,12 +231,15 @@ def test_sampled_tokens_follow_the_models_distribution(checkpoint, temperature, 
     assert chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-3
 
 
-def test_greedy_equality_over_data_parallel_ranks_with_expert_parallelism(checkpoint, baseline) -> None:
-    """Each rank drafts with its own MTP layer (all experts local); the main model's experts are split."""
+@pytest.mark.parametrize("dbo", [False, True])
+def test_greedy_equality_over_data_parallel_ranks_with_expert_parallelism(checkpoint, baseline, dbo: bool) -> None:
+    """Each rank drafts with its own MTP layer (all experts local); the main model's experts are split. Under DBO
+    the main forward runs as two ubatches, the MTP forward whole (it has no all-to-all to overlap)."""
     prompts = _prompts(4, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    dbo_args = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2) if dbo else {}
     llm = LLM(model=checkpoint, data_parallel_size=2, enable_expert_parallel=True,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE, **dbo_args)
     try:
         assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
     finally:
