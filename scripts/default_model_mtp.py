@@ -186,7 +186,8 @@ def write_mtp_report(out_dir: Path, args, stats: dict, command: str) -> None:
 {MTP_HEADING}
 One multi-token-prediction module (DeepSeek-V3 report, section 2.2), for speculative decoding:
 `model.layers.{s['layer_idx']}.*` holds `enorm`, `hnorm`, `eh_proj` (over `[enorm(embed(t_(i+1))); hnorm(h_i)]`,
-h_i the main model's output after its final norm, as vLLM and SGLang feed DeepSeek-V3's MTP layer), one decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
+h_i the main model's output after its final norm, as vLLM and SGLang feed DeepSeek-V3's MTP layer), one
+decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
 `embed_tokens` or `shared_head.head` of its own: it uses the main model's embedding and `lm_head` (DeepSeek-V3
 shares them too), so tokens appended to the vocabulary later reach both. {s['mtp_params']:,} parameters of its own
 (bf16, router in fp32), {s['mtp_mb']:.1f} MB of `model.safetensors` ({s['file_mb']:.1f} MB in all).
@@ -195,8 +196,8 @@ Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss
 `lambda * ((1 - a) CE(t_(i+2)) + a KL(main || MTP))` with lambda {args.mtp_loss_weight:g} (the report's value for
 its first 10T tokens; with the main model frozen it only scales the gradient) and a = {args.mtp_distill:g}: besides
 the report's loss (a = 0), distillation from the main model's own distribution of t_(i+2) given t_0..t_(i+1),
-which a draft must match to be accepted. The decoder layer started as a copy of the main model's last layer, `shared_head.norm` as
-its final norm. AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine, one
+which a draft must match to be accepted. The decoder layer started as a copy of the main model's last layer,
+`shared_head.norm` as its final norm. AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine, one
 thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
 ({tokens:,} tokens), wall time {s['mtp_wall_s'] / 60:.1f} min. Final training CE (mean of the last 50 steps)
 {s['mtp_final_ce']:.3f}; held-out CE {s['mtp_val_ce']:.3f} (the main model's next-token loss there:

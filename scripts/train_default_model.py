@@ -81,8 +81,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--mtp-only", action="store_true",
                    help="keep the main model and tokenizer in --out-dir; train and write only the MTP layer")
-    p.add_argument("--mtp-steps", type=int, default=380)
-    p.add_argument("--mtp-time-budget-min", type=float, default=14.0)
+    p.add_argument("--mtp-steps", type=int, default=800)
+    p.add_argument("--mtp-time-budget-min", type=float, default=55.0)
     p.add_argument("--mtp-lr", type=float, default=2e-3)
     p.add_argument("--mtp-loss-weight", type=float, default=0.3,
                    help="lambda of the V3 report's MTP loss (0.3 there for the first 10T tokens)")
