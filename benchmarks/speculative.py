@@ -1,7 +1,8 @@
 """MTP speculative decoding: acceptance per draft position and decode tok/s with and without it.
 
-Both engines live in this process and run the same greedy requests side by side (best of `--repeats`). Decode
-tok/s = generated tokens past the first / (time of the whole request - time of a one-token request). `--clock cpu`
+The engines live in this process and run the same greedy requests in turns (`--repeats` rounds; medians of the
+rates and of each round's ratio). Decode tok/s = generated tokens past the first / (time of the whole request -
+time of a one-token request). `--clock cpu`
 (the default) times this process's CPU time, which a shared machine disturbs far less than wall time (one thread:
 the two agree on an idle machine). On the embedded model the prompts are KJV verse openings the model never saw
 whole (held-out chapters).
@@ -72,50 +73,55 @@ def random_mtp_checkpoint(path: Path, layers: int) -> Path:
     return path
 
 
-def best_time(fn, repeats: int, clock) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = clock()
-        fn()
-        times.append(clock() - start)
-    return min(times)
-
-
-def decode_rate(llm: LLM, prompts, max_tokens: int, repeats: int, clock) -> float:
-    """Decode tokens per second over the batch (the prefill step's time taken out)."""
+def decode_time(llm: LLM, prompts, max_tokens: int, clock) -> float:
+    """Seconds of decoding the batch's tokens past the first (a one-token request's time taken out)."""
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    t_one = best_time(lambda: llm.generate(prompts, one), repeats, clock)
-    t_many = best_time(lambda: llm.generate(prompts, many), repeats, clock)
-    return len(prompts) * (max_tokens - 1) / max(t_many - t_one, 1e-9)
+    start = clock()
+    llm.generate(prompts, one)
+    t_one = clock() - start
+    start = clock()
+    llm.generate(prompts, many)
+    return max(clock() - start - t_one, 1e-9)
 
 
 def bench_model(name: str, path: Path, prompts_for, args) -> None:
+    """Engines with and without MTP take turns, `--repeats` rounds; medians of rates and of per-round ratios."""
     engine = dict(num_threads=args.threads, max_num_seqs=max(args.batch), num_kv_blocks=512)
-    base = LLM(model=path, **engine)
-    spec = {k: LLM(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
-            for k in args.k}
-    print(f"\n{name}: decode tok/s ({args.clock} time), greedy, {args.max_tokens} tokens per request, "
-          f"{args.threads} thread(s)")
+    engines = {0: LLM(model=path, **engine)}
+    for k in args.k:
+        engines[k] = LLM(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
+    clock = CLOCKS[args.clock]
+    print(f"\n{name}: decode tok/s ({args.clock} time, median of {args.repeats} interleaved rounds), greedy, "
+          f"{args.max_tokens} tokens per request, {args.threads} thread(s)")
     columns = [f"k={k} (ratio) | k={k} acceptance per position | k={k} mean accepted length" for k in args.k]
     print("| batch | no MTP | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|---|---|" * len(args.k))
     for batch in args.batch:
         prompts = prompts_for(batch)
-        rate = decode_rate(base, prompts, args.max_tokens, args.repeats, CLOCKS[args.clock])
-        cells = [f"{rate:.1f}"]
-        for k, llm in spec.items():
-            stats = llm.engine.spec_decoding_stats
-            before = (stats.num_drafts, stats.num_accepted_tokens, list(stats.num_accepted_tokens_per_pos),
-                      list(stats.num_drafts_per_pos))
-            spec_rate = decode_rate(llm, prompts, args.max_tokens, args.repeats, CLOCKS[args.clock])
-            accepted = [a - b for a, b in zip(stats.num_accepted_tokens_per_pos, before[2])]
-            reached = [d - b for d, b in zip(stats.num_drafts_per_pos, before[3])]
-            per_pos = " / ".join(f"{a / max(d, 1):.0%}" for a, d in zip(accepted, reached))
-            mean_len = 1 + (stats.num_accepted_tokens - before[1]) / max(stats.num_drafts - before[0], 1)
-            cells += [f"{spec_rate:.1f} ({spec_rate / rate:.2f}x)", per_pos, f"{mean_len:.2f}"]
+        tokens = batch * (args.max_tokens - 1)
+        for llm in engines.values():
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+        before = {k: _counters(engines[k]) for k in args.k}
+        rates: dict[int, list[float]] = {k: [] for k in engines}
+        for _ in range(args.repeats):
+            for k, llm in engines.items():
+                rates[k].append(tokens / decode_time(llm, prompts, args.max_tokens, clock))
+        cells = [f"{statistics.median(rates[0]):.1f}"]
+        for k in args.k:
+            ratio = statistics.median(s / b for s, b in zip(rates[k], rates[0]))
+            drafts, accepted, per_pos, reached = (
+                [x - y for x, y in zip(a, b)] if isinstance(a, list) else a - b
+                for a, b in zip(_counters(engines[k]), before[k]))
+            acceptance = " / ".join(f"{a / max(d, 1):.0%}" for a, d in zip(per_pos, reached))
+            cells += [f"{statistics.median(rates[k]):.1f} ({ratio:.2f}x)", acceptance,
+                      f"{1 + accepted / max(drafts, 1):.2f}"]
         print(f"| {batch} | " + " | ".join(cells) + " |", flush=True)
+
+
+def _counters(llm: LLM):
+    s = llm.engine.spec_decoding_stats
+    return s.num_drafts, s.num_accepted_tokens, list(s.num_accepted_tokens_per_pos), list(s.num_drafts_per_pos)
 
 
 @torch.no_grad()

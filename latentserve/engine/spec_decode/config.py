@@ -5,11 +5,11 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("mtp",)
-# Above this many requests in a step, drafting is off by default. benchmarks/speculative.py's cost model puts the
-# crossover (speculative steps no faster than plain ones) of the embedded model between 64 and 128 requests at
-# k = 1 and 2 with its ~80 % acceptance (at 64: 1.07x and 1.08x; at 128: 0.96x); half of 64 leaves room for noise
-# and for text the draft predicts less well (benchmarks/RESULTS.md, "MTP speculative decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+# Above this many requests in a step, drafting is off by default. On the embedded model (benchmarks/speculative.py,
+# benchmarks/RESULTS.md "MTP speculative decoding") decode with k = 1 or 2 is 1.17-1.38x at 4 requests but
+# 0.93-1.02x from 8 to 32: the crossover is near 8. A deeper model, whose MTP layer is a smaller share of a step,
+# crosses later; `disable_by_batch_size` raises it.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,11 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
+def _spec(k: int) -> dict:
+    """Drafting at every batch size (the default turns it off above a few requests)."""
+    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": None}
+
+
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
@@ -42,7 +47,7 @@ def test_greedy_tokens_equal_those_without_speculation(checkpoint, baseline, k: 
     # Different lengths make requests finish mid-draft (max_tokens cuts a verification short).
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * (i % 4), ignore_eos=True) for i in range(batch)]
     dbo_args = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2) if dbo else {}
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **ENGINE,
+    llm = LLM(model=checkpoint, speculative_config=_spec(k), **ENGINE,
               **dbo_args)
     assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
     stats = llm.engine.spec_decoding_stats
@@ -62,7 +67,7 @@ def test_greedy_with_every_logits_processor_equals_without_speculation(checkpoin
         SamplingParams(**greedy, logprobs=2),
         SamplingParams(**greedy),
     ]
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    llm = LLM(model=checkpoint, speculative_config=_spec(2), **ENGINE)
     ours, theirs = llm.generate(prompts, params), baseline.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     for mine, ref in zip(ours[4].outputs[0].logprobs, theirs[4].outputs[0].logprobs):
@@ -76,7 +81,7 @@ def test_greedy_equality_under_preemption_and_chunked_prefill(checkpoint, baseli
     prompts = _prompts(12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     tight = {**ENGINE, "num_kv_blocks": 30, "max_num_batched_tokens": 16, "max_model_len": 64}
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **tight)
+    llm = LLM(model=checkpoint, speculative_config=_spec(2), **tight)
     preempted = []
     preempt = llm.engine.scheduler._preempt
     monkeypatch.setattr(llm.engine.scheduler, "_preempt", lambda r: (preempted.append(r), preempt(r)))
@@ -117,7 +122,7 @@ def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) 
     prompt = _prompts(1, seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engines = [LLM(model=checkpoint, **ENGINE),
-               LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **ENGINE)]
+               LLM(model=checkpoint, speculative_config=_spec(3), **ENGINE)]
     requests = []
     for llm in engines:
         llm.engine.add_request(prompt, params, request_id="r")
@@ -142,7 +147,7 @@ def test_drafts_follow_the_formula_over_the_main_models_normed_output(tmp_path, 
     the MTP the main model's output after its final norm (as DeepSeek-V3's layer expects), and after rejections
     the MTP's own cache holds exactly the accepted pairs."""
     path, reference, ref_mtp = make_mtp_checkpoint(tmp_path, vocab_size=VOCAB)
-    llm = LLM(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    llm = LLM(model=path, speculative_config=_spec(2), **ENGINE)
     mtp = llm.engine.runner.spec_decoder.proposer.mtp
     drafted = []
     compute_logits = mtp.compute_logits
@@ -216,7 +221,7 @@ def test_sampled_tokens_follow_the_models_distribution(checkpoint, temperature, 
             first[t] * _processed(reference(torch.tensor([prompt + [t]])).logits[0, -1], temperature, top_k or VOCAB,
                                   top_p) for t in range(VOCAB)
         ]).flatten()
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, seed=0,
+    llm = LLM(model=checkpoint, speculative_config=_spec(1), seed=0,
               **{**ENGINE, "max_num_seqs": 256, "num_kv_blocks": 1024})
     samples = 4000
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, ignore_eos=True)
@@ -239,7 +244,7 @@ def test_greedy_equality_over_data_parallel_ranks_with_expert_parallelism(checkp
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     dbo_args = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2) if dbo else {}
     llm = LLM(model=checkpoint, data_parallel_size=2, enable_expert_parallel=True,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE, **dbo_args)
+              speculative_config=_spec(2), **ENGINE, **dbo_args)
     try:
         assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
     finally:
