@@ -5,7 +5,7 @@ rates and of each round's ratio). Decode tok/s = generated tokens past the first
 time of a one-token request). `--clock cpu`
 (the default) times this process's CPU time, which a shared machine disturbs far less than wall time (one thread:
 the two agree on an idle machine). On the embedded model the prompts are KJV verse openings the model never saw
-whole (held-out chapters).
+whole (held-out chapters). Every batch size drafts (`disable_by_batch_size` None) unless `--default-disable`.
 
 The cost model (`--cost-model`) times the forwards of one step on their own, at a context of 40 tokens: the main
 model over 1 and k+1 tokens per request (plus logits), the MTP layer over k+1 tokens then k-1 chained single tokens
@@ -90,7 +90,10 @@ def bench_model(name: str, path: Path, prompts_for, args) -> None:
     engine = dict(num_threads=args.threads, max_num_seqs=max(args.batch), num_kv_blocks=512)
     engines = {0: LLM(model=path, **engine)}
     for k in args.k:
-        engines[k] = LLM(model=path, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
+        spec = {"method": "mtp", "num_speculative_tokens": k}
+        if not args.default_disable:  # draft at every batch size, to find the crossover
+            spec["disable_by_batch_size"] = None
+        engines[k] = LLM(model=path, speculative_config=spec, **engine)
     clock = CLOCKS[args.clock]
     print(f"\n{name}: decode tok/s ({args.clock} time, median of {args.repeats} interleaved rounds), greedy, "
           f"{args.max_tokens} tokens per request, {args.threads} thread(s)")
@@ -196,6 +199,8 @@ def main() -> None:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     p.add_argument("--layers", type=int, default=24, help="depth of the V3-shaped random checkpoint")
     p.add_argument("--cost-model", action="store_true", help="also the per-forward cost model, on both models")
+    p.add_argument("--default-disable", action="store_true",
+                   help="keep the default disable_by_batch_size (otherwise every batch size drafts)")
     p.add_argument("--skip-random", action="store_true", help="the embedded model only")
     p.add_argument("--quick", action="store_true", help="batch 1 and 4, k=1, one repeat")
     args = p.parse_args()

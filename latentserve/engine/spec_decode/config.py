@@ -7,7 +7,7 @@ from typing import Any
 METHODS = ("mtp",)
 # Above this many requests in a step, drafting is off by default. On the embedded model (benchmarks/speculative.py,
 # benchmarks/RESULTS.md "MTP speculative decoding") decode with k = 1 or 2 is 1.17-1.38x at 4 requests but
-# 0.93-1.02x from 8 to 32: the crossover is near 8. A deeper model, whose MTP layer is a smaller share of a step,
+# 0.92-1.08x from 8 to 32: the crossover is near 8. A deeper model, whose MTP layer is a smaller share of a step,
 # crosses later; `disable_by_batch_size` raises it.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
