@@ -1,9 +1,12 @@
 """The multi-token-prediction (MTP) stage of `train_default_model.py`: one MTP layer over a frozen main model.
 
-DeepSeek-V3 report, section 2.2: for position i the MTP module combines the main model's last hidden state h_i
-(before its final norm) with the embedding of token i+1, `eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])`, runs one
-decoder layer over that sequence (causal attention, its own KV), and predicts t_{i+2} through the shared output
-head after its own norm (`shared_head.norm`). The loss is `lambda * mean_i CE(t_{i+2})` (one MTP depth).
+DeepSeek-V3 report, section 2.2: for position i the MTP module combines the main model's output h_i (after its
+final norm: what vLLM and SGLang feed DeepSeek-V3's own MTP layer) with the embedding of token i+1,
+`eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])`, runs one decoder layer over that sequence (causal attention, its
+own KV), and predicts t_{i+2} through the shared output head after its own norm (`shared_head.norm`).
+The loss is `lambda * mean_i [(1 - a) CE(t_{i+2}) + a KL(main || MTP)]`: the report's loss (one MTP depth) at
+a = 0; a > 0 adds distillation from the frozen main model's own prediction of t_{i+2}, which is what a draft
+must match to be accepted.
 """
 from __future__ import annotations
 
@@ -54,21 +57,21 @@ def new_mtp_layer(main) -> MTPLayer:
 
 @torch.no_grad()
 def main_hidden(main, ids: torch.Tensor) -> torch.Tensor:
-    """The main model's last hidden states before its final norm, `[B, S, H]`."""
-    captured = []
-    handle = main.model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-    try:
-        main.model(input_ids=ids)
-    finally:
-        handle.remove()
-    return captured[0]
+    """The main model's output hidden states (after its final norm), `[B, S, H]`."""
+    return main.model(input_ids=ids).last_hidden_state
 
 
-def mtp_loss(main, mtp: MTPLayer, window: torch.Tensor) -> torch.Tensor:
-    """Mean CE of t_{i+2} over a `[B, S+1]` window: main sees t_0..t_{S-1}; MTP position i gets (h_i, t_{i+1})."""
+def mtp_loss(main, mtp: MTPLayer, window: torch.Tensor, distill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, CE of t_{i+2}) over a `[B, S+1]` window: main sees t_0..t_{S-1}; MTP position i gets (h_i, t_{i+1})."""
     hidden = main_hidden(main, window[:, :-1])
-    logits = mtp(main, hidden[:, :-1], window[:, 1:-1])
-    return F.cross_entropy(logits.flatten(0, 1), window[:, 2:].flatten())
+    logits = mtp(main, hidden[:, :-1], window[:, 1:-1]).flatten(0, 1)
+    ce = F.cross_entropy(logits, window[:, 2:].flatten())
+    if not distill:
+        return ce, ce
+    with torch.no_grad():  # main's distribution of t_{i+2}, from t_0..t_{i+1}
+        target = F.log_softmax(main.lm_head(hidden[:, 1:]).flatten(0, 1), dim=-1)
+    kl = F.kl_div(F.log_softmax(logits, dim=-1), target, log_target=True, reduction="batchmean")
+    return (1 - distill) * ce + distill * kl, ce
 
 
 def _lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
@@ -77,8 +80,9 @@ def _lr_at(progress: float, peak: float, warmup: float = 0.03) -> float:
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / (1 - warmup)))))
 
 
-def train_mtp(main, mtp: MTPLayer, stream, args, gen, random_batch, balancer_cls) -> dict:
-    """AdamW on the MTP layer only; `lambda * CE` is the V3 report's MTP loss (main frozen, so lambda scales it)."""
+def train_mtp(main, mtp: MTPLayer, stream, args, gen, random_batch, balancer_cls, checkpoint=None) -> dict:
+    """AdamW on the MTP layer only; `lambda * CE` is the V3 report's MTP loss (main frozen, so lambda scales it).
+    `checkpoint(step)` runs every `--mtp-save-every` steps, so an interrupted run still leaves a trained layer."""
     main.eval()
     for p in main.parameters():
         p.requires_grad_(False)
@@ -90,8 +94,8 @@ def train_mtp(main, mtp: MTPLayer, stream, args, gen, random_batch, balancer_cls
     while step < args.mtp_steps and time.time() - start < budget_s:
         for group in opt.param_groups:
             group["lr"] = _lr_at(step / args.mtp_steps, args.mtp_lr)
-        ce = mtp_loss(main, mtp, random_batch(stream, args.batch_size, args.seq_len, gen))
-        (args.mtp_loss_weight * ce).backward()
+        loss, ce = mtp_loss(main, mtp, random_batch(stream, args.batch_size, args.seq_len, gen), args.mtp_distill)
+        (args.mtp_loss_weight * loss).backward()
         torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -101,7 +105,14 @@ def train_mtp(main, mtp: MTPLayer, stream, args, gen, random_batch, balancer_cls
         if step % args.log_every == 0 or step == 1:
             print(f"mtp step {step:5d}  ce {ce.item():.3f}  avg50 {sum(recent) / len(recent):.3f}  "
                   f"max/mean expert load {imbalance:.2f}  elapsed {time.time() - start:6.0f}s", flush=True)
+        if checkpoint is not None and step % args.mtp_save_every == 0 and step < args.mtp_steps:
+            checkpoint(_train_stats(step, start, recent, " (a checkpoint of a run still going)"))
+            mtp.train()
     ended_by = "" if step == args.mtp_steps else " (the time budget ended training)"
+    return _train_stats(step, start, recent, ended_by)
+
+
+def _train_stats(step: int, start: float, recent: list[float], ended_by: str) -> dict:
     return {"mtp_steps": step, "mtp_wall_s": time.time() - start, "mtp_final_ce": sum(recent) / len(recent),
             "mtp_ended_by": ended_by}
 
@@ -116,7 +127,7 @@ def eval_mtp(main, mtp: MTPLayer, stream: torch.Tensor, seq_len: int) -> dict:
         w = w[None]
         hidden = main_hidden(main, w[:, :-1])
         draft = mtp(main, hidden[:, :-1], w[:, 1:-1])
-        target = main.lm_head(main.model.norm(hidden[:, 1:]))  # main's prediction of t_{i+2} from t_0..t_{i+1}
+        target = main.lm_head(hidden[:, 1:])  # main's prediction of t_{i+2} from t_0..t_{i+1}
         ce += F.cross_entropy(draft[0], w[0, 2:], reduction="sum").item()
         agree += int((draft.argmax(-1) == target.argmax(-1)).sum())
         count += draft.shape[1]
@@ -174,16 +185,19 @@ def write_mtp_report(out_dir: Path, args, stats: dict, command: str) -> None:
     path.write_text(text + f"""
 {MTP_HEADING}
 One multi-token-prediction module (DeepSeek-V3 report, section 2.2), for speculative decoding:
-`model.layers.{s['layer_idx']}.*` holds `enorm`, `hnorm`, `eh_proj` (over `[enorm(embed(t_(i+1))); hnorm(h_i)]`),
-one decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
+`model.layers.{s['layer_idx']}.*` holds `enorm`, `hnorm`, `eh_proj` (over `[enorm(embed(t_(i+1))); hnorm(h_i)]`,
+h_i the main model's output after its final norm, as vLLM and SGLang feed DeepSeek-V3's MTP layer), one
+decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
 `embed_tokens` or `shared_head.head` of its own: it uses the main model's embedding and `lm_head` (DeepSeek-V3
 shares them too), so tokens appended to the vocabulary later reach both. {s['mtp_params']:,} parameters of its own
 (bf16, router in fp32), {s['mtp_mb']:.1f} MB of `model.safetensors` ({s['file_mb']:.1f} MB in all).
 
-Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss `lambda * CE(t_(i+2))` with
-lambda {args.mtp_loss_weight:g} (the report's value for its first 10T tokens; with the main model frozen it only
-scales the gradient). The decoder layer started as a copy of the main model's last layer, `shared_head.norm` as
-its final norm. AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine, one
+Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss
+`lambda * ((1 - a) CE(t_(i+2)) + a KL(main || MTP))` with lambda {args.mtp_loss_weight:g} (the report's value for
+its first 10T tokens; with the main model frozen it only scales the gradient) and a = {args.mtp_distill:g}: besides
+the report's loss (a = 0), distillation from the main model's own distribution of t_(i+2) given t_0..t_(i+1),
+which a draft must match to be accepted. The decoder layer started as a copy of the main model's last layer,
+`shared_head.norm` as its final norm. AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine, one
 thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
 ({tokens:,} tokens), wall time {s['mtp_wall_s'] / 60:.1f} min. Final training CE (mean of the last 50 steps)
 {s['mtp_final_ce']:.3f}; held-out CE {s['mtp_val_ce']:.3f} (the main model's next-token loss there:

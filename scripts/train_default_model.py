@@ -81,18 +81,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--mtp-only", action="store_true",
                    help="keep the main model and tokenizer in --out-dir; train and write only the MTP layer")
-    p.add_argument("--mtp-steps", type=int, default=380)
-    p.add_argument("--mtp-time-budget-min", type=float, default=14.0)
+    p.add_argument("--mtp-steps", type=int, default=800)
+    p.add_argument("--mtp-time-budget-min", type=float, default=55.0)
     p.add_argument("--mtp-lr", type=float, default=2e-3)
     p.add_argument("--mtp-loss-weight", type=float, default=0.3,
                    help="lambda of the V3 report's MTP loss (0.3 there for the first 10T tokens)")
+    p.add_argument("--mtp-distill", type=float, default=0.5,
+                   help="share of the MTP loss that is KL to the frozen main model's prediction (0: the report's CE)")
+    p.add_argument("--mtp-save-every", type=int, default=100, help="evaluate and write the MTP layer every N steps")
     args = p.parse_args()
-    for name in ("steps", "batch_size", "seq_len", "vocab_size", "log_every", "mtp_steps"):
+    for name in ("steps", "batch_size", "seq_len", "vocab_size", "log_every", "mtp_steps", "mtp_save_every"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("time_budget_min", "mtp_time_budget_min", "mtp_lr", "mtp_loss_weight"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.mtp_distill <= 1:
+        p.error(f"--mtp-distill must be in [0, 1], got {args.mtp_distill}")
     return args
 
 
@@ -368,22 +373,27 @@ def train_main_model(args, chapters, tok, stream, val_stream, gen):
 
 
 def train_mtp_stage(model, stream, val_stream, args, gen) -> None:
-    """Train the MTP layer over the frozen main model and add it to the checkpoint in --out-dir."""
+    """Train the MTP layer over the frozen main model and add it to the checkpoint in --out-dir (also at each
+    checkpoint, with its report)."""
     mtp = new_mtp_layer(model)
     print(f"mtp: {sum(p.numel() for p in mtp.parameters()):,} parameters", flush=True)
-    stats = train_mtp(model, mtp, stream, args, gen, random_batch, ExpertLoadBalancer)
-    stats.update(eval_mtp(model, mtp, val_stream, args.seq_len))
-    stats.update(layer_idx=model.config.num_hidden_layers, mtp_params=sum(p.numel() for p in mtp.parameters()),
-                 main_val_loss=eval_loss(model, val_stream, args.seq_len))
-    print(f"mtp done: {stats['mtp_steps']} steps in {stats['mtp_wall_s'] / 60:.1f} min, val ce "
-          f"{stats['mtp_val_ce']:.3f}, agreement with the main model {stats['mtp_val_agreement']:.3f}", flush=True)
-    stats["mtp_mb"] = save_mtp(mtp, model.config.num_hidden_layers, args.out_dir)
-    stats["file_mb"] = (args.out_dir / "model.safetensors").stat().st_size / 1e6
+    main_val_loss = eval_loss(model, val_stream, args.seq_len)
     command = (f"nice -n 10 .venv/bin/python scripts/train_default_model.py --mtp-only --mtp-steps {args.mtp_steps} "
                f"--mtp-time-budget-min {args.mtp_time_budget_min:g} --mtp-lr {args.mtp_lr:g} "
-               f"--mtp-loss-weight {args.mtp_loss_weight:g} --batch-size {args.batch_size} --seq-len {args.seq_len} "
-               f"--seed {args.seed}")
-    write_mtp_report(args.out_dir, args, stats, command)
+               f"--mtp-loss-weight {args.mtp_loss_weight:g} --mtp-distill {args.mtp_distill:g} "
+               f"--batch-size {args.batch_size} --seq-len {args.seq_len} --seed {args.seed}")
+
+    def write(stats: dict) -> None:
+        stats.update(eval_mtp(model, mtp, val_stream, args.seq_len))
+        stats.update(layer_idx=model.config.num_hidden_layers, main_val_loss=main_val_loss,
+                     mtp_params=sum(p.numel() for p in mtp.parameters()))
+        print(f"mtp: {stats['mtp_steps']} steps in {stats['mtp_wall_s'] / 60:.1f} min, val ce "
+              f"{stats['mtp_val_ce']:.3f}, agreement with the main model {stats['mtp_val_agreement']:.3f}", flush=True)
+        stats["mtp_mb"] = save_mtp(mtp, model.config.num_hidden_layers, args.out_dir)
+        stats["file_mb"] = (args.out_dir / "model.safetensors").stat().st_size / 1e6
+        write_mtp_report(args.out_dir, args, stats, command)
+
+    write(train_mtp(model, mtp, stream, args, gen, random_batch, ExpertLoadBalancer, checkpoint=write))
 
 
 def main() -> None:

@@ -1,7 +1,6 @@
 """`ModelRunner`: one scheduled step through the model — metadata, (DBO) forward, logits, sampling."""
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -92,17 +91,12 @@ class ModelRunner:
         )
 
     def _execute_speculative(self, out, input_ids, positions, common, slices) -> ModelRunnerOutput:
-        """The main model keeps its hidden states before the final norm: the MTP layer reads them."""
-        forward = functools.partial(self.model, final_norm=False)
-        hidden = run_forward(forward, [input_ids, positions], common, self.builders, slices)
-        result = self.spec_decoder.step(out, hidden)
-        prompt_logprobs = {}
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in out.scheduled):
-            prompt_logprobs = self._prompt_logprobs(out, self.model.apply_final_norm(hidden))
+        hidden = run_forward(self.model, [input_ids, positions], common, self.builders, slices)
+        result = self.spec_decoder.step(out, hidden, input_ids, positions, common)
         return ModelRunnerOutput(
             sampled_token_ids=result.sampled_token_ids,
             logprobs=result.logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=self._prompt_logprobs(out, hidden),
             num_ubatches=len(slices) if slices else 1,
             accepted_draft_ids=result.accepted_draft_ids,
             spec_token_ids=result.spec_token_ids,

@@ -117,12 +117,12 @@ class DeepseekModel(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, final_norm: bool = True) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             hidden = layer(cos, sin, hidden)
-        return self.norm(hidden) if final_norm else hidden
+        return self.norm(hidden)
 
 
 @contextmanager
@@ -159,9 +159,8 @@ class DeepseekForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, final_norm: bool = True) -> torch.Tensor:
-        """input_ids, positions `[T]` -> final hidden states `[T, hidden_size]`; with `final_norm=False` the last
-        layer's output before the final norm (what the MTP layer reads; `apply_final_norm()` finishes it)."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions `[T]` -> final hidden states `[T, hidden_size]` (after the final norm)."""
         if input_ids.dim() != 1 or input_ids.dtype.is_floating_point:
             raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
         if positions.shape != input_ids.shape or positions.dtype.is_floating_point:
@@ -169,10 +168,7 @@ class DeepseekForCausalLM(nn.Module):
                 f"positions must be an integer tensor shaped like input_ids {tuple(input_ids.shape)}, "
                 f"got {positions.dtype} {tuple(positions.shape)}"
             )
-        return self.model(input_ids, positions, final_norm)
-
-    def apply_final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden)
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[T, vocab_size]`."""

@@ -5,9 +5,12 @@ one full decoder layer (MoE by the `first_k_dense_replace` rule), `shared_head.n
 `embed_tokens` and `shared_head.head`. DeepSeek-V3 ships copies of the main model's embedding and head there;
 a checkpoint without them shares the main model's.
 
-The draft for position i+1 reads the main model's last hidden state h_i (before its final norm) and token i+1:
+The draft for position i+1 reads the main model's output h_i (after its final norm: the hidden state vLLM and
+SGLang hand DeepSeek-V3's MTP layer, so the one its weights were trained on) and token i+1:
 `head(shared_head.norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the layer attending over the MTP's
-own paged latent KV cache at position i. Chained drafts (k > 1) feed the MTP its own output as h.
+own paged latent KV cache at position i. No embedding is zeroed: vLLM zeroes enorm's input at position 0, which
+neither the report's formula nor SGLang does. Chained drafts (k > 1) feed the MTP its own output after
+`shared_head.norm` as h, the counterpart of the main model's normed output (as SGLang does).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.layers.linear import Linear
+from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.config import DeepseekConfig
@@ -105,17 +109,17 @@ class DeepseekMTP(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, previous_hidden: torch.Tensor) -> torch.Tensor:
         """Token t_{i+1} `[T]`, the position i of the hidden state it pairs with `[T]`, h_i `[T, hidden]` ->
-        the layer's output `[T, hidden]` before `shared_head.norm` (the h of a chained draft)."""
+        the layer's output after `shared_head.norm` `[T, hidden]` (the h of a chained draft)."""
         embed, _ = self._shared
         layer = self.layer
         x = layer.eh_proj(torch.cat([layer.enorm(embed(input_ids)), layer.hnorm(previous_hidden)], dim=-1))
         cos, sin = self.rotary_emb.cos_sin(positions)
-        return layer(cos, sin, x)
+        return layer.shared_head.norm(layer(cos, sin, x))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 draft logits `[T, vocab_size]` for the tokens after the next."""
         _, head = self._shared
-        return head(self.layer.shared_head.norm(hidden)).float()
+        return head(hidden).float()
 
 
 def _checkpoint_names(model_dir: Path, prefix: str) -> set[str]:
@@ -172,6 +176,8 @@ def load_mtp(
     with _parameters_on_meta():
         mtp = DeepseekMTP(main, prefix + "embed_tokens.weight" in names, prefix + "shared_head.head.weight" in names,
                           attn_config, dtype, device)
+    for moe in (m for m in mtp.modules() if isinstance(m, MoE)):
+        moe.stack_experts(device)  # two grouped GEMMs per step, as in the main model, instead of a loop
     _materialize(mtp, device, set())
     tensors = iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix))
     if config.quantization is not None:  # DeepSeek's FP8 checkpoints store the MTP layer in FP8 too

@@ -72,13 +72,7 @@ def reference_mtp_logprobs(main, mtp: ReferenceMTP, tokens: list[int]) -> torch.
     config = main.config
     eps = config.rms_norm_eps
     w = mtp.weights
-    captured = []
-    hook = main.model.norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-    try:
-        main(torch.tensor([tokens]))
-    finally:
-        hook.remove()
-    hidden = captured[0][0, :-1]  # h_i before the final norm, i = 0..n-2
+    hidden = main.model(torch.tensor([tokens])).last_hidden_state[0, :-1]  # h_i after the final norm, i = 0..n-2
     embed = w.get("embed_tokens.weight", main.model.embed_tokens.weight)
     head = w.get("shared_head.head.weight", main.lm_head.weight)
     e = _rms(embed[torch.tensor(tokens[1:])], w["enorm.weight"], eps)
@@ -89,3 +83,4 @@ def reference_mtp_logprobs(main, mtp: ReferenceMTP, tokens: list[int]) -> torch.
     y = mtp.layer(x[None], attention_mask=mask, position_ids=positions,
                   position_embeddings=main.model.rotary_emb(x[None], positions))[0]
     return (_rms(y, w["shared_head.norm.weight"], eps) @ head.T).log_softmax(-1)
+

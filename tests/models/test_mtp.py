@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.config import AttentionConfig
 from latentserve.layers.moe import MoE
 from latentserve.models import load_model
@@ -15,6 +16,15 @@ from tests.models.mtp_checkpoint import make_mtp_checkpoint, reference_mtp_logpr
 from tests.models.paged import PagedRunner
 
 ATOL = 1e-4
+# Genesis 1:1-6 (KJV): the start of a chapter the embedded model never trained on (every 50th is held out).
+HELD_OUT = (
+    "In the beginning God created the heaven and the earth.\nAnd the earth was without form, and void; and darkness "
+    "was upon the face of the deep. And the Spirit of God moved upon the face of the waters.\nAnd God said, Let "
+    "there be light: and there was light.\nAnd God saw the light, that it was good: and God divided the light from "
+    "the darkness.\nAnd God called the light Day, and the darkness he called Night. And the evening and the morning "
+    "were the first day.\nAnd God said, Let there be a firmament in the midst of the waters, and let it divide the "
+    "waters from the waters.\n"
+)
 LENS = (7, 4, 10)
 
 
@@ -44,9 +54,12 @@ def test_prefill_then_multi_token_steps_match_the_formula(tmp_path, own_embed_he
     attn_config = AttentionConfig(block_size=4)
     main_runner, mtp_runner, mtp = _runners(path, attn_config)
     assert isinstance(mtp.layer.mlp, MoE) == ("first_k_dense_replace" not in overrides)
+    if isinstance(mtp.layer.mlp, MoE):
+        assert mtp.layer.mlp.stacked is not None  # its experts run as the main model's do
     sequences = _tokens(LENS)
-    # Prefill: MTP position i pairs h_i with t_{i+1}; the last prompt token has no successor yet.
-    hidden = main_runner.forward(list(enumerate(sequences)), final_norm=False)
+    # Prefill: MTP position i pairs h_i (the main model's output, after its final norm) with t_{i+1}; the last
+    # prompt token has no successor yet.
+    hidden = main_runner.forward(list(enumerate(sequences)))
     pairs = torch.cat([h[:-1] for h in hidden.split(LENS)])
     logits = mtp_runner.step([(r, seq[1:]) for r, seq in enumerate(sequences)], pairs)
     for seq, ours in zip(sequences, logits.split([n - 1 for n in LENS])):
@@ -55,25 +68,13 @@ def test_prefill_then_multi_token_steps_match_the_formula(tmp_path, own_embed_he
     last_hidden = [h[-1:] for h in hidden.split(LENS)]
     for step, width in enumerate((1, 3, 1)):
         new = _tokens([width] * len(sequences), seed=10 + step)
-        hidden = main_runner.forward(list(enumerate(new)), final_norm=False).split(width)
+        hidden = main_runner.forward(list(enumerate(new))).split(width)
         pairs = torch.cat([torch.cat([last[-1:], h[:-1]]) for last, h in zip(last_hidden, hidden)])
         logits = mtp_runner.step(list(enumerate(new)), pairs)
         for r, ours in enumerate(logits.split(width)):
             sequences[r] += new[r]
             _check(ours, reference_mtp_logprobs(reference, ref_mtp, sequences[r])[-width:])
         last_hidden = hidden
-
-
-def test_main_model_hidden_before_the_final_norm(tmp_path) -> None:
-    path, reference, _ = make_mtp_checkpoint(tmp_path)
-    attn_config = AttentionConfig(block_size=4)
-    runner = PagedRunner(load_model(path, attn_config=attn_config), attn_config)
-    tokens = _tokens([6])[0]
-    pre = runner.forward([(0, tokens)], final_norm=False)
-    with torch.no_grad():
-        expected = reference(torch.tensor([tokens])).logits[0]
-        torch.testing.assert_close(runner.model.compute_logits(runner.model.apply_final_norm(pre)), expected,
-                                   rtol=0, atol=1e-4)
 
 
 def test_refuses_a_checkpoint_without_mtp_weights(tmp_path) -> None:
@@ -98,3 +99,19 @@ def test_refuses_a_checkpoint_without_mtp_weights(tmp_path) -> None:
     (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match="declares no MTP layer"):
         load_mtp(path, load_model(path))
+
+
+def test_embedded_models_mtp_layer_drafts_the_main_models_next_token_on_held_out_text() -> None:
+    """Its weights were trained on the input convention the engine uses: teacher-forced, its argmax for t_{i+2}
+    is the main model's for >= 70 % of positions (the layer shipped before, trained on another convention: 66 %)."""
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")).encode(HELD_OUT).ids
+    attn_config = AttentionConfig(block_size=16)
+    main = load_model(DEFAULT_MODEL_DIR, attn_config=attn_config)
+    mtp = load_mtp(DEFAULT_MODEL_DIR, main, attn_config)
+    hidden = PagedRunner(main, attn_config, num_blocks=16).forward([(0, ids)])
+    with torch.no_grad():
+        target = main.compute_logits(hidden).argmax(-1)[1:]  # main's t_{i+2}, from t_0..t_{i+1}
+    draft = PagedRunner(mtp, attn_config, num_blocks=16, seed=1).step([(0, ids[1:])], hidden[:-1]).argmax(-1)
+    assert len(ids) > 100 and (draft == target).float().mean() >= 0.7

@@ -5,6 +5,11 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("mtp",)
+# Above this many requests in a step, drafting is off by default. On the embedded model (benchmarks/speculative.py,
+# benchmarks/RESULTS.md "MTP speculative decoding") decode with k = 1 or 2 is 1.17-1.38x at 4 requests but
+# 0.92-1.08x from 8 to 32: the crossover is near 8. A deeper model, whose MTP layer is a smaller share of a step,
+# crosses later; `disable_by_batch_size` raises it.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -13,7 +18,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 1  # drafts per step; k > 1 chains the one MTP layer, as vLLM does
     # Steps with more requests than this neither draft nor run the MTP layer (its cache then misses their
     # positions, which costs later drafts some acceptance, never exactness). None: always draft.
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

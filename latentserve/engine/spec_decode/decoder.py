@@ -1,8 +1,8 @@
 """`SpecDecoder`: one speculative step after the main model's forward — verify drafts, sample, propose the next.
 
 The main model ran every scheduled token, drafts included (a decode with k+1 new tokens), and returned its hidden
-states before the final norm. Requests with drafts are verified by rejection sampling over their k+1 positions;
-the others sample their last position as without speculation. The MTP layer then runs over every kept position
+states (after the final norm: the MTP layer reads them too). Requests with drafts are verified by rejection sampling over their k+1 positions;
+the others sample their last position as without speculation. The MTP layer then runs over the step's positions
 and proposes each sampling request's drafts for the next step.
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.engine.request import Logprobs, Request
 from latentserve.engine.sampler import Sampler, SamplingMetadata
 from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -31,7 +32,7 @@ class SpecStepOutput:
 class SpecDecoder:
     def __init__(
         self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int,
-        disable_by_batch_size: int | None = None,
+        disable_by_batch_size: int | None,
     ) -> None:
         self.model = model
         self.proposer = proposer
@@ -41,8 +42,11 @@ class SpecDecoder:
         self.sampler = Sampler()
         self.stats = SpecDecodingStats(self.k)
 
-    def step(self, out: SchedulerOutput, hidden: torch.Tensor) -> SpecStepOutput:
-        """hidden `[num tokens, hidden]`: the main model's output before its final norm."""
+    def step(
+        self, out: SchedulerOutput, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+        common: CommonAttentionMetadata,
+    ) -> SpecStepOutput:
+        """The main step's output hidden states `[num tokens, hidden]`, its inputs and attention metadata."""
         starts, offset = [], 0
         for s in out.scheduled:
             starts.append(offset)
@@ -54,7 +58,7 @@ class SpecDecoder:
         logprobs: dict[int, Logprobs | None] = {}
         if plain:
             rows = torch.tensor([start + s.num_new_tokens - 1 for s, start in plain], device=hidden.device)
-            logits = self._logits(hidden[rows])
+            logits = self.model.compute_logits(hidden[rows])
             requests = [s.request for s, _ in plain]
             sampled = self.sampler(logits, SamplingMetadata.from_requests(requests, logits.shape[-1], hidden.device))
             for (s, _), token, entry in zip(plain, sampled.sampled_token_ids, sampled.logprobs):
@@ -62,7 +66,7 @@ class SpecDecoder:
         if spec:
             first = [start + s.num_new_tokens - s.num_drafts - 1 for s, start in spec]
             rows = torch.cat([torch.arange(f, f + s.num_drafts + 1) for (s, _), f in zip(spec, first)])
-            logits = self._logits(hidden[rows.to(hidden.device)])
+            logits = self.model.compute_logits(hidden[rows.to(hidden.device)])
             tokens = verify(logits, [s.request for s, _ in spec], [s.spec_token_ids for s, _ in spec], self.k)
             for (s, _), row in zip(spec, tokens):
                 emitted[id(s)], logprobs[id(s)] = row, None
@@ -71,7 +75,7 @@ class SpecDecoder:
         if limit is not None and len(out.scheduled) > limit:
             drafts: list[list[int]] = []
         else:
-            drafts = self._propose(out.scheduled, starts, emitted, hidden)
+            drafts = self._propose(out.scheduled, starts, emitted, hidden, input_ids, positions, common)
         return SpecStepOutput(
             sampled_token_ids=[emitted[id(s)][-1] for s, _ in sampling],
             accepted_draft_ids=[emitted[id(s)][:-1] for s, _ in sampling],
@@ -79,23 +83,19 @@ class SpecDecoder:
             spec_token_ids={s.request.request_id: d for s, d in zip(out.scheduled, drafts) if d},
         )
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.model.apply_final_norm(hidden))
-
-    def _propose(
-        self, scheduled: list[ScheduledRequest], starts: list[int], emitted: dict[int, list[int]], hidden: torch.Tensor
-    ) -> list[list[int]]:
-        """The MTP over each request's kept positions: pair p holds h_p and token p+1."""
-        requests, rows = [], []
+    def _propose(self, scheduled: list[ScheduledRequest], starts: list[int], emitted: dict[int, list[int]],
+                 hidden, input_ids, positions, common) -> list[list[int]]:
+        """The MTP over the step's positions: pair p holds h_p and token p+1; a request's last kept pair reads the
+        token it sampled (or its next prompt token)."""
+        requests = []
         for s, start in zip(scheduled, starts):
             new = emitted.get(id(s), [])
             kept = s.num_new_tokens - s.num_drafts + max(len(new) - 1, 0)
-            tokens = s.request.all_token_ids + new
-            pos = s.num_computed_tokens
-            requests.append(DraftRequest(pos, tokens[pos + 1 : pos + 1 + kept], s.block_ids,
-                                         self._num_drafts(s.request, pos + kept) if new else 0))
-            rows.append(torch.arange(start, start + kept))
-        return self.proposer.propose(requests, hidden[torch.cat(rows).to(hidden.device)])
+            end = s.num_computed_tokens + kept  # the position after the last kept pair
+            next_token = new[-1] if new else s.request.all_token_ids[end]
+            requests.append(DraftRequest(start + kept - 1, next_token, end, s.block_ids,
+                                         self._num_drafts(s.request, end) if new else 0))
+        return self.proposer.propose(requests, input_ids, positions, hidden, common)
 
     def _num_drafts(self, request: Request, num_computed: int) -> int:
         """Drafts worth proposing: none for requests verification cannot serve; chained ones stay within the

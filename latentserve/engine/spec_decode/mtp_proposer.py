@@ -1,14 +1,20 @@
 """`MTPProposer`: runs the MTP layer after each main-model step and proposes the next step's drafts.
 
-Every position p the main model computed (and kept) this step pairs its hidden state h_p with token p+1, now known
-(the next prompt token, an accepted draft, or the token just sampled); the MTP layer runs over those pairs, so its
-own KV cache follows the main model's. A request that samples then gets its first draft from the MTP's output at
-its last pair, and k > 1 chains the layer on its own output. Drafts are the MTP's argmax: a one-hot draft
-distribution, which rejection sampling verifies exactly at any temperature.
+Every position p the main model computed this step pairs its hidden state h_p with token p+1: the next prompt
+token, an accepted draft, or the token just sampled. The MTP layer runs over the main step's own batch layout
+(vLLM's padded drafter batch): the same positions, slots and attention metadata, token ids shifted by one, each
+request's last kept pair given the token that follows it. Pairs past a rejected draft are computed too; their
+cache slots lie past the verified tokens and are overwritten before anything attends to them. So the MTP's own KV
+cache follows the main model's, and the step builds nothing per request. A request that samples then gets its
+first draft from the MTP's output at its last kept pair, and k > 1 chains the layer on its own output. Drafts are
+the MTP's argmax: a one-hot draft distribution, which rejection sampling verifies exactly at any temperature.
 
 The MTP cache has the main cache's geometry and shares its block tables: position p of a request lives in the same
 slot in both. Chained drafts write slots past the request's verified tokens; the scheduler reserves them
 (`num_lookahead_tokens`), and the next step overwrites them.
+
+The MTP forward is not split into DBO ubatches: its layer holds every expert on each rank (no all-to-all), so
+there is no communication for a second ubatch to hide, only the cost of a second, smaller pass.
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from latentserve.attention.builder import MLAMetadataBuilder, is_decode
+from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.config import AttentionConfig
@@ -26,10 +32,11 @@ from latentserve.ubatch.dbo import run_forward
 
 @dataclass
 class DraftRequest:
-    """One request's part of an MTP step: pairs at positions start.., and how many drafts it wants after them."""
+    """One request's part of an MTP step."""
 
-    start: int
-    token_ids: list[int]  # t_{p+1} for each pair position p
+    last_row: int  # its last kept pair's row in the step's batch
+    next_token: int  # the token that pair reads (the one after its position)
+    next_position: int  # the position after that pair: where a chained draft's pair sits
     block_ids: list[int]
     num_drafts: int  # 0: the request does not sample this step (or drafts nothing)
 
@@ -47,7 +54,6 @@ class MTPProposer:
         self.mtp = mtp
         self.k = num_speculative_tokens
         self.block_size = attn_config.block_size
-        self.decode_threshold = attn_config.decode_threshold
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_caches(
             mtp.static_forward_context, num_blocks, attn_config.block_size, kv_cache_dtype, device
@@ -57,56 +63,49 @@ class MTPProposer:
         )
 
     @torch.no_grad()
-    def propose(self, requests: list[DraftRequest], hidden: torch.Tensor) -> list[list[int]]:
-        """hidden `[sum of pairs, hidden]`: h_p of every pair, in request order -> each request's drafts."""
+    def propose(
+        self, requests: list[DraftRequest], input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+        common: CommonAttentionMetadata,
+    ) -> list[list[int]]:
+        """The main step's input ids, positions, output hidden states `[T, hidden]` and attention metadata ->
+        each request's drafts."""
+        ids = input_ids.roll(-1)
+        ids[torch.tensor([r.last_row for r in requests], device=ids.device)] = torch.tensor(
+            [r.next_token for r in requests], dtype=ids.dtype, device=ids.device)
+        out = run_forward(self.mtp, [ids, positions, hidden], common, [self.builder])
         drafts: list[list[int]] = [[] for _ in requests]
-        order = [i for i, r in enumerate(requests) if r.token_ids]
-        # The attention builder wants decodes first.
-        order.sort(key=lambda i: not is_decode(len(requests[i].token_ids), requests[i].start, self.decode_threshold))
-        if not order:
-            return drafts
-        offsets = [0]
-        for r in requests:
-            offsets.append(offsets[-1] + len(r.token_ids))
-        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in order]).to(hidden.device)
-        batch = [(requests[i].start, requests[i].token_ids, requests[i].block_ids) for i in order]
-        out = self._forward(batch, hidden[rows])
-        wanting = [(j, i) for j, i in enumerate(order) if requests[i].num_drafts > 0]
+        wanting = [i for i, r in enumerate(requests) if r.num_drafts > 0]
         if not wanting:
             return drafts
-        ends = torch.tensor([sum(len(requests[i].token_ids) for i in order[: j + 1]) - 1 for j, i in wanting])
-        last_hidden = out[ends.to(out.device)]
+        last_hidden = out[torch.tensor([requests[i].last_row for i in wanting], device=out.device)]
         tokens = self.mtp.compute_logits(last_hidden).argmax(-1).tolist()
-        positions = [requests[i].start + len(requests[i].token_ids) for _, i in wanting]
-        for step in range(max(requests[i].num_drafts for _, i in wanting)):
-            for (_, i), token in zip(wanting, tokens):
+        chain = [requests[i].next_position for i in wanting]
+        longest = max(requests[i].num_drafts for i in wanting)
+        for step in range(longest):
+            for i, token in zip(wanting, tokens):
                 if len(drafts[i]) < requests[i].num_drafts:
                     drafts[i].append(token)
-            if step + 1 == max(requests[i].num_drafts for _, i in wanting):
+            if step + 1 == longest:
                 break
             # Chain: the MTP's own output stands in for the main model's hidden state at the drafted position.
-            batch = [(p, [t], requests[i].block_ids) for p, t, (_, i) in zip(positions, tokens, wanting)]
-            last_hidden = self._forward(batch, last_hidden)
+            batch = [(p, t, requests[i].block_ids) for p, t, i in zip(chain, tokens, wanting)]
+            last_hidden = self._decode(batch, last_hidden)
             tokens = self.mtp.compute_logits(last_hidden).argmax(-1).tolist()
-            positions = [p + 1 for p in positions]
+            chain = [p + 1 for p in chain]
         return drafts
 
-    def _forward(self, batch: list[tuple[int, list[int], list[int]]], hidden: torch.Tensor) -> torch.Tensor:
-        """One MTP forward over (start position, tokens, block table) per request, decodes first."""
+    def _decode(self, batch: list[tuple[int, int, list[int]]], hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP forward over one (position, token, block table) pair per request."""
         bs = self.block_size
-        ids, positions, slots = [], [], []
-        for start, tokens, blocks in batch:
-            for p in range(start, start + len(tokens)):
-                positions.append(p)
-                slots.append(blocks[p // bs] * bs + p % bs)
-            ids += tokens
+        slots = [blocks[p // bs] * bs + p % bs for p, _, blocks in batch]
         width = max(len(blocks) for _, _, blocks in batch)
         table = torch.zeros(len(batch), width, dtype=torch.int32)
         for row, (_, _, blocks) in enumerate(batch):
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         common = CommonAttentionMetadata.from_lists(
-            [len(t) for _, t, _ in batch], [s + len(t) for s, t, _ in batch], table,
-            torch.tensor(slots, dtype=torch.int64), device=self.device,
+            [1] * len(batch), [p + 1 for p, _, _ in batch], table, torch.tensor(slots, dtype=torch.int64),
+            device=self.device,
         )
-        inputs = [torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), hidden]
-        return run_forward(self.mtp, inputs, common, [self.builder])
+        ids = torch.tensor([t for _, t, _ in batch], device=self.device)
+        positions = torch.tensor([p for p, _, _ in batch], device=self.device)
+        return run_forward(self.mtp, [ids, positions, hidden], common, [self.builder])

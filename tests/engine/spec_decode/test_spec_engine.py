@@ -7,7 +7,8 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.engine.spec_decode import SpeculativeConfig
-from tests.models.mtp_checkpoint import make_mtp_checkpoint
+from latentserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from tests.models.mtp_checkpoint import make_mtp_checkpoint, reference_mtp_logprobs
 
 VOCAB = 6  # random drafts then agree with the target often enough that both acceptance and rejection happen
 ENGINE = dict(dtype="float32", num_threads=1, num_kv_blocks=96, block_size=4, max_num_batched_tokens=256,
@@ -26,6 +27,11 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
+def _spec(k: int) -> dict:
+    """Drafting at every batch size (the default turns it off above a few requests)."""
+    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": None}
+
+
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
@@ -41,7 +47,7 @@ def test_greedy_tokens_equal_those_without_speculation(checkpoint, baseline, k: 
     # Different lengths make requests finish mid-draft (max_tokens cuts a verification short).
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * (i % 4), ignore_eos=True) for i in range(batch)]
     dbo_args = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2) if dbo else {}
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **ENGINE,
+    llm = LLM(model=checkpoint, speculative_config=_spec(k), **ENGINE,
               **dbo_args)
     assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
     stats = llm.engine.spec_decoding_stats
@@ -61,7 +67,7 @@ def test_greedy_with_every_logits_processor_equals_without_speculation(checkpoin
         SamplingParams(**greedy, logprobs=2),
         SamplingParams(**greedy),
     ]
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+    llm = LLM(model=checkpoint, speculative_config=_spec(2), **ENGINE)
     ours, theirs = llm.generate(prompts, params), baseline.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     for mine, ref in zip(ours[4].outputs[0].logprobs, theirs[4].outputs[0].logprobs):
@@ -75,7 +81,7 @@ def test_greedy_equality_under_preemption_and_chunked_prefill(checkpoint, baseli
     prompts = _prompts(12, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     tight = {**ENGINE, "num_kv_blocks": 30, "max_num_batched_tokens": 16, "max_model_len": 64}
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **tight)
+    llm = LLM(model=checkpoint, speculative_config=_spec(2), **tight)
     preempted = []
     preempt = llm.engine.scheduler._preempt
     monkeypatch.setattr(llm.engine.scheduler, "_preempt", lambda r: (preempted.append(r), preempt(r)))
@@ -95,11 +101,28 @@ def test_disable_by_batch_size(checkpoint, baseline) -> None:
     assert on.engine.spec_decoding_stats.num_drafts > 0
 
 
+def test_drafting_is_off_by_default_above_the_crossover_batch_size(checkpoint, baseline) -> None:
+    limit = DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert SpeculativeConfig.from_value({"method": "mtp"}).disable_by_batch_size == limit
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine = {**ENGINE, "max_num_seqs": limit + 1, "num_kv_blocks": 4 * (limit + 1) + 8}
+    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
+    prompts = _prompts(limit + 1, seed=8)
+    assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
+    assert llm.engine.spec_decoding_stats.num_drafts == 0  # limit + 1 requests ran together throughout
+    assert _tokens(llm, prompts[:limit], params) == _tokens(baseline, prompts[:limit], params)
+    assert llm.engine.spec_decoding_stats.num_drafts > 0
+    always = SpeculativeConfig(num_speculative_tokens=1, disable_by_batch_size=None)
+    llm = LLM(model=checkpoint, speculative_config=always, **engine)
+    assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
+    assert llm.engine.spec_decoding_stats.num_drafts > 0
+
+
 def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) -> None:
     prompt = _prompts(1, seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engines = [LLM(model=checkpoint, **ENGINE),
-               LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **ENGINE)]
+               LLM(model=checkpoint, speculative_config=_spec(3), **ENGINE)]
     requests = []
     for llm in engines:
         llm.engine.add_request(prompt, params, request_id="r")
@@ -117,6 +140,34 @@ def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) 
         checked += 1
     stats = engines[1].engine.spec_decoding_stats
     assert stats.num_accepted_tokens < stats.num_draft_tokens and checked > 5  # rejections happened
+
+
+def test_drafts_follow_the_formula_over_the_main_models_normed_output(tmp_path, monkeypatch) -> None:
+    """Each step's first draft logits are the naive formula's over the request's tokens so far: the engine hands
+    the MTP the main model's output after its final norm (as DeepSeek-V3's layer expects), and after rejections
+    the MTP's own cache holds exactly the accepted pairs."""
+    path, reference, ref_mtp = make_mtp_checkpoint(tmp_path, vocab_size=VOCAB)
+    llm = LLM(model=path, speculative_config=_spec(2), **ENGINE)
+    mtp = llm.engine.runner.spec_decoder.proposer.mtp
+    drafted = []
+    compute_logits = mtp.compute_logits
+    monkeypatch.setattr(mtp, "compute_logits", lambda h: drafted.append(compute_logits(h)) or drafted[-1])
+    g = torch.Generator().manual_seed(4)
+    checked = 0
+    for i, n in enumerate((5, 13)):
+        prompt = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        llm.engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), str(i))
+        request = llm.engine.scheduler.requests[str(i)]
+        while not request.is_finished:  # alone in its steps: row 0 of the first draft logits is its
+            drafted.clear()
+            llm.engine.step()
+            if drafted and not request.is_finished:  # a finishing step's drafts are dropped
+                expected = reference_mtp_logprobs(reference, ref_mtp, request.all_token_ids)[-1]
+                torch.testing.assert_close(drafted[0][0].log_softmax(-1), expected, rtol=0, atol=1e-4)
+                assert request.spec_token_ids[0] == int(expected.argmax())
+                checked += 1
+    stats = llm.engine.spec_decoding_stats
+    assert checked > 10 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # rejections happened
 
 
 def _rows(cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
@@ -170,7 +221,7 @@ def test_sampled_tokens_follow_the_models_distribution(checkpoint, temperature, 
             first[t] * _processed(reference(torch.tensor([prompt + [t]])).logits[0, -1], temperature, top_k or VOCAB,
                                   top_p) for t in range(VOCAB)
         ]).flatten()
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, seed=0,
+    llm = LLM(model=checkpoint, speculative_config=_spec(1), seed=0,
               **{**ENGINE, "max_num_seqs": 256, "num_kv_blocks": 1024})
     samples = 4000
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=3, ignore_eos=True)
@@ -185,12 +236,15 @@ def test_sampled_tokens_follow_the_models_distribution(checkpoint, temperature, 
     assert chisquare(counts[expected > 0], expected[expected > 0]).pvalue > 1e-3
 
 
-def test_greedy_equality_over_data_parallel_ranks_with_expert_parallelism(checkpoint, baseline) -> None:
-    """Each rank drafts with its own MTP layer (all experts local); the main model's experts are split."""
+@pytest.mark.parametrize("dbo", [False, True])
+def test_greedy_equality_over_data_parallel_ranks_with_expert_parallelism(checkpoint, baseline, dbo: bool) -> None:
+    """Each rank drafts with its own MTP layer (all experts local); the main model's experts are split. Under DBO
+    the main forward runs as two ubatches, the MTP forward whole (it has no all-to-all to overlap)."""
     prompts = _prompts(4, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    dbo_args = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2) if dbo else {}
     llm = LLM(model=checkpoint, data_parallel_size=2, enable_expert_parallel=True,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **ENGINE)
+              speculative_config=_spec(2), **ENGINE, **dbo_args)
     try:
         assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
     finally:
