@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import best_time  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
-from latentserve.layers.linear import SKINNY_ROWS, linear  # noqa: E402
+from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS, linear  # noqa: E402
 
 # ~200M parameters: 8 layers (first dense), 16 routed experts top-4 + 1 shared, vocab 16k.
 FULL = dict(
@@ -297,8 +297,8 @@ def print_tables(
               f"{stream * 1e3:.1f} | {ls.decode_step_s / stream:.2f}x |")
 
     print("\n## Linear layouts: the decode step's GEMMs as F.linear (x @ Wᵀ) and as latentserve's `linear` (with "
-          f"several threads: one row as a bmm over row blocks of W, {min(SKINNY_ROWS)}-{max(SKINNY_ROWS)} rows as "
-          "(W @ xᵀ)ᵀ)")
+          f"several threads, fp32: {SPLIT_ROWS} rows as a bmm over row blocks of W, the others up to "
+          f"{max(SKINNY_ROWS[torch.float32])} as (W @ xᵀ)ᵀ)")
     print("| batch | F.linear ms | latentserve linear ms | speedup |")
     print("|---|---|---|---|")
     for batch, (_, _, floors) in results.items():

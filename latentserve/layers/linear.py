@@ -5,28 +5,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Rows for which (W @ xᵀ)ᵀ beats x @ Wᵀ on CPU with several threads (benchmarks/vs_transformers.py, "Linear
-# layouts"): with a few rows x @ Wᵀ keeps MKL's threads idle, W @ xᵀ splits the weight's rows over them.
-SKINNY_ROWS = range(2, 33)
+# Layouts by row count with several threads (benchmarks/RESULTS.md, "Skinny products by dtype"). fp32: MKL runs a
+# one-row product on one thread, and x @ Wᵀ keeps threads idle up to a few dozen rows; a bmm over row blocks of W
+# (one per thread) wins at 1 and 4-8 rows, W @ xᵀ at the other counts up to 32. bf16/fp16 go through oneDNN,
+# which keeps its threads busy: x @ Wᵀ is fastest up to 16 rows, W @ xᵀ from 17 to 32.
+SPLIT_ROWS = (1, 4, 5, 6, 7, 8)
+SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch.float16: range(17, 33)}
 
 
-def _split_gemv(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-    """x `[1, in]` @ Wᵀ as one bmm over `parts` row blocks of W: each thread streams its own block.
-
-    MKL runs a lone matrix-vector product on one thread at ~half the memory bandwidth; the blocks are views,
-    so nothing is copied."""
+def _split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """x `[T, in]` @ Wᵀ as one bmm over `parts` row blocks of W (views, nothing copied): each thread streams its
+    own block."""
     blocks = weight.unflatten(0, (parts, -1)).transpose(1, 2)  # [parts, in, out/parts]
-    return torch.bmm(x.expand(parts, 1, x.shape[1]), blocks).view(1, weight.shape[0])
+    out = torch.bmm(x.expand(parts, *x.shape), blocks)  # [parts, T, out/parts]
+    return out.transpose(0, 1).reshape(x.shape[0], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x `[T, in]`; contiguous `[T, out]`."""
     threads = torch.get_num_threads()
-    if x.device.type != "cpu" or x.dim() != 2 or threads == 1:
+    if x.device.type != "cpu" or x.dim() != 2 or threads == 1 or x.dtype not in SKINNY_ROWS:
         return F.linear(x, weight, bias)
-    if x.shape[0] == 1 and weight.shape[0] % threads == 0:
-        out = _split_gemv(x, weight, threads)
-    elif x.shape[0] in SKINNY_ROWS:
+    rows = x.shape[0]
+    if x.dtype == torch.float32 and rows in SPLIT_ROWS and weight.shape[0] % threads == 0:
+        out = _split_gemm(x, weight, threads)
+    elif rows in SKINNY_ROWS[x.dtype]:
         out = torch.mm(weight, x.t()).t().contiguous()
     else:
         return F.linear(x, weight, bias)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from latentserve.layers.linear import SKINNY_ROWS, Linear, linear
+from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS, Linear, linear
 
 
 @pytest.fixture
@@ -19,15 +19,17 @@ def two_threads():
 
 @pytest.mark.parametrize("out_features", [80, 81])  # 81: one row cannot split over two threads
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 32, 33, 40])
-def test_linear_equals_f_linear(two_threads, rows: int, bias: bool, out_features: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 16, 17, 32, 33, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_equals_f_linear(two_threads, rows: int, bias: bool, out_features: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=gen)
-    weight = torch.randn(out_features, 96, generator=gen)
-    b = torch.randn(out_features, generator=gen) if bias else None
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = torch.randn(out_features, 96, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     out = linear(x, weight, b)
-    assert out.shape == (rows, out_features) and out.is_contiguous()
-    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+    assert out.shape == (rows, out_features) and out.is_contiguous() and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=tol, atol=tol)
 
 
 def _layouts(monkeypatch, calls: list[str]) -> None:
@@ -43,14 +45,18 @@ def test_each_layout_is_taken_where_intended(two_threads, monkeypatch) -> None:
     calls: list[str] = []
     _layouts(monkeypatch, calls)
     weight = torch.randn(16, 8)
-    for rows in (1, min(SKINNY_ROWS), max(SKINNY_ROWS), max(SKINNY_ROWS) + 1):
+    fp32 = SKINNY_ROWS[torch.float32]
+    for rows in (1, 2, max(SPLIT_ROWS), max(SPLIT_ROWS) + 1, max(fp32), max(fp32) + 1):
         linear(torch.randn(rows, 8), weight)
     linear(torch.randn(1, 8), torch.randn(15, 8))  # 15 rows of W do not split in two
     linear(torch.randn(2, 3, 8), weight)  # not 2-D
+    for rows in (1, 16, 17, 33):  # bf16: oneDNN keeps its threads busy up to 16 rows
+        linear(torch.randn(rows, 8, dtype=torch.bfloat16), weight.bfloat16())
     torch.set_num_threads(1)
     linear(torch.randn(1, 8), weight)
     linear(torch.randn(4, 8), weight)
-    assert calls == ["bmm", "mm", "mm", "F.linear", "F.linear", "F.linear", "F.linear", "F.linear"]
+    assert calls == ["bmm", "mm", "bmm", "mm", "mm", "F.linear", "F.linear", "F.linear",
+                     "F.linear", "F.linear", "mm", "F.linear", "F.linear", "F.linear"]
 
 
 def test_linear_module_is_a_drop_in_nn_linear(two_threads) -> None:
