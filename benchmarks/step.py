@@ -23,14 +23,13 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.vs_transformers import FULL, QUICK, Gemm, make_checkpoint  # noqa: E402
+from benchmarks.vs_transformers import FULL, QUICK, Gemm, make_checkpoint, step_gemms  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
 from latentserve.attention.decode.paged import PagedMQADecodeBackend  # noqa: E402
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend  # noqa: E402
@@ -62,34 +61,6 @@ def best_time(fn, repeats: int = 5, warmup: int = 1) -> float:
     return min(times)
 
 
-@dataclass(frozen=True)
-class StepGemm(Gemm):
-    """A GEMM whose weight is stored `[k, n]` (x @ W) instead of `[n, k]` (x @ Wᵀ) when `transposed`."""
-
-    transposed: bool = False
-
-
-def decode_gemms(c: dict, batch: int, down_transposed: bool = False) -> list[Gemm]:
-    """The weight GEMMs of one decode step of `batch` tokens (absorbed attention, even expert shares); the routed
-    experts' down projections stored transposed where the engine keeps them so."""
-    h, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
-    nope, rope, v, lat = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-    q_out = heads * (nope + rope)
-    q = [Gemm(batch, h, q_out)] if c["q_lora_rank"] is None else [
-        Gemm(batch, h, c["q_lora_rank"]), Gemm(batch, c["q_lora_rank"], q_out)]
-    attn = q + [Gemm(batch, h, lat + rope), Gemm(batch, heads * v, h),
-                Gemm(batch, nope, lat, heads), Gemm(batch, lat, v, heads)]
-    dense = [Gemm(batch, h, c["intermediate_size"], 2), Gemm(batch, c["intermediate_size"], h)]
-    experts, top_k, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
-    active = min(experts, batch * top_k)
-    share = -(-batch * top_k // active)
-    shared = inter * c["n_shared_experts"]
-    moe = [Gemm(batch, h, experts), Gemm(batch, h, shared, 2), Gemm(batch, shared, h),
-           Gemm(share, h, inter, 2 * active), StepGemm(share, inter, h, active, down_transposed)]
-    num_dense = c["first_k_dense_replace"]
-    return attn * layers + dense * num_dense + moe * (layers - num_dense) + [Gemm(batch, h, c["vocab_size"])]
-
-
 def time_streamed_gemms(gemms: list[Gemm], dtype: torch.dtype) -> float:
     """Seconds for every GEMM once at `dtype`, weights cycled over enough copies that none is in cache when used."""
     step_bytes = sum(g.weight_bytes for g in gemms) * dtype.itemsize // 4
@@ -101,7 +72,7 @@ def time_streamed_gemms(gemms: list[Gemm], dtype: torch.dtype) -> float:
             if g.count > 1 and g.k * g.n < 1 << 16:  # the per-head absorbed matrices: one bmm
                 ops.append((torch.bmm, torch.randn(g.count, g.rows, g.k, dtype=dtype),
                             torch.randn(g.count, g.k, g.n, dtype=dtype)))
-            elif getattr(g, "transposed", False):
+            elif g.transposed:
                 ops += [(torch.mm, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype))
                         for _ in range(g.count)]
             else:
@@ -197,7 +168,8 @@ def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str
         engine.abort_request(request_id)
     # The fastest step, like every other figure here: other tenants of the machine only ever slow one down.
     down_transposed = any(hasattr(m, "w2t") for m in engine.model.modules())  # StackedExperts' layout
-    gemms = time_streamed_gemms(decode_gemms(c, batch, down_transposed), engine.model.lm_head.weight.dtype)
+    products = step_gemms(c, batch, batch, decode=True, down_transposed=down_transposed)
+    gemms = time_streamed_gemms(products, engine.model.lm_head.weight.dtype)
     return dict(step=min(times), gemms=gemms, attention=attention,
                 attention_torch=attention_torch)
 

@@ -139,6 +139,7 @@ class Gemm:
     k: int
     n: int
     count: int = 1
+    transposed: bool = False  # the weight stored `[k, n]` (x @ W) instead of `[n, k]` (x @ Wᵀ)
 
     @property
     def flops(self) -> int:
@@ -149,12 +150,15 @@ class Gemm:
         return 4 * self.k * self.n * self.count
 
 
-def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool) -> list[Gemm]:
-    """The weight GEMMs of one forward over `tokens` tokens; routed experts get an even share of tokens."""
+def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool, down_transposed: bool = False) -> list[Gemm]:
+    """The weight GEMMs of one forward over `tokens` tokens; routed experts get an even share of tokens, their down
+    projections stored transposed if `down_transposed` (as the engine's stacked experts keep them)."""
     h, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
     nope, rope, v, lat = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-    attn = [Gemm(tokens, h, c["q_lora_rank"]), Gemm(tokens, c["q_lora_rank"], heads * (nope + rope)),
-            Gemm(tokens, h, lat + rope), Gemm(tokens, heads * v, h)]
+    q_out = heads * (nope + rope)
+    q = [Gemm(tokens, h, q_out)] if c["q_lora_rank"] is None else [
+        Gemm(tokens, h, c["q_lora_rank"]), Gemm(tokens, c["q_lora_rank"], q_out)]
+    attn = q + [Gemm(tokens, h, lat + rope), Gemm(tokens, heads * v, h)]
     if decode:  # absorbed: per head, q_nope @ W_UK and o_latent @ W_UV
         attn += [Gemm(tokens, nope, lat, heads), Gemm(tokens, lat, v, heads)]
     else:  # up-projection of the new tokens' latents
@@ -165,7 +169,7 @@ def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool) -> list[Gem
     share = -(-tokens * top_k // active)
     shared_inter = inter * c["n_shared_experts"]
     moe = [Gemm(tokens, h, experts), Gemm(tokens, h, shared_inter, 2), Gemm(tokens, shared_inter, h),
-           Gemm(share, h, inter, 2 * active), Gemm(share, inter, h, active)]
+           Gemm(share, h, inter, 2 * active), Gemm(share, inter, h, active, down_transposed)]
     num_dense = c["first_k_dense_replace"]
     return (attn * layers + dense * num_dense + moe * (layers - num_dense)
             + [Gemm(logits_rows, h, c["vocab_size"])])
