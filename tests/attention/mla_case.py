@@ -62,24 +62,34 @@ def make_batch(
     """Fill the cache (NaN everywhere unused) with each request's context in randomly permuted blocks."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = cache.shape[0]
-    cache.fill_(float("nan"))
     perm = torch.randperm(num_blocks, generator=g)
     blocks_needed = [-(-r.seq_len // block_size) for r in requests]
     if sum(blocks_needed) > num_blocks:
         raise ValueError("cache too small for the test batch")
-    max_blocks = max(blocks_needed)
-    block_table = torch.zeros(len(requests), max_blocks, dtype=torch.int32)
-    c_all, pe_all, q_all, slots = [], [], [], []
+    block_table = torch.zeros(len(requests), max(blocks_needed), dtype=torch.int32)
     offset = 0
-    for i, (r, nb) in enumerate(zip(requests, blocks_needed)):
+    for i, nb in enumerate(blocks_needed):
         block_table[i, :nb] = perm[offset : offset + nb]
         offset += nb
+    return fill_batch(requests, cache, block_table, block_size, g)
+
+
+def fill_batch(
+    requests: list[Request], cache: torch.Tensor, block_table: torch.Tensor, block_size: int, g: torch.Generator,
+    write_new: bool = False,
+) -> Batch:
+    """Random latents, rope keys and queries for each request, its context stored at the slots `block_table` gives
+    (NaN everywhere else); `write_new` also stores the new tokens' rows, as the layer does before a decode backend."""
+    cache.fill_(float("nan"))
+    flat = cache.view(-1, cache.shape[-1])
+    c_all, pe_all, q_all, slots = [], [], [], []
+    for i, r in enumerate(requests):
         c = torch.randn(r.seq_len, MLA.kv_lora_rank, generator=g)
         k_pe = torch.randn(r.seq_len, MLA.qk_rope_head_dim, generator=g)
         positions = torch.arange(r.seq_len)
         req_slots = block_table[i, positions // block_size].long() * block_size + positions % block_size
-        flat = cache.view(-1, cache.shape[-1])
-        flat[req_slots[: r.context_len]] = torch.cat([c, k_pe], -1)[: r.context_len].to(cache.dtype)
+        written = r.seq_len if write_new else r.context_len
+        flat[req_slots[:written]] = torch.cat([c, k_pe], -1)[:written].to(cache.dtype)
         slots.append(req_slots[r.context_len :])
         c_all.append(c)
         pe_all.append(k_pe)

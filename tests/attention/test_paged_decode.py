@@ -5,9 +5,8 @@ import torch
 from latentserve.attention.decode.paged import PagedMQADecodeBackend, plan_pieces
 from latentserve.attention.decode.reference import ReferenceDecodeBackend
 from latentserve.attention.decode.selector import get_mla_decode_backend
-from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.config import AttentionConfig
-from tests.attention.mla_case import MLA, SCALE, Batch, Request, naive_mla, run_layer, setup
+from tests.attention.mla_case import MLA, SCALE, Batch, Request, fill_batch, naive_mla, run_layer, setup
 
 
 def _layout(kind: str, blocks_needed: list[int], num_blocks: int, g: torch.Generator) -> list[list[int]]:
@@ -45,33 +44,14 @@ def _layout(kind: str, blocks_needed: list[int], num_blocks: int, g: torch.Gener
 def make_batch_with_layout(
     requests: list[Request], cache: torch.Tensor, block_size: int, kind: str, seed: int = 0, write_new: bool = False
 ) -> Batch:
-    """Like mla_case.make_batch (NaN in every unused slot) but with the block layout chosen.
-
-    `write_new` also stores the new tokens' rows, as the layer does before calling a decode backend.
-    """
+    """Like mla_case.make_batch (NaN in every unused slot) but with the block layout chosen."""
     g = torch.Generator().manual_seed(seed)
-    cache.fill_(float("nan"))
     blocks_needed = [-(-r.seq_len // block_size) for r in requests]
     layout = _layout(kind, blocks_needed, cache.shape[0], g)
     block_table = torch.zeros(len(requests), max(blocks_needed) + 2, dtype=torch.int32)
-    flat = cache.view(-1, cache.shape[-1])
-    c_all, pe_all, q_all, slots = [], [], [], []
-    for i, (r, ids) in enumerate(zip(requests, layout)):
+    for i, ids in enumerate(layout):
         block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        c = torch.randn(r.seq_len, MLA.kv_lora_rank, generator=g)
-        k_pe = torch.randn(r.seq_len, MLA.qk_rope_head_dim, generator=g)
-        positions = torch.arange(r.seq_len)
-        req_slots = block_table[i, positions // block_size].long() * block_size + positions % block_size
-        written = r.seq_len if write_new else r.context_len
-        flat[req_slots[:written]] = torch.cat([c, k_pe], -1)[:written].to(cache.dtype)
-        slots.append(req_slots[r.context_len :])
-        c_all.append(c)
-        pe_all.append(k_pe)
-        q_all.append(torch.randn(r.query_len, MLA.num_heads, MLA.qk_head_dim, generator=g))
-    common = CommonAttentionMetadata.from_lists(
-        [r.query_len for r in requests], [r.seq_len for r in requests], block_table, torch.cat(slots)
-    )
-    return Batch(requests, c_all, pe_all, q_all, common)
+    return fill_batch(requests, cache, block_table, block_size, g, write_new)
 
 
 def test_plan_reads_long_runs_in_place_and_copies_short_ones():

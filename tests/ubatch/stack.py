@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import latentserve.attention.mla as mla_module
 from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.attention.mla import MLAAttention
@@ -61,3 +62,16 @@ class Stack(nn.Module):
         return [
             MLAMetadataBuilder(self.layer_names, self.static_ctx, MLA, self.attn_config, builder_id=i) for i in range(n)
         ]
+
+
+def yield_after_context_gather(monkeypatch) -> None:
+    """Yield between a context gather and its use: the other ubatch runs there, as on a second CUDA stream. Only
+    prefills with context gather, so their ubatch yields once more per layer than the other."""
+    gather = mla_module.gather_kv_cache
+
+    def gather_then_yield(*args, **kwargs):
+        rows = gather(*args, **kwargs)
+        dbo_yield()
+        return rows
+
+    monkeypatch.setattr(mla_module, "gather_kv_cache", gather_then_yield)

@@ -5,13 +5,11 @@ On CPU the ubatches alternate strictly, so a shared buffer often goes unnoticed;
 import pytest
 import torch
 
-import latentserve.attention.mla as mla_module
 from latentserve.config import AttentionConfig
-from latentserve.forward_context import dbo_yield
 from latentserve.ubatch.dbo import run_forward
 from latentserve.ubatch.slicing import slice_common_metadata, split_ubatches
 from tests.attention.mla_case import Request, make_batch
-from tests.ubatch.stack import HIDDEN, Stack
+from tests.ubatch.stack import HIDDEN, Stack, yield_after_context_gather
 
 BLOCK = 4
 # Split exactly between the two requests: each ubatch is one prefill over 8 cached tokens (one context chunk).
@@ -83,21 +81,9 @@ def test_builders_share_no_per_batch_state():
     assert shared == ["MLAMetadataBuilder.workspace", "ChunkedContextMetadata.workspace"]
 
 
-def _yield_after_gather(monkeypatch):
-    """Let the other ubatch run between a context gather and its use, as a second CUDA stream would."""
-    gather = mla_module.gather_kv_cache
-
-    def gather_then_yield(*args, **kwargs):
-        rows = gather(*args, **kwargs)
-        dbo_yield()
-        return rows
-
-    monkeypatch.setattr(mla_module, "gather_kv_cache", gather_then_yield)
-
-
 @pytest.mark.parametrize("share_workspace", [False, True])
 def test_a_shared_workspace_changes_dbo_output(monkeypatch, share_workspace):
-    _yield_after_gather(monkeypatch)
+    yield_after_context_gather(monkeypatch)
     stack, caches, common, x, slices = _setup()
     snapshot = {k: v.clone() for k, v in caches.items()}
     builders = stack.builders(2)

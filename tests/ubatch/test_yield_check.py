@@ -2,14 +2,13 @@
 import pytest
 import torch
 
-import latentserve.attention.mla as mla_module
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import dbo_yield
 from latentserve.ubatch.dbo import run_forward
 from latentserve.ubatch.runner import UBatchError, UnequalYieldsError, enter_layer, run_ubatches
 from latentserve.ubatch.slicing import split_ubatches
 from tests.attention.mla_case import Request, make_batch
-from tests.ubatch.stack import HIDDEN, Stack
+from tests.ubatch.stack import HIDDEN, Stack, yield_after_context_gather
 
 BLOCK = 4
 
@@ -42,18 +41,6 @@ def test_unequal_totals_without_layers_are_caught():
         run_ubatches([_layers([]), lambda: [dbo_yield() for _ in range(2)] and None], check_yields=True)
 
 
-def _extra_yield_after_each_gather(monkeypatch):
-    """The bug this check was written for: a yield after the context gather, which only prefills with context do."""
-    gather = mla_module.gather_kv_cache
-
-    def gather_then_yield(*args, **kwargs):
-        rows = gather(*args, **kwargs)
-        dbo_yield()
-        return rows
-
-    monkeypatch.setattr(mla_module, "gather_kv_cache", gather_then_yield)
-
-
 def _run_dbo(debug: bool):
     stack = Stack(2, AttentionConfig(block_size=BLOCK, workspace_tokens=64, debug_ownership=debug))
     # Ubatch 0: two fresh prefills; ubatch 1: a prefill over 8 cached tokens (one context chunk to gather).
@@ -70,7 +57,7 @@ def _run_dbo(debug: bool):
 
 
 def test_an_extra_yield_in_one_ubatchs_path_is_caught(monkeypatch):
-    _extra_yield_after_each_gather(monkeypatch)
+    yield_after_context_gather(monkeypatch)
     with pytest.raises(UBatchError, match="ubatch 1 failed: UnequalYieldsError: ubatch 1 yielded 3 times in layers.0"):
         _run_dbo(debug=True)
     _run_dbo(debug=False)  # unchecked, the same run goes through
