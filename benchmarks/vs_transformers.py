@@ -74,7 +74,8 @@ def run_latentserve(model_dir: Path, prompts: list[list[int]], new_tokens: int) 
     """Drives the engine of `LLM(model=...)` step by step to time prefill and decode steps apart."""
     start = time.perf_counter()
     max_len = len(prompts[0]) + new_tokens
-    llm = LLM(model=model_dir, max_num_seqs=len(prompts), max_num_batched_tokens=max(4096, len(prompts[0])),
+    # fp32 as transformers runs here: dtype auto would be bf16 on a CPU with native bf16.
+    llm = LLM(model=model_dir, dtype="float32", max_num_seqs=len(prompts), max_num_batched_tokens=max(4096, len(prompts[0])),
               enable_prefix_caching=False, max_model_len=max_len, num_kv_blocks=len(prompts) * -(-max_len // 16))
     load_s = time.perf_counter() - start
     engine = llm.engine

@@ -14,7 +14,7 @@ from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.quant.experts import run_expert_loop
 
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
-PER_EXPERT_MAX_PAIRS = 64
+PER_EXPERT_MAX_PAIRS = 4
 # scoring function -> the top-k methods DeepSeek pairs with it
 TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 
@@ -254,6 +254,7 @@ class StackedExperts(nn.Module):
 
 def per_expert_wins(x: torch.Tensor, num_pairs: int) -> bool:
     """Whether a few (token, expert) pairs run faster expert by expert through `linear` than in `_grouped_mm`: on a
-    CPU with several threads (there `_grouped_mm` measured 1.6-10x slower up to 64 pairs, faster from 256; see
-    benchmarks/RESULTS.md); on one thread the two are even, and the grouped call makes fewer dispatches."""
+    CPU with several threads, at one token's top-4 (whole decode steps on a quiet machine: 10 % faster at 4 pairs,
+    13-45 % slower at 8 and 32; benchmarks/RESULTS.md); on one thread the two are even, and the grouped call makes
+    fewer dispatches."""
     return x.device.type == "cpu" and num_pairs <= PER_EXPERT_MAX_PAIRS and torch.get_num_threads() > 1
