@@ -348,6 +348,7 @@ def test_serve_and_scale_out_flags_parse():
 
 def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypatch):
     from latentserve.layers.quant.cpu import AUTO_DTYPE_ENV, cpu_features
+    from latentserve.layers.quant.native import native_kernels
 
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
     code, out, _ = run_cli(["backends"], capsys)
@@ -356,5 +357,10 @@ def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypat
     assert code == 0 and f"cpu: {features.describe()}" in weights
     auto = "bfloat16 (native bf16" if features.native_bf16 else "float32 (no native bf16"
     assert f"dtype auto: {auto}" in weights
-    assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
-    assert "int4: int4pack_mm" in weights
+    kernels, why = native_kernels(features)
+    if kernels is not None:
+        assert f"int8: latentserve int8 + _int_mm (built for {kernels.isa} ({why})" in weights
+        assert f"int4: latentserve int4 (built for {kernels.isa}" in weights
+    else:
+        assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
+        assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights

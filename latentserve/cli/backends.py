@@ -75,7 +75,8 @@ def describe_weights(device: str) -> str:
         f"  {device}: {features.describe() if device == 'cpu' else ''}".rstrip(),
         f"    dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
         f"    int8: {int8.kernel} ({int8.reason})",
-        f"    int4: {int4.kernel} ({int4.reason}; layers whose outputs are not a multiple of 16: dequantize)",
+        f"    int4: {int4.kernel} ({int4.reason}; layers it cannot take: int4pack_mm, or dequantize where the "
+        "outputs are not a multiple of 16)",
         f"    lm_head under int8 and int4: {int8.kernel} (--no-lm-head-quantized keeps the compute dtype)",
         "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
     ]) + "\n"

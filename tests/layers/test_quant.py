@@ -17,12 +17,14 @@ from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS,
     Int4Linear,
     Int4PackLinear,
+    NativeInt4Linear,
     dequantize_int4,
     int4pack_block_n,
     quantize_int4,
 )
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
+from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8
 from latentserve.layers.quant.linear import quantize_linear
+from latentserve.layers.quant.native import NATIVE_ENV, native_kernels
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
 
@@ -150,8 +152,23 @@ def test_int4_fallback_matches_the_dequantized_weight():
 
 
 def test_kernels_are_chosen_by_what_the_cpu_has(monkeypatch):
-    w, bias, x = _layer(48, 64)
+    w, _, _ = _layer(48, 64)
     here = cpu_features()
+    kernels = native_kernels(here)[0]
+    int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
+    int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
+    if kernels is not None:
+        assert isinstance(int8, NativeInt8Linear) and isinstance(int4, NativeInt4Linear)
+        w96 = torch.randn(48, 96)  # latentserve's int4 kernel takes inputs in multiples of 64
+        assert isinstance(quantize_linear("l", w96, None, QuantConfig("int4", 32), "cpu"), Int4PackLinear)
+        avx2 = dataclasses.replace(here, capability="AVX2", fbgemm=False)
+        monkeypatch.setattr(quant_linear, "cpu_features", lambda: avx2)
+        int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
+        assert isinstance(int8, NativeInt8Linear) and int8.kernels.isa == "avx2"
+        int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
+        assert int4.kernels.isa == "avx2" and int4.gemm_dtype == torch.float32  # bf16 is emulated on AVX2
+        monkeypatch.undo()
+    monkeypatch.setenv(NATIVE_ENV, "0")  # PyTorch's kernels
     int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
     assert isinstance(int8, FbgemmInt8Linear if here.fbgemm else Int8Linear)
     assert isinstance(quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu"), Int4PackLinear)
@@ -224,15 +241,15 @@ def test_lm_head_is_quantized_to_int8_unless_kept(tmp_path, method):
     stored = load_file(src / SINGLE_FILE)["lm_head.weight"]
     group = 32 if method == "int4" else None
     model = load_model(src, quantization=QuantConfig(method, group, lm_head=True))
-    assert isinstance(model.lm_head, FbgemmInt8Linear if cpu_features().fbgemm else Int8Linear)
+    assert type(model.lm_head).kernel == quant_linear.int8_kernel(torch.device("cpu"), cpu_features()).kernel
     hidden = torch.randn(3, stored.shape[1], generator=torch.Generator().manual_seed(2))
     q, scale = quantize_int8(stored)
     expected = hidden @ (q.float() * scale[:, None]).t()
     got = model.compute_logits(hidden)
     assert got.dtype == torch.float32
-    if cpu_features().fbgemm:  # the kernel's fp32 logits, not rounded to bf16 activations' dtype on the way
+    if not isinstance(model.lm_head, Int8Linear):  # the kernel's fp32 logits, not rounded to bf16 on the way
         assert model.lm_head(hidden.bfloat16()).dtype == torch.float32
-    # fbgemm quantizes the activations to 8 bits as well: within a few of their steps.
+    # The fast kernels quantize the activations to 8 bits as well: within a few of their steps.
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     kept = load_model(src, quantization=QuantConfig(method, group, lm_head=False))
     assert torch.equal(kept.lm_head.weight, stored)

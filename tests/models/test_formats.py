@@ -16,8 +16,9 @@ from latentserve.layers.linear import Linear
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.cpu import cpu_features
-from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_int4
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
+from latentserve.layers.quant.int4 import Int4Linear, quantize_int4
+from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
+from latentserve.layers.quant.native import NATIVE_ENV
 from latentserve.models import load_model
 from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import load_reference, make_checkpoint
@@ -151,8 +152,9 @@ def _quantized_reference(src: Path, dst: Path, config: QuantConfig) -> Path:
 
 
 def _portable_kernels(monkeypatch) -> None:
-    """Kernels whose arithmetic is exact fp32: the dequantizing ones (fbgemm quantizes activations, int4pack runs
-    them in bf16)."""
+    """Kernels whose arithmetic is exact fp32: the dequantizing ones (latentserve's and fbgemm quantize
+    activations, int4pack runs them in bf16)."""
+    monkeypatch.setenv(NATIVE_ENV, "0")
     features = dataclasses.replace(cpu_features(), fbgemm=False)
     monkeypatch.setattr(quant_linear, "cpu_features", lambda: features)
     portable = quant_linear.KernelChoice(Int4Linear.kernel, "test")
@@ -179,13 +181,14 @@ def test_quantized_model_matches_transformers_on_the_quantized_weights(tmp_path,
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_model_with_this_cpus_kernels_stays_close(tmp_path, method):
     config = QuantConfig(method, 32 if method == "int4" else None)
-    src = make_checkpoint(tmp_path, "v3", **INT4_SHAPES)
+    src = make_checkpoint(tmp_path, "v3", **INT4_SHAPES, hidden_size=64)  # latentserve's int4 kernel: 64 inputs
     reference = _reference(_quantized_reference(src, tmp_path / "ref", config))
     model = load_model(src, dtype=torch.float32, attn_config=ATTN, quantization=config)
-    fast = FbgemmInt8Linear if method == "int8" and cpu_features().fbgemm else Int4PackLinear
-    assert isinstance(model.model.layers[1].mlp.experts[0].gate_up_proj, fast)  # gate and up fused at load
+    chosen = (quant_linear.int8_kernel(torch.device("cpu"), cpu_features()) if method == "int8" else
+              quant_linear.int4_kernel(torch.device("cpu"), cpu_features(), 64, 64))
+    assert type(model.model.layers[1].mlp.experts[0].gate_up_proj).kernel == chosen.kernel  # gate, up fused at load
     for ours, theirs in zip(_logprobs(model), reference):
-        # Quantized activations (fbgemm) or bf16 ones (int4pack on a bf16 CPU) on top of the same weights: close.
+        # Quantized activations or bf16 ones (int4pack on a bf16 CPU) on top of the same weights: close.
         # (Top-1 agreement is tested on real weights, test_accuracy.py: this random model's logits are near-flat.)
         error = (ours - theirs).abs()
         assert error.max() < 0.3 and error.mean() < 0.05

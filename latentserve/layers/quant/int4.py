@@ -9,12 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.layers.linear import linear
+from latentserve.layers.quant import native
 from latentserve.layers.quant.int8 import BLOCK_ELEMENTS
 
 # From this many rows on, dequantizing the weight once and running one plain GEMM beats int4pack_mm, whose cost
 # grows with every 4 rows (the crossover measured between 64 and 128 rows on V2-Lite's shapes, about the same for
 # every shape since both sides scale with the weight: benchmarks/RESULTS.md, "Quantized kernels per shape").
 INT4_DEQUANT_ROWS = 128
+NATIVE_INT4_ROWS = 32  # the native kernel up to this many rows, dequantize + GEMM above
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,4 +151,46 @@ class Int4PackLinear(nn.Module):
                 x.to(self.compute_dtype), self.packed, self.group_size, self.scales_and_zeros
             )
         y = y.to(x.dtype)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+class NativeInt4Linear(nn.Module):
+    """latentserve's int4 kernel (`native.py`) up to `NATIVE_INT4_ROWS` rows; from there the weight is dequantized
+    (into scratch space) for one GEMM in `gemm_dtype`. Scale and minimum are kept in bf16, as int4pack_mm keeps
+    them (half a bit per weight at group size 64 instead of one)."""
+
+    kernel = "latentserve int4"
+    activation_dtype = torch.float32
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: nn.Parameter | None,
+                 kernels: native.NativeKernels, gemm_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+        self.group_size = q.shape[1] // scale.shape[1]
+        self.kernels, self.gemm_dtype = kernels, gemm_dtype
+        self.register_buffer("packed", native.pack_int4(q))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("minimum", minimum.to(torch.bfloat16))
+        self.bias = bias
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight `[out, in]` in `gemm_dtype`; it lives in this thread's scratch space until the next call."""
+        n, k, g = self.out_features, self.in_features, self.group_size
+        chunks = self.packed.view(n, k // 64, 32)
+        nibbles = _scratch_tensor("nibbles", chunks.numel(), torch.uint8).view(chunks.shape)
+        q = _scratch_tensor("q", n * k, torch.uint8).view(n, k // 64, 2, 32)
+        q[:, :, 0].copy_(torch.bitwise_and(chunks, 15, out=nibbles))
+        q[:, :, 1].copy_(torch.bitwise_right_shift(chunks, 4, out=nibbles))
+        w = _scratch_tensor("weight", n * k, self.gemm_dtype).view(n, k // g, g).copy_(q.view(n, k // g, g))
+        return w.mul_(self.scale[..., None].to(self.gemm_dtype)).add_(self.minimum[..., None].to(self.gemm_dtype)) \
+            .view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= NATIVE_INT4_ROWS:
+            y = native.int4_linear(self.kernels, x2.float().contiguous(), self.packed, self.scale, self.minimum,
+                                   self.group_size)
+        else:
+            y = F.linear(x2.to(self.gemm_dtype), self.dequantized())
+        y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)

@@ -8,8 +8,13 @@ from torch import nn
 
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.cpu import CpuFeatures, cpu_features
-from latentserve.layers.quant.int4 import INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, int4pack_block_n, quantize_int4
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8
+from latentserve.layers.quant.int4 import (
+    INT4_DEQUANT_ROWS, NATIVE_INT4_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
+)
+from latentserve.layers.quant.int8 import (
+    NATIVE_INT8_ROWS, FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
+)
+from latentserve.layers.quant.native import native_kernels
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
 LM_HEAD = "lm_head"
@@ -22,25 +27,39 @@ class KernelChoice:
 
 
 def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
-    if device.type == "cpu" and features.fbgemm:
-        return KernelChoice(FbgemmInt8Linear.kernel, "torch's quantized engine here is fbgemm, the fastest int8 "
-                            "linear measured (benchmarks/RESULTS.md)")
-    why = "not a CPU" if device.type != "cpu" else "torch has no fbgemm quantized engine here"
-    return KernelChoice(Int8Linear.kernel, why)
+    if device.type != "cpu":
+        return KernelChoice(Int8Linear.kernel, "not a CPU")
+    kernels, why = native_kernels(features)
+    if kernels is not None:
+        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); up to {NATIVE_INT8_ROWS} "
+                            "rows it streams the weight faster than fbgemm, above it oneDNN's int8 GEMM is the fastest "
+                            "measured (benchmarks/RESULTS.md)")
+    if features.fbgemm:
+        return KernelChoice(FbgemmInt8Linear.kernel, f"latentserve's kernels: {why}; fbgemm is the fastest int8 "
+                            "linear torch ships")
+    return KernelChoice(Int8Linear.kernel, f"latentserve's kernels: {why}; torch has no fbgemm quantized engine here")
 
 
-def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int | None = None) -> KernelChoice:
+def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int | None = None,
+                in_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int4Linear.kernel, "not a CPU")
+    kernels, why = native_kernels(features)
+    gemm = "bf16" if features.native_bf16 else "fp32 (bf16 is emulated here)"
+    if kernels is not None and (in_features is None or in_features % 64 == 0):
+        return KernelChoice(NativeInt4Linear.kernel, f"built for {kernels.isa} ({why}); from {NATIVE_INT4_ROWS + 1} "
+                            f"rows the weight is dequantized for one {gemm} GEMM")
+    if kernels is not None:
+        why = f"{in_features} inputs, latentserve's int4 kernel needs a multiple of 64"
     if out_features is not None and out_features % INT4PACK_OUT_MULTIPLE:
         return KernelChoice(Int4Linear.kernel, f"{out_features} outputs, int4pack_mm needs a multiple of "
                             f"{INT4PACK_OUT_MULTIPLE}")
     block_n = int4pack_block_n()
-    gemm = "bf16" if features.native_bf16 else "fp32 (bf16 is emulated here)"
     many_rows = (f"from {INT4_DEQUANT_ROWS} rows the weight is unpacked (blocks of {block_n} rows here) for one {gemm} "
                  "GEMM" if block_n else "int4pack layout unknown here: int4pack_mm at every row count")
-    return KernelChoice(Int4PackLinear.kernel, "PyTorch's CPU int4 kernel, bf16 activations on any CPU (its fp32 "
-                        f"path measured 25-100x slower, benchmarks/RESULTS.md); {many_rows}")
+    return KernelChoice(Int4PackLinear.kernel, f"latentserve's kernels: {why}; PyTorch's CPU int4 kernel, bf16 "
+                        "activations on any CPU (its fp32 path measured 25-100x slower, benchmarks/RESULTS.md); "
+                        f"{many_rows}")
 
 
 def quantize_linear(
@@ -55,9 +74,12 @@ def quantize_linear(
     features = cpu_features()
     if config.method == "int8":
         q, scale = quantize_int8(weight)
-        if int8_kernel(device, features).kernel == FbgemmInt8Linear.kernel:
-            # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
-            out_dtype = torch.float32 if name == LM_HEAD else None
+        kernel = int8_kernel(device, features).kernel
+        # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
+        out_dtype = torch.float32 if name == LM_HEAD else None
+        if kernel == NativeInt8Linear.kernel:
+            return NativeInt8Linear(q, scale, bias, native_kernels(features)[0], out_dtype)
+        if kernel == FbgemmInt8Linear.kernel:
             return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
     in_features = weight.shape[1]
@@ -67,7 +89,11 @@ def quantize_linear(
             f"choose a quantization_group_size that does"
         )
     q, scale, minimum = quantize_int4(weight, config.group_size)
-    if int4_kernel(device, features, weight.shape[0]).kernel == Int4PackLinear.kernel:
+    kernel = int4_kernel(device, features, *weight.shape).kernel
+    if kernel == NativeInt4Linear.kernel:
+        return NativeInt4Linear(q, scale, minimum, bias, native_kernels(features)[0],
+                                torch.bfloat16 if features.native_bf16 else torch.float32)
+    if kernel == Int4PackLinear.kernel:
         return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16,
                               torch.bfloat16 if features.native_bf16 else torch.float32)
     return Int4Linear(q.to(device), scale.to(device), minimum.to(device), bias)

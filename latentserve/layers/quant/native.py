@@ -1,0 +1,134 @@
+"""latentserve's own quantized CPU kernels (kernels/qgemm.c): built with the system C compiler on first use, per
+instruction set, cached, and loaded through ctypes. Where they cannot be built the layers keep PyTorch's kernels."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from latentserve.layers.quant.cpu import CpuFeatures
+
+SOURCE = Path(__file__).with_name("kernels") / "qgemm.c"
+# "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them.
+NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
+CACHE_ENV = "LATENTSERVE_CACHE_DIR"
+ISA_FLAGS = {
+    "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
+    "avx2": ["-mavx2", "-mfma"],
+}
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+
+
+@dataclass(frozen=True)
+class NativeKernels:
+    isa: str
+    lib: ctypes.CDLL
+
+
+def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
+    """(instruction set to build for, why) from what torch dispatches on: `ATEN_CPU_CAPABILITY=avx2` picks the AVX2
+    build on an AVX-512 machine, as it does torch's own kernels."""
+    if os.environ.get(NATIVE_ENV, "1") == "0":
+        return None, f"{NATIVE_ENV}=0"
+    if features.capability.startswith("AVX512") and features.vnni:
+        return "avx512_vnni", "AVX-512 with VNNI"
+    if features.capability.startswith(("AVX512", "AVX2")):
+        return "avx2", f"{features.capability} without VNNI" if features.capability != "AVX2" else "AVX2"
+    return None, f"capability {features.capability}: no vector build"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "latentserve")
+    return Path(root).expanduser() / "kernels"
+
+
+def _build(isa: str) -> Path:
+    """The shared library for `isa`, compiled unless a build of this source with these flags is cached."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = CFLAGS + ISA_FLAGS[isa]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"qgemm-{isa}-{key}.so"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place: processes that build at once never load a partial file.
+    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ls_int8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
+    lib.ls_int4_linear.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i32]
+    lib.ls_int8_linear.restype = lib.ls_int4_linear.restype = None
+
+
+@functools.cache
+def load(isa: str) -> NativeKernels | str:
+    """The kernels for `isa`, built (or found cached) and loaded; or why they cannot be (remembered: one try)."""
+    try:
+        lib = ctypes.CDLL(str(_build(isa)))  # ctypes releases the GIL during calls: DBO's ubatch threads overlap
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    _declare(lib)
+    return NativeKernels(isa, lib)
+
+
+def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
+    """(the kernels for this CPU or None, why)."""
+    isa, why = kernel_isa(features)
+    if isa is None:
+        return None, why
+    kernels = load(isa)
+    if isinstance(kernels, str):
+        return None, f"{isa} build unavailable: {kernels}"
+    return kernels, why
+
+
+def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                qsum: torch.Tensor) -> torch.Tensor:
+    """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int8 weight q `[N, K]` with per-row `scale`, `qsum`
+    = q.sum(1) (int32)."""
+    (m, k), n = x.shape, q.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    kernels.lib.ls_int8_linear(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n, y.data_ptr(),
+                               torch.get_num_threads())
+    return y
+
+
+def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                minimum: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int4 weight in `pack_int4`'s layout, bf16 `scale` and
+    `minimum` `[N, K / group_size]`."""
+    (m, k), n = x.shape, packed.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
+                               group_size, n, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 `[N, K / 2]` from q `[N, K]` in [0, 15], K a multiple of 64: per 64 columns, byte j holds column j (low
+    nibble) and column 32 + j (high)."""
+    n, k = q.shape
+    chunks = q.view(n, k // 64, 2, 32)
+    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)

@@ -1,0 +1,140 @@
+"""latentserve's own int8/int4 CPU kernels (layers/quant/native.py) against exact integer references, for each
+instruction set this machine can run: the AVX2 build runs on any AVX-512 machine too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentserve.layers.quant import native
+from latentserve.layers.quant.cpu import cpu_features
+from latentserve.layers.quant.int4 import NATIVE_INT4_ROWS, NativeInt4Linear, quantize_int4
+from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear, int8_gemm, quantize_int8
+
+
+def _runnable_isas() -> list[str]:
+    here = cpu_features()
+    isas = []
+    if here.capability.startswith("AVX512") and here.vnni:
+        isas.append("avx512_vnni")
+    if here.capability.startswith(("AVX512", "AVX2")):
+        isas.append("avx2")
+    return isas
+
+
+ISAS = _runnable_isas()
+pytestmark = pytest.mark.skipif(not ISAS, reason="no AVX2 on this CPU")
+
+
+def _kernels(isa: str) -> native.NativeKernels:
+    kernels = native.load(isa)
+    if isinstance(kernels, str):
+        pytest.skip(f"{isa} build unavailable: {kernels}")
+    return kernels
+
+
+def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels do to the activations: per row, symmetric, round half to even."""
+    s = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.div(x, s).round(), s
+
+
+def _data(rows: int, n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05, torch.randn(rows, k, generator=g)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows, n, k", [(1, 37, 200), (2, 64, 2048), (5, 9, 64), (8, 130, 1408), (33, 12, 96)])
+def test_int8_kernel_is_the_exact_integer_product(isa, rows, n, k):
+    """Tails of every kind: output rows past the last tile of 4, columns past the last 64, activation rows past the
+    last tile."""
+    w, x = _data(rows, n, k)
+    q, scale = quantize_int8(w)
+    xq, s = _quantized_rows(x)
+    expected = (xq.double() @ q.double().t()) * s.double() * scale.double()
+    got = native.int8_linear(_kernels(isa), x, q, scale, q.sum(dim=1, dtype=torch.int32))
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+
+
+def test_int8_builds_and_the_int_mm_path_agree_bitwise():
+    """Integer sums are exact, and the three compute the same float products after them."""
+    w, x = _data(11, 70, 320, seed=1)
+    q, scale = quantize_int8(w)
+    qsum = q.sum(dim=1, dtype=torch.int32)
+    results = [native.int8_linear(_kernels(isa), x, q, scale, qsum) for isa in ISAS]
+    results.append(int8_gemm(x, q, scale))
+    for other in results[1:]:
+        assert torch.equal(results[0], other)
+
+
+def _int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The kernel's formula in float64, the weight as (q - 8) * scale + (minimum + 8 * scale): activations quantized
+    per 32 columns times the centred part, the (unquantized) activations' group sums times the rest; scale and
+    minimum as stored (bf16)."""
+    (n, k), rows = q.shape, x.shape[0]
+    xq, s = _quantized_rows(x.reshape(-1, 32))
+    xq = (xq * s).double().view(rows, k)  # each block's integers times its scale
+    per_group = k // scale.shape[1]
+    scale, minimum = scale.bfloat16().double(), minimum.bfloat16().double()
+    dots = torch.einsum("mgk,ngk->mng", xq.view(rows, -1, per_group), q.double().view(n, -1, per_group) - 8)
+    sums = x.double().view(rows, -1, per_group).sum(-1)
+    return (dots * scale).sum(-1) + sums @ (minimum + 8 * scale).t()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows, n, k, group", [(1, 37, 256, 32), (3, 64, 2048, 64), (8, 130, 1408, 64),
+                                               (5, 9, 384, 128)])
+def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
+    w, x = _data(rows, n, k, seed=2)
+    q, scale, minimum = quantize_int4(w, group)
+    expected = _int4_reference(x, q, scale, minimum)
+    got = native.int4_linear(_kernels(isa), x, native.pack_int4(q), scale.bfloat16(), minimum.bfloat16(), group)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+def test_int4_layer_many_rows_dequantize_the_same_weight():
+    """Above NATIVE_INT4_ROWS the layer unpacks its weight for one GEMM: the weight is the kernel's (bf16 scale and
+    minimum), and the outputs agree within the kernel's 8-bit activations."""
+    w, x = _data(NATIVE_INT4_ROWS + 8, 96, 256, seed=3)
+    q, scale, minimum = quantize_int4(w, 64)
+    bias = torch.randn(96)
+    layer = NativeInt4Linear(q, scale, minimum, torch.nn.Parameter(bias), _kernels(ISAS[0]), torch.float32)
+    weight = (q.float().view(96, 4, 64) * scale.bfloat16().float()[..., None]
+              + minimum.bfloat16().float()[..., None]).view(96, 256)
+    torch.testing.assert_close(layer.dequantized(), weight, rtol=0, atol=1e-6)
+    many = layer(x)
+    torch.testing.assert_close(many, x @ weight.t() + bias, rtol=1e-5, atol=1e-5)
+    few = torch.cat([layer(x[i : i + 4]) for i in range(0, len(x), 4)])
+    torch.testing.assert_close(few, many, rtol=0, atol=2e-2 * many.abs().max().item())
+    torch.testing.assert_close(layer(x[:2].bfloat16()).float(), many[:2], rtol=0, atol=2e-2 * many.abs().max().item())
+
+
+def test_int8_layer_switches_kernels_without_changing_the_result():
+    w, x = _data(NATIVE_INT8_ROWS + 5, 48, 128, seed=4)
+    q, scale = quantize_int8(w)
+    bias = torch.randn(48)
+    layer = NativeInt8Linear(q, scale, torch.nn.Parameter(bias), _kernels(ISAS[0]))
+    few = torch.cat([layer(x[i : i + 3]) for i in range(0, len(x), 3)])
+    assert torch.equal(layer(x), few)
+    assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
+    assert NativeInt8Linear(q, scale, None, _kernels(ISAS[0]), torch.float32)(x[:2].bfloat16()).dtype == torch.float32
+
+
+def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp_path):
+    monkeypatch.setenv(native.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    native.load.cache_clear()
+    try:
+        kernels, why = native.native_kernels(cpu_features())
+        assert kernels is None and "build unavailable" in why and "/bin/false failed" in why
+    finally:
+        native.load.cache_clear()
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.native_kernels(cpu_features()) == (None, f"{native.NATIVE_ENV}=0")
+
+
+def test_pack_int4_layout():
+    q = torch.arange(128, dtype=torch.uint8).remainder(16).view(1, 128)
+    packed = native.pack_int4(q)
+    assert packed.shape == (1, 64)
+    assert packed[0, 0].item() == q[0, 0] | (q[0, 32] << 4) and packed[0, 33].item() == q[0, 65] | (q[0, 97] << 4)
