@@ -14,6 +14,8 @@ from latentserve.attention.prefill.selector import get_mla_prefill_backend
 from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
 from latentserve.layers.linear import Linear
+from latentserve.layers.quant.heads import Int8HeadProducts
+from latentserve.layers.quant.native import NativeKernels
 
 
 class MLAAttention(nn.Module):
@@ -56,14 +58,20 @@ class MLAAttention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.W_UK_T: torch.Tensor | None = None
         self.W_UV: torch.Tensor | None = None
+        # (q_nope -> latent, latent -> values) in int8 for few decode tokens, under int8/int4 weights.
+        self.int8_absorbed: tuple[Int8HeadProducts, Int8HeadProducts] | None = None
         static_ctx.register(layer_name, self)
 
-    def process_weights_after_loading(self) -> None:
-        """Split kv_b_proj into the absorbed decode weights W_UK_T `[N, P, L]` and W_UV `[N, L, V]`."""
+    def process_weights_after_loading(self, int8_kernels: NativeKernels | None = None) -> None:
+        """Split kv_b_proj into the absorbed decode weights W_UK_T `[N, P, L]` and W_UV `[N, L, V]`, and with
+        `int8_kernels` their int8 copies."""
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.W_UK_T = w[:, : m.qk_nope_head_dim, :].contiguous()
         self.W_UV = w[:, m.qk_nope_head_dim :, :].transpose(1, 2).contiguous()
+        if int8_kernels is not None:
+            self.int8_absorbed = (Int8HeadProducts(self.W_UK_T.transpose(1, 2).float(), int8_kernels),
+                                  Int8HeadProducts(self.W_UV.transpose(1, 2).float(), int8_kernels))
 
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q `[T, N, P+R]`, kv_c_normed `[T, L]`, k_pe `[T, R]` (rope applied) -> `[T, N*V]`."""
@@ -125,6 +133,10 @@ class MLAAttention(nn.Module):
 
     def _forward_decode(self, q: torch.Tensor, md: MLADecodeMetadata) -> torch.Tensor:
         q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
+        if self.int8_absorbed is not None and q.shape[0] <= Int8HeadProducts.max_tokens:
+            to_latent, to_values = self.int8_absorbed
+            o_latent = self.decode_backend.forward(torch.cat([to_latent(q_nope), q_pe], dim=-1), self.kv_cache, md)
+            return to_values(o_latent)
         # Per-head products as bmm over [N, T, *] views: what einsum would run, without its parsing per call.
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)
         o_latent = self.decode_backend.forward(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, md)

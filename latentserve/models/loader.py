@@ -20,7 +20,7 @@ from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import Fp8Config, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
-from latentserve.layers.quant.linear import quantize_linear
+from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.safetensors_reader import read_tensors
@@ -304,6 +304,7 @@ def load_model(
     if config.quantization is not None:
         tensors = dequantize_fp8(tensors, config.quantization)
     load_weights(model, tensors, quantization, device)
+    kernels = absorbed_kernels(quantization, device)
     for layer in model.static_forward_context.values():
-        layer.process_weights_after_loading()
+        layer.process_weights_after_loading(kernels)
     return model.eval()

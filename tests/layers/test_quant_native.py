@@ -7,6 +7,7 @@ import torch
 
 from latentserve.layers.quant import native
 from latentserve.layers.quant.cpu import cpu_features
+from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NATIVE_INT4_ROWS, NativeInt4Linear, quantize_int4
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear, int8_gemm, quantize_int8
 
@@ -69,10 +70,10 @@ def test_int8_builds_and_the_int_mm_path_agree_bitwise():
 
 def _int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The kernel's formula in float64, the weight as (q - 8) * scale + (minimum + 8 * scale): activations quantized
-    per 32 columns times the centred part, the (unquantized) activations' group sums times the rest; scale and
+    per 64 columns times the centred part, the (unquantized) activations' group sums times the rest; scale and
     minimum as stored (bf16)."""
     (n, k), rows = q.shape, x.shape[0]
-    xq, s = _quantized_rows(x.reshape(-1, 32))
+    xq, s = _quantized_rows(x.reshape(-1, 64))
     xq = (xq * s).double().view(rows, k)  # each block's integers times its scale
     per_group = k // scale.shape[1]
     scale, minimum = scale.bfloat16().double(), minimum.bfloat16().double()
@@ -88,7 +89,7 @@ def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
     w, x = _data(rows, n, k, seed=2)
     q, scale, minimum = quantize_int4(w, group)
     expected = _int4_reference(x, q, scale, minimum)
-    got = native.int4_linear(_kernels(isa), x, native.pack_int4(q), scale.bfloat16(), minimum.bfloat16(), group)
+    got = native.int4_linear(_kernels(isa), x, native.pack_int4(q, scale, minimum), group)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
@@ -135,6 +136,40 @@ def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp
 
 def test_pack_int4_layout():
     q = torch.arange(128, dtype=torch.uint8).remainder(16).view(1, 128)
-    packed = native.pack_int4(q)
-    assert packed.shape == (1, 64)
-    assert packed[0, 0].item() == q[0, 0] | (q[0, 32] << 4) and packed[0, 33].item() == q[0, 65] | (q[0, 97] << 4)
+    scale, minimum = torch.tensor([[0.5, 0.25]]), torch.tensor([[-1.0, 3.0]])
+    packed = native.pack_int4(q, scale, minimum)
+    assert packed.shape == (1, 8 + 64)
+    nibbles, s, m = native.unpack_int4(packed, 128)
+    assert s.tolist() == [[0.5, 0.25]] and m.tolist() == [[-1.0, 3.0]]
+    assert nibbles[0, 0, 0].item() == q[0, 0] | (q[0, 32] << 4) and nibbles[0, 1, 1].item() == q[0, 65] | (q[0, 97] << 4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_head_products_are_per_head_integer_products(isa):
+    """MLA's absorbed products: each (token, head) row quantized on its own, times that head's int8 weight."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4, 24, 40, generator=g) * 0.1  # [heads, out, in]
+    x = torch.randn(3, 4, 40, generator=g)  # [tokens, heads, in]
+    products = Int8HeadProducts(w, _kernels(isa))
+    q, scale = quantize_int8(w.reshape(-1, 40))
+    xq, s = _quantized_rows(x.reshape(-1, 40))
+    per_head = torch.einsum("thk,hnk->thn", xq.double().view(3, 4, 40), q.double().view(4, 24, 40))
+    expected = per_head * s.double().view(3, 4, 1) * scale.double().view(1, 4, 24)
+    got = products(x)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
+    assert products(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
+    from latentserve.models import load_model
+    from latentserve.layers.quant.config import QuantConfig
+    from tests.checkpoints import make_checkpoint
+
+    src = make_checkpoint(tmp_path, "v3", q_lora_rank=32, moe_intermediate_size=32, intermediate_size=64)
+    for method, group in (("int8", None), ("int4", 32)):
+        attention = load_model(src, quantization=QuantConfig(method, group)).model.layers[0].self_attn.attn
+        assert attention.int8_absorbed is not None
+        to_latent, _ = attention.int8_absorbed
+        torch.testing.assert_close(to_latent.q.float() * to_latent.scale.view(*to_latent.q.shape[:2], 1),
+                                   attention.W_UK_T.transpose(1, 2).float(), rtol=0, atol=0.01)
+    assert load_model(src).model.layers[0].self_attn.attn.int8_absorbed is None

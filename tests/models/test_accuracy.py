@@ -34,9 +34,10 @@ FORMATS = {
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
 
 
-def _score(**settings) -> tuple[float, list[int]]:
-    """(perplexity of the held-out text, the top-1 prediction at each position), teacher-forced."""
-    llm = LLM(max_num_seqs=1, num_kv_blocks=64, max_num_batched_tokens=512, **settings)
+def _score(chunk: int = 512, **settings) -> tuple[float, list[int]]:
+    """(perplexity of the held-out text, the top-1 prediction at each position), teacher-forced in prefill chunks of
+    `chunk` tokens: 512 runs the quantized layers' many-row kernels, 16 their few-row (decode) ones."""
+    llm = LLM(max_num_seqs=1, num_kv_blocks=64, max_num_batched_tokens=chunk, **settings)
     out = llm.generate([HELD_OUT], PARAMS)[0]
     positions = out.prompt_logprobs[1:]
     targets = out.prompt_token_ids[1:]
@@ -49,11 +50,12 @@ def fp32():
     return _score(dtype="float32")
 
 
+@pytest.mark.parametrize("chunk", [512, 16])
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_format_keeps_perplexity_and_top1(fp32, name):
+def test_format_keeps_perplexity_and_top1(fp32, name, chunk):
     settings, max_ratio, min_agreement = FORMATS[name]
     fp32_ppl, fp32_top1 = fp32
-    ppl, top1 = _score(**settings)
+    ppl, top1 = _score(chunk, **settings)
     agreement = sum(a == b for a, b in zip(top1, fp32_top1)) / len(top1)
     summary = f"{name}: perplexity {ppl:.3f} vs fp32 {fp32_ppl:.3f} ({ppl / fp32_ppl:.4f}x), top-1 {agreement:.3f}"
     assert len(top1) > 250

@@ -191,7 +191,7 @@ def test_quantized_model_with_this_cpus_kernels_stays_close(tmp_path, method):
         # Quantized activations or bf16 ones (int4pack on a bf16 CPU) on top of the same weights: close.
         # (Top-1 agreement is tested on real weights, test_accuracy.py: this random model's logits are near-flat.)
         error = (ours - theirs).abs()
-        assert error.max() < 0.3 and error.mean() < 0.05
+        assert error.max() < 0.3 and error.mean() < 0.06  # a broken kernel: max > 2, mean > 0.1
 
 
 def test_int4_group_that_does_not_divide_names_the_layer(tmp_path):

@@ -156,8 +156,8 @@ class Int4PackLinear(nn.Module):
 
 class NativeInt4Linear(nn.Module):
     """latentserve's int4 kernel (`native.py`) up to `NATIVE_INT4_ROWS` rows; from there the weight is dequantized
-    (into scratch space) for one GEMM in `gemm_dtype`. Scale and minimum are kept in bf16, as int4pack_mm keeps
-    them (half a bit per weight at group size 64 instead of one)."""
+    (into scratch space) for one GEMM in `gemm_dtype`. Scale and minimum are kept in bf16 beside each row's nibbles,
+    as int4pack_mm keeps them (half a bit per weight at group size 64 instead of one)."""
 
     kernel = "latentserve int4"
     activation_dtype = torch.float32
@@ -168,28 +168,24 @@ class NativeInt4Linear(nn.Module):
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group_size = q.shape[1] // scale.shape[1]
         self.kernels, self.gemm_dtype = kernels, gemm_dtype
-        self.register_buffer("packed", native.pack_int4(q))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("minimum", minimum.to(torch.bfloat16))
+        self.register_buffer("packed", native.pack_int4(q, scale, minimum))
         self.bias = bias
 
     def dequantized(self) -> torch.Tensor:
         """The weight `[out, in]` in `gemm_dtype`; it lives in this thread's scratch space until the next call."""
         n, k, g = self.out_features, self.in_features, self.group_size
-        chunks = self.packed.view(n, k // 64, 32)
+        chunks, scale, minimum = native.unpack_int4(self.packed, k)
         nibbles = _scratch_tensor("nibbles", chunks.numel(), torch.uint8).view(chunks.shape)
         q = _scratch_tensor("q", n * k, torch.uint8).view(n, k // 64, 2, 32)
         q[:, :, 0].copy_(torch.bitwise_and(chunks, 15, out=nibbles))
         q[:, :, 1].copy_(torch.bitwise_right_shift(chunks, 4, out=nibbles))
         w = _scratch_tensor("weight", n * k, self.gemm_dtype).view(n, k // g, g).copy_(q.view(n, k // g, g))
-        return w.mul_(self.scale[..., None].to(self.gemm_dtype)).add_(self.minimum[..., None].to(self.gemm_dtype)) \
-            .view(n, k)
+        return w.mul_(scale[..., None].to(self.gemm_dtype)).add_(minimum[..., None].to(self.gemm_dtype)).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] <= NATIVE_INT4_ROWS:
-            y = native.int4_linear(self.kernels, x2.float().contiguous(), self.packed, self.scale, self.minimum,
-                                   self.group_size)
+            y = native.int4_linear(self.kernels, x2.float().contiguous(), self.packed, self.group_size)
         else:
             y = F.linear(x2.to(self.gemm_dtype), self.dequantized())
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -15,7 +15,7 @@ from latentserve.layers.quant import native
 # Elements converted at a time: a block's fp32 temporary (512 KB) stays in L2 through the element-wise passes, which
 # over a whole weight each streamed it through memory (measured 3-4x slower on V2-Lite's expert matrices).
 BLOCK_ELEMENTS = 1 << 17
-NATIVE_INT8_ROWS = 32  # the native kernel up to this many rows, torch._int_mm above
+NATIVE_INT8_ROWS = 24  # the native kernel up to this many rows, torch._int_mm above (benchmarks/RESULTS.md)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     NATIVE_INT8_ROWS, FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
 )
-from latentserve.layers.quant.native import native_kernels
+from latentserve.layers.quant.native import NativeKernels, native_kernels
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
 LM_HEAD = "lm_head"
@@ -60,6 +60,14 @@ def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int |
     return KernelChoice(Int4PackLinear.kernel, f"latentserve's kernels: {why}; PyTorch's CPU int4 kernel, bf16 "
                         "activations on any CPU (its fp32 path measured 25-100x slower, benchmarks/RESULTS.md); "
                         f"{many_rows}")
+
+
+def absorbed_kernels(config: QuantConfig | None, device: torch.device | str) -> NativeKernels | None:
+    """The kernels for MLA's absorbed decode products (kv_b_proj's halves per head) under int8 and int4 weights on a
+    CPU that builds them; None keeps those products in the compute dtype."""
+    if config is None or config.method not in ("int8", "int4") or torch.device(device).type != "cpu":
+        return None
+    return native_kernels(cpu_features())[0]
 
 
 def quantize_linear(

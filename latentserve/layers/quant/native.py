@@ -77,9 +77,9 @@ def _build(isa: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ls_int8_linear.argtypes = [p, i64, i64, p, p, p, i64, p, i32]
-    lib.ls_int4_linear.argtypes = [p, i64, i64, p, p, p, i64, i64, p, i32]
-    lib.ls_int8_linear.restype = lib.ls_int4_linear.restype = None
+    lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32]
+    lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
+    lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = None
 
 
 @functools.cache
@@ -108,27 +108,42 @@ def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale:
                 qsum: torch.Tensor) -> torch.Tensor:
     """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int8 weight q `[N, K]` with per-row `scale`, `qsum`
     = q.sum(1) (int32)."""
-    (m, k), n = x.shape, q.shape[0]
+    return int8_heads(kernels, x[:, None], q[None], scale, qsum)[:, 0]
+
+
+def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+               qsum: torch.Tensor) -> torch.Tensor:
+    """fp32 `[M, H, N]`: y[m, h] = x[m, h] @ w[h]^T for x `[M, H, K]` (fp32, contiguous), the int8 weights q
+    `[H, N, K]` with per-row `scale` and `qsum` (q.sum(-1), int32) `[H, N]`."""
+    (m, h, k), n = x.shape, q.shape[1]
+    y = torch.empty(m, h, n, dtype=torch.float32)
+    kernels.lib.ls_int8_heads(x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n,
+                              y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int4 weight `packed` by `pack_int4`."""
+    (m, k), n = x.shape, packed.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    kernels.lib.ls_int8_linear(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n, y.data_ptr(),
+    kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(),
                                torch.get_num_threads())
     return y
 
 
-def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                minimum: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int4 weight in `pack_int4`'s layout, bf16 `scale` and
-    `minimum` `[N, K / group_size]`."""
-    (m, k), n = x.shape, packed.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(),
-                               group_size, n, y.data_ptr(), torch.get_num_threads())
-    return y
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 `[N, K / 2]` from q `[N, K]` in [0, 15], K a multiple of 64: per 64 columns, byte j holds column j (low
-    nibble) and column 32 + j (high)."""
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """uint8 `[N, 4 * groups + K / 2]` from q `[N, K]` in [0, 15] (K a multiple of 64) and fp32 `scale`, `minimum`
+    `[N, groups]`: per row, (scale, minimum) as bf16 pairs, then per 64 columns 32 bytes whose byte j holds column j
+    (low nibble) and column 32 + j (high)."""
     n, k = q.shape
     chunks = q.view(n, k // 64, 2, 32)
-    return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)
+    nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)
+    pairs = torch.stack([scale, minimum], dim=-1).to(torch.bfloat16).view(n, -1).view(torch.uint8)
+    return torch.cat([pairs, nibbles], dim=1)
+
+
+def unpack_int4(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(nibble bytes `[N, K / 64, 32]`, scale, minimum bf16 `[N, groups]`): views into `pack_int4`'s rows."""
+    n, pair_bytes = packed.shape[0], packed.shape[1] - in_features // 2
+    pairs = packed[:, :pair_bytes].view(torch.bfloat16).view(n, -1, 2)
+    return packed[:, pair_bytes:].view(n, in_features // 64, 32), pairs[..., 0], pairs[..., 1]
