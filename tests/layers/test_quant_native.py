@@ -139,9 +139,24 @@ def test_pack_int4_layout():
     scale, minimum = torch.tensor([[0.5, 0.25]]), torch.tensor([[-1.0, 3.0]])
     packed = native.pack_int4(q, scale, minimum)
     assert packed.shape == (1, 8 + 64)
-    nibbles, s, m = native.unpack_int4(packed, 128)
-    assert s.tolist() == [[0.5, 0.25]] and m.tolist() == [[-1.0, 3.0]]
-    assert nibbles[0, 0, 0].item() == q[0, 0] | (q[0, 32] << 4) and nibbles[0, 1, 1].item() == q[0, 65] | (q[0, 97] << 4)
+    assert packed[:, :8].view(torch.bfloat16).tolist() == [[0.5, -1.0, 0.25, 3.0]]  # (scale, minimum) per group
+    nibbles = packed[0, 8:]
+    assert nibbles[0].item() == q[0, 0] | (q[0, 32] << 4) and nibbles[33].item() == q[0, 65] | (q[0, 97] << 4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_dequantize_in_one_pass(isa):
+    w, _ = _data(1, 40, 192, seed=6)
+    q, scale, minimum = quantize_int4(w, 64)
+    packed = native.pack_int4(q, scale, minimum)
+    expected = (q.float().view(40, 3, 64) * scale.bfloat16().float()[..., None]
+                + minimum.bfloat16().float()[..., None]).view(40, 192)
+    fp32 = native.int4_dequantize(_kernels(isa), packed, 192, 64, torch.empty(40, 192))
+    torch.testing.assert_close(fp32, expected, rtol=0, atol=1e-6)
+    bf16 = native.int4_dequantize(_kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.bfloat16))
+    assert torch.equal(bf16, fp32.bfloat16())  # rounded once, to nearest even
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
+        native.int4_dequantize(_kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -16,7 +16,7 @@ from latentserve.layers.quant.int8 import BLOCK_ELEMENTS
 # grows with every 4 rows (the crossover measured between 64 and 128 rows on V2-Lite's shapes, about the same for
 # every shape since both sides scale with the weight: benchmarks/RESULTS.md, "Quantized kernels per shape").
 INT4_DEQUANT_ROWS = 128
-NATIVE_INT4_ROWS = 32  # the native kernel up to this many rows, dequantize + GEMM above
+NATIVE_INT4_ROWS = 24  # the native kernel up to this many rows, dequantize + GEMM above (benchmarks/RESULTS.md)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,15 +172,11 @@ class NativeInt4Linear(nn.Module):
         self.bias = bias
 
     def dequantized(self) -> torch.Tensor:
-        """The weight `[out, in]` in `gemm_dtype`; it lives in this thread's scratch space until the next call."""
-        n, k, g = self.out_features, self.in_features, self.group_size
-        chunks, scale, minimum = native.unpack_int4(self.packed, k)
-        nibbles = _scratch_tensor("nibbles", chunks.numel(), torch.uint8).view(chunks.shape)
-        q = _scratch_tensor("q", n * k, torch.uint8).view(n, k // 64, 2, 32)
-        q[:, :, 0].copy_(torch.bitwise_and(chunks, 15, out=nibbles))
-        q[:, :, 1].copy_(torch.bitwise_right_shift(chunks, 4, out=nibbles))
-        w = _scratch_tensor("weight", n * k, self.gemm_dtype).view(n, k // g, g).copy_(q.view(n, k // g, g))
-        return w.mul_(scale[..., None].to(self.gemm_dtype)).add_(minimum[..., None].to(self.gemm_dtype)).view(n, k)
+        """The weight `[out, in]` in `gemm_dtype` (fp32 or bf16), in one pass; it lives in this thread's scratch space
+        until the next call."""
+        n, k = self.out_features, self.in_features
+        out = _scratch_tensor("weight", n * k, self.gemm_dtype).view(n, k)
+        return native.int4_dequantize(self.kernels, self.packed, k, self.group_size, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -79,7 +79,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32]
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
-    lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = None
+    lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
+    lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
 @functools.cache
@@ -131,6 +132,16 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     return y
 
 
+def int4_dequantize(kernels: NativeKernels, packed: torch.Tensor, in_features: int, group_size: int,
+                    out: torch.Tensor) -> torch.Tensor:
+    """`out` (fp32 or bf16 `[N, K]`, contiguous) = the weight in `pack_int4`'s layout, q * scale + minimum."""
+    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+        raise ValueError(f"int4_dequantize writes contiguous float32 or bfloat16, not {out.dtype}")
+    kernels.lib.ls_int4_dequantize(packed.data_ptr(), in_features, group_size, packed.shape[0], out.data_ptr(),
+                                   int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """uint8 `[N, 4 * groups + K / 2]` from q `[N, K]` in [0, 15] (K a multiple of 64) and fp32 `scale`, `minimum`
     `[N, groups]`: per row, (scale, minimum) as bf16 pairs, then per 64 columns 32 bytes whose byte j holds column j
@@ -140,10 +151,3 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> to
     nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)
     pairs = torch.stack([scale, minimum], dim=-1).to(torch.bfloat16).view(n, -1).view(torch.uint8)
     return torch.cat([pairs, nibbles], dim=1)
-
-
-def unpack_int4(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(nibble bytes `[N, K / 64, 32]`, scale, minimum bf16 `[N, groups]`): views into `pack_int4`'s rows."""
-    n, pair_bytes = packed.shape[0], packed.shape[1] - in_features // 2
-    pairs = packed[:, :pair_bytes].view(torch.bfloat16).view(n, -1, 2)
-    return packed[:, pair_bytes:].view(n, in_features // 64, 32), pairs[..., 0], pairs[..., 1]

@@ -268,3 +268,34 @@ void ls_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
     free(xs);
     free(corrections);
 }
+
+/* The int4 weight of `ls_int4_linear`'s layout as q * scale + minimum, in fp32 or (bf16 != 0) bf16 rounded to
+ * nearest even: one pass, for the many-row path's GEMM. */
+void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void *out, int bf16, int threads) {
+    int64_t groups = K / G, row_bytes = 4 * groups + K / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t *pairs = (const uint16_t *)(w + n * row_bytes);
+        const uint8_t *nibbles = w + n * row_bytes + 4 * groups;
+        float row[64];
+        for (int64_t c = 0; c < K / 64; c++) {
+            const uint16_t *a = pairs + 2 * (c * 64 / G), *b = pairs + 2 * ((c * 64 + 32) / G);
+            float sa = bf16_to_float(a[0]), ma = bf16_to_float(a[1]), sb = bf16_to_float(b[0]), mb = bf16_to_float(b[1]);
+            for (int j = 0; j < 32; j++) {
+                uint8_t byte = nibbles[c * 32 + j];
+                row[j] = (float)(byte & 15) * sa + ma;
+                row[j + 32] = (float)(byte >> 4) * sb + mb;
+            }
+            if (bf16) {
+                uint16_t *o = (uint16_t *)out + n * K + c * 64;
+                for (int j = 0; j < 64; j++) {
+                    union { float f; uint32_t u; } v = { .f = row[j] };
+                    o[j] = (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+                }
+            } else {
+                float *o = (float *)out + n * K + c * 64;
+                for (int j = 0; j < 64; j++) o[j] = row[j];
+            }
+        }
+    }
+}
