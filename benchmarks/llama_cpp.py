@@ -76,18 +76,21 @@ def convert_source(checkpoint: Path, work: Path) -> Path:
 
 
 def make_ggufs(checkpoint: Path, work: Path, src: Path, build: Path, types: list[str]) -> dict[str, Path]:
-    """F32 GGUF by llama.cpp's converter, the other types by llama-quantize from it; existing files are reused."""
-    f32 = work / "model-F32.gguf"
-    if not f32.is_file():
-        run([sys.executable, "-c", CONVERT, str(src), str(convert_source(checkpoint, work)), "--outtype", "f32",
-             "--outfile", str(f32)])
-    files = {"F32": f32}
-    for name in types:
-        if name == "F32":
-            continue
-        files[name] = work / f"model-{name}.gguf"
-        if not files[name].is_file():
-            run([str(build / "bin" / "llama-quantize"), str(f32), str(files[name]), name])
+    """The GGUF of each type, existing files reused. With F32 among them, llama.cpp's converter writes F32 and
+    llama-quantize the rest from it; without, the converter writes Q8_0 and the rest are requantized from that (the
+    27-layer checkpoint's F32 GGUF would take 63 GB)."""
+    files = {name: work / f"model-{name}.gguf" for name in types}
+    base = "F32" if "F32" in types else "Q8_0"
+    files.setdefault(base, work / f"model-{base}.gguf")
+    if all(f.is_file() for f in files.values()):
+        return files
+    if not files[base].is_file():
+        run([sys.executable, "-c", CONVERT, str(src), str(convert_source(checkpoint, work)), "--outtype", base.lower(),
+             "--outfile", str(files[base])])
+    requantize = [] if base == "F32" else ["--allow-requantize"]
+    for name, f in files.items():
+        if not f.is_file():
+            run([str(build / "bin" / "llama-quantize"), *requantize, str(files[base]), str(f), name])
     return files
 
 
@@ -100,23 +103,38 @@ def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int
             "size_gb": rows[0]["model_size"] / 1e9}
 
 
-# benchmarks/weights.py's worker in a process of its own, with `threads` torch threads.
+# One format in a process of its own (`our_engine`, then the best of `rounds` of `our_round`), JSON out.
 WORKER = """
 import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from benchmarks.weights import FORMATS, worker
+from benchmarks.llama_cpp import our_engine, our_round, _best
 torch.set_num_threads(int(sys.argv[4]))
-print(json.dumps(worker(Path(sys.argv[2]), FORMATS[sys.argv[3]], int(sys.argv[5]), int(sys.argv[6]))))
+llm = our_engine(Path(sys.argv[2]), sys.argv[3], int(sys.argv[6]))
+best = None
+for _ in range(int(sys.argv[7])):
+    best = _best(best, our_round(llm.engine, int(sys.argv[6]), int(sys.argv[5])))
+best["dtype"] = str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
+print(json.dumps(best))
 """
 
 
-def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode: int) -> dict:
-    """One format in its own process: load, fastest batch-1 decode step, best of 2 prefills of `prefill` tokens."""
+def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode: int, rounds: int) -> dict:
+    """One format in its own process, measured as `interleaved` measures it: the best of `rounds` rounds."""
     root = Path(__file__).resolve().parent.parent
-    out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), name, str(threads), str(decode), str(prefill)])
+    out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), name, str(threads), str(decode), str(prefill),
+               str(rounds)])
     return json.loads(out.strip().splitlines()[-1])
+
+
+def our_engine(checkpoint: Path, name: str, prefill: int):
+    """An LLM of `checkpoint` in format `name` (benchmarks/weights.py's FORMATS) for `our_round`."""
+    from benchmarks.weights import FORMATS
+    from latentserve import LLM
+
+    return LLM(model=str(checkpoint), num_kv_blocks=64, block_size=16, max_model_len=1024, max_num_seqs=1,
+               max_num_batched_tokens=prefill, enable_prefix_caching=False, **FORMATS[name])
 
 
 def our_round(engine, prefill: int, decode: int) -> dict:
@@ -150,14 +168,10 @@ def interleaved(
 
     import torch
 
-    from benchmarks.weights import FORMATS
-    from latentserve import LLM
-
     torch.set_num_threads(args.threads)
     ours, theirs = {}, {}
     for name, kind in pairs:
-        llm = LLM(model=str(checkpoint), num_kv_blocks=64, block_size=16, max_model_len=1024, max_num_seqs=1,
-                  max_num_batched_tokens=args.prefill_len, enable_prefix_caching=False, **FORMATS[name])
+        llm = our_engine(checkpoint, name, args.prefill_len)
         for _ in range(args.interleave):
             theirs[kind] = _best(theirs.get(kind), llama_bench(args.llama_build, ggufs[kind], args.threads,
                                                                args.prefill_len, args.decode_len, 1))
@@ -212,7 +226,7 @@ def main() -> None:
     else:
         theirs = {kind: llama_bench(args.llama_build, ggufs[kind], args.threads, args.prefill_len, args.decode_len,
                                     args.repeats) for kind in sorted({t for _, t in pairs})}
-        ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len)
+        ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len, args.repeats)
                 for name, _ in pairs}
     print("| latentserve | llama.cpp | decode b1 tok/s (ours / theirs = ratio) | "
           f"prefill {args.prefill_len} tok/s (ours / theirs = ratio) |\n|---|---|---|---|")

@@ -188,3 +188,34 @@ def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
         torch.testing.assert_close(to_latent.q.float() * to_latent.scale.view(*to_latent.q.shape[:2], 1),
                                    attention.W_UK_T.transpose(1, 2).float(), rtol=0, atol=0.01)
     assert load_model(src).model.layers[0].self_attn.attn.int8_absorbed is None
+
+
+@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64)])
+def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group):
+    """Batch-1 decode's routed experts in one native call: the same as running each expert's layers, summed with
+    the routing weights in expert order."""
+    from torch import nn
+
+    from latentserve.layers.mlp import GatedMLP
+    from latentserve.layers.quant.config import QuantConfig
+    from latentserve.layers.quant.experts import run_expert_loop
+    from latentserve.layers.quant.linear import quantize_linear
+
+    g = torch.Generator().manual_seed(7)
+    config = QuantConfig(method, group)
+    experts = nn.ModuleList()
+    for _ in range(8):
+        mlp = GatedMLP(128, 64)
+        mlp.fuse_gate_up(quantize_linear("gate_up", torch.randn(128, 128, generator=g) * 0.1, None, config, "cpu"))
+        mlp.down_proj = quantize_linear("down", torch.randn(128, 64, generator=g) * 0.1, None, config, "cpu")
+        experts.append(mlp)
+    if native.native_kernels(cpu_features())[0] is None:
+        pytest.skip("no native kernels here")
+    calls = []
+    monkeypatch.setattr(native, "experts_token", lambda *a, _f=native.experts_token, **k: calls.append(1) or _f(*a, **k))
+    x = torch.randn(1, 128, generator=g)
+    ids, weights = torch.tensor([[5, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
+    got = run_expert_loop(experts, x, weights, ids)
+    expected = sum(w * experts[e](x) for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())))
+    assert calls == [1]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

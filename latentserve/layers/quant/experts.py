@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from latentserve.layers.quant import native
+from latentserve.layers.quant.int4 import NativeInt4Linear
+from latentserve.layers.quant.int8 import NativeInt8Linear
+
 
 def activation_dtype(expert: nn.Module, default: torch.dtype) -> torch.dtype:
     """The dtype `expert`'s first layer computes in (fbgemm: fp32; int4pack: its compute dtype; else `default`):
@@ -41,8 +45,36 @@ def run_expert_loop(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tens
 
 def _one_token(experts: nn.ModuleList, x: torch.Tensor, xa: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor) -> torch.Tensor:
-    """Batch-1 decode: the token's top-k experts straight from its ids, without the sort, gathers and scatters."""
+    """Batch-1 decode: the token's top-k experts straight from its ids, without the sort, gathers and scatters; with
+    latentserve's kernels, all of them in one call."""
+    ids_sorted, order = ids[0].sort()
+    chosen = ids_sorted.tolist()
+    native_out = _native_one_token([experts[e] for e in chosen], xa, weights[0][order])
+    if native_out is not None:
+        return native_out.view_as(x).to(x.dtype)
     out = torch.zeros_like(x)
-    for expert, weight in sorted(zip(ids[0].tolist(), weights[0])):
+    for expert, weight in zip(chosen, weights[0][order]):
         out.add_((experts[expert](xa) * weight).to(x.dtype))
     return out
+
+
+def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
+    """The chosen experts through `native.experts_token` where each is a fused gate_up and a down of latentserve's
+    kernels, bias-free; None otherwise."""
+    layers = [(getattr(e, "gate_up_proj", None), e.down_proj) for e in chosen]
+    kind = type(layers[0][0])
+    if kind not in (NativeInt8Linear, NativeInt4Linear) or any(
+        type(gu) is not kind or type(d) is not kind or gu.bias is not None or d.bias is not None for gu, d in layers
+    ):
+        return None
+    if kind is NativeInt8Linear:
+        weights = [t for gu, d in layers for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
+        bits, group = 8, 0
+    else:
+        weights = [t for gu, d in layers for t in (gu.packed, d.packed)]
+        bits, group = 4, layers[0][0].group_size
+        if any(gu.group_size != group or d.group_size != group for gu, d in layers):
+            return None
+    gate_up = layers[0][0]
+    return native.experts_token(gate_up.kernels, xa.reshape(-1).float().contiguous(), weights,
+                                gates.float().contiguous(), gate_up.out_features // 2, bits, group)

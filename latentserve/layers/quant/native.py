@@ -80,6 +80,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32]
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
     lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
+    lib.ls_experts_token.argtypes = [p, i64, i64, i64, p, p, i32, i64, p, i32]
+    lib.ls_experts_token.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -129,6 +131,18 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     y = torch.empty(m, n, dtype=torch.float32)
     kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(),
                                torch.get_num_threads())
+    return y
+
+
+def experts_token(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
+                  intermediate: int, bits: int, group_size: int = 0) -> torch.Tensor:
+    """fp32 `[K]`: one token x `[K]` (fp32, contiguous) through len(gates) routed experts, summed with `gates` (fp32)
+    in their order. `weights` per expert: int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
+    weights."""
+    y = torch.empty(x.shape[-1], dtype=torch.float32)
+    pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+    kernels.lib.ls_experts_token(x.data_ptr(), x.shape[-1], intermediate, len(gates), pointers, gates.data_ptr(), bits,
+                                 group_size, y.data_ptr(), torch.get_num_threads())
     return y
 
 

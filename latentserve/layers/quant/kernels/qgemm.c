@@ -299,3 +299,30 @@ void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void 
         }
     }
 }
+
+/* One token through `count` routed experts, y = sum_e weight[e] * down_e(silu(gate_e(x)) * up_e(x)), in the order
+ * given: the whole batch-1 MoE in one call instead of a dozen small ones per expert. An expert's gate and up are one
+ * fused weight of 2 * I rows (gate's first). Per expert, `weights` in pairs (gate_up, down): int8 ones as
+ * (q, scale, qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group size G). */
+void ls_experts_token(const float *x, int64_t K, int64_t I, int64_t count, void *const *weights, const float *gates,
+                      int bits, int64_t G, float *y, int threads) {
+    float *h = malloc(2 * I * sizeof(float)), *a = malloc(I * sizeof(float)), *o = malloc(K * sizeof(float));
+    int per = bits == 8 ? 6 : 2;
+    for (int64_t k = 0; k < K; k++) y[k] = 0.f;
+    for (int64_t e = 0; e < count; e++) {
+        void *const *p = weights + e * per;
+        if (bits == 8)
+            ls_int8_heads(x, 1, 1, K, p[0], p[1], p[2], 2 * I, h, threads);
+        else
+            ls_int4_linear(x, 1, K, p[0], G, 2 * I, h, threads);
+        for (int64_t i = 0; i < I; i++) a[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
+        if (bits == 8)
+            ls_int8_heads(a, 1, 1, I, p[3], p[4], p[5], K, o, threads);
+        else
+            ls_int4_linear(a, 1, I, p[1], G, K, o, threads);
+        for (int64_t k = 0; k < K; k++) y[k] += gates[e] * o[k];
+    }
+    free(h);
+    free(a);
+    free(o);
+}
