@@ -4,8 +4,10 @@ chooses from. ms per call, round-robin over the kernels (each sees the same nois
 Shapes: a routed expert's fused gate_up (2816 x 2048) and down (2048 x 1408), and lm_head (102400 x 2048). At a few
 rows each call takes the next of enough copies of the weight to stream it from memory (more than the L3), as a
 model's weights stream. Kernels: bf16 `F.linear`; int8 through fbgemm (`linear_dynamic`, activations quantized per
-call) and `_weight_int8pack_mm` (bf16 activations); int4 through `_weight_int4pack_mm_for_cpu` and through
-dequantizing the packed weight to bf16 once per call for one bf16 GEMM (the many-row path).
+call), oneDNN's `_int_mm` (activations quantized per row) and latentserve's layer (its own kernel up to
+NATIVE_INT8_ROWS rows, `_int_mm` above); int4 through PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) and
+latentserve's layer (its own kernel up to NATIVE_INT4_ROWS rows, one dequantized bf16 GEMM above). `_weight_int8pack_mm`
+measured 2-7x slower than fbgemm (benchmarks/RESULTS.md) and is left out.
 Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 3]`.
 """
 from __future__ import annotations
@@ -22,10 +24,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from latentserve.layers.quant.cpu import cpu_features  # noqa: E402
-from latentserve.layers.quant.int4 import Int4PackLinear, quantize_int4  # noqa: E402
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, quantize_int8  # noqa: E402
+from latentserve.layers.quant.int4 import Int4PackLinear, NativeInt4Linear, quantize_int4  # noqa: E402
+from latentserve.layers.quant.int8 import FbgemmInt8Linear, NativeInt8Linear, int8_gemm, quantize_int8  # noqa: E402
+from latentserve.layers.quant.native import native_kernels  # noqa: E402
 
-SHAPES = {(2816, 2048): (1, 8, 32, 64, 128, 512), (2048, 1408): (1, 8, 32, 64, 128, 512), (102400, 2048): (1, 4, 8)}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
+SHAPES = {(2816, 2048): ROWS, (2048, 1408): ROWS, (102400, 2048): (1, 2, 4, 8)}
 STREAM_BYTES = 64 << 20  # int4 copies of a small weight until they are twice the L3
 
 
@@ -34,21 +38,22 @@ def kernels(out_features: int, in_features: int, copies: int) -> dict[str, list]
     w = torch.randn(out_features, in_features) * 0.02
     q8, s8 = quantize_int8(w)
     q4, s4, m4 = quantize_int4(w, 64)
-    vnni = cpu_features().vnni
-    wb, s8b = w.bfloat16(), s8.bfloat16()
+    features = cpu_features()
+    native = native_kernels(features)[0]
+    if native is None:
+        sys.exit(f"latentserve's kernels are not available here: {native_kernels(features)[1]}")
+    wb = w.bfloat16()
     del w
     int4 = [Int4PackLinear(q4, s4, m4, None, torch.bfloat16) for _ in range(copies)]
-    dequant = [Int4PackLinear(q4, s4, m4, None, torch.bfloat16) for _ in range(copies)]
     for layer in int4:
         layer.dequant_rows = None  # int4pack_mm at every row count
-    for layer in dequant:
-        layer.dequant_rows = 1 if layer.block_n else None
     return {
         "bf16": [lambda x, m=wb.clone(): F.linear(x, m) for _ in range(copies)],
-        "int8 fbgemm": [FbgemmInt8Linear(q8, s8, None, not vnni) for _ in range(copies)],
-        "int8pack_mm": [lambda x, q=q8.clone(): torch._weight_int8pack_mm(x, q, s8b) for _ in range(copies)],
+        "int8 fbgemm": [FbgemmInt8Linear(q8, s8, None, not features.vnni) for _ in range(copies)],
+        "int8 _int_mm": [lambda x, q=q8.clone(): int8_gemm(x.float(), q, s8) for _ in range(copies)],
+        "int8 latentserve": [NativeInt8Linear(q8.clone(), s8, None, native) for _ in range(copies)],
         "int4pack_mm": int4,
-        "int4 dequant + bf16": dequant,
+        "int4 latentserve": [NativeInt4Linear(q4, s4, m4, None, native, torch.bfloat16) for _ in range(copies)],
     }
 
 
@@ -60,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"CPU: {cpu_features().describe()}; {args.threads} thread(s); {when}; load average {os.getloadavg()}")
-    names = ["bf16", "int8 fbgemm", "int8pack_mm", "int4pack_mm", "int4 dequant + bf16"]
+    names = ["bf16", "int8 fbgemm", "int8 _int_mm", "int8 latentserve", "int4pack_mm", "int4 latentserve"]
     print("| shape (out x in) | rows | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
     for (out_features, in_features), row_counts in SHAPES.items():
         streamed = max(1, STREAM_BYTES // (out_features * in_features // 2))

@@ -216,6 +216,50 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group):
     x = torch.randn(1, 128, generator=g)
     ids, weights = torch.tensor([[5, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
     got = run_expert_loop(experts, x, weights, ids)
-    expected = sum(w * experts[e](x) for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())))
     assert calls == [1]
+
+    def layer_by_layer(mlp: GatedMLP) -> torch.Tensor:
+        gate, up = mlp.gate_up_proj(x).chunk(2, dim=-1)
+        return mlp.down_proj(torch.nn.functional.silu(gate) * up)
+
+    expected = sum(w * layer_by_layer(experts[e]) for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64)])
+def test_one_token_gated_mlp_in_one_call(monkeypatch, method, group):
+    """Dense and shared-expert MLPs at batch 1: one native call, the same result as the layer by layer path."""
+    from latentserve.layers.mlp import GatedMLP
+    from latentserve.layers.quant.config import QuantConfig
+    from latentserve.layers.quant.linear import quantize_linear
+
+    if native.native_kernels(cpu_features())[0] is None:
+        pytest.skip("no native kernels here")
+    g = torch.Generator().manual_seed(8)
+    config = QuantConfig(method, group)
+    mlp = GatedMLP(128, 64)
+    mlp.fuse_gate_up(quantize_linear("gate_up", torch.randn(128, 128, generator=g) * 0.1, None, config, "cpu"))
+    mlp.down_proj = quantize_linear("down", torch.randn(128, 64, generator=g) * 0.1, None, config, "cpu")
+    x = torch.randn(2, 128, generator=g).bfloat16()
+    calls = []
+    monkeypatch.setattr(native, "experts_token", lambda *a, _f=native.experts_token, **k: calls.append(1) or _f(*a, **k))
+    one = mlp(x[:1])
+    assert calls == [1] and one.dtype == torch.bfloat16
+    # Layer by layer in fp32 (two rows), as the one call computes inside: the same up to the output's bf16 rounding.
+    torch.testing.assert_close(one.float(), mlp(x.float())[:1], rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_activations_and_outputs_go_in_and_out_as_they_are(isa):
+    """bf16 x is read as the fp32 of the same values, a bf16 y is the fp32 result rounded to nearest even."""
+    w, x = _data(3, 40, 128, seed=9)
+    xb = x.bfloat16()
+    q, scale = quantize_int8(w)
+    qsum = q.sum(dim=1, dtype=torch.int32)
+    fp32 = native.int8_linear(_kernels(isa), xb.float(), q, scale, qsum)
+    assert torch.equal(native.int8_linear(_kernels(isa), xb, q, scale, qsum), fp32)
+    assert torch.equal(native.int8_linear(_kernels(isa), xb, q, scale, qsum, torch.bfloat16), fp32.bfloat16())
+    q4, s4, m4 = quantize_int4(w, 64)
+    packed = native.pack_int4(q4, s4, m4)
+    fp32 = native.int4_linear(_kernels(isa), xb.float(), packed, 64)
+    assert torch.equal(native.int4_linear(_kernels(isa), xb, packed, 64, torch.bfloat16), fp32.bfloat16())

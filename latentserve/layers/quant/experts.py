@@ -58,6 +58,18 @@ def _one_token(experts: nn.ModuleList, x: torch.Tensor, xa: torch.Tensor, weight
     return out
 
 
+def one_token_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A gated MLP (dense or shared experts) over one token in one native call, or None where its layers are not
+    latentserve's kernels."""
+    if x.numel() != x.shape[-1]:
+        return None
+    out = _native_one_token([mlp], x, _ONE)
+    return None if out is None else out.view_as(x).to(x.dtype)
+
+
+_ONE = torch.ones(1)
+
+
 def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
     """The chosen experts through `native.experts_token` where each is a fused gate_up and a down of latentserve's
     kernels, bias-free; None otherwise."""
@@ -76,5 +88,5 @@ def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Te
         if any(gu.group_size != group or d.group_size != group for gu, d in layers):
             return None
     gate_up = layers[0][0]
-    return native.experts_token(gate_up.kernels, xa.reshape(-1).float().contiguous(), weights,
+    return native.experts_token(gate_up.kernels, native.activations(xa, xa.shape[-1]).view(-1), weights,
                                 gates.float().contiguous(), gate_up.out_features // 2, bits, group)

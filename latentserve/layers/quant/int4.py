@@ -160,7 +160,6 @@ class NativeInt4Linear(nn.Module):
     as int4pack_mm keeps them (half a bit per weight at group size 64 instead of one)."""
 
     kernel = "latentserve int4"
-    activation_dtype = torch.float32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: nn.Parameter | None,
                  kernels: native.NativeKernels, gemm_dtype: torch.dtype) -> None:
@@ -179,9 +178,9 @@ class NativeInt4Linear(nn.Module):
         return native.int4_dequantize(self.kernels, self.packed, k, self.group_size, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
+        x2 = native.activations(x, self.in_features)
         if x2.shape[0] <= NATIVE_INT4_ROWS:
-            y = native.int4_linear(self.kernels, x2.float().contiguous(), self.packed, self.group_size)
+            y = native.int4_linear(self.kernels, x2, self.packed, self.group_size, x.dtype)
         else:
             y = F.linear(x2.to(self.gemm_dtype), self.dequantized())
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -101,10 +101,10 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 class NativeInt8Linear(nn.Module):
     """latentserve's int8 kernel (`native.py`) up to `NATIVE_INT8_ROWS` rows, `torch._int_mm` from there: one plain
-    int8 weight for both, activations quantized per row (symmetric, 8 bits), fp32 out."""
+    int8 weight for both, activations quantized per row (symmetric, 8 bits). fp32 and bf16 activations go in as
+    they are; out in `out_dtype` (None: the activations' dtype)."""
 
     kernel = "latentserve int8 + _int_mm"
-    activation_dtype = torch.float32
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, kernels: native.NativeKernels,
                  out_dtype: torch.dtype | None = None) -> None:
@@ -117,10 +117,11 @@ class NativeInt8Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        x2 = native.activations(x, self.in_features)
+        dtype = self.out_dtype or x.dtype
         if x2.shape[0] <= NATIVE_INT8_ROWS:
-            y = native.int8_linear(self.kernels, x2, self.qweight, self.scale, self.qsum)
+            y = native.int8_linear(self.kernels, x2, self.qweight, self.scale, self.qsum, dtype)
         else:
-            y = int8_gemm(x2, self.qweight, self.scale)
-        y = y.view(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
+            y = int8_gemm(x2.float(), self.qweight, self.scale)
+        y = y.view(*x.shape[:-1], self.out_features).to(dtype)
         return y if self.bias is None else y.add_(self.bias)

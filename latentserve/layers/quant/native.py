@@ -77,10 +77,10 @@ def _build(isa: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32]
-    lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32]
+    lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
+    lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
     lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
-    lib.ls_experts_token.argtypes = [p, i64, i64, i64, p, p, i32, i64, p, i32]
+    lib.ls_experts_token.argtypes = [p, i64, i64, i64, p, p, i32, i64, p, i32, i32]
     lib.ls_experts_token.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
@@ -107,42 +107,62 @@ def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
     return kernels, why
 
 
-def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                qsum: torch.Tensor) -> torch.Tensor:
-    """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int8 weight q `[N, K]` with per-row `scale`, `qsum`
-    = q.sum(1) (int32)."""
-    return int8_heads(kernels, x[:, None], q[None], scale, qsum)[:, 0]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
 
 
-def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-               qsum: torch.Tensor) -> torch.Tensor:
-    """fp32 `[M, H, N]`: y[m, h] = x[m, h] @ w[h]^T for x `[M, H, K]` (fp32, contiguous), the int8 weights q
+def activations(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as the kernels take it: `[rows, in_features]`, contiguous, fp32 or bf16."""
+    x = x.reshape(-1, in_features)
+    return (x if x.dtype in KERNEL_DTYPES else x.float()).contiguous()
+
+
+def _io(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(the output's dtype, the kernels' flags: bit 0 x is bf16, bit 1 y is)."""
+    out = out_dtype if out_dtype in KERNEL_DTYPES else torch.float32
+    return out, int(x.dtype == torch.bfloat16) | int(out == torch.bfloat16) << 1
+
+
+def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, N]` = x `[M, K]` (`activations`) times the int8 weight q `[N, K]` with per-row `scale`, `qsum` =
+    q.sum(1) (int32); in `out_dtype` where the kernels write it, else fp32."""
+    return int8_heads(kernels, x[:, None], q[None], scale, qsum, out_dtype)[:, 0]
+
+
+def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, H, N]`: y[m, h] = x[m, h] @ w[h]^T for x `[M, H, K]` (contiguous, fp32 or bf16), the int8 weights q
     `[H, N, K]` with per-row `scale` and `qsum` (q.sum(-1), int32) `[H, N]`."""
     (m, h, k), n = x.shape, q.shape[1]
-    y = torch.empty(m, h, n, dtype=torch.float32)
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(m, h, n, dtype=dtype)
     kernels.lib.ls_int8_heads(x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n,
-                              y.data_ptr(), torch.get_num_threads())
+                              y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
-def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int) -> torch.Tensor:
-    """fp32 `[M, N]` = x `[M, K]` (fp32, contiguous) times the int4 weight `packed` by `pack_int4`."""
+def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, N]` = x `[M, K]` (`activations`) times the int4 weight `packed` by `pack_int4`; in `out_dtype` where the
+    kernels write it, else fp32."""
     (m, k), n = x.shape, packed.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(),
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(m, n, dtype=dtype)
+    kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(), io,
                                torch.get_num_threads())
     return y
 
 
 def experts_token(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
                   intermediate: int, bits: int, group_size: int = 0) -> torch.Tensor:
-    """fp32 `[K]`: one token x `[K]` (fp32, contiguous) through len(gates) routed experts, summed with `gates` (fp32)
-    in their order. `weights` per expert: int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
-    weights."""
-    y = torch.empty(x.shape[-1], dtype=torch.float32)
+    """`[K]` in x's dtype (fp32 or bf16): one token x `[K]` (contiguous) through len(gates) routed experts, summed in
+    fp32 with `gates` (fp32) in their order. `weights` per expert: int8 (bits 8) gate_up q, scale, qsum, then
+    down's; int4 the two packed weights."""
+    dtype, io = _io(x, x.dtype)
+    y = torch.empty(x.shape[-1], dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     kernels.lib.ls_experts_token(x.data_ptr(), x.shape[-1], intermediate, len(gates), pointers, gates.data_ptr(), bits,
-                                 group_size, y.data_ptr(), torch.get_num_threads())
+                                 group_size, y.data_ptr(), io, torch.get_num_threads())
     return y
 
 

@@ -34,15 +34,37 @@ INLINE float bf16_to_float(uint16_t v) {
     return c.f;
 }
 
+INLINE uint16_t float_to_bf16(float f) { /* rounded to nearest even */
+    union { float f; uint32_t u; } v = { .f = f };
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+/* Activations and outputs are fp32, or bf16 where the caller's flag says so (bit 0 of `io`: x, bit 1: y): a bf16
+ * model's tensors go in and out without a conversion op on each side. */
+INLINE float load_act(const void *x, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+INLINE void store_out(void *y, int bf16, int64_t i, float v) {
+    if (bf16)
+        ((uint16_t *)y)[i] = float_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
  * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). An
  * offset of 128 makes the int8 the unsigned operand of vpdpbusd. */
-static void quantize_blocks(const float *x, int64_t M, int64_t K, int64_t block, int offset, int8_t *xq, float *s) {
+static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64_t block, int offset, int8_t *xq,
+                            float *s) {
+    float r[block];
     for (int64_t b = 0; b < M * K / block; b++) {
-        const float *r = x + b * block;
         int8_t *q = xq + b * block;
         float amax = 1e-12f;
-        for (int64_t k = 0; k < block; k++) amax = fmaxf(amax, fabsf(r[k]));
+        for (int64_t k = 0; k < block; k++) {
+            r[k] = load_act(x, bf16, b * block + k);
+            amax = fmaxf(amax, fabsf(r[k]));
+        }
         float sb = amax / 127.f;
         for (int64_t k = 0; k < block; k++) q[k] = (int8_t)(uint8_t)((int)nearbyintf(r[k] / sb) + offset);
         s[b] = sb;
@@ -117,11 +139,11 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
  * (m, h) row. */
-void ls_int8_heads(const float *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                   const int32_t *wsum, int64_t N, float *y, int threads) {
+void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                   const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     int8_t *xq = malloc(M * H * K);
     float *sx = malloc(M * H * sizeof(float));
-    quantize_blocks(x, M * H, K, K, INT8_OFFSET, xq, sx);
+    quantize_blocks(x, io & 1, M * H, K, K, INT8_OFFSET, xq, sx);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t hn = 0; hn < H * N; hn++) {
         int64_t h = hn / N;
@@ -131,7 +153,7 @@ void ls_int8_heads(const float *x, int64_t M, int64_t H, int64_t K, const int8_t
             FOR_ROWS(int8_rows, xq + (m0 * H + h) * K, H * K, w + hn * K, K)
             for (int i = 0; i < mb; i++) {
                 int64_t row = (m0 + i) * H + h;
-                y[row * N + hn % N] = (float)(out[i] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn];
+                store_out(y, io & 2, row * N + hn % N, (float)(out[i] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn]);
             }
         }
     }
@@ -234,18 +256,18 @@ INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, 
  * the centred part of the weight, the rest takes the exact sums of x over each group (q * scale alone, up to twice
  * the weight's range, would multiply the activations' rounding by its large mean). With the integer products of
  * q, the centring is a correction per group: 8 * scale * (sum of x - sum of quantized x). */
-void ls_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, float *y,
+void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
                     int threads) {
     int64_t groups = K / G, chunks = K / 64, row_bytes = 4 * groups + K / 2;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(M * chunks * sizeof(float));
     float *corrections = malloc(M * 2 * groups * sizeof(float)); /* per group: (centring, sum of x), as the pairs */
-    quantize_blocks(x, M, K, XBLOCK, 0, xq, xs);
+    quantize_blocks(x, io & 1, M, K, XBLOCK, 0, xq, xs);
     for (int64_t m = 0; m < M; m++) {
         for (int64_t g = 0; g < groups; g++) {
             float exact = 0.f, rounded = 0.f;
             for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                exact += x[m * K + k];
+                exact += load_act(x, io & 1, m * K + k);
                 rounded += (float)xq[m * K + k] * xs[m * chunks + k / XBLOCK];
             }
             corrections[(m * groups + g) * 2] = 8.f * (exact - rounded);
@@ -261,7 +283,8 @@ void ls_int4_linear(const float *x, int64_t M, int64_t K, const uint8_t *w, int6
             float out[MB];
             FOR_ROWS(int4_rows, xq + m0 * K, xs + m0 * chunks, pairs, nibbles, K, G)
             for (int i = 0; i < mb; i++)
-                y[(m0 + i) * N + n] = out[i] + bf16_dot(pairs, corrections + (m0 + i) * 2 * groups, 2 * groups);
+                store_out(y, io & 2, (m0 + i) * N + n,
+                          out[i] + bf16_dot(pairs, corrections + (m0 + i) * 2 * groups, 2 * groups));
         }
     }
     free(xq);
@@ -288,10 +311,7 @@ void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void 
             }
             if (bf16) {
                 uint16_t *o = (uint16_t *)out + n * K + c * 64;
-                for (int j = 0; j < 64; j++) {
-                    union { float f; uint32_t u; } v = { .f = row[j] };
-                    o[j] = (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
-                }
+                for (int j = 0; j < 64; j++) o[j] = float_to_bf16(row[j]);
             } else {
                 float *o = (float *)out + n * K + c * 64;
                 for (int j = 0; j < 64; j++) o[j] = row[j];
@@ -304,24 +324,26 @@ void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void 
  * given: the whole batch-1 MoE in one call instead of a dozen small ones per expert. An expert's gate and up are one
  * fused weight of 2 * I rows (gate's first). Per expert, `weights` in pairs (gate_up, down): int8 ones as
  * (q, scale, qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group size G). */
-void ls_experts_token(const float *x, int64_t K, int64_t I, int64_t count, void *const *weights, const float *gates,
-                      int bits, int64_t G, float *y, int threads) {
+void ls_experts_token(const void *x, int64_t K, int64_t I, int64_t count, void *const *weights, const float *gates,
+                      int bits, int64_t G, void *y, int io, int threads) {
     float *h = malloc(2 * I * sizeof(float)), *a = malloc(I * sizeof(float)), *o = malloc(K * sizeof(float));
+    float *sum = calloc(K, sizeof(float));
     int per = bits == 8 ? 6 : 2;
-    for (int64_t k = 0; k < K; k++) y[k] = 0.f;
     for (int64_t e = 0; e < count; e++) {
         void *const *p = weights + e * per;
         if (bits == 8)
-            ls_int8_heads(x, 1, 1, K, p[0], p[1], p[2], 2 * I, h, threads);
+            ls_int8_heads(x, 1, 1, K, p[0], p[1], p[2], 2 * I, h, io & 1, threads);
         else
-            ls_int4_linear(x, 1, K, p[0], G, 2 * I, h, threads);
+            ls_int4_linear(x, 1, K, p[0], G, 2 * I, h, io & 1, threads);
         for (int64_t i = 0; i < I; i++) a[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
         if (bits == 8)
-            ls_int8_heads(a, 1, 1, I, p[3], p[4], p[5], K, o, threads);
+            ls_int8_heads(a, 1, 1, I, p[3], p[4], p[5], K, o, 0, threads);
         else
-            ls_int4_linear(a, 1, I, p[1], G, K, o, threads);
-        for (int64_t k = 0; k < K; k++) y[k] += gates[e] * o[k];
+            ls_int4_linear(a, 1, I, p[1], G, K, o, 0, threads);
+        for (int64_t k = 0; k < K; k++) sum[k] += gates[e] * o[k];
     }
+    for (int64_t k = 0; k < K; k++) store_out(y, io & 2, k, sum[k]);
+    free(sum);
     free(h);
     free(a);
     free(o);
