@@ -18,6 +18,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -55,18 +56,75 @@ INLINE void store_out(void *y, int bf16, int64_t i, float v) {
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
  * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). An
  * offset of 128 makes the int8 the unsigned operand of vpdpbusd. */
+#ifdef LS_AVX512
+#define LANES 16
+typedef __m512 vfloat;
+INLINE vfloat vload(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+INLINE vfloat vabs(vfloat v) { return _mm512_abs_ps(v); }
+INLINE float vmax_reduce(vfloat v) { return _mm512_reduce_max_ps(v); }
+/* round(v / s) + offset (nearest even, the default rounding mode) as int8 bits. */
+INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
+    __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_div_ps(v, s)), _mm512_set1_epi32(offset));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i));
+}
+#define vmax _mm512_max_ps
+#define vset1 _mm512_set1_ps
+#define vstore _mm512_storeu_ps
+#else
+#define LANES 8
+typedef __m256 vfloat;
+INLINE vfloat vload(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+INLINE vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+INLINE float vmax_reduce(vfloat v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
+    int32_t i[8];
+    _mm256_storeu_si256((__m256i *)i, _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_div_ps(v, s)),
+                                                        _mm256_set1_epi32(offset)));
+    for (int l = 0; l < 8; l++) q[l] = (int8_t)(uint8_t)i[l];
+}
+#define vmax _mm256_max_ps
+#define vset1 _mm256_set1_ps
+#define vstore _mm256_storeu_ps
+#endif
+
+/* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
+ * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). An
+ * offset of 128 makes the int8 the unsigned operand of vpdpbusd. */
 static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64_t block, int offset, int8_t *xq,
                             float *s) {
     float r[block];
     for (int64_t b = 0; b < M * K / block; b++) {
         int8_t *q = xq + b * block;
-        float amax = 1e-12f;
-        for (int64_t k = 0; k < block; k++) {
+        vfloat m = vset1(0.f);
+        int64_t k = 0;
+        for (; k + LANES <= block; k += LANES) {
+            vfloat v = vload(x, bf16, b * block + k);
+            vstore(r + k, v);
+            m = vmax(m, vabs(v));
+        }
+        float amax = fmaxf(1e-12f, vmax_reduce(m));
+        for (; k < block; k++) {
             r[k] = load_act(x, bf16, b * block + k);
             amax = fmaxf(amax, fabsf(r[k]));
         }
         float sb = amax / 127.f;
-        for (int64_t k = 0; k < block; k++) q[k] = (int8_t)(uint8_t)((int)nearbyintf(r[k] / sb) + offset);
+        vfloat sv = vset1(sb);
+        for (k = 0; k + LANES <= block; k += LANES) vquantize(vload(r, 0, k), sv, offset, q + k);
+        for (; k < block; k++) q[k] = (int8_t)(uint8_t)((int)nearbyintf(r[k] / sb) + offset);
         s[b] = sb;
     }
 }
@@ -144,16 +202,26 @@ void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t 
     int8_t *xq = malloc(M * H * K);
     float *sx = malloc(M * H * sizeof(float));
     quantize_blocks(x, io & 1, M * H, K, K, INT8_OFFSET, xq, sx);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t hn = 0; hn < H * N; hn++) {
-        int64_t h = hn / N;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            int mb = M - m0 < MB ? (int)(M - m0) : MB;
-            int32_t out[MB];
-            FOR_ROWS(int8_rows, xq + (m0 * H + h) * K, H * K, w + hn * K, K)
-            for (int i = 0; i < mb; i++) {
-                int64_t row = (m0 + i) * H + h;
-                store_out(y, io & 2, row * N + hn % N, (float)(out[i] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn]);
+#pragma omp parallel num_threads(threads)
+    {
+        /* Each thread a contiguous share of the H * N weight rows, walked without a division per row (short rows:
+         * MLA's per-head products have 128 or 512 columns). */
+        int64_t rows = H * N, parts = omp_get_num_threads(), part = omp_get_thread_num();
+        int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
+        int64_t h = begin / N, n = begin % N;
+        for (int64_t hn = begin; hn < end; hn++) {
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                int mb = M - m0 < MB ? (int)(M - m0) : MB;
+                int32_t out[MB];
+                FOR_ROWS(int8_rows, xq + (m0 * H + h) * K, H * K, w + hn * K, K)
+                for (int i = 0; i < mb; i++) {
+                    int64_t row = (m0 + i) * H + h;
+                    store_out(y, io & 2, row * N + n, (float)(out[i] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn]);
+                }
+            }
+            if (++n == N) {
+                n = 0;
+                h++;
             }
         }
     }
