@@ -190,8 +190,9 @@ def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
     assert load_model(src).model.layers[0].self_attn.attn.int8_absorbed is None
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64)])
-def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group):
+def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, isa):
     """Batch-1 decode's routed experts in one native call: the same as running each expert's layers, summed with
     the routing weights in expert order."""
     from torch import nn
@@ -211,9 +212,12 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group):
         experts.append(mlp)
     if native.native_kernels(cpu_features())[0] is None:
         pytest.skip("no native kernels here")
+    for layer in experts.modules():
+        if hasattr(layer, "kernels"):
+            layer.kernels = _kernels(isa)  # each build's SiLU and kernels
     calls = []
     monkeypatch.setattr(native, "experts_token", lambda *a, _f=native.experts_token, **k: calls.append(1) or _f(*a, **k))
-    x = torch.randn(1, 128, generator=g)
+    x = torch.randn(1, 128, generator=g) * 3  # SiLU over a wide range
     ids, weights = torch.tensor([[5, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
     got = run_expert_loop(experts, x, weights, ids)
     assert calls == [1]

@@ -31,9 +31,9 @@ def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
         return KernelChoice(Int8Linear.kernel, "not a CPU")
     kernels, why = native_kernels(features)
     if kernels is not None:
-        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); up to {NATIVE_INT8_ROWS} "
-                            "rows it streams the weight faster than fbgemm, above it oneDNN's int8 GEMM is the fastest "
-                            "measured (benchmarks/RESULTS.md)")
+        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); its own kernel up to "
+                            f"{NATIVE_INT8_ROWS} rows (1.1-1.6x fbgemm at 1-2 rows, slower at 4-24: "
+                            "benchmarks/RESULTS.md), oneDNN's int8 GEMM above, one int8 weight for both")
     if features.fbgemm:
         return KernelChoice(FbgemmInt8Linear.kernel, f"latentserve's kernels: {why}; fbgemm is the fastest int8 "
                             "linear torch ships")

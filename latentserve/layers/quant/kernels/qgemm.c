@@ -53,9 +53,6 @@ INLINE void store_out(void *y, int bf16, int64_t i, float v) {
         ((float *)y)[i] = v;
 }
 
-/* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
- * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). An
- * offset of 128 makes the int8 the unsigned operand of vpdpbusd. */
 #ifdef LS_AVX512
 #define LANES 16
 typedef __m512 vfloat;
@@ -100,6 +97,53 @@ INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
 #define vset1 _mm256_set1_ps
 #define vstore _mm256_storeu_ps
 #endif
+
+/* exp(v) for |v| <= 88 (clamped beyond): 2^n * p(r) with r = v - n ln 2 in two parts, p of degree 6 (Cephes's
+ * coefficients, within 2 ulp). */
+INLINE vfloat vexp(vfloat v) {
+#ifdef LS_AVX512
+#define F(op) _mm512_##op##_ps
+#else
+#define F(op) _mm256_##op##_ps
+#endif
+    v = F(min)(F(max)(v, vset1(-88.f)), vset1(88.f));
+#ifdef LS_AVX512
+    vfloat n = _mm512_roundscale_ps(F(mul)(v, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#else
+    vfloat n = _mm256_round_ps(F(mul)(v, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#endif
+    vfloat r = F(sub)(F(sub)(v, F(mul)(n, vset1(0.693359375f))), F(mul)(n, vset1(-2.12194440e-4f)));
+    vfloat p = vset1(1.9875691500e-4f);
+    p = F(fmadd)(p, r, vset1(1.3981999507e-3f));
+    p = F(fmadd)(p, r, vset1(8.3334519073e-3f));
+    p = F(fmadd)(p, r, vset1(4.1665795894e-2f));
+    p = F(fmadd)(p, r, vset1(1.6666665459e-1f));
+    p = F(fmadd)(p, r, vset1(5.0000001201e-1f));
+    p = F(fmadd)(F(mul)(p, r), r, F(add)(r, vset1(1.f)));
+#ifdef LS_AVX512
+    return _mm512_scalef_ps(p, n);
+#else
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+#endif
+#undef F
+}
+
+/* a[i] = silu(h[i]) * h[I + i] = h[i] / (1 + exp(-h[i])) * h[I + i]. */
+static void silu_mul(const float *h, int64_t I, float *a) {
+    int64_t i = 0;
+    for (; i + LANES <= I; i += LANES) {
+        vfloat g = vload(h, 0, i), u = vload(h, 0, I + i);
+#ifdef LS_AVX512
+        vfloat d = _mm512_add_ps(vset1(1.f), vexp(_mm512_sub_ps(vset1(0.f), g)));
+        vstore(a + i, _mm512_mul_ps(_mm512_div_ps(g, d), u));
+#else
+        vfloat d = _mm256_add_ps(vset1(1.f), vexp(_mm256_sub_ps(vset1(0.f), g)));
+        vstore(a + i, _mm256_mul_ps(_mm256_div_ps(g, d), u));
+#endif
+    }
+    for (; i < I; i++) a[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
+}
 
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
  * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). An
@@ -403,7 +447,7 @@ void ls_experts_token(const void *x, int64_t K, int64_t I, int64_t count, void *
             ls_int8_heads(x, 1, 1, K, p[0], p[1], p[2], 2 * I, h, io & 1, threads);
         else
             ls_int4_linear(x, 1, K, p[0], G, 2 * I, h, io & 1, threads);
-        for (int64_t i = 0; i < I; i++) a[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
+        silu_mul(h, I, a);
         if (bits == 8)
             ls_int8_heads(a, 1, 1, I, p[3], p[4], p[5], K, o, 0, threads);
         else
