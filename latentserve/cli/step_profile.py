@@ -6,7 +6,8 @@ as a GEMM when it or an op it calls is a matrix product. Inside an attention bac
 "attention"; inside an MoE layer the non-GEMM ops are "MoE routing + dispatch" (gate top-k, sort,
 gather, scatter, activation); elsewhere they are "other ops" (norms, rotary, cache writes, sampling).
 "Python + framework" is the rest of the step (under the profiler, so it includes the profiler's own
-cost per op, about a microsecond).
+cost per op, about a microsecond). latentserve's own quantized kernels (ctypes calls) record a range of their name
+while the profiler runs, and count as weight GEMMs (a batch-1 MoE call includes its experts' SiLU).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from latentserve.layers.moe import MoE
+from latentserve.layers.quant.native import PROFILE_PREFIX
 
 ATTENTION, MOE, STEP = "latentserve/attention", "latentserve/moe", "latentserve/step:"
 CATEGORIES = ("weight GEMMs", "attention", "MoE routing + dispatch", "other ops", "Python + framework")
@@ -83,8 +85,13 @@ class StepBreakdown:
     op_seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
 
+def _is_native(event) -> bool:
+    """A call of latentserve's own quantized kernels (a range of its name: ctypes calls are no torch ops)."""
+    return event.is_user_annotation and event.name.startswith(PROFILE_PREFIX)
+
+
 def _has_gemm(event) -> bool:
-    return event.name in GEMM_OPS or any(_has_gemm(c) for c in event.cpu_children)
+    return event.name in GEMM_OPS or _is_native(event) or any(_has_gemm(c) for c in event.cpu_children)
 
 
 def _scope(event) -> str | None:
@@ -97,7 +104,7 @@ def _scope(event) -> str | None:
 
 
 def _is_top_level_op(event) -> bool:
-    if event.is_user_annotation:
+    if event.is_user_annotation and not _is_native(event):
         return False
     parent = event.cpu_parent
     while parent is not None:

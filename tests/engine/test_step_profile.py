@@ -70,3 +70,24 @@ def test_bench_profile_prints_the_breakdown(tmp_path, capsys):
     assert "decode steps" in out and all(c in out for c in CATEGORIES)
     profile = json.loads(out_json.read_text())["profile_ms_per_step"]
     assert set(profile["decode"]) == set(CATEGORIES)
+
+
+def test_native_quantized_kernels_count_as_weight_gemms(tmp_path):
+    """latentserve's own kernels are ctypes calls, invisible to torch's profiler but for the range each records."""
+    from latentserve.layers.quant.cpu import cpu_features
+    from latentserve.layers.quant.native import native_kernels
+
+    if native_kernels(cpu_features())[0] is None:
+        return  # PyTorch's kernels here: the tests above cover them
+    checkpoint = make_checkpoint(tmp_path, "v3", q_lora_rank=32, moe_intermediate_size=32, intermediate_size=64)
+    engine = LLM(model=str(checkpoint), block_size=4, num_kv_blocks=64, quantization="int8").engine
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    engine.step()  # the prompt
+    with instrumented(engine), new_profiler() as prof:
+        with step_range("decode"):
+            engine.step()
+    natives = [e for e in prof.events() if e.name.startswith("latentserve::")]
+    assert natives
+    result = categorize(prof.events())["decode"]
+    native_seconds = sum(e.cpu_time_total for e in natives) * 1e-6
+    assert result.op_seconds["weight GEMMs"] >= native_seconds * 0.99

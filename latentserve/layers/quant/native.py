@@ -108,6 +108,19 @@ def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
+PROFILE_PREFIX = "latentserve::"  # the profiler range each call gets while a torch profiler runs
+
+
+def _call(kernels: NativeKernels, name: str, *args) -> None:
+    """kernels.lib.`name`(*args), inside a profiler range named after it while torch's profiler runs (ctypes calls
+    are invisible to it otherwise)."""
+    fn = getattr(kernels.lib, name)
+    # The profiler's module-level flag: torch.autograd._profiler_enabled() stays False under an all-threads profile.
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function(PROFILE_PREFIX + name):
+            fn(*args)
+    else:
+        fn(*args)
 
 
 def activations(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -136,8 +149,8 @@ def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: 
     (m, h, k), n = x.shape, q.shape[1]
     dtype, io = _io(x, out_dtype)
     y = torch.empty(m, h, n, dtype=dtype)
-    kernels.lib.ls_int8_heads(x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n,
-                              y.data_ptr(), io, torch.get_num_threads())
+    _call(kernels, "ls_int8_heads", x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n,
+          y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
@@ -148,8 +161,8 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     (m, k), n = x.shape, packed.shape[0]
     dtype, io = _io(x, out_dtype)
     y = torch.empty(m, n, dtype=dtype)
-    kernels.lib.ls_int4_linear(x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(), io,
-                               torch.get_num_threads())
+    _call(kernels, "ls_int4_linear", x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(), io,
+          torch.get_num_threads())
     return y
 
 
@@ -161,8 +174,8 @@ def experts_token(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.T
     dtype, io = _io(x, x.dtype)
     y = torch.empty(x.shape[-1], dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
-    kernels.lib.ls_experts_token(x.data_ptr(), x.shape[-1], intermediate, len(gates), pointers, gates.data_ptr(), bits,
-                                 group_size, y.data_ptr(), io, torch.get_num_threads())
+    _call(kernels, "ls_experts_token", x.data_ptr(), x.shape[-1], intermediate, len(gates), pointers, gates.data_ptr(),
+          bits, group_size, y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
@@ -171,8 +184,8 @@ def int4_dequantize(kernels: NativeKernels, packed: torch.Tensor, in_features: i
     """`out` (fp32 or bf16 `[N, K]`, contiguous) = the weight in `pack_int4`'s layout, q * scale + minimum."""
     if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
         raise ValueError(f"int4_dequantize writes contiguous float32 or bfloat16, not {out.dtype}")
-    kernels.lib.ls_int4_dequantize(packed.data_ptr(), in_features, group_size, packed.shape[0], out.data_ptr(),
-                                   int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    _call(kernels, "ls_int4_dequantize", packed.data_ptr(), in_features, group_size, packed.shape[0], out.data_ptr(),
+          int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 
