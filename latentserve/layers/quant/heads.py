@@ -22,5 +22,5 @@ class Int8HeadProducts:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, H, K]` -> `[T, H, N]` in x's dtype."""
-        xa = (x if x.dtype in native.KERNEL_DTYPES else x.float()).contiguous()
+        xa = native.activations(x, x.shape[-1]).view(x.shape)
         return native.int8_heads(self.kernels, xa, self.q, self.scale, self.qsum, x.dtype).to(x.dtype)

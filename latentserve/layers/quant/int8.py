@@ -93,7 +93,8 @@ class FbgemmInt8Linear(nn.Module):
 
 def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp32 x `[M, K]` times the int8 weight q `[N, K]` (per-row `scale`), the activations quantized per row as the
-    native kernel does, through `torch._int_mm` (oneDNN's int8 GEMM: faster than fbgemm's from ~128 rows)."""
+    native kernel does, through `torch._int_mm` (oneDNN's int8 GEMM: within ~10 % of fbgemm's from 64 rows, on the
+    plain weight the native kernel reads: benchmarks/RESULTS.md)."""
     s = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
     xq = torch.div(x, s).round_().to(torch.int8)
     return torch._int_mm(xq, q.t()).float().mul_(s).mul_(scale)

@@ -182,7 +182,7 @@ def experts_token(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.T
 def int4_dequantize(kernels: NativeKernels, packed: torch.Tensor, in_features: int, group_size: int,
                     out: torch.Tensor) -> torch.Tensor:
     """`out` (fp32 or bf16 `[N, K]`, contiguous) = the weight in `pack_int4`'s layout, q * scale + minimum."""
-    if out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous():
+    if out.dtype not in KERNEL_DTYPES or not out.is_contiguous():
         raise ValueError(f"int4_dequantize writes contiguous float32 or bfloat16, not {out.dtype}")
     _call(kernels, "ls_int4_dequantize", packed.data_ptr(), in_features, group_size, packed.shape[0], out.data_ptr(),
           int(out.dtype == torch.bfloat16), torch.get_num_threads())
