@@ -132,6 +132,9 @@ def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp
         native.load.cache_clear()
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert native.native_kernels(cpu_features()) == (None, f"{native.NATIVE_ENV}=0")
+    monkeypatch.setenv(native.NATIVE_ENV, "off")
+    with pytest.raises(ValueError, match="LATENTSERVE_NATIVE_KERNELS='off': use 1 .* or 0"):
+        native.native_kernels(cpu_features())
 
 
 def test_pack_int4_layout():

@@ -17,7 +17,7 @@ import torch
 from latentserve.layers.quant.cpu import CpuFeatures
 
 SOURCE = Path(__file__).with_name("kernels") / "qgemm.c"
-# "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them.
+# "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"
 ISA_FLAGS = {
@@ -36,7 +36,10 @@ class NativeKernels:
 def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
     """(instruction set to build for, why) from what torch dispatches on: `ATEN_CPU_CAPABILITY=avx2` picks the AVX2
     build on an AVX-512 machine, as it does torch's own kernels."""
-    if os.environ.get(NATIVE_ENV, "1") == "0":
+    setting = os.environ.get(NATIVE_ENV, "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"{NATIVE_ENV}={setting!r}: use 1 (latentserve's kernels where they build) or 0 (PyTorch's)")
+    if setting == "0":
         return None, f"{NATIVE_ENV}=0"
     if features.capability.startswith("AVX512") and features.vnni:
         return "avx512_vnni", "AVX-512 with VNNI"
