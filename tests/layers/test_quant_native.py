@@ -84,7 +84,8 @@ def _int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minim
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows, n, k, group", [(1, 37, 256, 32), (3, 64, 2048, 64), (8, 130, 1408, 64),
-                                               (5, 9, 384, 128)])
+                                               (5, 9, 384, 128), (2, 20, 320, 32), (1, 11, 192, 64),
+                                               (4, 7, 640, 128)])
 def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
     w, x = _data(rows, n, k, seed=2)
     q, scale, minimum = quantize_int4(w, group)
@@ -194,7 +195,7 @@ def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64)])
+@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
 def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, isa):
     """Batch-1 decode's routed experts in one native call: the same as running each expert's layers, summed with
     the routing weights in expert order."""
@@ -208,10 +209,11 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, i
     g = torch.Generator().manual_seed(7)
     config = QuantConfig(method, group)
     experts = nn.ModuleList()
+    inter = 384 if group == 128 else 192  # an odd number of 64-column chunks where the group allows
     for _ in range(8):
-        mlp = GatedMLP(128, 64)
-        mlp.fuse_gate_up(quantize_linear("gate_up", torch.randn(128, 128, generator=g) * 0.1, None, config, "cpu"))
-        mlp.down_proj = quantize_linear("down", torch.randn(128, 64, generator=g) * 0.1, None, config, "cpu")
+        mlp = GatedMLP(128, inter)
+        mlp.fuse_gate_up(quantize_linear("gate_up", torch.randn(2 * inter, 128, generator=g) * 0.1, None, config, "cpu"))
+        mlp.down_proj = quantize_linear("down", torch.randn(128, inter, generator=g) * 0.1, None, config, "cpu")
         experts.append(mlp)
     if native.native_kernels(cpu_features())[0] is None:
         pytest.skip("no native kernels here")

@@ -21,6 +21,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifdef LS_AVX512
 #define MB 8 /* activation rows per pass over a weight row: accumulators in registers */
@@ -298,23 +299,50 @@ INLINE float bf16_dot(const uint16_t *p, const float *f, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
-/* dot[i] = sum over 64-column chunks of xs(chunk) * scale(group) * sum_k q[k] * xq[i, k] (two groups per chunk at
- * group size 32: lanes 0-7 of vpdpbusd's sums hold columns 0-31, lanes 8-15 columns 32-63). */
+/* dot[i] = sum over 64-column chunks of xs(chunk) * scale(group) * sum_k q[k] * xq[i, k], two chunks a pass: one
+ * 64-byte load of nibbles, whose low halves meet x's columns 0-31 of both chunks and high halves columns 32-63
+ * (`int4_prepare` stores x in that order). vpdpbusd's lanes 0-7 sum the first chunk, 8-15 the second. Groups of
+ * 64 columns or more share a scale over a chunk, so both halves sum in integers; groups of 32 scale each half. */
 INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, const uint8_t *nibbles, int64_t K,
-                      int64_t G, int mb, float dot[MB]) {
-    __m512 acc[MB];
-    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 64) {
+                      int gshift, int mb, float dot[MB]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MB], acc2[MB];
+    for (int i = 0; i < mb; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 128 <= K; k += 128) {
+        __m512i b = _mm512_loadu_si512(nibbles + k / 2);
+        __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+        float s0 = bf16_to_float(pairs[2 * (k >> gshift)]), s1 = bf16_to_float(pairs[2 * ((k + 64) >> gshift)]);
+        if (gshift >= 6) {
+            for (int i = 0; i < mb; i++) {
+                const int8_t *x = xq + i * K + k;
+                const float *sx = xs + i * (K / 64) + k / 64;
+                __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x)),
+                                                hi, _mm512_loadu_si512(x + 64));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), halves(s0 * sx[0], s1 * sx[1]), acc[i]);
+            }
+        } else {
+            float t0 = bf16_to_float(pairs[2 * ((k + 32) >> gshift)]), t1 = bf16_to_float(pairs[2 * ((k + 96) >> gshift)]);
+            for (int i = 0; i < mb; i++) {
+                const int8_t *x = xq + i * K + k;
+                const float *sx = xs + i * (K / 64) + k / 64;
+                __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
+                __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 64));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl), halves(s0 * sx[0], s1 * sx[1]), acc[i]);
+                acc2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh), halves(t0 * sx[0], t1 * sx[1]), acc2[i]);
+            }
+        }
+    }
+    if (k < K) { /* an odd last chunk, in plain column order */
         __m512i wv = unpack64(nibbles + k / 2);
-        float sa = bf16_to_float(pairs[2 * (k / G)]), sb = bf16_to_float(pairs[2 * ((k + 32) / G)]);
+        float sa = bf16_to_float(pairs[2 * (k >> gshift)]), sb = bf16_to_float(pairs[2 * ((k + 32) >> gshift)]);
         for (int i = 0; i < mb; i++) {
             __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + i * K + k));
             float sx = xs[i * (K / 64) + k / 64];
-            __m512 s = G >= 64 ? _mm512_set1_ps(sa * sx) : halves(sa * sx, sb * sx);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), halves(sa * sx, sb * sx), acc[i]);
         }
     }
-    for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc2[i]));
 }
 #else
 INLINE float hsum_ps(__m256 v) {
@@ -343,24 +371,72 @@ INLINE __m256 scaled_dot(__m256i q, const int8_t *x, float scale) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(scale));
 }
 
+/* As the AVX-512 version, on `int4_prepare`'s column order: chunk c of a pair meets x's columns 0-31 at 32 * c and
+ * 32-63 at 64 + 32 * c. */
 INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, const uint8_t *nibbles, int64_t K,
-                      int64_t G, int mb, float dot[MB]) {
+                      int gshift, int mb, float dot[MB]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[MB];
     for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 64) {
         __m256i b = _mm256_loadu_si256((const __m256i *)(nibbles + k / 2));
         __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        float sa = bf16_to_float(pairs[2 * (k / G)]), sb = bf16_to_float(pairs[2 * ((k + 32) / G)]);
+        float sa = bf16_to_float(pairs[2 * (k >> gshift)]), sb = bf16_to_float(pairs[2 * ((k + 32) >> gshift)]);
+        int paired = (k & 64) || k + 128 <= K; /* in a pair of chunks, else a plain last one */
+        int64_t base = k & ~(int64_t)127, first = (k & 64) ? 32 : 0;
         for (int i = 0; i < mb; i++) {
-            const int8_t *xi = xq + i * K + k;
+            const int8_t *xl = paired ? xq + i * K + base + first : xq + i * K + k;
+            const int8_t *xh = paired ? xl + 64 : xl + 32;
             float sx = xs[i * (K / 64) + k / 64];
-            acc[i] = _mm256_add_ps(acc[i], _mm256_add_ps(scaled_dot(lo, xi, sa * sx), scaled_dot(hi, xi + 32, sb * sx)));
+            acc[i] = _mm256_add_ps(acc[i], _mm256_add_ps(scaled_dot(lo, xl, sa * sx), scaled_dot(hi, xh, sb * sx)));
         }
     }
     for (int i = 0; i < mb; i++) dot[i] = hsum_ps(acc[i]);
 }
 #endif
+
+INLINE int log2_group(int64_t G) { return G == 32 ? 5 : G == 64 ? 6 : 7; } /* G is 32, 64 or 128 */
+
+/* x's rows as int4_rows takes them: quantized in blocks of 64 columns (xq, scales xs), each pair of chunks reordered
+ * to (columns 0-31 of both, then 32-63 of both), and per group of G columns the corrections (centring, sum of x) as
+ * the weight's (scale, minimum) pairs (see ls_int4_linear). */
+static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs, float *corr) {
+    int64_t groups = K / G, chunks = K / 64;
+    quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *q = xq + m * K;
+        for (int64_t g = 0; g < groups; g++) {
+            float exact = 0.f, rounded = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                exact += load_act(x, bf16, m * K + k);
+                rounded += (float)q[k] * xs[m * chunks + k / XBLOCK];
+            }
+            corr[(m * groups + g) * 2] = 8.f * (exact - rounded);
+            corr[(m * groups + g) * 2 + 1] = exact;
+        }
+        for (int64_t k = 0; k + 128 <= K; k += 128) { /* swap columns 32-63 with 64-95 */
+            int8_t t[32];
+            memcpy(t, q + k + 32, 32);
+            memcpy(q + k + 32, q + k + 64, 32);
+            memcpy(q + k + 64, t, 32);
+        }
+    }
+}
+
+/* One output: a prepared activation row against one weight row of `int4_row_bytes(K, G)` bytes. */
+INLINE float int4_dot(const int8_t *xq, const float *xs, const float *corr, const uint8_t *row, int64_t K, int64_t G) {
+    const uint16_t *pairs = (const uint16_t *)row;
+    float d[MB];
+    int4_rows(xq, xs, pairs, row + 4 * (K / G), K, log2_group(G), 1, d);
+    return d[0] + bf16_dot(pairs, corr, 2 * (K / G));
+}
+
+/* One output: an activation row quantized per row (scale sx) against int8 weight row w. */
+INLINE float int8_dot(const int8_t *xq, float sx, const int8_t *w, float scale, int32_t wsum, int64_t K) {
+    int32_t d[MB];
+    int8_rows(xq, K, w, K, 1, d);
+    return (float)(d[0] - INT8_OFFSET * wsum) * sx * scale;
+}
 
 /* Rows of `int4_row_bytes(K, G)`: (scale, minimum) bf16 pairs per group, then the nibbles (layout above): one stream
  * of bytes per row, read once. The activations are quantized in blocks of 64 columns (llama.cpp's Q8 blocks: 32).
@@ -373,19 +449,9 @@ void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64
     int64_t groups = K / G, chunks = K / 64, row_bytes = 4 * groups + K / 2;
     int8_t *xq = malloc(M * K);
     float *xs = malloc(M * chunks * sizeof(float));
-    float *corrections = malloc(M * 2 * groups * sizeof(float)); /* per group: (centring, sum of x), as the pairs */
-    quantize_blocks(x, io & 1, M, K, XBLOCK, 0, xq, xs);
-    for (int64_t m = 0; m < M; m++) {
-        for (int64_t g = 0; g < groups; g++) {
-            float exact = 0.f, rounded = 0.f;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                exact += load_act(x, io & 1, m * K + k);
-                rounded += (float)xq[m * K + k] * xs[m * chunks + k / XBLOCK];
-            }
-            corrections[(m * groups + g) * 2] = 8.f * (exact - rounded);
-            corrections[(m * groups + g) * 2 + 1] = exact;
-        }
-    }
+    float *corrections = malloc(M * 2 * groups * sizeof(float));
+    int4_prepare(x, io & 1, M, K, G, xq, xs, corrections);
+    int gshift = log2_group(G);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint16_t *pairs = (const uint16_t *)(w + n * row_bytes);
@@ -393,7 +459,7 @@ void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             int mb = M - m0 < MB ? (int)(M - m0) : MB;
             float out[MB];
-            FOR_ROWS(int4_rows, xq + m0 * K, xs + m0 * chunks, pairs, nibbles, K, G)
+            FOR_ROWS(int4_rows, xq + m0 * K, xs + m0 * chunks, pairs, nibbles, K, gshift)
             for (int i = 0; i < mb; i++)
                 store_out(y, io & 2, (m0 + i) * N + n,
                           out[i] + bf16_dot(pairs, corrections + (m0 + i) * 2 * groups, 2 * groups));
@@ -432,30 +498,77 @@ void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void 
     }
 }
 
+/* Activations quantized for one weight format: int8 per row (scales s, one a row), int4 by int4_prepare. */
+typedef struct {
+    int8_t *q;
+    float *s, *corr;
+} QuantActs;
+
+static QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G) {
+    QuantActs a = {malloc(M * K), malloc(M * (K / 64 + 1) * sizeof(float)), NULL};
+    if (bits == 8) {
+        quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, a.q, a.s);
+    } else {
+        a.corr = malloc(M * 2 * (K / G) * sizeof(float));
+        int4_prepare(x, bf16, M, K, G, a.q, a.s, a.corr);
+    }
+    return a;
+}
+
+static void free_acts(QuantActs a) {
+    free(a.q);
+    free(a.s);
+    free(a.corr);
+}
+
+/* Output n of weight `w` (an expert's pointers: int8 (q, scale, qsum), int4 the packed rows) for activation row m. */
+INLINE float expert_dot(QuantActs a, int64_t m, void *const *w, int64_t n, int64_t K, int bits, int64_t G) {
+    if (bits == 8)
+        return int8_dot(a.q + m * K, a.s[m], (const int8_t *)w[0] + n * K, ((const float *)w[1])[n],
+                        ((const int32_t *)w[2])[n], K);
+    return int4_dot(a.q + m * K, a.s + m * (K / 64), a.corr + m * 2 * (K / G),
+                    (const uint8_t *)w[0] + n * (4 * (K / G) + K / 2), K, G);
+}
+
 /* One token through `count` routed experts, y = sum_e weight[e] * down_e(silu(gate_e(x)) * up_e(x)), in the order
- * given: the whole batch-1 MoE in one call instead of a dozen small ones per expert. An expert's gate and up are one
- * fused weight of 2 * I rows (gate's first). Per expert, `weights` in pairs (gate_up, down): int8 ones as
- * (q, scale, qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group size G). */
+ * given: the whole batch-1 MoE in one call, in one parallel region: x is quantized once, all experts' gate_up rows
+ * are shared out among the threads, then all their down rows. An expert's gate and up are one fused weight of 2 * I
+ * rows (gate's first). Per expert, `weights` in pairs (gate_up, down): int8 ones as (q, scale, qsum) pointer triples
+ * (bits 8), int4 ones as the packed rows (bits 4, group size G). */
 void ls_experts_token(const void *x, int64_t K, int64_t I, int64_t count, void *const *weights, const float *gates,
                       int bits, int64_t G, void *y, int io, int threads) {
-    float *h = malloc(2 * I * sizeof(float)), *a = malloc(I * sizeof(float)), *o = malloc(K * sizeof(float));
-    float *sum = calloc(K, sizeof(float));
-    int per = bits == 8 ? 6 : 2;
-    for (int64_t e = 0; e < count; e++) {
-        void *const *p = weights + e * per;
-        if (bits == 8)
-            ls_int8_heads(x, 1, 1, K, p[0], p[1], p[2], 2 * I, h, io & 1, threads);
-        else
-            ls_int4_linear(x, 1, K, p[0], G, 2 * I, h, io & 1, threads);
-        silu_mul(h, I, a);
-        if (bits == 8)
-            ls_int8_heads(a, 1, 1, I, p[3], p[4], p[5], K, o, 0, threads);
-        else
-            ls_int4_linear(a, 1, I, p[1], G, K, o, 0, threads);
-        for (int64_t k = 0; k < K; k++) sum[k] += gates[e] * o[k];
+    int per = bits == 8 ? 6 : 2, half = per / 2;
+    float *h = malloc(count * 2 * I * sizeof(float)), *a = malloc(count * I * sizeof(float));
+    float *o = malloc(count * K * sizeof(float));
+    QuantActs xa = quantize_acts(x, io & 1, 1, K, bits, G), aa = {NULL, NULL, NULL};
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = count * 2 * I;
+        for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
+            int64_t e = r / (2 * I);
+            h[r] = expert_dot(xa, 0, weights + e * per, r - e * 2 * I, K, bits, G);
+        }
+#pragma omp barrier
+#pragma omp single
+        {
+            for (int64_t e = 0; e < count; e++) silu_mul(h + e * 2 * I, I, a + e * I);
+            aa = quantize_acts(a, 0, count, I, bits, G);
+        }
+        rows = count * K;
+        for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
+            int64_t e = r / K;
+            o[r] = expert_dot(aa, e, weights + e * per + half, r - e * K, I, bits, G);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < K; k++) {
+            float sum = 0.f;
+            for (int64_t e = 0; e < count; e++) sum += gates[e] * o[e * K + k];
+            store_out(y, io & 2, k, sum);
+        }
     }
-    for (int64_t k = 0; k < K; k++) store_out(y, io & 2, k, sum[k]);
-    free(sum);
+    free_acts(xa);
+    free_acts(aa);
     free(h);
     free(a);
     free(o);
