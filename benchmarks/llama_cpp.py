@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.weights import write_checkpoint  # noqa: E402
-from latentserve.layers.quant.cpu import auto_dtype, cpu_features  # noqa: E402
+from latentserve.kernels.cpu import auto_dtype, cpu_features  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "latentserve" / "assets" / "default_model"
 # Which latentserve format each llama.cpp type is compared with (the targets).

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from latentserve.engine.cpu_malloc import keep_freed_memory
 from latentserve.layers.moe import MoE, RoutingConfig
 from latentserve.layers.quant.config import QuantConfig
-from latentserve.layers.quant.cpu import cpu_features
+from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.linear import quantize_linear
 
 # (hidden, routed experts, top-k, moe_intermediate): V3 itself has hidden 7168, too big for a small machine.

@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from latentserve.layers.quant.cpu import cpu_features  # noqa: E402
+from latentserve.kernels.cpu import cpu_features  # noqa: E402
 from latentserve.layers.quant.int4 import Int4PackLinear, NativeInt4Linear, quantize_int4  # noqa: E402
 from latentserve.layers.quant.int8 import FbgemmInt8Linear, NativeInt8Linear, int8_gemm, quantize_int8  # noqa: E402
-from latentserve.layers.quant.native import native_kernels  # noqa: E402
+from latentserve.kernels.native import native_kernels  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 SHAPES = {(2816, 2048): ROWS, (2048, 1408): ROWS, (102400, 2048): (1, 2, 4, 8)}

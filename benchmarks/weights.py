@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import best_time  # noqa: E402
-from latentserve.layers.quant.cpu import auto_dtype, cpu_features  # noqa: E402
+from latentserve.kernels.cpu import auto_dtype, cpu_features  # noqa: E402
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_int4  # noqa: E402
 from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8  # noqa: E402
 

@@ -347,8 +347,8 @@ def test_serve_and_scale_out_flags_parse():
 
 
 def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypatch):
-    from latentserve.layers.quant.cpu import AUTO_DTYPE_ENV, cpu_features
-    from latentserve.layers.quant.native import native_kernels
+    from latentserve.kernels.cpu import AUTO_DTYPE_ENV, cpu_features
+    from latentserve.kernels.native import native_kernels
 
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
     code, out, _ = run_cli(["backends"], capsys)

@@ -15,7 +15,7 @@ from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
 from latentserve.layers.linear import Linear
 from latentserve.layers.quant.heads import Int8HeadProducts
-from latentserve.layers.quant.native import NativeKernels
+from latentserve.kernels.native import NativeKernels
 
 
 class MLAAttention(nn.Module):

@@ -14,7 +14,7 @@ from latentserve.attention.prefill import selector as prefill_selector
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.args import HelpFormatter, dtype_name, write
 from latentserve.engine.llm_engine import parse_dtype
-from latentserve.layers.quant.cpu import auto_dtype, cpu_features
+from latentserve.kernels.cpu import auto_dtype, cpu_features
 from latentserve.layers.quant.linear import int4_kernel, int8_kernel
 
 # DeepSeek-V3's attention shape; the built-in checks depend only on device and dtype.

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from latentserve.layers.moe import MoE
-from latentserve.layers.quant.native import PROFILE_PREFIX
+from latentserve.kernels.native import PROFILE_PREFIX
 
 ATTENTION, MOE, STEP = "latentserve/attention", "latentserve/moe", "latentserve/step:"
 CATEGORIES = ("weight GEMMs", "attention", "MoE routing + dispatch", "other ops", "Python + framework")

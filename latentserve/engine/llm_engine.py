@@ -27,7 +27,7 @@ from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
-from latentserve.layers.quant.cpu import auto_dtype
+from latentserve.kernels.cpu import auto_dtype
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model
 from latentserve.models.mtp import load_mtp

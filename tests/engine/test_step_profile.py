@@ -74,8 +74,8 @@ def test_bench_profile_prints_the_breakdown(tmp_path, capsys):
 
 def test_native_quantized_kernels_count_as_weight_gemms(tmp_path):
     """latentserve's own kernels are ctypes calls, invisible to torch's profiler but for the range each records."""
-    from latentserve.layers.quant.cpu import cpu_features
-    from latentserve.layers.quant.native import native_kernels
+    from latentserve.kernels.cpu import cpu_features
+    from latentserve.kernels.native import native_kernels
 
     if native_kernels(cpu_features())[0] is None:
         return  # PyTorch's kernels here: the tests above cover them

@@ -11,7 +11,7 @@ import torch
 
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import Fp8Config, QuantConfig, resolve_quantization
-from latentserve.layers.quant.cpu import cpu_features
+from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS,
@@ -24,7 +24,7 @@ from latentserve.layers.quant.int4 import (
 )
 from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8
 from latentserve.layers.quant.linear import quantize_linear
-from latentserve.layers.quant.native import NATIVE_ENV, native_kernels
+from latentserve.kernels.native import NATIVE_ENV, native_kernels
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
 

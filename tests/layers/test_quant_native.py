@@ -1,12 +1,12 @@
-"""latentserve's own int8/int4 CPU kernels (layers/quant/native.py) against exact integer references, for each
+"""latentserve's own int8/int4 CPU kernels (kernels/native.py) against exact integer references, for each
 instruction set this machine can run: the AVX2 build runs on any AVX-512 machine too."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from latentserve.layers.quant import native
-from latentserve.layers.quant.cpu import cpu_features
+from latentserve.kernels import native
+from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NATIVE_INT4_ROWS, NativeInt4Linear, quantize_int4
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear, int8_gemm, quantize_int8

@@ -15,10 +15,10 @@ from latentserve.config import AttentionConfig
 from latentserve.layers.linear import Linear
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
-from latentserve.layers.quant.cpu import cpu_features
+from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.int4 import Int4Linear, quantize_int4
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
-from latentserve.layers.quant.native import NATIVE_ENV
+from latentserve.kernels.native import NATIVE_ENV
 from latentserve.models import load_model
 from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import load_reference, make_checkpoint
@@ -216,7 +216,7 @@ def test_fp8_checkpoint_requantized_to_int8(tmp_path, monkeypatch):
 @pytest.mark.parametrize("native_bf16, dtype", [(True, torch.bfloat16), (False, torch.float32)])
 def test_llm_auto_dtype_sets_weights_and_kv_cache(tmp_path, monkeypatch, native_bf16, dtype):
     from latentserve import LLM
-    from latentserve.layers.quant.cpu import AUTO_DTYPE_ENV
+    from latentserve.kernels.cpu import AUTO_DTYPE_ENV
 
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if native_bf16 else "AVX2")

@@ -11,7 +11,7 @@ from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
-from latentserve.layers.quant.cpu import cpu_features
+from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.int8 import quantize_int8
 from latentserve.models import load_model
 from latentserve.models.loader import SINGLE_FILE

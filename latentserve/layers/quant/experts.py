@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from latentserve.layers.quant import native
+from latentserve.kernels import native
 from latentserve.layers.quant.int4 import NativeInt4Linear
 from latentserve.layers.quant.int8 import NativeInt8Linear
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from latentserve.layers.quant import native
+from latentserve.kernels import native
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, quantize_int8
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.layers.linear import linear
-from latentserve.layers.quant import native
+from latentserve.kernels import native
 from latentserve.layers.quant.int8 import BLOCK_ELEMENTS
 
 # From this many rows on, dequantizing the weight once and running one plain GEMM beats int4pack_mm, whose cost

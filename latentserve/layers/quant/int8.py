@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from latentserve.layers.linear import linear
-from latentserve.layers.quant import native
+from latentserve.kernels import native
 
 
 # Elements converted at a time: a block's fp32 temporary (512 KB) stays in L2 through the element-wise passes, which

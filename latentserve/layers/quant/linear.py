@@ -7,14 +7,14 @@ import torch
 from torch import nn
 
 from latentserve.layers.quant.config import QuantConfig
-from latentserve.layers.quant.cpu import CpuFeatures, cpu_features
+from latentserve.kernels.cpu import CpuFeatures, cpu_features
 from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS, NATIVE_INT4_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
 )
 from latentserve.layers.quant.int8 import (
     NATIVE_INT8_ROWS, FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
 )
-from latentserve.layers.quant.native import NativeKernels, native_kernels
+from latentserve.kernels.native import NativeKernels, native_kernels
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
 LM_HEAD = "lm_head"

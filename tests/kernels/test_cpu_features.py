@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from latentserve.engine.llm_engine import parse_dtype
-from latentserve.layers.quant import cpu
-from latentserve.layers.quant.cpu import AUTO_DTYPE_ENV, auto_dtype, cpu_features
+from latentserve.kernels import cpu
+from latentserve.kernels.cpu import AUTO_DTYPE_ENV, auto_dtype, cpu_features
 
 
 def _pretend(monkeypatch, capability: str, avx512_bf16: bool, amx: bool = False) -> None:

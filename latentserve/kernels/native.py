@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from latentserve.layers.quant.cpu import CpuFeatures
+from latentserve.kernels.cpu import CpuFeatures
 
-SOURCE = Path(__file__).with_name("kernels") / "qgemm.c"
+SOURCE = Path(__file__).with_name("qgemm.c")
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"
