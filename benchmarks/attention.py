@@ -2,8 +2,8 @@
 
 Decode also reports the bytes/s it achieves reading the latent cache, as a ratio of the copy
 bandwidth measured in the same run. DeepSeek-V2-Lite head dims (16 heads, L=512, R=64, P=V=128).
-`--decode-backends` times the decode backends alone (no layer around them) in bf16 and fp32 on the
-engine's block layout, calls alternating, CPU time of this thread (other tenants of a busy machine
+`--decode-backends` times the decode backends alone (no layer around them: NATIVE, latentserve's C kernel, beside
+the torch ones) in bf16 and fp32 on the engine's block layout, calls alternating, CPU time of this thread (other tenants of a busy machine
 only add wall time): what the decode selector's choices rest on.
 Run: `.venv/bin/python benchmarks/attention.py [--quick] [--decode-backends]`.
 """
@@ -103,11 +103,13 @@ def bench_decode_backends(cases: list[tuple[int, int]], layers: int = 8, repeats
     """Each decode backend alone over `layers` layers, each with its own cache (V3-94M dims), ms."""
     keep_freed_memory()  # as the engine does: gather buffers reuse warm pages
     heads, latent, rope = 16, 256, 32
-    names = ["TORCH", "PAGED", "PAGED in place", "REFERENCE"]
+    names = ["NATIVE", "TORCH", "PAGED", "PAGED in place", "REFERENCE"]
+    if not MLADecodeBackendEnum.NATIVE.get_class().is_available():
+        names.remove("NATIVE")
     print(f"\n## Decode backends alone: {heads} heads x ({latent} + {rope}), block 16, {layers} layers, ms "
           f"(thread CPU time, fastest of {repeats}); REFERENCE (a per-token loop) up to 8 x 512 only")
-    print("| dtype | batch | context | " + " | ".join(names) + " | TORCH vs PAGED in place |")
-    print("|---|---|---|" + "---|" * (len(names) + 1))
+    print("| dtype | batch | context | " + " | ".join(names) + " | TORCH vs PAGED in place | PAGED vs NATIVE |")
+    print("|---|---|---|" + "---|" * (len(names) + 2))
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16, torch.float32):
         for batch, context in cases:
@@ -136,8 +138,9 @@ def bench_decode_backends(cases: list[tuple[int, int]], layers: int = 8, repeats
                         times[n].append(t)
             best = {n: min(t) * 1e3 for n, t in times.items()}
             cells = " | ".join(f"{best[n]:.2f}" if n in best else "−" for n in names)
+            native = f"{best['PAGED'] / best['NATIVE']:.2f}x" if "NATIVE" in best else "−"
             print(f"| {str(dtype).removeprefix('torch.')} | {batch} | {context} | {cells} | "
-                  f"{best['PAGED in place'] / best['TORCH']:.2f}x |", flush=True)
+                  f"{best['PAGED in place'] / best['TORCH']:.2f}x | {native} |", flush=True)
 
 
 def main() -> None:

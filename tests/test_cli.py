@@ -217,7 +217,13 @@ def test_backends_lists_every_member_and_why_not(capsys):
     assert "CUSTOM: unregistered" in prefill and "CUSTOM: unregistered" in decode
     assert "CLI_CUDA_ONLY: tests.test_cli.CudaOnlyPrefill\n    cpu: invalid: CLI_CUDA_ONLY does not support " \
         "device 'cpu'" in prefill
-    assert "PAGED: latentserve.attention.decode.paged.PagedMQADecodeBackend\n    cpu: valid (default)" in decode
+    from latentserve.attention.decode.native import NativeMQADecodeBackend
+
+    if NativeMQADecodeBackend.is_available():
+        assert "NATIVE: latentserve.attention.decode.native.NativeMQADecodeBackend\n    cpu: valid (default)" in decode
+        assert "PAGED: latentserve.attention.decode.paged.PagedMQADecodeBackend\n    cpu: valid\n" in decode
+    else:
+        assert "PAGED: latentserve.attention.decode.paged.PagedMQADecodeBackend\n    cpu: valid (default)" in decode
     assert "TORCH: latentserve.attention.decode.torch_mqa.TorchMQADecodeBackend\n    cpu: valid\n" in decode
 
 

@@ -86,7 +86,7 @@ class StepBreakdown:
 
 
 def _is_native(event) -> bool:
-    """A call of latentserve's own quantized kernels (a range of its name: ctypes calls are no torch ops)."""
+    """A call of latentserve's own kernels (a range of its name: ctypes calls are no torch ops)."""
     return event.is_user_annotation and event.name.startswith(PROFILE_PREFIX)
 
 

@@ -1,5 +1,7 @@
-"""latentserve's own quantized CPU kernels (kernels/qgemm.c): built with the system C compiler on first use, per
-instruction set, cached, and loaded through ctypes. Where they cannot be built the layers keep PyTorch's kernels."""
+"""latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
+decode attention over the paged cache):
+built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
+cannot be built the callers keep PyTorch's kernels."""
 from __future__ import annotations
 
 import ctypes
@@ -16,7 +18,9 @@ import torch
 
 from latentserve.kernels.cpu import CpuFeatures
 
-SOURCE = Path(__file__).with_name("qgemm.c")
+KERNEL_DIR = Path(__file__).parent
+SOURCES = (KERNEL_DIR / "qgemm.c", KERNEL_DIR / "gemv.c", KERNEL_DIR / "mla_decode.c")
+HEADERS = (KERNEL_DIR / "simd.h",)
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"
@@ -59,7 +63,8 @@ def _build(isa: str) -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     flags = CFLAGS + ISA_FLAGS[isa]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"qgemm-{isa}-{key}.so"
     if target.is_file():
         return target
@@ -68,7 +73,7 @@ def _build(isa: str) -> Path:
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", partial], capture_output=True, text=True)
+        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", partial], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
         os.replace(partial, target)
@@ -85,6 +90,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
     lib.ls_experts_token.argtypes = [p, i64, i64, i64, p, p, i32, i64, p, i32, i32]
     lib.ls_experts_token.restype = None
+    lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32]
+    lib.ls_mla_decode.restype = None
+    lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
+    lib.ls_dense_linear.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -157,6 +166,20 @@ def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: 
     return y
 
 
+def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, N]` = x `[M, K]` (`activations`) @ weight`[N, K]`ᵀ for a contiguous fp32 or bf16 weight, fp32 sums; in
+    `out_dtype` where the kernels write it, else fp32."""
+    if weight.dtype not in KERNEL_DTYPES or not weight.is_contiguous():
+        raise ValueError(f"dense_linear reads a contiguous float32 or bfloat16 weight, not {weight.dtype}")
+    (m, k), n = x.shape, weight.shape[0]
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(m, n, dtype=dtype)
+    _call(kernels, "ls_dense_linear", x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(),
+          io | int(weight.dtype == torch.bfloat16) << 2, torch.get_num_threads())
+    return y
+
+
 def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, N]` = x `[M, K]` (`activations`) times the int4 weight `packed` by `pack_int4`; in `out_dtype` where the
@@ -180,6 +203,29 @@ def experts_token(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.T
     _call(kernels, "ls_experts_token", x.data_ptr(), x.shape[-1], intermediate, len(gates), pointers, gates.data_ptr(),
           bits, group_size, y.data_ptr(), io, torch.get_num_threads())
     return y
+
+
+def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, latent: int) -> torch.Tensor:
+    """`[T, N, latent]` in q's dtype: absorbed MQA of q `[T, N, D]` over the paged cache `[blocks, block_size, D]`
+    (fp32 or bf16 each), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
+    query_start_loc[r] .. query_start_loc[r + 1] (int32), its length seq_lens[r] (int32)."""
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"mla_decode reads float32 or bfloat16 {name}, not {t.dtype}")
+    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32 or t.stride(-1) != 1:
+            raise ValueError(f"mla_decode reads {name} as int32 with unit stride, got {t.dtype} {tuple(t.stride())}")
+    q = q.contiguous()
+    (tokens, heads, dim), block_size = q.shape, kv_cache.shape[1]
+    if not kv_cache.is_contiguous() or kv_cache.shape[-1] != dim:
+        raise ValueError(f"mla_decode reads a contiguous cache of rows of {dim}, got {tuple(kv_cache.shape)}")
+    out = torch.empty(tokens, heads, latent, dtype=q.dtype)
+    io = int(q.dtype == torch.bfloat16) | int(kv_cache.dtype == torch.bfloat16) << 1 | int(q.dtype == torch.bfloat16) << 2
+    _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
+          block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+          seq_lens.shape[0], scale, out.data_ptr(), io, torch.get_num_threads())
+    return out
 
 
 def int4_dequantize(kernels: NativeKernels, packed: torch.Tensor, in_features: int, group_size: int,

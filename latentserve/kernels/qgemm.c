@@ -16,119 +16,9 @@
  *         32 bytes: byte j = q[64c + j] | q[64c + 32 + j] << 4; weight = q * scale + minimum over each group of G
  *         columns (G % 32 == 0, K % 64 == 0)
  */
-#include <immintrin.h>
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "simd.h"
 
-#ifdef LS_AVX512
-#define MB 8 /* activation rows per pass over a weight row: accumulators in registers */
-#else
-#define MB 4 /* AVX2 has 16 vector registers */
-#endif
 #define XBLOCK 64 /* int4's activations are quantized per 64 columns: one scale per chunk of nibbles */
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE float bf16_to_float(uint16_t v) {
-    union { uint32_t u; float f; } c = { .u = (uint32_t)v << 16 };
-    return c.f;
-}
-
-INLINE uint16_t float_to_bf16(float f) { /* rounded to nearest even */
-    union { float f; uint32_t u; } v = { .f = f };
-    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
-}
-
-/* Activations and outputs are fp32, or bf16 where the caller's flag says so (bit 0 of `io`: x, bit 1: y): a bf16
- * model's tensors go in and out without a conversion op on each side. */
-INLINE float load_act(const void *x, int bf16, int64_t i) {
-    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
-}
-
-INLINE void store_out(void *y, int bf16, int64_t i, float v) {
-    if (bf16)
-        ((uint16_t *)y)[i] = float_to_bf16(v);
-    else
-        ((float *)y)[i] = v;
-}
-
-#ifdef LS_AVX512
-#define LANES 16
-typedef __m512 vfloat;
-INLINE vfloat vload(const void *x, int bf16, int64_t i) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
-    return _mm512_loadu_ps((const float *)x + i);
-}
-INLINE vfloat vabs(vfloat v) { return _mm512_abs_ps(v); }
-INLINE float vmax_reduce(vfloat v) { return _mm512_reduce_max_ps(v); }
-/* round(v / s) + offset (nearest even, the default rounding mode) as int8 bits. */
-INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
-    __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_div_ps(v, s)), _mm512_set1_epi32(offset));
-    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i));
-}
-#define vmax _mm512_max_ps
-#define vset1 _mm512_set1_ps
-#define vstore _mm512_storeu_ps
-#else
-#define LANES 8
-typedef __m256 vfloat;
-INLINE vfloat vload(const void *x, int bf16, int64_t i) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-            _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
-    return _mm256_loadu_ps((const float *)x + i);
-}
-INLINE vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
-INLINE float vmax_reduce(vfloat v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
-    int32_t i[8];
-    _mm256_storeu_si256((__m256i *)i, _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_div_ps(v, s)),
-                                                        _mm256_set1_epi32(offset)));
-    for (int l = 0; l < 8; l++) q[l] = (int8_t)(uint8_t)i[l];
-}
-#define vmax _mm256_max_ps
-#define vset1 _mm256_set1_ps
-#define vstore _mm256_storeu_ps
-#endif
-
-/* exp(v) for |v| <= 88 (clamped beyond): 2^n * p(r) with r = v - n ln 2 in two parts, p of degree 6 (Cephes's
- * coefficients, within 2 ulp). */
-INLINE vfloat vexp(vfloat v) {
-#ifdef LS_AVX512
-#define F(op) _mm512_##op##_ps
-#else
-#define F(op) _mm256_##op##_ps
-#endif
-    v = F(min)(F(max)(v, vset1(-88.f)), vset1(88.f));
-#ifdef LS_AVX512
-    vfloat n = _mm512_roundscale_ps(F(mul)(v, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-#else
-    vfloat n = _mm256_round_ps(F(mul)(v, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
-#endif
-    vfloat r = F(sub)(F(sub)(v, F(mul)(n, vset1(0.693359375f))), F(mul)(n, vset1(-2.12194440e-4f)));
-    vfloat p = vset1(1.9875691500e-4f);
-    p = F(fmadd)(p, r, vset1(1.3981999507e-3f));
-    p = F(fmadd)(p, r, vset1(8.3334519073e-3f));
-    p = F(fmadd)(p, r, vset1(4.1665795894e-2f));
-    p = F(fmadd)(p, r, vset1(1.6666665459e-1f));
-    p = F(fmadd)(p, r, vset1(5.0000001201e-1f));
-    p = F(fmadd)(F(mul)(p, r), r, F(add)(r, vset1(1.f)));
-#ifdef LS_AVX512
-    return _mm512_scalef_ps(p, n);
-#else
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-#endif
-#undef F
-}
 
 /* a[i] = silu(h[i]) * h[I + i] = h[i] / (1 + exp(-h[i])) * h[I + i]. */
 static void silu_mul(const float *h, int64_t I, float *a) {
@@ -173,19 +63,6 @@ static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64
         s[b] = sb;
     }
 }
-
-/* Calls fn(..., mb, out) with mb a constant, so that the accumulators of each row count live in registers. */
-#define FOR_ROWS(fn, ...)                                 \
-    switch (mb) {                                         \
-    case 1: fn(__VA_ARGS__, 1, out); break;               \
-    case 2: fn(__VA_ARGS__, 2, out); break;               \
-    case 3: fn(__VA_ARGS__, 3, out); break;               \
-    case 4: fn(__VA_ARGS__, 4, out); break;               \
-    case 5: if (MB >= 5) fn(__VA_ARGS__, 5, out); break;  \
-    case 6: if (MB >= 6) fn(__VA_ARGS__, 6, out); break;  \
-    case 7: if (MB >= 7) fn(__VA_ARGS__, 7, out); break;  \
-    case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
-    }
 
 #ifdef LS_AVX512
 #define INT8_OFFSET 128
@@ -345,13 +222,6 @@ INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, 
     for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc2[i]));
 }
 #else
-INLINE float hsum_ps(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 INLINE float bf16_dot(const uint16_t *p, const float *f, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
@@ -359,7 +229,7 @@ INLINE float bf16_dot(const uint16_t *p, const float *f, int64_t n) {
         __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + j)));
         acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)), _mm256_loadu_ps(f + j), acc);
     }
-    float s = hsum_ps(acc);
+    float s = vreduce_add(acc);
     for (; j < n; j++) s += bf16_to_float(p[j]) * f[j];
     return s;
 }
@@ -391,7 +261,7 @@ INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, 
             acc[i] = _mm256_add_ps(acc[i], _mm256_add_ps(scaled_dot(lo, xl, sa * sx), scaled_dot(hi, xh, sb * sx)));
         }
     }
-    for (int i = 0; i < mb; i++) dot[i] = hsum_ps(acc[i]);
+    for (int i = 0; i < mb; i++) dot[i] = vreduce_add(acc[i]);
 }
 #endif
 

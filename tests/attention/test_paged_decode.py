@@ -70,9 +70,10 @@ def test_plan_reads_long_runs_in_place_and_copies_short_ones():
     assert sum(p.num_rows for p in plan_pieces([5, 6, 0, 0], 17, bs, 64)) == 17
 
 
-def test_selector_prefers_paged_on_cpu_only():
+def test_selector_takes_paged_on_cpu_only_without_native_kernels(monkeypatch):
     from tests.attention.test_registry import CFG
 
+    monkeypatch.setenv("LATENTSERVE_NATIVE_KERNELS", "0")
     assert get_mla_decode_backend("cpu", CFG) is PagedMQADecodeBackend
     assert PagedMQADecodeBackend.validate_configuration("cuda", CFG)
 

@@ -149,7 +149,11 @@ def test_validate_configuration_lists_reasons():
 
 
 def test_decode_registry_and_selector():
-    assert get_mla_decode_backend("cpu", CFG).get_name() == "PAGED"
+    from latentserve.kernels.native import native_kernels
+    from latentserve.kernels.cpu import cpu_features
+
+    on_cpu = "NATIVE" if native_kernels(cpu_features())[0] is not None else "PAGED"
+    assert get_mla_decode_backend("cpu", CFG).get_name() == on_cpu
     assert get_mla_decode_backend("cuda", CFG).get_name() == "TORCH"
     assert get_mla_decode_backend("cpu", CFG, "reference").get_name() == "REFERENCE"
     with pytest.raises(ValueError, match="must be registered before use"):

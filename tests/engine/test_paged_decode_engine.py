@@ -1,10 +1,12 @@
-"""The engine with its default decode backend (PAGED) against the same engine on the REFERENCE decode backend."""
+"""The engine with its CPU decode backends (NATIVE, the default where latentserve's kernels build, and PAGED) against
+the same engine on the REFERENCE decode backend."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from latentserve import LLM, SamplingParams
+from latentserve.attention.decode.native import NativeMQADecodeBackend
 from latentserve.attention.decode.paged import PagedMQADecodeBackend
 from tests.checkpoints import make_checkpoint
 
@@ -20,13 +22,15 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("ckpt"), "v3")
 
 
+@pytest.mark.parametrize("backend", [None, "PAGED"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_default_decode_backend_matches_reference_engine(checkpoint, block_size):
+def test_cpu_decode_backends_match_reference_engine(checkpoint, block_size, backend):
     # fp32: dtype="auto" is bf16 on a bf16 CPU, whose round-off exceeds the tolerance below.
     kwargs = dict(dtype="float32", block_size=block_size, num_kv_blocks=4096 // block_size, max_num_batched_tokens=512)
-    llm = LLM(model=str(checkpoint), **kwargs)
+    llm = LLM(model=str(checkpoint), decode_backend=backend, **kwargs)
     layer = next(iter(llm.engine.model.static_forward_context.values()))
-    assert isinstance(layer.decode_backend, PagedMQADecodeBackend)
+    default = NativeMQADecodeBackend if NativeMQADecodeBackend.is_available() else PagedMQADecodeBackend
+    assert type(layer.decode_backend) is (default if backend is None else PagedMQADecodeBackend)
     ours = llm.generate(PROMPTS, PARAMS)
     reference = LLM(model=str(checkpoint), decode_backend="REFERENCE", **kwargs).generate(PROMPTS, PARAMS)
     for a, b in zip(ours, reference):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS, Linear, linear
+from latentserve.kernels import native
+from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS, Linear, dense_kernels, linear
 
 
 @pytest.fixture
@@ -38,10 +39,16 @@ def _layouts(monkeypatch, calls: list[str]) -> None:
         monkeypatch.setattr(torch, name, lambda *a, original=original, name=name: calls.append(name) or original(*a))
     original_linear = F.linear
     monkeypatch.setattr(F, "linear", lambda *a: calls.append("F.linear") or original_linear(*a))
+    original_native = native.dense_linear
+    monkeypatch.setattr(native, "dense_linear", lambda *a: calls.append("native") or original_native(*a))
 
 
-def test_each_layout_is_taken_where_intended(two_threads, monkeypatch) -> None:
+@pytest.mark.parametrize("setting", ["0", "1"])
+def test_each_layout_is_taken_where_intended(two_threads, monkeypatch, setting) -> None:
     """The switch must fire where the benchmark measured its win, or that win is not the engine's."""
+    monkeypatch.setenv(native.NATIVE_ENV, setting)
+    if setting == "1" and dense_kernels() is None:
+        pytest.skip("latentserve's kernels do not build here")
     calls: list[str] = []
     _layouts(monkeypatch, calls)
     weight = torch.randn(16, 8)
@@ -55,8 +62,12 @@ def test_each_layout_is_taken_where_intended(two_threads, monkeypatch) -> None:
     torch.set_num_threads(1)
     linear(torch.randn(1, 8), weight)
     linear(torch.randn(4, 8), weight)
-    assert calls == ["bmm", "mm", "bmm", "mm", "mm", "F.linear", "F.linear", "F.linear",
-                     "F.linear", "F.linear", "mm", "F.linear", "F.linear", "F.linear"]
+    if setting == "0":
+        assert calls == ["bmm", "mm", "bmm", "mm", "mm", "F.linear", "F.linear", "F.linear",
+                         "F.linear", "F.linear", "mm", "F.linear", "F.linear", "F.linear"]
+    else:  # latentserve's kernel at 1-2 fp32 rows and 1 bf16 row, with several threads
+        assert calls == ["native", "native", "bmm", "mm", "mm", "F.linear", "native", "F.linear",
+                         "native", "F.linear", "mm", "F.linear", "F.linear", "F.linear"]
 
 
 def test_linear_module_is_a_drop_in_nn_linear(two_threads) -> None:

@@ -10,27 +10,10 @@ from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NATIVE_INT4_ROWS, NativeInt4Linear, quantize_int4
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear, int8_gemm, quantize_int8
+from tests.kernels.builds import ISAS, kernels, needs_a_build
 
 
-def _runnable_isas() -> list[str]:
-    here = cpu_features()
-    isas = []
-    if here.capability.startswith("AVX512") and here.vnni:
-        isas.append("avx512_vnni")
-    if here.capability.startswith(("AVX512", "AVX2")):
-        isas.append("avx2")
-    return isas
-
-
-ISAS = _runnable_isas()
-pytestmark = pytest.mark.skipif(not ISAS, reason="no AVX2 on this CPU")
-
-
-def _kernels(isa: str) -> native.NativeKernels:
-    kernels = native.load(isa)
-    if isinstance(kernels, str):
-        pytest.skip(f"{isa} build unavailable: {kernels}")
-    return kernels
+pytestmark = needs_a_build
 
 
 def _quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +36,7 @@ def test_int8_kernel_is_the_exact_integer_product(isa, rows, n, k):
     q, scale = quantize_int8(w)
     xq, s = _quantized_rows(x)
     expected = (xq.double() @ q.double().t()) * s.double() * scale.double()
-    got = native.int8_linear(_kernels(isa), x, q, scale, q.sum(dim=1, dtype=torch.int32))
+    got = native.int8_linear(kernels(isa), x, q, scale, q.sum(dim=1, dtype=torch.int32))
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
@@ -62,7 +45,7 @@ def test_int8_builds_and_the_int_mm_path_agree_bitwise():
     w, x = _data(11, 70, 320, seed=1)
     q, scale = quantize_int8(w)
     qsum = q.sum(dim=1, dtype=torch.int32)
-    results = [native.int8_linear(_kernels(isa), x, q, scale, qsum) for isa in ISAS]
+    results = [native.int8_linear(kernels(isa), x, q, scale, qsum) for isa in ISAS]
     results.append(int8_gemm(x, q, scale))
     for other in results[1:]:
         assert torch.equal(results[0], other)
@@ -90,7 +73,7 @@ def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
     w, x = _data(rows, n, k, seed=2)
     q, scale, minimum = quantize_int4(w, group)
     expected = _int4_reference(x, q, scale, minimum)
-    got = native.int4_linear(_kernels(isa), x, native.pack_int4(q, scale, minimum), group)
+    got = native.int4_linear(kernels(isa), x, native.pack_int4(q, scale, minimum), group)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
@@ -100,7 +83,7 @@ def test_int4_layer_many_rows_dequantize_the_same_weight():
     w, x = _data(NATIVE_INT4_ROWS + 8, 96, 256, seed=3)
     q, scale, minimum = quantize_int4(w, 64)
     bias = torch.randn(96)
-    layer = NativeInt4Linear(q, scale, minimum, torch.nn.Parameter(bias), _kernels(ISAS[0]), torch.float32)
+    layer = NativeInt4Linear(q, scale, minimum, torch.nn.Parameter(bias), kernels(ISAS[0]), torch.float32)
     weight = (q.float().view(96, 4, 64) * scale.bfloat16().float()[..., None]
               + minimum.bfloat16().float()[..., None]).view(96, 256)
     torch.testing.assert_close(layer.dequantized(), weight, rtol=0, atol=1e-6)
@@ -115,11 +98,11 @@ def test_int8_layer_switches_kernels_without_changing_the_result():
     w, x = _data(NATIVE_INT8_ROWS + 5, 48, 128, seed=4)
     q, scale = quantize_int8(w)
     bias = torch.randn(48)
-    layer = NativeInt8Linear(q, scale, torch.nn.Parameter(bias), _kernels(ISAS[0]))
+    layer = NativeInt8Linear(q, scale, torch.nn.Parameter(bias), kernels(ISAS[0]))
     few = torch.cat([layer(x[i : i + 3]) for i in range(0, len(x), 3)])
     assert torch.equal(layer(x), few)
     assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
-    assert NativeInt8Linear(q, scale, None, _kernels(ISAS[0]), torch.float32)(x[:2].bfloat16()).dtype == torch.float32
+    assert NativeInt8Linear(q, scale, None, kernels(ISAS[0]), torch.float32)(x[:2].bfloat16()).dtype == torch.float32
 
 
 def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp_path):
@@ -127,8 +110,8 @@ def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp
     monkeypatch.setenv("CC", "/bin/false")
     native.load.cache_clear()
     try:
-        kernels, why = native.native_kernels(cpu_features())
-        assert kernels is None and "build unavailable" in why and "/bin/false failed" in why
+        built, why = native.native_kernels(cpu_features())
+        assert built is None and "build unavailable" in why and "/bin/false failed" in why
     finally:
         native.load.cache_clear()
     monkeypatch.setenv(native.NATIVE_ENV, "0")
@@ -155,12 +138,12 @@ def test_int4_dequantize_in_one_pass(isa):
     packed = native.pack_int4(q, scale, minimum)
     expected = (q.float().view(40, 3, 64) * scale.bfloat16().float()[..., None]
                 + minimum.bfloat16().float()[..., None]).view(40, 192)
-    fp32 = native.int4_dequantize(_kernels(isa), packed, 192, 64, torch.empty(40, 192))
+    fp32 = native.int4_dequantize(kernels(isa), packed, 192, 64, torch.empty(40, 192))
     torch.testing.assert_close(fp32, expected, rtol=0, atol=1e-6)
-    bf16 = native.int4_dequantize(_kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.bfloat16))
+    bf16 = native.int4_dequantize(kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.bfloat16))
     assert torch.equal(bf16, fp32.bfloat16())  # rounded once, to nearest even
     with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
-        native.int4_dequantize(_kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.float16))
+        native.int4_dequantize(kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -169,7 +152,7 @@ def test_int8_head_products_are_per_head_integer_products(isa):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(4, 24, 40, generator=g) * 0.1  # [heads, out, in]
     x = torch.randn(3, 4, 40, generator=g)  # [tokens, heads, in]
-    products = Int8HeadProducts(w, _kernels(isa))
+    products = Int8HeadProducts(w, kernels(isa))
     q, scale = quantize_int8(w.reshape(-1, 40))
     xq, s = _quantized_rows(x.reshape(-1, 40))
     per_head = torch.einsum("thk,hnk->thn", xq.double().view(3, 4, 40), q.double().view(4, 24, 40))
@@ -219,7 +202,7 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, i
         pytest.skip("no native kernels here")
     for layer in experts.modules():
         if hasattr(layer, "kernels"):
-            layer.kernels = _kernels(isa)  # each build's SiLU and kernels
+            layer.kernels = kernels(isa)  # each build's SiLU and kernels
     calls = []
     monkeypatch.setattr(native, "experts_token", lambda *a, _f=native.experts_token, **k: calls.append(1) or _f(*a, **k))
     x = torch.randn(1, 128, generator=g) * 3  # SiLU over a wide range
@@ -265,10 +248,10 @@ def test_bf16_activations_and_outputs_go_in_and_out_as_they_are(isa):
     xb = x.bfloat16()
     q, scale = quantize_int8(w)
     qsum = q.sum(dim=1, dtype=torch.int32)
-    fp32 = native.int8_linear(_kernels(isa), xb.float(), q, scale, qsum)
-    assert torch.equal(native.int8_linear(_kernels(isa), xb, q, scale, qsum), fp32)
-    assert torch.equal(native.int8_linear(_kernels(isa), xb, q, scale, qsum, torch.bfloat16), fp32.bfloat16())
+    fp32 = native.int8_linear(kernels(isa), xb.float(), q, scale, qsum)
+    assert torch.equal(native.int8_linear(kernels(isa), xb, q, scale, qsum), fp32)
+    assert torch.equal(native.int8_linear(kernels(isa), xb, q, scale, qsum, torch.bfloat16), fp32.bfloat16())
     q4, s4, m4 = quantize_int4(w, 64)
     packed = native.pack_int4(q4, s4, m4)
-    fp32 = native.int4_linear(_kernels(isa), xb.float(), packed, 64)
-    assert torch.equal(native.int4_linear(_kernels(isa), xb, packed, 64, torch.bfloat16), fp32.bfloat16())
+    fp32 = native.int4_linear(kernels(isa), xb.float(), packed, 64)
+    assert torch.equal(native.int4_linear(kernels(isa), xb, packed, 64, torch.bfloat16), fp32.bfloat16())

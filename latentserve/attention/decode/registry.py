@@ -5,6 +5,7 @@ from latentserve.attention.backend_registry import BackendEnum, make_register_fu
 
 
 class MLADecodeBackendEnum(BackendEnum):
+    NATIVE = "latentserve.attention.decode.native.NativeMQADecodeBackend"
     PAGED = "latentserve.attention.decode.paged.PagedMQADecodeBackend"
     TORCH = "latentserve.attention.decode.torch_mqa.TorchMQADecodeBackend"
     REFERENCE = "latentserve.attention.decode.reference.ReferenceDecodeBackend"

@@ -6,7 +6,7 @@ import torch
 from latentserve.attention.backend import SelectorConfig, select_backend
 from latentserve.attention.decode.registry import MLADecodeBackendEnum
 
-PRIORITY = (MLADecodeBackendEnum.PAGED, MLADecodeBackendEnum.TORCH, MLADecodeBackendEnum.REFERENCE)
+PRIORITY = (MLADecodeBackendEnum.NATIVE, MLADecodeBackendEnum.PAGED, MLADecodeBackendEnum.TORCH, MLADecodeBackendEnum.REFERENCE)
 
 
 def get_mla_decode_backend(

@@ -1,0 +1,129 @@
+/* MLA's absorbed decode attention, read in place from the paged latent cache.
+ *
+ * q [T, H, D] (D = L + R: the absorbed latent query, then the rope query), the cache [blocks, B, D] (rows
+ * [c_kv ‖ k_pe]), out [T, H, L]: out[t, h] = softmax_p(scale * q[t, h] . row_p) . row_p[:L] over the positions p
+ * that token t sees. One work item is a token and a block of heads: the item reads each row of its request once
+ * per pass for all its heads (scores, then values), in fp32, with an exact softmax in between. Items are shared
+ * out among the threads; heads per item shrink so that every thread gets work.
+ */
+#include "simd.h"
+
+#define HEADS 8       /* heads per item at most: their accumulators stay in registers */
+#define ROW_TILE 64   /* positions per tile of the value pass: a tile's rows stay in cache across lane blocks */
+
+/* scores[h * n + p] = q[h] . rows[p] (q scaled, fp32) for nh heads. */
+INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cbf, int64_t n, int nh,
+                       float *scores) {
+    for (int64_t p = 0; p < n; p++) {
+        vfloat acc[HEADS];
+        for (int h = 0; h < nh; h++) acc[h] = vzero();
+        int64_t d = 0;
+        for (; d + LANES <= D; d += LANES) {
+            vfloat k = vload(rows[p], cbf, d);
+            for (int h = 0; h < nh; h++) acc[h] = vfma(vload(q + h * D, 0, d), k, acc[h]);
+        }
+        for (int h = 0; h < nh; h++) {
+            float s = vreduce_add(acc[h]);
+            for (int64_t e = d; e < D; e++) s += q[h * D + e] * load_act(rows[p], cbf, e);
+            scores[h * n + p] = s;
+        }
+    }
+}
+
+/* acc[h * L + l] += sum_p w[h * n + p] * rows[p][l] over positions p0 <= p < p1. */
+INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t n, int64_t p0, int64_t p1, int64_t L,
+                       int nh, float *acc) {
+    int64_t l = 0;
+    for (; l + LANES <= L; l += LANES) {
+        vfloat a[HEADS];
+        for (int h = 0; h < nh; h++) a[h] = vload(acc + h * L, 0, l);
+        for (int64_t p = p0; p < p1; p++) {
+            vfloat v = vload(rows[p], cbf, l);
+            for (int h = 0; h < nh; h++) a[h] = vfma(vset1(w[h * n + p]), v, a[h]);
+        }
+        for (int h = 0; h < nh; h++) vstore(acc + h * L + l, a[h]);
+    }
+    for (; l < L; l++)
+        for (int64_t p = p0; p < p1; p++)
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * n + p] * load_act(rows[p], cbf, l);
+}
+
+/* Each head's scores in place -> exp(score - max), and 1 / their sum in inv[h]. */
+static void softmax_rows(float *scores, int64_t n, int nh, float *inv) {
+    for (int h = 0; h < nh; h++) {
+        float *s = scores + h * n, m = -INFINITY, sum = 0.f;
+        for (int64_t p = 0; p < n; p++) m = fmaxf(m, s[p]);
+        int64_t p = 0;
+        for (; p + LANES <= n; p += LANES) {
+            vfloat e = vexp(vsub(vload(s, 0, p), vset1(m)));
+            vstore(s + p, e);
+            sum += vreduce_add(e);
+        }
+        for (; p < n; p++) {
+            s[p] = expf(s[p] - m);
+            sum += s[p];
+        }
+        inv[h] = 1.f / sum;
+    }
+}
+
+/* Heads h0 .. h0 + nh of one token over its n visible rows. */
+INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cbf, int64_t n,
+                        float scale, void *out, int obf, int nh) {
+    float qs[HEADS * D], acc[HEADS * L], inv[HEADS];
+    float *scores = malloc(nh * n * sizeof(float));
+    for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
+    score_rows(qs, D, rows, cbf, n, nh, scores);
+    softmax_rows(scores, n, nh, inv);
+    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
+    for (int64_t p = 0; p < n; p += ROW_TILE)
+        weigh_rows(scores, rows, cbf, n, p, p + ROW_TILE < n ? p + ROW_TILE : n, L, nh, acc);
+    for (int h = 0; h < nh; h++)
+        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv[h]);
+    free(scores);
+}
+
+/* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
+ * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j. `io`:
+ * bit 0 q is bf16, bit 1 the cache, bit 2 out (else fp32). */
+void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+                   const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                   int64_t R, float scale, void *out, int io, int threads) {
+    int qbf = io & 1, cbf = (io >> 1) & 1, obf = (io >> 2) & 1;
+    int64_t esize = cbf ? 2 : 4, max_len = 0;
+    for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
+    /* Every request's row addresses once (the items of its tokens share them). */
+    const char **rows = malloc((R * max_len + 1) * sizeof(char *));
+    int64_t *request = malloc((T + 1) * sizeof(int64_t));
+    for (int64_t r = 0; r < R; r++) {
+        for (int64_t b = 0, p = 0; p < seq_lens[r]; b++) {
+            const char *block = (const char *)cache + (int64_t)block_table[r * bt_stride + b] * B * D * esize;
+            for (int64_t i = 0; i < B && p < seq_lens[r]; i++, p++) rows[r * max_len + p] = block + i * D * esize;
+        }
+        for (int64_t t = qsl[r]; t < qsl[r + 1]; t++) request[t] = r;
+    }
+    int64_t per = (T * H + threads - 1) / threads;
+    int heads = per < 1 ? 1 : per > HEADS ? HEADS : (int)per;
+    int64_t blocks = (H + heads - 1) / heads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t item = 0; item < T * blocks; item++) {
+        int64_t t = item / blocks, h0 = item % blocks * heads, r = request[t];
+        int nh = H - h0 < heads ? (int)(H - h0) : heads;
+        int64_t n = seq_lens[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r]) + 1;
+        const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
+        void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
+        const char *const *rr = rows + r * max_len;
+        switch (nh) { /* a constant head count per instance: the accumulators live in registers */
+        case 1: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 1); break;
+        case 2: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 2); break;
+        case 3: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 3); break;
+        case 4: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 4); break;
+        case 5: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 5); break;
+        case 6: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 6); break;
+        case 7: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 7); break;
+        default: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 8); break;
+        }
+    }
+    free(rows);
+    free(request);
+}

@@ -1,0 +1,148 @@
+/* Vector helpers shared by latentserve's kernels: bf16 <-> fp32, loads of fp32 or bf16 data, exp. One set of
+ * definitions per build: -DLS_AVX512 (16 lanes) or AVX2 (8 lanes). */
+#pragma once
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_float(uint16_t v) {
+    union { uint32_t u; float f; } c = { .u = (uint32_t)v << 16 };
+    return c.f;
+}
+
+INLINE uint16_t float_to_bf16(float f) { /* rounded to nearest even */
+    union { float f; uint32_t u; } v = { .f = f };
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+/* Activations and outputs are fp32, or bf16 where the caller's flag says so (bit 0 of `io`: x, bit 1: y): a bf16
+ * model's tensors go in and out without a conversion op on each side. */
+INLINE float load_act(const void *x, int bf16, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+INLINE void store_out(void *y, int bf16, int64_t i, float v) {
+    if (bf16)
+        ((uint16_t *)y)[i] = float_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+#ifdef LS_AVX512
+#define LANES 16
+typedef __m512 vfloat;
+INLINE vfloat vload(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+INLINE vfloat vabs(vfloat v) { return _mm512_abs_ps(v); }
+INLINE float vmax_reduce(vfloat v) { return _mm512_reduce_max_ps(v); }
+/* round(v / s) + offset (nearest even, the default rounding mode) as int8 bits. */
+INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
+    __m512i i = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_div_ps(v, s)), _mm512_set1_epi32(offset));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i));
+}
+#define vmax _mm512_max_ps
+#define vset1 _mm512_set1_ps
+#define vstore _mm512_storeu_ps
+#else
+#define LANES 8
+typedef __m256 vfloat;
+INLINE vfloat vload(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+INLINE vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+INLINE float vmax_reduce(vfloat v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
+    int32_t i[8];
+    _mm256_storeu_si256((__m256i *)i, _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_div_ps(v, s)),
+                                                        _mm256_set1_epi32(offset)));
+    for (int l = 0; l < 8; l++) q[l] = (int8_t)(uint8_t)i[l];
+}
+#define vmax _mm256_max_ps
+#define vset1 _mm256_set1_ps
+#define vstore _mm256_storeu_ps
+#endif
+
+/* exp(v) for |v| <= 88 (clamped beyond): 2^n * p(r) with r = v - n ln 2 in two parts, p of degree 6 (Cephes's
+ * coefficients, within 2 ulp). */
+INLINE vfloat vexp(vfloat v) {
+#ifdef LS_AVX512
+#define F(op) _mm512_##op##_ps
+#else
+#define F(op) _mm256_##op##_ps
+#endif
+    v = F(min)(F(max)(v, vset1(-88.f)), vset1(88.f));
+#ifdef LS_AVX512
+    vfloat n = _mm512_roundscale_ps(F(mul)(v, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#else
+    vfloat n = _mm256_round_ps(F(mul)(v, vset1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT);
+#endif
+    vfloat r = F(sub)(F(sub)(v, F(mul)(n, vset1(0.693359375f))), F(mul)(n, vset1(-2.12194440e-4f)));
+    vfloat p = vset1(1.9875691500e-4f);
+    p = F(fmadd)(p, r, vset1(1.3981999507e-3f));
+    p = F(fmadd)(p, r, vset1(8.3334519073e-3f));
+    p = F(fmadd)(p, r, vset1(4.1665795894e-2f));
+    p = F(fmadd)(p, r, vset1(1.6666665459e-1f));
+    p = F(fmadd)(p, r, vset1(5.0000001201e-1f));
+    p = F(fmadd)(F(mul)(p, r), r, F(add)(r, vset1(1.f)));
+#ifdef LS_AVX512
+    return _mm512_scalef_ps(p, n);
+#else
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+#endif
+#undef F
+}
+
+#ifdef LS_AVX512
+#define vzero _mm512_setzero_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+#define vsub _mm512_sub_ps
+#define vreduce_add _mm512_reduce_add_ps
+#else
+#define vzero _mm256_setzero_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+#define vsub _mm256_sub_ps
+INLINE float vreduce_add(vfloat v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#ifdef LS_AVX512
+#define MB 8 /* activation rows per pass over a weight row: accumulators in registers */
+#else
+#define MB 4 /* AVX2 has 16 vector registers */
+#endif
+
+/* Calls fn(..., mb, out) with mb a constant, so that the accumulators of each row count live in registers. */
+#define FOR_ROWS(fn, ...)                                 \
+    switch (mb) {                                         \
+    case 1: fn(__VA_ARGS__, 1, out); break;               \
+    case 2: fn(__VA_ARGS__, 2, out); break;               \
+    case 3: fn(__VA_ARGS__, 3, out); break;               \
+    case 4: fn(__VA_ARGS__, 4, out); break;               \
+    case 5: if (MB >= 5) fn(__VA_ARGS__, 5, out); break;  \
+    case 6: if (MB >= 6) fn(__VA_ARGS__, 6, out); break;  \
+    case 7: if (MB >= 7) fn(__VA_ARGS__, 7, out); break;  \
+    case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
+    }

@@ -1,0 +1,147 @@
+"""NATIVE decode (one C call per layer over the paged cache) against the naive fp32 reference and REFERENCE, for
+each build of the kernels this machine runs."""
+import dataclasses
+
+import pytest
+import torch
+
+from latentserve.attention.decode.native import NativeMQADecodeBackend
+from latentserve.attention.decode.paged import PagedMQADecodeBackend
+from latentserve.attention.decode.reference import ReferenceDecodeBackend
+from latentserve.attention.decode.selector import get_mla_decode_backend
+from latentserve.attention.metadata import MLADecodeMetadata
+from latentserve.config import AttentionConfig, MLAConfig
+from latentserve.kernels import native
+from tests.attention.mla_case import MLA, SCALE, Request, naive_mla, run_layer, setup
+from tests.attention.test_paged_decode import make_batch_with_layout
+from tests.kernels.builds import ISAS, kernels, needs_a_build
+
+pytestmark = needs_a_build
+
+
+def _native_layer(config: AttentionConfig, num_blocks: int, isa: str, kv_cache_dtype=torch.float32):
+    layer, builder, cache = setup(config, num_blocks, kv_cache_dtype=kv_cache_dtype)
+    assert isinstance(layer.decode_backend, NativeMQADecodeBackend)
+    layer.decode_backend.kernels = kernels(isa)
+    return layer, builder, cache
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["contiguous", "fragmented", "mixed"])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("query_len", [1, 3])
+def test_native_matches_naive_fp32(isa, kind, block_size, query_len):
+    """Through the layer (absorbed products around it), NaN in every slot no request owns."""
+    requests = [Request(c, query_len) for c in (5, 70, 200, 1, 131)]
+    config = AttentionConfig(block_size=block_size, decode_threshold=query_len, decode_backend="NATIVE")
+    num_blocks = 2 * sum(-(-r.seq_len // block_size) for r in requests) + 4
+    layer, builder, cache = _native_layer(config, num_blocks, isa)
+    batch = make_batch_with_layout(requests, cache, block_size, kind, seed=block_size + query_len)
+    assert builder.build(batch.common).num_decodes == len(requests)
+    out = run_layer(layer, builder, batch)
+    assert not torch.isnan(out).any()
+    assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_native_in_low_and_full_precision_against_reference_backend(isa, dtype):
+    """q and cache in `dtype` (bf16 in and out without conversions), several query tokens, contexts across the
+    kernel's 64-row tiles."""
+    config = AttentionConfig(block_size=16, decode_threshold=2, decode_backend="NATIVE")
+    requests = [Request(300, 1), Request(64, 2), Request(9, 1), Request(150, 2)]
+    layer, builder, cache = _native_layer(config, 80, isa, kv_cache_dtype=dtype)
+    batch = make_batch_with_layout(requests, cache, 16, "mixed", seed=5, write_new=True)
+    md = builder.build(batch.common).decode
+    q = torch.randn(batch.common.num_actual_tokens, MLA.num_heads, MLA.kv_cache_dim,
+                    generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = layer.decode_backend.forward(q, cache, md)
+    ref = ReferenceDecodeBackend(MLA.num_heads, SCALE, MLA.kv_lora_rank, MLA.qk_rope_head_dim).forward(
+        q.float(), cache.float(), md)
+    assert out.dtype == dtype and not torch.isnan(out).any()
+    assert (out.float() - ref).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_cache_under_fp32_queries(isa):
+    config = AttentionConfig(block_size=16, decode_backend="NATIVE")
+    layer, builder, cache = _native_layer(config, 40, isa, kv_cache_dtype=torch.bfloat16)
+    batch = make_batch_with_layout([Request(150, 1), Request(20, 1), Request(90, 1)], cache, 16, "mixed", seed=2)
+    out = run_layer(layer, builder, batch)
+    assert out.dtype == torch.float32 and (out - naive_mla(layer, batch, torch.bfloat16)).abs().max().item() <= 2e-2
+
+
+def _decode_metadata(query_lens: list[int], seq_lens: list[int], block_table: torch.Tensor) -> MLADecodeMetadata:
+    qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return MLADecodeMetadata(block_table=block_table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                             query_start_loc=qsl, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_deepseek_shapes_and_every_split_of_heads(isa, threads):
+    """DeepSeek's 512 + 64 rows and 13 heads (not a multiple of the 8 a work item takes), over 1-3 threads: items
+    of 1 to 8 heads; a 700-token context and a 2-token verification."""
+    mla = MLAConfig(num_heads=13, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    g = torch.Generator().manual_seed(3)
+    block_size, seq_lens, query_lens = 16, [700, 33], [1, 2]
+    blocks = [-(-s // block_size) for s in seq_lens]
+    cache = torch.randn(sum(blocks) + 3, block_size, mla.kv_cache_dim, generator=g).bfloat16()
+    perm = torch.randperm(cache.shape[0], generator=g)[: sum(blocks)].to(torch.int32)
+    table = torch.zeros(2, max(blocks), dtype=torch.int32)
+    table[0, : blocks[0]], table[1, : blocks[1]] = perm[: blocks[0]], perm[blocks[0]:]
+    md = _decode_metadata(query_lens, seq_lens, table)
+    q = torch.randn(3, mla.num_heads, mla.kv_cache_dim, generator=g).bfloat16()
+    backend = NativeMQADecodeBackend(mla.num_heads, 0.07, mla.kv_lora_rank, mla.qk_rope_head_dim)
+    backend.kernels = kernels(isa)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = backend.forward(q, cache, md)
+    finally:
+        torch.set_num_threads(previous)
+    ref = ReferenceDecodeBackend(mla.num_heads, 0.07, mla.kv_lora_rank, mla.qk_rope_head_dim).forward(
+        q.float(), cache.float(), md)
+    assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def test_selector_prefers_native_on_cpu_and_falls_back_without_the_kernels(monkeypatch):
+    from tests.attention.test_registry import CFG
+
+    assert get_mla_decode_backend("cpu", CFG) is NativeMQADecodeBackend
+    assert NativeMQADecodeBackend.validate_configuration("cuda", CFG)
+    assert NativeMQADecodeBackend.validate_configuration("cpu", dataclasses.replace(CFG, dtype=torch.float16))
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert get_mla_decode_backend("cpu", CFG) is PagedMQADecodeBackend
+    with pytest.raises(ValueError, match="NATIVE is not available"):
+        get_mla_decode_backend("cpu", CFG, "NATIVE")
+
+
+def test_refuses_what_it_cannot_read():
+    backend = NativeMQADecodeBackend(4, 0.1, 32, 8)
+    md = _decode_metadata([1], [5], torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32 or bfloat16 q"):
+        backend.forward(torch.zeros(1, 4, 40, dtype=torch.float16), torch.zeros(2, 16, 40), md)
+    with pytest.raises(ValueError, match="rows of 40"):
+        backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
+
+
+def test_a_lone_long_bf16_request_goes_to_paged(monkeypatch):
+    """Where PAGED's bf16 products are faster; the same answer either way."""
+    backend = NativeMQADecodeBackend(4, SCALE, 32, 8)
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(80, 16, 40, generator=g).bfloat16()
+    q = torch.randn(1, 4, 40, generator=g).bfloat16()
+    table = torch.arange(80, dtype=torch.int32)[None]
+    calls = []
+    monkeypatch.setattr(backend.paged, "forward", lambda *a, _f=backend.paged.forward: calls.append(1) or _f(*a))
+    long_md = _decode_metadata([1], [backend.paged_bf16_min_len + 1], table)
+    out = backend.forward(q, cache, long_md)
+    assert calls == [1]
+    native_out = native.mla_decode(backend.kernels, q, cache, table, long_md.query_start_loc, long_md.seq_lens, SCALE, 32)
+    assert (out.float() - native_out.float()).abs().max().item() <= 2e-2
+    backend.forward(q, cache, _decode_metadata([1], [backend.paged_bf16_min_len], table))
+    backend.forward(q.float(), cache.float(), _decode_metadata([1], [backend.paged_bf16_min_len + 1], table))
+    assert calls == [1]
+    backend.forward(q.float(), cache.half(), _decode_metadata([1], [9], table))  # a kv_cache_dtype it cannot read
+    assert calls == [1, 1]

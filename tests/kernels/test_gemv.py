@@ -1,0 +1,29 @@
+"""kernels/gemv.c (fp32 and bf16 linears for few rows) against a float64 product, for each build this machine runs."""
+import pytest
+import torch
+
+from latentserve.kernels import native
+from tests.kernels.builds import ISAS, kernels, needs_a_build
+
+pytestmark = needs_a_build
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])  # 9: more rows than one pass over a weight row takes
+@pytest.mark.parametrize("k", [64, 100])  # 100: a tail shorter than a vector
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_linear_is_the_product_with_fp32_sums(isa, rows, k, dtype):
+    g = torch.Generator().manual_seed(rows + k)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(37, k, generator=g).to(dtype)
+    expected = x.double() @ w.double().t()
+    got = native.dense_linear(kernels(isa), x, w, torch.float32)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    out = native.dense_linear(kernels(isa), x, w, dtype)
+    assert out.dtype == dtype and torch.equal(out, got.to(dtype))
+
+
+def test_dense_linear_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="contiguous float32 or bfloat16 weight"):
+        native.dense_linear(kernels(ISAS[0]), torch.randn(1, 8), torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match="float16"):
+        native.dense_linear(kernels(ISAS[0]), torch.randn(1, 8), torch.randn(4, 8).half())
