@@ -40,3 +40,58 @@ void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t
     }
     free(xf);
 }
+
+/* One token through `count` stacked experts with fp32 or bf16 weights (bit 2 of `io`), y = sum_e gates[e] *
+ * down_e(silu(gate_e(x)) * up_e(x)) in the order given, in one parallel region: all experts' gate and up rows (w13[e]
+ * `[2I, K]`, gate's first) shared out among the threads, then the down projections, stored transposed (w2t[e]
+ * `[I, K]`): each thread streams its share of their rows into partial sums of its own, added up at the end. */
+void ls_dense_experts_token(const void *x, int64_t K, int64_t I, int64_t count, const void *const *w13,
+                            const void *const *w2t, const float *gates, void *y, int io, int threads) {
+    int wbf = (io >> 2) & 1;
+    int64_t wsize = wbf ? 2 : 4;
+    float *xf = malloc(K * sizeof(float)), *h = malloc(count * 2 * I * sizeof(float));
+    float *a = malloc(count * I * sizeof(float)), *partial = calloc(threads * count * K, sizeof(float));
+    int used = 1;
+    for (int64_t k = 0; k < K; k++) xf[k] = load_act(x, io & 1, k);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = count * 2 * I;
+        for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
+            int64_t e = r / (2 * I);
+            float out[MB];
+            dense_rows(xf, (const char *)w13[e] + (r - e * 2 * I) * K * wsize, wbf, K, 1, out);
+            h[r] = out[0];
+        }
+#pragma omp barrier
+#pragma omp single
+        {
+            used = (int)parts;
+            for (int64_t e = 0; e < count; e++) silu_mul(h + e * 2 * I, I, a + e * I);
+        }
+        for (int64_t e = 0; e < count; e++) {
+            float *o = partial + (part * count + e) * K;
+            for (int64_t i = I * part / parts; i < I * (part + 1) / parts; i++) {
+                const char *row = (const char *)w2t[e] + i * K * wsize;
+                vfloat ai = vset1(a[e * I + i]);
+                int64_t c = 0;
+                for (; c + LANES <= K; c += LANES) vstore(o + c, vfma(ai, vload(row, wbf, c), vload(o, 0, c)));
+                for (; c < K; c++) o[c] += a[e * I + i] * load_act(row, wbf, c);
+            }
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t k = 0; k < K; k++) {
+            float sum = 0.f;
+            for (int64_t e = 0; e < count; e++) {
+                float down = 0.f;
+                for (int t = 0; t < used; t++) down += partial[(t * count + e) * K + k];
+                sum += gates[e] * down;
+            }
+            store_out(y, io & 2, k, sum);
+        }
+    }
+    free(xf);
+    free(h);
+    free(a);
+    free(partial);
+}

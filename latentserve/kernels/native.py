@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_mla_decode.restype = None
     lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
     lib.ls_dense_linear.restype = None
+    lib.ls_dense_experts_token.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
+    lib.ls_dense_experts_token.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -177,6 +179,25 @@ def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
     y = torch.empty(m, n, dtype=dtype)
     _call(kernels, "ls_dense_linear", x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(),
           io | int(weight.dtype == torch.bfloat16) << 2, torch.get_num_threads())
+    return y
+
+
+def dense_experts_token(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, w2t: torch.Tensor,
+                        experts: list[int], gates: torch.Tensor) -> torch.Tensor:
+    """`[K]` in x's dtype: one token x `[K]` through the stacked experts `experts` (w13 `[E, 2I, K]`, gate rows
+    first; w2t `[E, I, K]`, the down projections transposed; contiguous, fp32 or bf16, x's dtype), summed in fp32
+    with `gates` (fp32) in the order given."""
+    if w13.dtype != x.dtype or w2t.dtype != x.dtype or x.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"dense_experts_token reads x and weights of one dtype, float32 or bfloat16; got x "
+                         f"{x.dtype}, w13 {w13.dtype}, w2t {w2t.dtype}")
+    if not (x.is_contiguous() and w13.is_contiguous() and w2t.is_contiguous()):
+        raise ValueError("dense_experts_token reads contiguous x, w13 and w2t")
+    k, inter = x.shape[-1], w2t.shape[1]
+    y = torch.empty(k, dtype=x.dtype)
+    pointers = [(ctypes.c_void_p * len(experts))(*(t[e].data_ptr() for e in experts)) for t in (w13, w2t)]
+    io = int(x.dtype == torch.bfloat16) * 0b111
+    _call(kernels, "ls_dense_experts_token", x.data_ptr(), k, inter, len(experts), pointers[0], pointers[1],
+          gates.data_ptr(), y.data_ptr(), io, torch.get_num_threads())
     return y
 
 

@@ -20,22 +20,6 @@
 
 #define XBLOCK 64 /* int4's activations are quantized per 64 columns: one scale per chunk of nibbles */
 
-/* a[i] = silu(h[i]) * h[I + i] = h[i] / (1 + exp(-h[i])) * h[I + i]. */
-static void silu_mul(const float *h, int64_t I, float *a) {
-    int64_t i = 0;
-    for (; i + LANES <= I; i += LANES) {
-        vfloat g = vload(h, 0, i), u = vload(h, 0, I + i);
-#ifdef LS_AVX512
-        vfloat d = _mm512_add_ps(vset1(1.f), vexp(_mm512_sub_ps(vset1(0.f), g)));
-        vstore(a + i, _mm512_mul_ps(_mm512_div_ps(g, d), u));
-#else
-        vfloat d = _mm256_add_ps(vset1(1.f), vexp(_mm256_sub_ps(vset1(0.f), g)));
-        vstore(a + i, _mm256_mul_ps(_mm256_div_ps(g, d), u));
-#endif
-    }
-    for (; i < I; i++) a[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
-}
-
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
  * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). An
  * offset of 128 makes the int8 the unsigned operand of vpdpbusd. */

@@ -110,6 +110,23 @@ INLINE vfloat vexp(vfloat v) {
 #undef F
 }
 
+
+/* a[i] = silu(h[i]) * h[I + i] = h[i] / (1 + exp(-h[i])) * h[I + i]. */
+static inline void silu_mul(const float *h, int64_t I, float *a) {
+    int64_t i = 0;
+    for (; i + LANES <= I; i += LANES) {
+        vfloat g = vload(h, 0, i), u = vload(h, 0, I + i);
+#ifdef LS_AVX512
+        vfloat d = _mm512_add_ps(vset1(1.f), vexp(_mm512_sub_ps(vset1(0.f), g)));
+        vstore(a + i, _mm512_mul_ps(_mm512_div_ps(g, d), u));
+#else
+        vfloat d = _mm256_add_ps(vset1(1.f), vexp(_mm256_sub_ps(vset1(0.f), g)));
+        vstore(a + i, _mm256_mul_ps(_mm256_div_ps(g, d), u));
+#endif
+    }
+    for (; i < I; i++) a[i] = h[i] / (1.f + expf(-h[i])) * h[I + i];
+}
+
 #ifdef LS_AVX512
 #define vzero _mm512_setzero_ps
 #define vfma _mm512_fmadd_ps

@@ -27,3 +27,25 @@ def test_dense_linear_refuses_what_it_cannot_read():
         native.dense_linear(kernels(ISAS[0]), torch.randn(1, 8), torch.randn(8, 4).t())
     with pytest.raises(ValueError, match="float16"):
         native.dense_linear(kernels(ISAS[0]), torch.randn(1, 8), torch.randn(4, 8).half())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [64, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_experts_token_is_the_weighted_sum_of_gated_mlps(isa, k, dtype):
+    """One token through 3 of 5 stacked experts (down projections stored transposed), in the order given."""
+    g = torch.Generator().manual_seed(k)
+    inter = 24
+    w13 = (torch.randn(5, 2 * inter, k, generator=g) * 0.2).to(dtype)
+    w2t = (torch.randn(5, inter, k, generator=g) * 0.2).to(dtype)
+    x = (torch.randn(k, generator=g) * 2).to(dtype)
+    chosen, gates = [4, 0, 2], torch.tensor([0.5, 0.3, 0.2])
+    expected = torch.zeros(k, dtype=torch.float64)
+    for e, gate in zip(chosen, gates.tolist()):
+        h = w13[e].double() @ x.double()
+        a = torch.nn.functional.silu(h[:inter]) * h[inter:]
+        expected += gate * (a @ w2t[e].double())
+    got = native.dense_experts_token(kernels(isa), x, w13, w2t, chosen, gates)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())

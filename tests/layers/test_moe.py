@@ -141,7 +141,10 @@ def test_moe_block_matches_transformers(case: str, stacked: bool) -> None:
     with torch.no_grad():
         expected = hf_moe(x[None])[0]
         actual = moe(x)
+        one = moe(x[:1])  # batch-1 decode: stacked experts in one native call where the kernels build
+        expected_one = hf_moe(x[None, :1])[0]
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one, expected_one, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_yields_around_the_routed_experts() -> None:
