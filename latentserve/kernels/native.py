@@ -1,5 +1,5 @@
 """latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
-decode attention over the paged cache):
+decode attention over the paged cache; norm.c: RMSNorm):
 built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
 cannot be built the callers keep PyTorch's kernels."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from latentserve.kernels.cpu import CpuFeatures
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = (KERNEL_DIR / "qgemm.c", KERNEL_DIR / "gemv.c", KERNEL_DIR / "mla_decode.c")
+SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c"))
 HEADERS = (KERNEL_DIR / "simd.h",)
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
@@ -96,6 +96,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_dense_linear.restype = None
     lib.ls_dense_experts_token.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
     lib.ls_dense_experts_token.restype = None
+    lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
+    lib.ls_rms_norm.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -119,6 +121,19 @@ def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
     if isinstance(kernels, str):
         return None, f"{isa} build unavailable: {kernels}"
     return kernels, why
+
+
+@functools.cache
+def _for(setting: str | None, capability: str) -> NativeKernels | None:
+    from latentserve.kernels.cpu import cpu_features
+
+    return native_kernels(cpu_features())[0]
+
+
+def for_this_cpu() -> NativeKernels | None:
+    """The kernels for this CPU as torch dispatches on it and `LATENTSERVE_NATIVE_KERNELS` says, or None; looked up
+    once per setting (cheap enough to ask on every call)."""
+    return _for(os.environ.get(NATIVE_ENV), torch.backends.cpu.get_cpu_capability())
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
@@ -199,6 +214,19 @@ def dense_experts_token(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tens
     _call(kernels, "ls_dense_experts_token", x.data_ptr(), k, inter, len(experts), pointers[0], pointers[1],
           gates.data_ptr(), y.data_ptr(), io, torch.get_num_threads())
     return y
+
+
+def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over x's last dimension in fp32, x and `weight` both fp32 or both bf16 (bf16: the normalized x
+    rounds to bf16 before the weight multiplies it); in x's dtype and shape."""
+    if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm reads x and weight of one dtype, float32 or bfloat16; got {x.dtype}, {weight.dtype}")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(rows)
+    io = int(x.dtype == torch.bfloat16) * 0b101
+    _call(kernels, "ls_rms_norm", rows.data_ptr(), rows.shape[0], rows.shape[1], weight.contiguous().data_ptr(), eps,
+          y.data_ptr(), io, torch.get_num_threads())
+    return y.view(x.shape)
 
 
 def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,

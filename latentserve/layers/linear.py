@@ -2,15 +2,11 @@
 one or two rows, layouts that make MKL and oneDNN do so above."""
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from latentserve.kernels import native
-from latentserve.kernels.cpu import cpu_features
 
 # Layouts by row count with several threads (benchmarks/RESULTS.md, "Skinny products by dtype"). fp32: MKL runs a
 # one-row product on one thread, and x @ Wᵀ keeps threads idle up to a few dozen rows; a bmm over row blocks of W
@@ -22,15 +18,6 @@ SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch
 # the 94M V3's shapes: fp32 1.25-1.4x at 1 row, 1.1-1.5x at 2; bf16 1.5-3x at 1 row, mixed at 2, slower from 4).
 NATIVE_ROWS = {torch.float32: 2, torch.bfloat16: 1}
 
-
-@functools.cache
-def _native(setting: str | None, capability: str) -> native.NativeKernels | None:
-    return native.native_kernels(cpu_features())[0]
-
-
-def dense_kernels() -> native.NativeKernels | None:
-    """latentserve's kernels for this CPU (as torch dispatches and `LATENTSERVE_NATIVE_KERNELS` says), or None."""
-    return _native(os.environ.get(native.NATIVE_ENV), torch.backends.cpu.get_cpu_capability())
 
 
 def _split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -48,7 +35,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return F.linear(x, weight, bias)
     rows = x.shape[0]
     if rows <= NATIVE_ROWS.get(x.dtype, 0) and weight.dtype == x.dtype and weight.is_contiguous():
-        kernels = dense_kernels()
+        kernels = native.for_this_cpu()
         if kernels is not None:
             out = native.dense_linear(kernels, x.contiguous(), weight, x.dtype)
             return out if bias is None else out.add_(bias)

@@ -10,7 +10,7 @@ from torch import nn
 
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
-from latentserve.layers.linear import Linear, dense_kernels, linear
+from latentserve.layers.linear import Linear, linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.quant.experts import run_expert_loop
 
@@ -225,7 +225,7 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES:
-            kernels = dense_kernels()
+            kernels = native.for_this_cpu()
             if kernels is not None:  # batch-1 decode: the token's experts in one native call
                 chosen, order = (ids[0] - self.first).sort()
                 return native.dense_experts_token(kernels, x[0].contiguous(), self.w13, self.w2t, chosen.tolist(),

@@ -1,0 +1,40 @@
+"""kernels/norm.c against torch's RMSNorm, for each build this machine runs, and the layer's use of it."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from latentserve.kernels import native
+from latentserve.layers.norm import RMSNorm
+from tests.kernels.builds import ISAS, kernels, needs_a_build
+
+pytestmark = needs_a_build
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: rows shared out among threads
+@pytest.mark.parametrize("n", [64, 100])  # 100: a tail shorter than a vector
+def test_rms_norm_matches_torch(isa, rows, n):
+    g = torch.Generator().manual_seed(n + rows)
+    x, w = torch.randn(2, rows, n, generator=g) * 3, torch.randn(n, generator=g)
+    got = native.rms_norm(kernels(isa), x, w, 1e-6)
+    torch.testing.assert_close(got, F.rms_norm(x, (n,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    # bf16: the normalized row rounds to bf16 before the weight multiplies it (DeepSeek's reference order)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    expected = wb * F.rms_norm(xb.float(), (n,), eps=1e-6).bfloat16()
+    got = native.rms_norm(kernels(isa), xb, wb, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    assert (got != expected).float().mean().item() < 0.05  # equal but for a rare last-bit rounding
+
+
+def test_the_layer_runs_it_in_one_call(monkeypatch):
+    if native.for_this_cpu() is None:
+        pytest.skip("latentserve's kernels do not build here")
+    calls = []
+    monkeypatch.setattr(native, "rms_norm", lambda *a, _f=native.rms_norm: calls.append(1) or _f(*a))
+    norm = RMSNorm(32)
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(norm(x), F.rms_norm(x, (32,), norm.weight, 1e-6))
+    assert calls == [1]
+    with pytest.raises(ValueError, match="one dtype"):
+        native.rms_norm(native.for_this_cpu(), x, norm.weight.half(), 1e-6)
