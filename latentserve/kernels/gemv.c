@@ -8,15 +8,22 @@
 
 /* dot[i] = x[i] . w over K columns, x fp32 (rows K apart), w fp32 or bf16. */
 INLINE void dense_rows(const float *x, const void *w, int wbf, int64_t K, int mb, float dot[MB]) {
-    vfloat acc[MB];
-    for (int i = 0; i < mb; i++) acc[i] = vzero();
+    vfloat acc[MB], acc2[MB]; /* two chains per row: an FMA's latency is longer than a load's issue */
+    for (int i = 0; i < mb; i++) acc[i] = acc2[i] = vzero();
     int64_t k = 0;
+    for (; k + 2 * LANES <= K; k += 2 * LANES) {
+        vfloat wv = vload(w, wbf, k), wv2 = vload(w, wbf, k + LANES);
+        for (int i = 0; i < mb; i++) {
+            acc[i] = vfma(vload(x + i * K, 0, k), wv, acc[i]);
+            acc2[i] = vfma(vload(x + i * K, 0, k + LANES), wv2, acc2[i]);
+        }
+    }
     for (; k + LANES <= K; k += LANES) {
         vfloat wv = vload(w, wbf, k);
         for (int i = 0; i < mb; i++) acc[i] = vfma(vload(x + i * K, 0, k), wv, acc[i]);
     }
     for (int i = 0; i < mb; i++) {
-        float d = vreduce_add(acc[i]);
+        float d = vreduce_add(vadd(acc[i], acc2[i]));
         for (int64_t t = k; t < K; t++) d += x[i * K + t] * load_act(w, wbf, t);
         dot[i] = d;
     }

@@ -132,12 +132,14 @@ static inline void silu_mul(const float *h, int64_t I, float *a) {
 #define vfma _mm512_fmadd_ps
 #define vmul _mm512_mul_ps
 #define vsub _mm512_sub_ps
+#define vadd _mm512_add_ps
 #define vreduce_add _mm512_reduce_add_ps
 #else
 #define vzero _mm256_setzero_ps
 #define vfma _mm256_fmadd_ps
 #define vmul _mm256_mul_ps
 #define vsub _mm256_sub_ps
+#define vadd _mm256_add_ps
 INLINE float vreduce_add(vfloat v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

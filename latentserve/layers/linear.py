@@ -15,8 +15,9 @@ from latentserve.kernels import native
 SPLIT_ROWS = (1, 4, 5, 6, 7, 8)
 SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch.float16: range(17, 33)}
 # Up to this many rows latentserve's kernel (kernels/gemv.c) beats both (2 threads, streamed weights of V2-Lite's and
-# the 94M V3's shapes: fp32 1.25-1.4x at 1 row, 1.1-1.5x at 2; bf16 1.5-3x at 1 row, mixed at 2, slower from 4).
-NATIVE_ROWS = {torch.float32: 2, torch.bfloat16: 1}
+# the 94M V3's shapes: fp32 1.25-1.4x at 1 row, 1.1-1.5x at 2, 1.2-1.8x at 3, even at 4; bf16 1.5-3x at 1 row,
+# 1.0-1.3x at 2, 0.9-1.1x at 3; slower from 4-8 rows).
+NATIVE_ROWS = {torch.float32: 3, torch.bfloat16: 2}
 
 
 

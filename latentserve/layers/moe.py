@@ -16,6 +16,9 @@ from latentserve.layers.quant.experts import run_expert_loop
 
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
 PER_EXPERT_MAX_PAIRS = 4
+# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, one call a token (each
+# reads its experts' weights once: at a few tokens they rarely share one).
+NATIVE_MAX_TOKENS = 4
 # scoring function -> the top-k methods DeepSeek pairs with it
 TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 
@@ -224,12 +227,11 @@ class StackedExperts(nn.Module):
         return cls(local[0][0], w13, w2t)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES:
+        on_cpu = x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES
+        if 0 < x.shape[0] <= NATIVE_MAX_TOKENS and on_cpu:
             kernels = native.for_this_cpu()
-            if kernels is not None:  # batch-1 decode: the token's experts in one native call
-                chosen, order = (ids[0] - self.first).sort()
-                return native.dense_experts_token(kernels, x[0].contiguous(), self.w13, self.w2t, chosen.tolist(),
-                                                  weights[0][order].float().contiguous())[None]
+            if kernels is not None:
+                return self._native_per_token(kernels, x, weights, ids)
         top_k = ids.shape[1]
         flat_ids = ids.flatten() - self.first if self.first else ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
@@ -246,6 +248,16 @@ class StackedExperts(nn.Module):
         y = y * weights.flatten().index_select(0, order)[:, None]
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
         return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
+
+    def _native_per_token(self, kernels: native.NativeKernels, x: torch.Tensor, weights: torch.Tensor,
+                          ids: torch.Tensor) -> torch.Tensor:
+        """Each token's experts in one native call, in expert order (decode, and the few tokens of a speculative
+        verification): each token's result is the same however the batch around it is split."""
+        chosen, order = (ids - self.first).sort(dim=1)
+        gates = weights.gather(1, order).float()
+        return torch.stack([native.dense_experts_token(kernels, x[t].contiguous(), self.w13, self.w2t,
+                                                       chosen[t].tolist(), gates[t].contiguous())
+                            for t in range(x.shape[0])])
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The sorted rows through their experts with `linear`, one expert with tokens at a time."""
