@@ -160,11 +160,29 @@ INLINE float bf16_dot(const uint16_t *p, const float *f, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* The group scales of a weight row (the first of each bf16 (scale, minimum) pair) as floats. */
+INLINE void row_scales(const uint16_t *pairs, int64_t groups, float *sf) {
+    for (int64_t g = 0; g < groups; g += 16) {
+        __mmask16 mask = groups - g >= 16 ? 0xffff : (__mmask16)((1u << (groups - g)) - 1);
+        __m512i p = _mm512_maskz_loadu_epi32(mask, pairs + 2 * g);
+        _mm512_mask_storeu_ps(sf + g, mask, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
+    }
+}
+
+/* Lanes 0-7 from f[lo], 8-15 from f[hi] (f holds 4 floats). */
+INLINE __m512 spread(__m128 f, int lo, int hi) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi),
+                                 _mm512_castps128_ps512(f));
+}
+
+INLINE __m128 load2(const float *f) { return _mm_castpd_ps(_mm_load_sd((const double *)f)); }
+
 /* dot[i] = sum over 64-column chunks of xs(chunk) * scale(group) * sum_k q[k] * xq[i, k], two chunks a pass: one
  * 64-byte load of nibbles, whose low halves meet x's columns 0-31 of both chunks and high halves columns 32-63
  * (`int4_prepare` stores x in that order). vpdpbusd's lanes 0-7 sum the first chunk, 8-15 the second. Groups of
- * 64 columns or more share a scale over a chunk, so both halves sum in integers; groups of 32 scale each half. */
-INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, const uint8_t *nibbles, int64_t K,
+ * 64 columns or more share a scale over a chunk, so both halves sum in integers; groups of 32 scale each half.
+ * The scales come as vectors from the row's floats (`row_scales`), no scalar work in the loop. */
+INLINE void int4_rows(const int8_t *xq, const float *xs, const float *sf, const uint8_t *nibbles, int64_t K,
                       int gshift, int mb, float dot[MB]) {
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[MB], acc2[MB];
@@ -173,30 +191,34 @@ INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, 
     for (; k + 128 <= K; k += 128) {
         __m512i b = _mm512_loadu_si512(nibbles + k / 2);
         __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-        float s0 = bf16_to_float(pairs[2 * (k >> gshift)]), s1 = bf16_to_float(pairs[2 * ((k + 64) >> gshift)]);
         if (gshift >= 6) {
+            __m512 ws = gshift == 6 ? spread(load2(sf + k / 64), 0, 1) : _mm512_set1_ps(sf[k >> 7]);
             for (int i = 0; i < mb; i++) {
                 const int8_t *x = xq + i * K + k;
-                const float *sx = xs + i * (K / 64) + k / 64;
                 __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x)),
                                                 hi, _mm512_loadu_si512(x + 64));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), halves(s0 * sx[0], s1 * sx[1]), acc[i]);
+                __m512 scale = _mm512_mul_ps(ws, spread(load2(xs + i * (K / 64) + k / 64), 0, 1));
+                if (k & 128)
+                    acc2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc2[i]);
+                else
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), scale, acc[i]);
             }
         } else {
-            float t0 = bf16_to_float(pairs[2 * ((k + 32) >> gshift)]), t1 = bf16_to_float(pairs[2 * ((k + 96) >> gshift)]);
+            __m128 w4 = _mm_loadu_ps(sf + k / 32);
+            __m512 wl = spread(w4, 0, 2), wh = spread(w4, 1, 3);
             for (int i = 0; i < mb; i++) {
                 const int8_t *x = xq + i * K + k;
-                const float *sx = xs + i * (K / 64) + k / 64;
+                __m512 sx = spread(load2(xs + i * (K / 64) + k / 64), 0, 1);
                 __m512i dl = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x));
                 __m512i dh = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi, _mm512_loadu_si512(x + 64));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl), halves(s0 * sx[0], s1 * sx[1]), acc[i]);
-                acc2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh), halves(t0 * sx[0], t1 * sx[1]), acc2[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dl), _mm512_mul_ps(wl, sx), acc[i]);
+                acc2[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dh), _mm512_mul_ps(wh, sx), acc2[i]);
             }
         }
     }
     if (k < K) { /* an odd last chunk, in plain column order */
         __m512i wv = unpack64(nibbles + k / 2);
-        float sa = bf16_to_float(pairs[2 * (k >> gshift)]), sb = bf16_to_float(pairs[2 * ((k + 32) >> gshift)]);
+        float sa = sf[k >> gshift], sb = sf[(k + 32) >> gshift];
         for (int i = 0; i < mb; i++) {
             __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + i * K + k));
             float sx = xs[i * (K / 64) + k / 64];
@@ -227,7 +249,11 @@ INLINE __m256 scaled_dot(__m256i q, const int8_t *x, float scale) {
 
 /* As the AVX-512 version, on `int4_prepare`'s column order: chunk c of a pair meets x's columns 0-31 at 32 * c and
  * 32-63 at 64 + 32 * c. */
-INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, const uint8_t *nibbles, int64_t K,
+INLINE void row_scales(const uint16_t *pairs, int64_t groups, float *sf) {
+    for (int64_t g = 0; g < groups; g++) sf[g] = bf16_to_float(pairs[2 * g]);
+}
+
+INLINE void int4_rows(const int8_t *xq, const float *xs, const float *sf, const uint8_t *nibbles, int64_t K,
                       int gshift, int mb, float dot[MB]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256 acc[MB];
@@ -235,7 +261,7 @@ INLINE void int4_rows(const int8_t *xq, const float *xs, const uint16_t *pairs, 
     for (int64_t k = 0; k < K; k += 64) {
         __m256i b = _mm256_loadu_si256((const __m256i *)(nibbles + k / 2));
         __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-        float sa = bf16_to_float(pairs[2 * (k >> gshift)]), sb = bf16_to_float(pairs[2 * ((k + 32) >> gshift)]);
+        float sa = sf[k >> gshift], sb = sf[(k + 32) >> gshift];
         int paired = (k & 64) || k + 128 <= K; /* in a pair of chunks, else a plain last one */
         int64_t base = k & ~(int64_t)127, first = (k & 64) ? 32 : 0;
         for (int i = 0; i < mb; i++) {
@@ -280,8 +306,9 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
 /* One output: a prepared activation row against one weight row of `int4_row_bytes(K, G)` bytes. */
 INLINE float int4_dot(const int8_t *xq, const float *xs, const float *corr, const uint8_t *row, int64_t K, int64_t G) {
     const uint16_t *pairs = (const uint16_t *)row;
-    float d[MB];
-    int4_rows(xq, xs, pairs, row + 4 * (K / G), K, log2_group(G), 1, d);
+    float d[MB], sf[K / G];
+    row_scales(pairs, K / G, sf);
+    int4_rows(xq, xs, sf, row + 4 * (K / G), K, log2_group(G), 1, d);
     return d[0] + bf16_dot(pairs, corr, 2 * (K / G));
 }
 
@@ -310,10 +337,12 @@ void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64
     for (int64_t n = 0; n < N; n++) {
         const uint16_t *pairs = (const uint16_t *)(w + n * row_bytes);
         const uint8_t *nibbles = w + n * row_bytes + 4 * groups;
+        float sf[groups];
+        row_scales(pairs, groups, sf);
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             int mb = M - m0 < MB ? (int)(M - m0) : MB;
             float out[MB];
-            FOR_ROWS(int4_rows, xq + m0 * K, xs + m0 * chunks, pairs, nibbles, K, gshift)
+            FOR_ROWS(int4_rows, xq + m0 * K, xs + m0 * chunks, sf, nibbles, K, gshift)
             for (int i = 0; i < mb; i++)
                 store_out(y, io & 2, (m0 + i) * N + n,
                           out[i] + bf16_dot(pairs, corrections + (m0 + i) * 2 * groups, 2 * groups));
