@@ -13,7 +13,7 @@ from latentserve.attention.prefill.base import OwnershipError
 from latentserve.attention.prefill.selector import get_mla_prefill_backend
 from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
-from latentserve.layers.linear import Linear
+from latentserve.layers.linear import Linear, head_products
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.kernels.native import NativeKernels
 
@@ -137,7 +137,6 @@ class MLAAttention(nn.Module):
             to_latent, to_values = self.int8_absorbed
             o_latent = self.decode_backend.forward(torch.cat([to_latent(q_nope), q_pe], dim=-1), self.kv_cache, md)
             return to_values(o_latent)
-        # Per-head products as bmm over [N, T, *] views: what einsum would run, without its parsing per call.
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1)
+        q_latent = head_products(q_nope, self.W_UK_T)
         o_latent = self.decode_backend.forward(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, md)
-        return torch.bmm(o_latent.transpose(0, 1), self.W_UV).transpose(0, 1)
+        return head_products(o_latent, self.W_UV)

@@ -102,3 +102,61 @@ void ls_dense_experts_token(const void *x, int64_t K, int64_t I, int64_t count, 
     free(a);
     free(partial);
 }
+
+/* One head's tile of NV vectors of outputs for mb (1 or 2) activation rows: y[i][:] = sum_k x[i][k] * w[k][:],
+ * w's rows `stride` elements apart. The tile's accumulators stay in registers; each weight element read once. */
+INLINE void heads_tile(const float *x, int64_t xstride, const void *w, int wbf, int64_t K, int64_t stride, int mb,
+                       int NV, float *y, int64_t ystride) {
+    vfloat acc[2][8];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NV; j++) acc[i][j] = vzero();
+    for (int64_t k = 0; k < K; k++) {
+        vfloat x0 = vset1(x[k]), x1 = mb > 1 ? vset1(x[xstride + k]) : x0;
+        for (int j = 0; j < NV; j++) {
+            vfloat wv = vload(w, wbf, k * stride + j * LANES);
+            acc[0][j] = vfma(x0, wv, acc[0][j]);
+            if (mb > 1) acc[1][j] = vfma(x1, wv, acc[1][j]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < NV; j++) vstore(y + i * ystride + j * LANES, acc[i][j]);
+}
+
+/* MLA's absorbed per-head products for few tokens: y[m, h, n] = sum_k x[m, h, k] * w[h, k, n], w `[H, K, N]` fp32
+ * or bf16 (bit 2 of `io`) as bmm takes it, N a multiple of LANES. Tasks of (head, tile of up to 8 vectors of
+ * outputs) are shared out among the threads; each streams its tile's K weight rows once for two activation rows
+ * (the tile, at most K * 512 bytes, is then read again from the cache for the next two). */
+void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
+                    int threads) {
+    int wbf = (io >> 2) & 1;
+    int64_t wsize = wbf ? 2 : 4, nv = N / LANES;
+    int tile = nv % 8 == 0 ? 8 : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
+    int64_t tiles = nv / tile;
+    float *xf = malloc(M * H * K * sizeof(float)), *yf = malloc(M * H * N * sizeof(float));
+    for (int64_t i = 0; i < M * H * K; i++) xf[i] = load_act(x, io & 1, i);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < H * tiles; t++) {
+        int64_t h = t / tiles, n0 = (t % tiles) * tile * LANES;
+        const char *wt = (const char *)w + (h * K * N + n0) * wsize;
+        for (int64_t m = 0; m < M; m += 2) {
+            const float *xm = xf + (m * H + h) * K;
+            float *ym = yf + (m * H + h) * N + n0;
+#define HEADS_TILE(mb)                                                            \
+    switch (tile) {                                                               \
+    case 8: heads_tile(xm, H * K, wt, wbf, K, N, mb, 8, ym, H * N); break;        \
+    case 4: heads_tile(xm, H * K, wt, wbf, K, N, mb, 4, ym, H * N); break;        \
+    case 2: heads_tile(xm, H * K, wt, wbf, K, N, mb, 2, ym, H * N); break;        \
+    default: heads_tile(xm, H * K, wt, wbf, K, N, mb, 1, ym, H * N); break;       \
+    }
+            if (M - m >= 2) {
+                HEADS_TILE(2)
+            } else {
+                HEADS_TILE(1)
+            }
+#undef HEADS_TILE
+        }
+    }
+    for (int64_t i = 0; i < M * H * N; i++) store_out(y, io & 2, i, yf[i]);
+    free(xf);
+    free(yf);
+}

@@ -94,6 +94,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_mla_decode.restype = None
     lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
     lib.ls_dense_linear.restype = None
+    lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
+    lib.ls_dense_heads.restype = None
     lib.ls_dense_experts_token.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
     lib.ls_dense_experts_token.restype = None
     lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
@@ -194,6 +196,21 @@ def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
     y = torch.empty(m, n, dtype=dtype)
     _call(kernels, "ls_dense_linear", x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(),
           io | int(weight.dtype == torch.bfloat16) << 2, torch.get_num_threads())
+    return y
+
+
+def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, H, N]`: y[m, h] = x[m, h] @ w[h] for x `[M, H, K]` (contiguous, fp32 or bf16) and a contiguous fp32 or
+    bf16 w `[H, K, N]` (bmm's layout) with N a multiple of 16; fp32 sums."""
+    if w.dtype not in KERNEL_DTYPES or not w.is_contiguous() or w.shape[2] % 16:
+        raise ValueError(f"dense_heads reads a contiguous float32 or bfloat16 [H, K, N] weight with N % 16 == 0, "
+                         f"not {w.dtype} {tuple(w.shape)}")
+    (m, h, k), n = x.shape, w.shape[2]
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(m, h, n, dtype=dtype)
+    _call(kernels, "ls_dense_heads", x.data_ptr(), m, h, k, w.data_ptr(), n, y.data_ptr(),
+          io | int(w.dtype == torch.bfloat16) << 2, torch.get_num_threads())
     return y
 
 

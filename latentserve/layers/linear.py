@@ -18,7 +18,9 @@ SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch
 # the 94M V3's shapes: fp32 1.25-1.4x at 1 row, 1.1-1.5x at 2, 1.2-1.8x at 3, even at 4; bf16 1.5-3x at 1 row,
 # 1.0-1.3x at 2, 0.9-1.1x at 3; slower from 4-8 rows).
 NATIVE_ROWS = {torch.float32: 3, torch.bfloat16: 2}
-
+# MLA's absorbed per-head products: up to this many tokens latentserve's kernel beats bmm (V2-Lite's and the 94M
+# V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads).
+NATIVE_HEAD_TOKENS = 4
 
 
 def _split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
@@ -47,6 +49,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         return F.linear(x, weight, bias)
     return out if bias is None else out.add_(bias)
+
+
+def head_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y[t, h] = x[t, h] @ w[h] for x `[T, H, K]` and w `[H, K, N]`: `[T, H, N]`."""
+    if (x.device.type == "cpu" and x.shape[0] <= NATIVE_HEAD_TOKENS and x.dtype == w.dtype
+            and w.dtype in native.KERNEL_DTYPES and w.shape[2] % 16 == 0 and w.is_contiguous()):
+        kernels = native.for_this_cpu()
+        if kernels is not None:
+            return native.dense_heads(kernels, x.contiguous(), w, x.dtype)
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
 class Linear(nn.Linear):

@@ -49,3 +49,25 @@ def test_dense_experts_token_is_the_weighted_sum_of_gated_mlps(isa, k, dtype):
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 2, 3])  # 3: a pair of rows, then one
+@pytest.mark.parametrize("n", [16, 48, 64, 256])  # tiles of 1, 3 x 1, 4, 8 vectors (AVX2: 2, 6 x 1, 8, 2 x 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_heads_is_the_per_head_product_with_fp32_sums(isa, rows, n, dtype):
+    g = torch.Generator().manual_seed(rows * n)
+    heads, k = 3, 40
+    x, w = torch.randn(rows, heads, k, generator=g).to(dtype), torch.randn(heads, k, n, generator=g).to(dtype)
+    expected = torch.einsum("mhk,hkn->mhn", x.double(), w.double())
+    got = native.dense_heads(kernels(isa), x, w, torch.float32)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    out = native.dense_heads(kernels(isa), x, w, dtype)
+    assert out.dtype == dtype and torch.equal(out, got.to(dtype))
+
+
+def test_dense_heads_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match=r"N % 16 == 0"):
+        native.dense_heads(kernels(ISAS[0]), torch.randn(1, 2, 8), torch.randn(2, 8, 20))
+    with pytest.raises(ValueError, match="float16"):
+        native.dense_heads(kernels(ISAS[0]), torch.randn(1, 2, 8), torch.randn(2, 8, 16).half())

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.kernels import native
-from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS, Linear, linear
+from latentserve.layers.linear import NATIVE_HEAD_TOKENS, SKINNY_ROWS, SPLIT_ROWS, Linear, head_products, linear
 
 
 @pytest.fixture
@@ -83,3 +83,23 @@ def test_linear_module_is_a_drop_in_nn_linear(two_threads) -> None:
         x = torch.randn(rows, 12)
         torch.testing.assert_close(layer(x), torch.nn.Linear.forward(layer, x))
     assert set(dict(layer.named_parameters())) == {"weight", "bias"}
+
+
+@pytest.mark.parametrize("setting", ["0", "1"])
+@pytest.mark.parametrize("tokens", [1, 3, NATIVE_HEAD_TOKENS, NATIVE_HEAD_TOKENS + 1])
+@pytest.mark.parametrize("n", [32, 40])  # 40: no native kernel for outputs that are not whole vectors
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_products_equal_bmm_and_use_the_kernel_for_few_tokens(monkeypatch, setting, tokens, n, dtype) -> None:
+    monkeypatch.setenv(native.NATIVE_ENV, setting)
+    calls: list[str] = []
+    original = native.dense_heads
+    monkeypatch.setattr(native, "dense_heads", lambda *a: calls.append("native") or original(*a))
+    gen = torch.Generator().manual_seed(tokens * n)
+    qkv = torch.randn(tokens, 4, 24 + 8, generator=gen).to(dtype)[..., :24]  # a split view, as MLA passes it
+    w = torch.randn(4, 24, n, generator=gen).to(dtype)
+    out = head_products(qkv, w)
+    expected = torch.einsum("thk,hkn->thn", qkv.double(), w.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    native_expected = setting == "1" and native.for_this_cpu() is not None and tokens <= NATIVE_HEAD_TOKENS and n == 32
+    assert calls == (["native"] if native_expected else [])
