@@ -5,7 +5,8 @@ rates and of each round's ratio). Decode tok/s = generated tokens past the first
 time of a one-token request). `--clock cpu`
 (the default) times this process's CPU time, which a shared machine disturbs far less than wall time (one thread:
 the two agree on an idle machine). On the embedded model the prompts are KJV verse openings the model never saw
-whole (held-out chapters). Every batch size drafts (`disable_by_batch_size` None) unless `--default-disable`.
+whole (held-out chapters); batch 1 runs each of them alone in turn. Every batch size drafts (`disable_by_batch_size`
+None) unless `--default-disable`.
 
 The cost model (`--cost-model`) times the forwards of one step on their own, at a context of 40 tokens: the main
 model over 1 and k+1 tokens per request (plus logits), the MTP layer over k+1 tokens then k-1 chained single tokens
@@ -54,6 +55,14 @@ RANDOM_MODEL = dict(
 CONTEXT = 40  # tokens already cached when the cost model times a step
 
 
+def embedded_groups(batch: int) -> list[list[str]]:
+    """Batch 1 runs every prompt alone in turn (one prompt's greedy continuation may loop, which drafts love);
+    larger batches take the first `batch` prompts together."""
+    if batch == 1:
+        return [[prompt] for prompt in PROMPTS]
+    return [[PROMPTS[i % len(PROMPTS)] for i in range(batch)]]
+
+
 def random_mtp_checkpoint(path: Path, layers: int) -> Path:
     """transformers writes L+1 layers; the last becomes the MTP layer, with random MTP inputs and output norm."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
@@ -85,8 +94,9 @@ def decode_time(llm: LLM, prompts, max_tokens: int, clock) -> float:
     return max(clock() - start - t_one, 1e-9)
 
 
-def bench_model(name: str, path: Path, prompts_for, args) -> None:
-    """Engines with and without MTP take turns, `--repeats` rounds; medians of rates and of per-round ratios."""
+def bench_model(name: str, path: Path, groups_for, args) -> None:
+    """Engines with and without MTP take turns, `--repeats` rounds; medians of rates and of per-round ratios.
+    `groups_for(batch)`: the batches of prompts a round runs one after another (their times add up)."""
     engine = dict(num_threads=args.threads, max_num_seqs=max(args.batch), num_kv_blocks=512)
     engines = {0: LLM(model=path, **engine)}
     for k in args.k:
@@ -101,15 +111,15 @@ def bench_model(name: str, path: Path, prompts_for, args) -> None:
     print("| batch | no MTP | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|---|---|" * len(args.k))
     for batch in args.batch:
-        prompts = prompts_for(batch)
-        tokens = batch * (args.max_tokens - 1)
+        groups = groups_for(batch)
+        tokens = sum(len(prompts) for prompts in groups) * (args.max_tokens - 1)
         for llm in engines.values():
-            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+            llm.generate(groups[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
         before = {k: _counters(engines[k]) for k in args.k}
         rates: dict[int, list[float]] = {k: [] for k in engines}
         for _ in range(args.repeats):
             for k, llm in engines.items():
-                rates[k].append(tokens / decode_time(llm, prompts, args.max_tokens, clock))
+                rates[k].append(tokens / sum(decode_time(llm, prompts, args.max_tokens, clock) for prompts in groups))
         cells = [f"{statistics.median(rates[0]):.1f}"]
         for k in args.k:
             ratio = statistics.median(s / b for s, b in zip(rates[k], rates[0]))
@@ -208,7 +218,7 @@ def main() -> None:
         args.batch, args.k, args.repeats, args.max_tokens = [1, 4], [1], 1, 24
     torch.set_num_threads(args.threads)
     embedded = default_model_dir()
-    bench_model("embedded model", embedded, lambda b: [PROMPTS[i % len(PROMPTS)] for i in range(b)], args)
+    bench_model("embedded model", embedded, embedded_groups, args)
     if args.cost_model:
         cost_model("embedded model", embedded, args)
     if args.skip_random:
@@ -220,7 +230,7 @@ def main() -> None:
             cost_model(name, path, args)
         g = torch.Generator().manual_seed(0)
         bench_model(f"{name} (cost only: its random MTP layer accepts nothing)", path,
-                    lambda b: [torch.randint(5, 8192, (32,), generator=g).tolist() for _ in range(b)], args)
+                    lambda b: [[torch.randint(5, 8192, (32,), generator=g).tolist() for _ in range(b)]], args)
 
 
 if __name__ == "__main__":
