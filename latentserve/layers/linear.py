@@ -16,8 +16,10 @@ SPLIT_ROWS = (1, 4, 5, 6, 7, 8)
 SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch.float16: range(17, 33)}
 # Up to this many rows latentserve's kernel (kernels/gemv.c) beats both (2 threads, streamed weights of V2-Lite's and
 # the 94M V3's shapes: fp32 1.25-1.4x at 1 row, 1.1-1.5x at 2, 1.2-1.8x at 3, even at 4; bf16 1.5-3x at 1 row,
-# 1.0-1.3x at 2, 0.9-1.1x at 3; slower from 4-8 rows).
+# 1.0-1.3x at 2, 0.9-1.1x at 3; slower from 4-8 rows). On one thread it beats F.linear too (fp32 1.3-3.8x at 1-3
+# rows; bf16 1.8-2.6x at 1 row, but 0.87-0.97x at 2 on V2-Lite's shapes, where oneDNN's one thread does well).
 NATIVE_ROWS = {torch.float32: 3, torch.bfloat16: 2}
+NATIVE_ROWS_ONE_THREAD = {torch.float32: 3, torch.bfloat16: 1}
 # MLA's absorbed per-head products: up to this many tokens latentserve's kernel beats bmm (V2-Lite's and the 94M
 # V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads).
 NATIVE_HEAD_TOKENS = 4
@@ -33,15 +35,17 @@ def _split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tens
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x `[T, in]`; contiguous `[T, out]`."""
-    threads = torch.get_num_threads()
-    if x.device.type != "cpu" or x.dim() != 2 or threads == 1 or x.dtype not in SKINNY_ROWS:
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in SKINNY_ROWS:
         return F.linear(x, weight, bias)
-    rows = x.shape[0]
-    if rows <= NATIVE_ROWS.get(x.dtype, 0) and weight.dtype == x.dtype and weight.is_contiguous():
+    threads, rows = torch.get_num_threads(), x.shape[0]
+    native_rows = (NATIVE_ROWS if threads > 1 else NATIVE_ROWS_ONE_THREAD).get(x.dtype, 0)
+    if rows <= native_rows and weight.dtype == x.dtype and weight.is_contiguous():
         kernels = native.for_this_cpu()
         if kernels is not None:
             out = native.dense_linear(kernels, x.contiguous(), weight, x.dtype)
             return out if bias is None else out.add_(bias)
+    if threads == 1:
+        return F.linear(x, weight, bias)
     if x.dtype == torch.float32 and rows in SPLIT_ROWS and weight.shape[0] % threads == 0:
         out = _split_gemm(x, weight, threads)
     elif rows in SKINNY_ROWS[x.dtype]:
