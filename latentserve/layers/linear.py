@@ -1,5 +1,5 @@
 """`Linear`: nn.Linear whose skinny CPU products keep every thread streaming weights: latentserve's own kernel at
-one or two rows, layouts that make MKL and oneDNN do so above."""
+a few rows, layouts that make MKL and oneDNN do so above."""
 from __future__ import annotations
 
 import torch
@@ -14,12 +14,21 @@ from latentserve.kernels import native
 # which keeps its threads busy: x @ Wᵀ is fastest up to 16 rows, W @ xᵀ from 17 to 32.
 SPLIT_ROWS = (1, 4, 5, 6, 7, 8)
 SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch.float16: range(17, 33)}
-# Up to this many rows latentserve's kernel (kernels/gemv.c) beats both (2 threads, streamed weights of V2-Lite's and
-# the 94M V3's shapes: fp32 1.25-1.4x at 1 row, 1.1-1.5x at 2, 1.2-1.8x at 3, even at 4; bf16 1.5-3x at 1 row,
-# 1.0-1.3x at 2, 0.9-1.1x at 3; slower from 4-8 rows). On one thread it beats F.linear too (fp32 1.3-3.8x at 1-3
-# rows; bf16 1.8-2.6x at 1 row, but 0.87-0.97x at 2 on V2-Lite's shapes, where oneDNN's one thread does well).
-NATIVE_ROWS = {torch.float32: 3, torch.bfloat16: 2}
-NATIVE_ROWS_ONE_THREAD = {torch.float32: 3, torch.bfloat16: 1}
+
+
+def native_rows(dtype: torch.dtype, in_features: int, threads: int) -> int:
+    """Up to how many rows latentserve's kernel (kernels/gemv.c) beats the other layouts, as measured with weights
+    streamed (benchmarks/RESULTS.md). fp32: 1.25-1.8x at 1-3 rows on 2 threads, 1.3-3.8x F.linear on one, even at
+    4. bf16 at 1 row: 1.5-3x. At 2-4 rows bf16 depends on the input width: over short rows (<= 512, small models'
+    hidden sizes and experts) oneDNN's fixed cost dominates and the kernel wins 1.4-2.8x; over V2-Lite's 2048 it
+    wins 1.0-1.3x at 2 rows on 2 threads but loses on one (0.87-0.97x), and loses from 3 rows on."""
+    if dtype == torch.float32:
+        return 3
+    if dtype == torch.bfloat16:
+        return 4 if in_features <= 512 else 2 if threads > 1 else 1
+    return 0
+
+
 # MLA's absorbed per-head products: up to this many tokens latentserve's kernel beats bmm (V2-Lite's and the 94M
 # V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads).
 NATIVE_HEAD_TOKENS = 4
@@ -38,8 +47,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in SKINNY_ROWS:
         return F.linear(x, weight, bias)
     threads, rows = torch.get_num_threads(), x.shape[0]
-    native_rows = (NATIVE_ROWS if threads > 1 else NATIVE_ROWS_ONE_THREAD).get(x.dtype, 0)
-    if rows <= native_rows and weight.dtype == x.dtype and weight.is_contiguous():
+    if rows <= native_rows(x.dtype, x.shape[1], threads) and weight.dtype == x.dtype and weight.is_contiguous():
         kernels = native.for_this_cpu()
         if kernels is not None:
             out = native.dense_linear(kernels, x.contiguous(), weight, x.dtype)

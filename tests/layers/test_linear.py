@@ -65,20 +65,23 @@ def test_each_layout_is_taken_where_intended(two_threads, monkeypatch, setting) 
     if setting == "0":
         assert calls == ["bmm", "mm", "bmm", "mm", "mm", "F.linear", "F.linear", "F.linear",
                          "F.linear", "F.linear", "mm", "F.linear", "F.linear", "F.linear"]
-    else:  # latentserve's kernel at 1-3 fp32 rows and 1-2 bf16 rows (1 on one thread)
+    else:  # latentserve's kernel at 1-3 fp32 rows; bf16 over short rows at 1-4, over long ones at 1-2 (1 on one thread)
         assert calls == ["native", "native", "bmm", "mm", "mm", "F.linear", "native", "F.linear",
                          "native", "F.linear", "mm", "F.linear", "native", "F.linear"]
         calls.clear()
+        wide = torch.randn(16, 1024, dtype=torch.bfloat16)
         linear(torch.randn(3, 8), weight)
-        linear(torch.randn(1, 8, dtype=torch.bfloat16), weight.bfloat16())
-        linear(torch.randn(2, 8, dtype=torch.bfloat16), weight.bfloat16())
-        assert calls == ["native", "native", "F.linear"]
+        linear(torch.randn(1, 1024, dtype=torch.bfloat16), wide)
+        linear(torch.randn(2, 1024, dtype=torch.bfloat16), wide)
+        linear(torch.randn(4, 8, dtype=torch.bfloat16), weight.bfloat16())
+        linear(torch.randn(5, 8, dtype=torch.bfloat16), weight.bfloat16())
+        assert calls == ["native", "native", "F.linear", "native", "F.linear"]
         calls.clear()
         torch.set_num_threads(2)
         linear(torch.randn(3, 8), weight)
         linear(torch.randn(4, 8), weight)
-        linear(torch.randn(2, 8, dtype=torch.bfloat16), weight.bfloat16())
-        linear(torch.randn(3, 8, dtype=torch.bfloat16), weight.bfloat16())
+        linear(torch.randn(2, 1024, dtype=torch.bfloat16), wide)
+        linear(torch.randn(3, 1024, dtype=torch.bfloat16), wide)
         assert calls == ["native", "bmm", "native", "F.linear"]
 
 

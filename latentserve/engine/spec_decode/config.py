@@ -6,10 +6,11 @@ from typing import Any
 
 METHODS = ("mtp",)
 # Above this many requests in a step, drafting is off by default. On the embedded model (benchmarks/speculative.py,
-# benchmarks/RESULTS.md "MTP speculative decoding") decode with k = 1 or 2 is 1.17-1.38x at 4 requests but
-# 0.92-1.08x from 8 to 32: the crossover is near 8. A deeper model, whose MTP layer is a smaller share of a step,
-# crosses later; `disable_by_batch_size` raises it.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
+# benchmarks/RESULTS.md "MTP speculative decoding", 2026-12-04, after the one-thread native linears made plain
+# decode 1.8x faster) decode with k = 1 is 1.10x at 1 request and 1.22x at 2, but 0.76-0.78x at 3-4: verifying 6+
+# tokens leaves latentserve's few-row kernels for the batched paths. A deeper model, whose MTP layer is a smaller
+# share of a step, crosses later; `disable_by_batch_size` raises it.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 2
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from latentserve import LLM, SamplingParams
 
 PROMPTS = ["And God said", "In the beginning", "The LORD is my shepherd", "And it came to pass"]
 ENGINE = dict(dtype="float32", num_threads=1, num_kv_blocks=64)  # bf16 round-off would flip near-ties
-SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+SPEC = {"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": None}  # drafting at every batch
 
 
 @pytest.fixture(scope="module")

@@ -105,7 +105,7 @@ def test_drafting_is_off_by_default_above_the_crossover_batch_size(checkpoint, b
     limit = DEFAULT_DISABLE_BY_BATCH_SIZE
     assert SpeculativeConfig.from_value({"method": "mtp"}).disable_by_batch_size == limit
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine = {**ENGINE, "max_num_seqs": limit + 1, "num_kv_blocks": 4 * (limit + 1) + 8}
+    engine = {**ENGINE, "max_num_seqs": limit + 1, "num_kv_blocks": 4 * (limit + 1) + 24}
     llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
     prompts = _prompts(limit + 1, seed=8)
     assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
