@@ -14,7 +14,9 @@ from latentserve.attention.prefill import selector as prefill_selector
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.args import HelpFormatter, dtype_name, write
 from latentserve.engine.llm_engine import parse_dtype
+from latentserve.kernels import native
 from latentserve.kernels.cpu import auto_dtype, cpu_features
+from latentserve.layers.linear import NATIVE_HEAD_TOKENS, native_rows
 from latentserve.layers.quant.linear import int4_kernel, int8_kernel
 
 # DeepSeek-V3's attention shape; the built-in checks depend only on device and dtype.
@@ -79,7 +81,22 @@ def describe_weights(device: str) -> str:
         "outputs are not a multiple of 16)",
         f"    lm_head under int8 and int4: {int8.kernel} (--no-lm-head-quantized keeps the compute dtype)",
         "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
+        f"    fp32 / bf16 linears: {_dense(device)}",
     ]) + "\n"
+
+
+def _dense(device: str) -> str:
+    """Which kernel the skinny fp32/bf16 products of a decode step take, and up to how many rows."""
+    if device != "cpu":
+        return "PyTorch's"
+    kernels, why = native.native_kernels(cpu_features())
+    if kernels is None:
+        return f"PyTorch's (latentserve's kernels: {why})"
+    threads = torch.get_num_threads()
+    fp32, bf16 = native_rows(torch.float32, 2048, threads), native_rows(torch.bfloat16, 2048, threads)
+    return (f"latentserve's (built for {kernels.isa}) up to {fp32} fp32 rows and {bf16} bf16 rows at {threads} "
+            f"thread(s) ({native_rows(torch.bfloat16, 512, threads)} over inputs of <= 512), MLA's absorbed per-head "
+            f"products up to {NATIVE_HEAD_TOKENS} tokens; MKL / oneDNN above")
 
 
 def run(args: argparse.Namespace) -> int:
