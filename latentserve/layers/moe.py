@@ -17,8 +17,11 @@ from latentserve.layers.quant.experts import run_expert_loop
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
 PER_EXPERT_MAX_PAIRS = 4
 # Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, one call a token (each
-# reads its experts' weights once: at a few tokens they rarely share one).
-NATIVE_MAX_TOKENS = 4
+# reads its experts' weights once, so shared experts are read again). Measured against the batched paths with
+# weights streamed, 2 threads (benchmarks/RESULTS.md): even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's
+# experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
+# paths win, reading each expert once.
+NATIVE_MAX_TOKENS = 8
 # scoring function -> the top-k methods DeepSeek pairs with it
 TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
 

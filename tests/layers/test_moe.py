@@ -143,8 +143,11 @@ def test_moe_block_matches_transformers(case: str, stacked: bool) -> None:
         actual = moe(x)
         one = moe(x[:1])  # batch-1 decode: stacked experts in one native call where the kernels build
         expected_one = hf_moe(x[None, :1])[0]
+        few = moe(x[:6])  # a few decode tokens: one native call a token
+        expected_few = hf_moe(x[None, :6])[0]
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(one, expected_one, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(few, expected_few, rtol=1e-5, atol=1e-6)
 
 
 def test_moe_yields_around_the_routed_experts() -> None:
