@@ -33,13 +33,15 @@ def target_scores(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]], k: int) -> list[list[int]]:
     """logits `[sum(len(d) + 1), vocab]`: each request's positions in order -> its emitted tokens (its accepted
     drafts, then one more), for requests that pass `supports_speculation`."""
+    row_params = [r.sampling_params for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
+    flat = target_scores(logits, row_params)
+    if all(r.sampling_params.is_greedy for r in requests):
+        return _argmax_chains(flat.argmax(-1).tolist(), drafts)
     device = logits.device
     batch = len(requests)
     num_drafts = torch.tensor([len(d) for d in drafts], device=device)
     draft_ids = torch.full((batch, k), PLACEHOLDER_TOKEN_ID, dtype=torch.long, device=device)
     probs = torch.ones(batch, k + 1, logits.shape[-1], device=device)  # padding rows: any valid distribution
-    row_params = [r.sampling_params for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
-    flat = target_scores(logits, row_params)
     start = 0
     for i, d in enumerate(drafts):
         draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
@@ -50,3 +52,17 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
                   if not r.sampling_params.is_greedy and (g := r.generator(device)) is not None}
     out = rejection_sample(draft_ids, num_drafts, None, probs, greedy, generators)
     return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+
+
+def _argmax_chains(argmax: list[int], drafts: list[list[int]]) -> list[list[int]]:
+    """Greedy verification without the batched sampler: each request's drafts up to the first that is not the
+    target's argmax, then the argmax there (what `rejection_sample` computes for greedy rows)."""
+    out, start = [], 0
+    for d in drafts:
+        row = argmax[start : start + len(d) + 1]
+        n = 0
+        while n < len(d) and d[n] == row[n]:
+            n += 1
+        out.append(d[:n] + [row[n]])
+        start += len(d) + 1
+    return out

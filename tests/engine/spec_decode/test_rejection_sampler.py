@@ -144,3 +144,30 @@ def test_rejects_bad_shapes() -> None:
         rejection_sample(drafts, torch.full((2,), 3), None, torch.rand(2, 3, 5), torch.zeros(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="num_draft_tokens must be in"):
         rejection_sample(drafts, torch.full((2,), 4), None, torch.rand(2, 4, 5), torch.zeros(2, dtype=torch.bool))
+
+
+def test_greedy_verification_shortcut_equals_rejection_sampling() -> None:
+    """verify()'s all-greedy path walks the argmax chain in Python; rejection_sample's greedy rows are the reference."""
+    from latentserve.engine.spec_decode.verifier import _argmax_chains
+
+    g = torch.Generator().manual_seed(0)
+    k, vocab = 3, 5
+    drafts = [[int(t) for t in torch.randint(0, vocab, (n,), generator=g)] for n in (0, 1, 3, 3, 2, 3)]
+    logits = torch.randn(sum(len(d) + 1 for d in drafts), vocab, generator=g)
+    argmax = logits.argmax(-1)
+    for i, d in enumerate(drafts):  # make some drafts right, so chains of every length occur
+        start = sum(len(x) + 1 for x in drafts[:i])
+        d[: i % (len(d) + 1)] = argmax[start : start + i % (len(d) + 1)].tolist()
+    probs = torch.zeros(len(drafts), k + 1, vocab)
+    draft_ids = torch.full((len(drafts), k), PLACEHOLDER_TOKEN_ID)
+    start = 0
+    for i, d in enumerate(drafts):
+        draft_ids[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+        probs[i, : len(d) + 1] = logits[start : start + len(d) + 1]
+        start += len(d) + 1
+    out = rejection_sample(draft_ids, torch.tensor([len(d) for d in drafts]), None, probs,
+                           torch.ones(len(drafts), dtype=torch.bool))
+    expected = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+    got = _argmax_chains(argmax.tolist(), drafts)
+    assert got == expected
+    assert sorted({len(row) for row in got}) == [1, 2, 3, 4]  # every chain length was exercised
