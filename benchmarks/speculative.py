@@ -119,7 +119,8 @@ def bench_model(name: str, path: Path, groups_for, args) -> None:
         rates: dict[int, list[float]] = {k: [] for k in engines}
         for _ in range(args.repeats):
             for k, llm in engines.items():
-                rates[k].append(tokens / sum(decode_time(llm, prompts, args.max_tokens, clock) for prompts in groups))
+                seconds = sum(decode_time(llm, prompts, args.max_tokens, clock) for prompts in groups)
+                rates[k].append(tokens / seconds)
         cells = [f"{statistics.median(rates[0]):.1f}"]
         for k in args.k:
             ratio = statistics.median(s / b for s, b in zip(rates[k], rates[0]))

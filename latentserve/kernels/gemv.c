@@ -1,4 +1,5 @@
-/* fp32 and bf16 linear layers for few rows (decode): y[M, N] = x[M, K] @ w[N, K]^T, fp32 sums.
+/* fp32 and bf16 products for few rows (decode), fp32 sums: linear layers y[M, N] = x[M, K] @ w[N, K]^T, a token's
+ * stacked experts in one call, and MLA's absorbed per-head products.
  *
  * Each thread walks its share of w's rows, one row at a time, all activation rows against it: one stream of
  * weights per thread, every weight read once. PyTorch's products leave bandwidth unused at these shapes: MKL runs
