@@ -13,9 +13,12 @@ from latentserve.attention.prefill.base import OwnershipError
 from latentserve.attention.prefill.selector import get_mla_prefill_backend
 from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
+from latentserve.kernels import native
+from latentserve.kernels.native import KERNEL_DTYPES, NativeKernels
 from latentserve.layers.linear import Linear, head_products
+from latentserve.layers.norm import RMSNorm
 from latentserve.layers.quant.heads import Int8HeadProducts
-from latentserve.kernels.native import NativeKernels
+from latentserve.layers.rotary import RotaryEmbedding
 
 
 class MLAAttention(nn.Module):
@@ -75,14 +78,40 @@ class MLAAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q `[T, N, P+R]`, kv_c_normed `[T, L]`, k_pe `[T, R]` (rope applied) -> `[T, N*V]`."""
+        md = self._checked_metadata(q)
+        write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
+        return self._attend(q, kv_c_normed, k_pe, md)
+
+    def forward_projected(self, q: torch.Tensor, kv: torch.Tensor, latent_norm: RMSNorm, rotary: RotaryEmbedding,
+                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """`forward` from the kv_a projection kv `[T, L+R]` and q with its rope dims not yet rotated (cos, sin `[T,
+        R]` from `rotary.cos_sin`): the latent's norm, both rotations and the cache write in one native call
+        (kernels/prologue.c, to the bit what the torch ops give). None where the kernels cannot take it: the caller
+        then runs those ops and `forward`."""
+        dtype = kv.dtype
+        if (kv.device.type != "cpu" or dtype not in KERNEL_DTYPES or q.dtype != dtype or latent_norm.weight.dtype != dtype
+                or self.kv_cache is None or self.kv_cache.dtype not in KERNEL_DTYPES):
+            return None
+        kernels = native.for_this_cpu()
+        if kernels is None:
+            return None
+        md = self._checked_metadata(q)
+        kv_c_normed, k_pe = native.mla_prologue(kernels, q, kv, latent_norm.weight, latent_norm.eps, cos, sin,
+                                                rotary.style, self.kv_cache, md.slot_mapping)
+        return self._attend(q, kv_c_normed, k_pe, md)
+
+    def _checked_metadata(self, q: torch.Tensor) -> MLAMetadata:
         if self.kv_cache is None or self.W_UK_T is None:
             raise RuntimeError(f"{self.layer_name}: bind a KV cache and call process_weights_after_loading() first")
         md = self._metadata()
-        num_tokens = md.num_actual_tokens
-        if q.shape[0] != num_tokens:
-            raise ValueError(f"{self.layer_name}: got {q.shape[0]} tokens but the metadata describes {num_tokens}")
-        write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
-        nd = md.num_decode_tokens
+        if q.shape[0] != md.num_actual_tokens:
+            raise ValueError(f"{self.layer_name}: got {q.shape[0]} tokens but the metadata describes "
+                             f"{md.num_actual_tokens}")
+        return md
+
+    def _attend(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, md: MLAMetadata) -> torch.Tensor:
+        """The attention proper, the tokens' latents already in the cache."""
+        num_tokens, nd = md.num_actual_tokens, md.num_decode_tokens
         if md.prefill is None and md.decode is not None:
             return self._forward_decode(q, md.decode).flatten(1)
         if md.decode is None and md.prefill is not None:

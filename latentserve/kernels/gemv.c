@@ -1,5 +1,5 @@
-/* fp32 and bf16 products for few rows (decode), fp32 sums: linear layers y[M, N] = x[M, K] @ w[N, K]^T, a token's
- * stacked experts in one call, and MLA's absorbed per-head products.
+/* fp32 and bf16 products for few rows (decode), fp32 sums: linear layers y[M, N] = x[M, K] @ w[N, K]^T,
+ * gated MLPs (experts) for a few tokens in one call, and MLA's absorbed per-head products.
  *
  * Each thread walks its share of w's rows, one row at a time, all activation rows against it: one stream of
  * weights per thread, every weight read once. PyTorch's products leave bandwidth unused at these shapes: MKL runs
@@ -49,53 +49,65 @@ void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t
     free(xf);
 }
 
-/* One token through `count` stacked experts with fp32 or bf16 weights (bit 2 of `io`), y = sum_e gates[e] *
- * down_e(silu(gate_e(x)) * up_e(x)) in the order given, in one parallel region: all experts' gate and up rows (w13[e]
- * `[2I, K]`, gate's first) shared out among the threads, then the down projections, stored transposed (w2t[e]
- * `[I, K]`): each thread streams its share of their rows into partial sums of its own, added up at the end. */
-void ls_dense_experts_token(const void *x, int64_t K, int64_t I, int64_t count, const void *const *w13,
-                            const void *const *w2t, const float *gates, void *y, int io, int threads) {
+/* T tokens, each through `count` gated MLPs of intermediate size I with fp32 or bf16 weights (bit 2 of `io`):
+ * y[t] = sum_c gates[t * count + c] * down_c(silu(gate_c(x[t])) * up_c(x[t])) in the order given, in one parallel
+ * region. Pair p = t * count + c reads its gate rows at gate[p], its up rows at up[p] (`[I, K]` each) and its down
+ * projection stored transposed at down_t[p] (`[I, K]`). All pairs' gate and up rows are shared out among the
+ * threads, then each pair's down rows: each thread streams its share into partial sums of its own, added up at the
+ * end. A token's result does not depend on the others in the call (its own rows, sums in the same order). */
+void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
+                      const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+                      int threads) {
     int wbf = (io >> 2) & 1;
-    int64_t wsize = wbf ? 2 : 4;
-    float *xf = malloc(K * sizeof(float)), *h = malloc(count * 2 * I * sizeof(float));
-    float *a = malloc(count * I * sizeof(float)), *partial = calloc(threads * count * K, sizeof(float));
+    int64_t wsize = wbf ? 2 : 4, P = T * count;
+    float *xf = malloc(T * K * sizeof(float)), *h = malloc(P * 2 * I * sizeof(float));
+    float *a = malloc(P * I * sizeof(float)), *partial = malloc(threads * P * K * sizeof(float));
     int used = 1;
-    for (int64_t k = 0; k < K; k++) xf[k] = load_act(x, io & 1, k);
+    for (int64_t i = 0; i < T * K; i++) xf[i] = load_act(x, io & 1, i);
 #pragma omp parallel num_threads(threads)
     {
-        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = count * 2 * I;
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = P * 2 * I;
         for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
-            int64_t e = r / (2 * I);
+            int64_t p = r / (2 * I), j = r - p * 2 * I;
+            const char *row = j < I ? (const char *)gate[p] + j * K * wsize : (const char *)up[p] + (j - I) * K * wsize;
             float out[MB];
-            dense_rows(xf, (const char *)w13[e] + (r - e * 2 * I) * K * wsize, wbf, K, 1, out);
+            dense_rows(xf + (p / count) * K, row, wbf, K, 1, out);
             h[r] = out[0];
         }
 #pragma omp barrier
 #pragma omp single
         {
             used = (int)parts;
-            for (int64_t e = 0; e < count; e++) silu_mul(h + e * 2 * I, I, a + e * I);
+            for (int64_t p = 0; p < P; p++) silu_mul(h + p * 2 * I, I, a + p * I);
         }
-        for (int64_t e = 0; e < count; e++) {
-            float *o = partial + (part * count + e) * K;
-            for (int64_t i = I * part / parts; i < I * (part + 1) / parts; i++) {
-                const char *row = (const char *)w2t[e] + i * K * wsize;
-                vfloat ai = vset1(a[e * I + i]);
+        for (int64_t p = 0; p < P; p++) {
+            float *o = partial + (part * P + p) * K;
+            int64_t first = I * part / parts, last = I * (part + 1) / parts;
+            if (first == last) memset(o, 0, K * sizeof(float));
+            for (int64_t i = first; i < last; i++) {
+                const char *row = (const char *)down_t[p] + i * K * wsize;
+                vfloat ai = vset1(a[p * I + i]);
                 int64_t c = 0;
-                for (; c + LANES <= K; c += LANES) vstore(o + c, vfma(ai, vload(row, wbf, c), vload(o, 0, c)));
-                for (; c < K; c++) o[c] += a[e * I + i] * load_act(row, wbf, c);
+                if (i == first) { /* the first row sets the sums: no zeroing pass */
+                    for (; c + LANES <= K; c += LANES) vstore(o + c, vmul(ai, vload(row, wbf, c)));
+                    for (; c < K; c++) o[c] = a[p * I + i] * load_act(row, wbf, c);
+                } else {
+                    for (; c + LANES <= K; c += LANES) vstore(o + c, vfma(ai, vload(row, wbf, c), vload(o, 0, c)));
+                    for (; c < K; c++) o[c] += a[p * I + i] * load_act(row, wbf, c);
+                }
             }
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t k = 0; k < K; k++) {
+        for (int64_t tk = 0; tk < T * K; tk++) {
+            int64_t t = tk / K, k = tk - t * K;
             float sum = 0.f;
-            for (int64_t e = 0; e < count; e++) {
+            for (int64_t p = t * count; p < (t + 1) * count; p++) {
                 float down = 0.f;
-                for (int t = 0; t < used; t++) down += partial[(t * count + e) * K + k];
-                sum += gates[e] * down;
+                for (int u = 0; u < used; u++) down += partial[(u * P + p) * K + k];
+                sum += gates[p] * down;
             }
-            store_out(y, io & 2, k, sum);
+            store_out(y, io & 2, tk, sum);
         }
     }
     free(xf);

@@ -1,5 +1,5 @@
 """latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
-decode attention over the paged cache; norm.c: RMSNorm):
+decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write):
 built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
 cannot be built the callers keep PyTorch's kernels."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from latentserve.kernels.cpu import CpuFeatures
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c"))
+SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c"))
 HEADERS = (KERNEL_DIR / "simd.h",)
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
@@ -28,7 +28,8 @@ ISA_FLAGS = {
     "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
     "avx2": ["-mavx2", "-mfma"],
 }
-CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+# No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_dense_linear.restype = None
     lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
     lib.ls_dense_heads.restype = None
-    lib.ls_dense_experts_token.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i32]
-    lib.ls_dense_experts_token.restype = None
+    lib.ls_dense_experts.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, i32, i32]
+    lib.ls_dense_experts.restype = None
     lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
     lib.ls_rms_norm.restype = None
+    lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32]
+    lib.ls_mla_prologue.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -214,22 +217,26 @@ def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
     return y
 
 
-def dense_experts_token(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, w2t: torch.Tensor,
-                        experts: list[int], gates: torch.Tensor) -> torch.Tensor:
-    """`[K]` in x's dtype: one token x `[K]` through the stacked experts `experts` (w13 `[E, 2I, K]`, gate rows
-    first; w2t `[E, I, K]`, the down projections transposed; contiguous, fp32 or bf16, x's dtype), summed in fp32
-    with `gates` (fp32) in the order given."""
-    if w13.dtype != x.dtype or w2t.dtype != x.dtype or x.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"dense_experts_token reads x and weights of one dtype, float32 or bfloat16; got x "
-                         f"{x.dtype}, w13 {w13.dtype}, w2t {w2t.dtype}")
-    if not (x.is_contiguous() and w13.is_contiguous() and w2t.is_contiguous()):
-        raise ValueError("dense_experts_token reads contiguous x, w13 and w2t")
-    k, inter = x.shape[-1], w2t.shape[1]
-    y = torch.empty(k, dtype=x.dtype)
-    pointers = [(ctypes.c_void_p * len(experts))(*(t[e].data_ptr() for e in experts)) for t in (w13, w2t)]
+def dense_experts(kernels: NativeKernels, x: torch.Tensor, intermediate: int, gate: list[int], up: list[int],
+                  down_t: list[int], gates: torch.Tensor) -> torch.Tensor:
+    """`[T, K]` in x's dtype: tokens x `[T, K]` (contiguous, fp32 or bf16) each through len(gates) / T gated MLPs of
+    width `intermediate`, summed in fp32 with `gates` (fp32 `[T * count]`, token-major) in their order. Pair p's
+    weights, of x's dtype, are the addresses gate[p] and up[p] (`[intermediate, K]` rows, contiguous) and down_t[p]
+    (the down projection transposed, `[intermediate, K]`)."""
+    if x.dtype not in KERNEL_DTYPES or not x.is_contiguous() or x.dim() != 2:
+        raise ValueError(f"dense_experts reads a contiguous float32 or bfloat16 x [T, K], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    pairs = len(gate)
+    if not (pairs == len(up) == len(down_t) == gates.numel()) or pairs % x.shape[0]:
+        raise ValueError(f"dense_experts takes as many gate, up, down_t addresses and gates, a multiple of the "
+                         f"{x.shape[0]} tokens; got {len(gate)}, {len(up)}, {len(down_t)}, {gates.numel()}")
+    if gates.dtype != torch.float32 or not gates.is_contiguous():
+        raise ValueError(f"dense_experts reads contiguous float32 gates, not {gates.dtype}")
+    (tokens, k), array = x.shape, ctypes.c_void_p * pairs
+    y = torch.empty(tokens, k, dtype=x.dtype)
     io = int(x.dtype == torch.bfloat16) * 0b111
-    _call(kernels, "ls_dense_experts_token", x.data_ptr(), k, inter, len(experts), pointers[0], pointers[1],
-          gates.data_ptr(), y.data_ptr(), io, torch.get_num_threads())
+    _call(kernels, "ls_dense_experts", x.data_ptr(), tokens, k, intermediate, pairs // tokens, array(*gate),
+          array(*up), array(*down_t), gates.data_ptr(), y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
@@ -244,6 +251,38 @@ def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps:
     _call(kernels, "ls_rms_norm", rows.data_ptr(), rows.shape[0], rows.shape[1], weight.contiguous().data_ptr(), eps,
           y.data_ptr(), io, torch.get_num_threads())
     return y.view(x.shape)
+
+
+ROPE_STYLES = ("gptj", "interleave", "neox")  # prologue.c's numbering
+
+
+def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor, style: str, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_c `[T, L]`, k_pe `[T, R]`) in kv's dtype: RMSNorm(kv[:, :L]) * weight and RoPE(kv[:, L:]) from the kv_a
+    projection kv `[T, L + R]`; q `[T, H, D]` (contiguous) gets its last R dims of each head rotated in place; each
+    token's [kv_c ‖ k_pe] goes to the cache `[blocks, block_size, L + R]` at its slot (int64, -1 = padding). cos,
+    sin `[T, R]` fp32 as `RotaryEmbedding.cos_sin` makes them, for rope `style`. q, kv, weight of one dtype, fp32 or
+    bf16; the cache fp32 or bf16."""
+    tokens, width = kv.shape
+    rope = cos.shape[-1]
+    for name, t in (("q", q), ("weight", weight)):
+        if t.dtype != kv.dtype:
+            raise ValueError(f"mla_prologue reads {name} in kv's dtype {kv.dtype}, got {t.dtype}")
+    if kv.dtype not in KERNEL_DTYPES or kv_cache.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"mla_prologue reads float32 or bfloat16 kv and cache, got {kv.dtype}, {kv_cache.dtype}")
+    if not all(t.is_contiguous() for t in (q, kv, weight, kv_cache)) or kv_cache.shape[-1] != width:
+        raise ValueError(f"mla_prologue reads contiguous q, kv, weight and a cache of rows of {width}")
+    if slot_mapping.dtype != torch.int64 or cos.dtype != torch.float32 or rope > 1024 or q.shape[-1] < rope:
+        raise ValueError("mla_prologue reads int64 slots, fp32 cos/sin and at most 1024 rope dims")
+    kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
+    k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
+    io = int(kv.dtype == torch.bfloat16) * 0b101 | int(kv_cache.dtype == torch.bfloat16) << 1
+    _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, q.shape[1], q.shape[2], kv.data_ptr(), width - rope, rope,
+          weight.data_ptr(), eps, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), ROPE_STYLES.index(style),
+          kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), io,
+          torch.get_num_threads())
+    return kv_c, k_pe
 
 
 def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,

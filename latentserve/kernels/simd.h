@@ -165,3 +165,6 @@ INLINE float vreduce_add(vfloat v) {
     case 7: if (MB >= 7) fn(__VA_ARGS__, 7, out); break;  \
     case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
     }
+
+/* norm.c: one row of RMSNorm (see there); x, w and y fp32 or bf16 each as their flags say. */
+void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, float eps, void *y, int ybf);

@@ -16,8 +16,8 @@ from latentserve.layers.quant.experts import run_expert_loop
 
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
 PER_EXPERT_MAX_PAIRS = 4
-# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, one call a token (each
-# reads its experts' weights once, so shared experts are read again). Measured against the batched paths with
+# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, in one call (each token
+# reads its experts' weights on its own). Measured against the batched paths with
 # weights streamed, 2 threads (benchmarks/RESULTS.md): even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's
 # experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
 # paths win, reading each expert once.
@@ -160,19 +160,22 @@ class MoE(nn.Module):
     def stack_experts(self, device: torch.device | str | None = None) -> None:
         """Run the local routed experts stacked (`StackedExperts`, on `device`; None: their weights' device). Their
         parameters become views of the stack, so a checkpoint loaded afterwards fills it in place. Quantized
-        experts, whose kernels take one weight each, keep the per-expert loop."""
-        self.stacked = StackedExperts.stack(self.experts, device)
+        experts, whose kernels take one weight each, keep the per-expert loop. Plain shared experts join the stack's
+        few-token kernel calls (their down projection is then stored transposed, as the routed ones are)."""
+        self.stacked = StackedExperts.stack(self.experts, device, self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.expert_parallel is not None:
             routed = self.expert_parallel(x, weights, ids)
-        else:
-            dbo_yield()  # where expert parallelism's dispatch all-to-all goes
+            return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        dbo_yield()  # where expert parallelism's dispatch all-to-all goes
+        out = self.stacked.with_shared(x, weights, ids) if self.stacked is not None else None
+        if out is None:
             routed = self.run_experts(x, weights, ids)
-            dbo_yield()  # where its combine all-to-all goes
-        return routed if shared is None else routed + shared
+            out = routed if self.shared_experts is None else routed + self.shared_experts(x)
+        dbo_yield()  # where its combine all-to-all goes
+        return out
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert[ids[t, k]](x[t])."""
@@ -193,9 +196,10 @@ def _is_plain(expert: nn.Module) -> bool:
 
 class StackedExperts(nn.Module):
     """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
-    `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them)."""
+    `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them). Up to `NATIVE_MAX_TOKENS`
+    tokens run through latentserve's kernel instead, with the shared experts (`shared`) where they are plain."""
 
-    def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor) -> None:
+    def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor, shared: GatedMLP | None = None) -> None:
         super().__init__()
         self.first = first
         # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
@@ -203,6 +207,9 @@ class StackedExperts(nn.Module):
         # [E, I, H]: down projections stored transposed. A product of a few rows with [H, I] reads rows of I
         # (short: 384-2048) at about half the memory bandwidth of one with [I, H] (2x faster at batch 1).
         self.register_buffer("w2t", w2t, persistent=False)
+        # The shared experts (S = a multiple of the routed experts' I, down projection stored transposed), run as S / I
+        # more experts of gate 1 after the routed ones. In a tuple: the MoE owns the module, not the stack.
+        self.shared = (shared,) if shared is not None else None
 
     @property
     def w2(self) -> torch.Tensor:
@@ -210,7 +217,8 @@ class StackedExperts(nn.Module):
         return self.w2t.transpose(1, 2)
 
     @classmethod
-    def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None) -> StackedExperts | None:
+    def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None,
+              shared: nn.Module | None = None) -> StackedExperts | None:
         """The stack of the local experts (a contiguous range: expert parallelism owns one), or None where one is
         quantized or has a bias. Weights already there (not on meta) are copied in, one expert at a time."""
         local = [(i, e) for i, e in enumerate(experts) if isinstance(e, GatedMLP)]
@@ -222,19 +230,33 @@ class StackedExperts(nn.Module):
         w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
         w2t = torch.empty(len(local), inter, hidden, dtype=like.dtype, device=device)
         for k, (_, e) in enumerate(local):
-            for layer, view in ((e.gate_proj, w13[k, :inter]), (e.up_proj, w13[k, inter:]), (e.down_proj, w2t[k].t())):
-                if not layer.weight.is_meta:
-                    with torch.no_grad():
-                        view.copy_(layer.weight)
-                layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
-        return cls(local[0][0], w13, w2t)
+            _place(e.gate_proj, w13[k, :inter])
+            _place(e.up_proj, w13[k, inter:])
+            _place(e.down_proj, w2t[k].t())
+        fold = (shared is not None and _is_plain(shared) and shared.down_proj.weight.dtype == like.dtype
+                and shared.down_proj.in_features % inter == 0)
+        if fold:
+            d = shared.down_proj.weight
+            _place(shared.down_proj, torch.empty(d.shape[1], d.shape[0], dtype=d.dtype, device=device).t())
+        return cls(local[0][0], w13, w2t, shared if fold else None)
+
+    def _kernels(self, x: torch.Tensor) -> native.NativeKernels | None:
+        """latentserve's kernels where they run these tokens, else None."""
+        if 0 < x.shape[0] <= NATIVE_MAX_TOKENS and x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES:
+            return native.for_this_cpu()
+        return None
+
+    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
+        """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""
+        if self.shared is None or not _stacked_layout(self.shared[0]):
+            return None
+        kernels = self._kernels(x)
+        return None if kernels is None else self._native(kernels, x, weights, ids, with_shared=True)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        on_cpu = x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES
-        if 0 < x.shape[0] <= NATIVE_MAX_TOKENS and on_cpu:
-            kernels = native.for_this_cpu()
-            if kernels is not None:
-                return self._native_per_token(kernels, x, weights, ids)
+        kernels = self._kernels(x)
+        if kernels is not None:
+            return self._native(kernels, x, weights, ids, with_shared=False)
         top_k = ids.shape[1]
         flat_ids = ids.flatten() - self.first if self.first else ids.flatten()
         order = torch.argsort(flat_ids, stable=True)
@@ -252,15 +274,28 @@ class StackedExperts(nn.Module):
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
         return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
 
-    def _native_per_token(self, kernels: native.NativeKernels, x: torch.Tensor, weights: torch.Tensor,
-                          ids: torch.Tensor) -> torch.Tensor:
-        """Each token's experts in one native call, in expert order (decode, and the few tokens of a speculative
-        verification): each token's result is the same however the batch around it is split."""
+    def _native(self, kernels: native.NativeKernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                with_shared: bool) -> torch.Tensor:
+        """Every token's experts (in expert order, then the shared ones) in one kernel call, for decode and the few
+        tokens of a speculative verification: each token's result is the same however the batch around it is
+        split. Each token reads its experts' weights on its own (the batched paths read each expert once)."""
         chosen, order = (ids - self.first).sort(dim=1)
         gates = weights.gather(1, order).float()
-        return torch.stack([native.dense_experts_token(kernels, x[t].contiguous(), self.w13, self.w2t,
-                                                       chosen[t].tolist(), gates[t].contiguous())
-                            for t in range(x.shape[0])])
+        inter, hidden = self.w2t.shape[1:]
+        size = self.w13.element_size()
+        block = inter * hidden * size  # bytes of one expert's gate, up or down rows
+        w13, w2t = self.w13.data_ptr(), self.w2t.data_ptr()
+        shared: list[tuple[int, int, int]] = []  # (gate, up, down_t) of each I-wide chunk of the shared experts
+        if with_shared:
+            mlp = self.shared[0]
+            g, u, d = (p.weight.data_ptr() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            shared = [(g + c, u + c, d + c) for c in range(0, mlp.down_proj.in_features // inter * block, block)]
+            gates = F.pad(gates, (0, len(shared)), value=1.0)
+        rows = [(w13 + 2 * e * block, w13 + (2 * e + 1) * block, w2t + e * block) for e in chosen.flatten().tolist()]
+        count = ids.shape[1]
+        pairs = [p for t in range(x.shape[0]) for p in (*rows[t * count : (t + 1) * count], *shared)]
+        gate, up, down = (list(a) for a in zip(*pairs))
+        return native.dense_experts(kernels, x.contiguous(), inter, gate, up, down, gates.flatten())
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The sorted rows through their experts with `linear`, one expert with tokens at a time."""
@@ -272,6 +307,21 @@ class StackedExperts(nn.Module):
                 out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t())
                 start += count
         return out
+
+
+def _stacked_layout(mlp: GatedMLP) -> bool:
+    """Whether the shared experts' weights are still laid out as the stack reads them (gate and up contiguous, down
+    transposed): replacing a parameter afterwards must not make the kernel read the wrong rows."""
+    gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+    return gate.is_contiguous() and up.is_contiguous() and down.t().is_contiguous()
+
+
+def _place(layer: Linear, view: torch.Tensor) -> None:
+    """Make `layer`'s weight the `view` (of a stack), copying in the values it already holds (not on meta)."""
+    if not layer.weight.is_meta:
+        with torch.no_grad():
+            view.copy_(layer.weight)
+    layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
 
 
 def per_expert_wins(x: torch.Tensor, num_pairs: int) -> bool:

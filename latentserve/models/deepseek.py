@@ -69,14 +69,17 @@ class DeepseekAttention(nn.Module):
         else:
             q = self.q_proj(hidden)
         q = q.view(hidden.shape[0], self.num_heads, -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv_c_normed = self.kv_a_layernorm(latent)
-        q_pe = q[..., self.qk_nope_head_dim :]
-        # k_pe rides along as one more head: one rotation instead of two.
-        pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
-        q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
-        k_pe = pe[:, -1]
-        return self.o_proj(self.attn(q, kv_c_normed, k_pe))
+        kv = self.kv_a_proj_with_mqa(hidden)
+        out = self.attn.forward_projected(q, kv, self.kv_a_layernorm, self.rotary_emb, cos, sin)
+        if out is None:
+            latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+            kv_c_normed = self.kv_a_layernorm(latent)
+            q_pe = q[..., self.qk_nope_head_dim :]
+            # k_pe rides along as one more head: one rotation instead of two.
+            pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
+            q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
+            out = self.attn(q, kv_c_normed, pe[:, -1])
+        return self.o_proj(out)
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -30,25 +30,45 @@ def test_dense_linear_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("k", [64, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_experts_token_is_the_weighted_sum_of_gated_mlps(isa, k, dtype):
-    """One token through 3 of 5 stacked experts (down projections stored transposed), in the order given."""
-    g = torch.Generator().manual_seed(k)
+def test_dense_experts_is_each_tokens_weighted_sum_of_gated_mlps(isa, tokens, k, dtype):
+    """Each token through 3 of 5 stacked experts (down projections stored transposed) and a separately stored
+    "shared" one of gate 1, in the order given."""
+    g = torch.Generator().manual_seed(k + tokens)
     inter = 24
     w13 = (torch.randn(5, 2 * inter, k, generator=g) * 0.2).to(dtype)
     w2t = (torch.randn(5, inter, k, generator=g) * 0.2).to(dtype)
-    x = (torch.randn(k, generator=g) * 2).to(dtype)
-    chosen, gates = [4, 0, 2], torch.tensor([0.5, 0.3, 0.2])
-    expected = torch.zeros(k, dtype=torch.float64)
-    for e, gate in zip(chosen, gates.tolist()):
-        h = w13[e].double() @ x.double()
-        a = torch.nn.functional.silu(h[:inter]) * h[inter:]
-        expected += gate * (a @ w2t[e].double())
-    got = native.dense_experts_token(kernels(isa), x, w13, w2t, chosen, gates)
-    assert got.dtype == dtype
+    shared = [(torch.randn(inter, k, generator=g) * 0.2).to(dtype) for _ in range(3)]  # gate, up, down_t
+    x = (torch.randn(tokens, k, generator=g) * 2).to(dtype)
+    chosen = [[4, 0, 2], [1, 2, 3], [0, 4, 1]][:tokens]
+    gates = torch.rand(tokens, 4, generator=g)
+    gates[:, 3] = 1.0
+    expected = torch.zeros(tokens, k, dtype=torch.float64)
+    gate_rows, up_rows, down_rows = [], [], []
+    for t in range(tokens):
+        mlps = [(w13[e, :inter], w13[e, inter:], w2t[e]) for e in chosen[t]] + [tuple(shared)]
+        for (wg, wu, wd), gate in zip(mlps, gates[t].tolist()):
+            a = torch.nn.functional.silu(wg.double() @ x[t].double()) * (wu.double() @ x[t].double())
+            expected[t] += gate * (a @ wd.double())
+            gate_rows.append(wg.data_ptr())
+            up_rows.append(wu.data_ptr())
+            down_rows.append(wd.data_ptr())
+    got = native.dense_experts(kernels(isa), x, inter, gate_rows, up_rows, down_rows, gates.flatten())
+    assert got.dtype == dtype and got.shape == (tokens, k)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    # A token's result does not depend on the others in the call.
+    alone = native.dense_experts(kernels(isa), x[-1:].contiguous(), inter, gate_rows[-4:], up_rows[-4:],
+                                 down_rows[-4:], gates[-1].contiguous())
+    assert torch.equal(alone[0], got[-1])
+
+
+def test_dense_experts_refuses_mismatched_pairs():
+    x, rows = torch.randn(2, 16), [torch.randn(8, 16).data_ptr()] * 3
+    with pytest.raises(ValueError, match="multiple of the 2 tokens"):
+        native.dense_experts(kernels(ISAS[0]), x, 8, rows, rows, rows, torch.ones(3))
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -136,14 +136,14 @@ def test_moe_block_matches_transformers(case: str, stacked: bool) -> None:
     _copy_moe_weights(hf_moe, moe)
     if stacked:
         moe.stack_experts()
-        assert moe.stacked is not None
+        assert moe.stacked is not None and moe.stacked.shared is not None  # shared experts join the kernel calls
     x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = hf_moe(x[None])[0]
         actual = moe(x)
-        one = moe(x[:1])  # batch-1 decode: stacked experts in one native call where the kernels build
+        one = moe(x[:1])  # batch-1 decode: routed and shared experts in one native call where the kernels build
         expected_one = hf_moe(x[None, :1])[0]
-        few = moe(x[:6])  # a few decode tokens: one native call a token
+        few = moe(x[:6])  # a few decode tokens: one native call for all of them
         expected_few = hf_moe(x[None, :6])[0]
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(one, expected_one, rtol=1e-5, atol=1e-6)

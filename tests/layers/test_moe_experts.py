@@ -162,3 +162,34 @@ def test_stacked_moe_still_yields_twice() -> None:
     finally:
         set_dbo_yield_hook(None)
     assert len(yields) == 2
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 9])  # 9: past the few-token kernel, shared experts on their own
+def test_shared_experts_join_the_stack_as_gate_one_experts(dtype: torch.dtype, tol: float, tokens: int) -> None:
+    """Two I-wide shared experts (S = 2I) ride in the routed experts' kernel call; the sum is the naive one."""
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, INTER, RoutingConfig(EXPERTS, TOP_K), n_shared_experts=2)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.2)
+    moe = moe.to(dtype)
+    experts = _full_precision_weights(moe)
+    shared = [p.weight.detach().float().clone() for p in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj,
+                                                          moe.shared_experts.down_proj)]
+    moe.stack_experts()
+    assert moe.stacked.shared is not None and moe.shared_experts.down_proj.weight.t().is_contiguous()
+    x, weights, ids = _routing(tokens)
+    x = x.to(dtype)
+    gate, up, down = shared
+    expected = _naive(x, weights, ids, experts) + (F.silu(x.float() @ gate.t()) * (x.float() @ up.t())) @ down.t()
+    with torch.no_grad():
+        got = moe.stacked.with_shared(x, weights, ids)
+        if tokens <= 8 and moe.stacked._kernels(x) is not None:
+            scale = expected.abs().amax().item()
+            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * scale)
+        else:
+            assert got is None
+        # A shared weight replaced in the checkpoint's layout is not read as the stack's: the separate path runs.
+        moe.shared_experts.down_proj.weight = torch.nn.Parameter(moe.shared_experts.down_proj.weight.contiguous())
+        assert moe.stacked.with_shared(x, weights, ids) is None
