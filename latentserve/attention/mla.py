@@ -78,7 +78,7 @@ class MLAAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q `[T, N, P+R]`, kv_c_normed `[T, L]`, k_pe `[T, R]` (rope applied) -> `[T, N*V]`."""
-        md = self._checked_metadata(q)
+        md = self.checked_metadata(q)
         write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
         return self._attend(q, kv_c_normed, k_pe, md)
 
@@ -95,12 +95,13 @@ class MLAAttention(nn.Module):
         kernels = native.for_this_cpu()
         if kernels is None:
             return None
-        md = self._checked_metadata(q)
+        md = self.checked_metadata(q)
         kv_c_normed, k_pe = native.mla_prologue(kernels, q, kv, latent_norm.weight, latent_norm.eps, cos, sin,
                                                 rotary.style, self.kv_cache, md.slot_mapping)
         return self._attend(q, kv_c_normed, k_pe, md)
 
-    def _checked_metadata(self, q: torch.Tensor) -> MLAMetadata:
+    def checked_metadata(self, q: torch.Tensor) -> MLAMetadata:
+        """This layer's metadata in the forward context, checked against the cache binding and q's token count."""
         if self.kv_cache is None or self.W_UK_T is None:
             raise RuntimeError(f"{self.layer_name}: bind a KV cache and call process_weights_after_loading() first")
         md = self._metadata()

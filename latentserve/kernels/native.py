@@ -1,5 +1,6 @@
 """latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
-decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write):
+decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write;
+attention_block.c: a decode step's whole MLA attention block):
 built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
 cannot be built the callers keep PyTorch's kernels."""
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from latentserve.kernels.cpu import CpuFeatures
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c"))
+SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c",
+                                                      "attention_block.c"))
 HEADERS = (KERNEL_DIR / "simd.h",)
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
@@ -103,6 +105,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_rms_norm.restype = None
     lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32]
     lib.ls_mla_prologue.restype = None
+    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, i32]
+    lib.ls_mla_attention_block.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -283,6 +287,30 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
           kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), io,
           torch.get_num_threads())
     return kv_c, k_pe
+
+
+class MLABlock(ctypes.Structure):
+    """attention_block.c's view of one layer's attention: shapes, weight addresses (fp32 or bf16, contiguous; with
+    no q_lora, q_b is q_proj), norm epsilons, the softmax scale, the rope style (`ROPE_STYLES` index)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "nope", "rope", "latent", "v_dim", "q_lora")] + [
+        (name, ctypes.c_void_p)
+        for name in ("input_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk_t", "w_uv", "o_proj")
+    ] + [(name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "scale")] + [
+        ("style", ctypes.c_int32), ("bf", ctypes.c_int32)]
+
+
+def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """x + o_proj(MLA attention(input_norm(x))) for decode tokens x `[T, hidden]` (contiguous, the block's dtype),
+    their latents written to the cache; metadata as `mla_decode` and `mla_prologue` read it."""
+    y = torch.empty_like(x)
+    _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), x.shape[0], cos.data_ptr(),
+          sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
+          block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+          seq_lens.shape[0], slot_mapping.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,

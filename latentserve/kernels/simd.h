@@ -166,5 +166,15 @@ INLINE float vreduce_add(vfloat v) {
     case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
     }
 
-/* norm.c: one row of RMSNorm (see there); x, w and y fp32 or bf16 each as their flags say. */
+/* Kernels of the other files that attention_block.c and prologue.c chain (see each file for what they compute). */
 void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, float eps, void *y, int ybf);
+void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads);
+void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads);
+void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
+                    int threads);
+void ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
+                     float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
+                     const int64_t *slots, int io, int threads);
+void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+                   const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                   int64_t R, float scale, void *out, int io, int threads);

@@ -14,11 +14,13 @@ from torch import nn
 from latentserve.attention.mla import MLAAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
+from latentserve.kernels.native import MLABlock
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
+from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import DeepseekConfig
 
 
@@ -57,6 +59,8 @@ class DeepseekAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
+        # (weight addresses, the native kernel's view of them) for the one-call decode path (`attention_block`)
+        self.fused_block: tuple[tuple, MLABlock | None] | None = None
         self.attn = MLAAttention(
             attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
             kv_cache_dtype=dtype, device=device,
@@ -95,7 +99,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
+        fused = fused_attention(self.self_attn, self.input_layernorm, cos, sin, hidden)  # decode: one native call
+        hidden = fused if fused is not None else hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

@@ -71,9 +71,10 @@ _local = threading.local()
 
 
 def enter_layer(name: str) -> None:
-    """Mark that this ubatch starts layer `name` (what the yield check compares by); a no-op outside it."""
+    """Mark that this ubatch starts layer `name` (what the yield check compares by); a no-op outside it, and for
+    the layer it is already in (a layer may look its metadata up more than once)."""
     counts = getattr(_local, "counts", None)
-    if counts is not None:
+    if counts is not None and counts.where[_local.ubatch_id] != f"in {name}":
         counts.leave_layer(_local.ubatch_id, name)
 
 

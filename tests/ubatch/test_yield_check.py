@@ -35,6 +35,17 @@ def test_unequal_yields_in_a_layer_are_named(first, second, layer):
     assert isinstance(e.value.__cause__, UnequalYieldsError)
 
 
+def test_a_layer_entered_twice_in_a_row_is_one_layer():
+    """A layer may look its metadata up twice (the one-call decode block, then the modules where it declines)."""
+    def twice():
+        enter_layer("layer.0")
+        enter_layer("layer.0")
+        dbo_yield()
+        enter_layer("layer.1")
+
+    assert run_ubatches([twice, _layers([1, 0])], check_yields=True) == [None, None]
+
+
 def test_unequal_totals_without_layers_are_caught():
     message = "ubatch 1 yielded 2 times before the first layer but ubatch 0 yielded 0 times"
     with pytest.raises(UBatchError, match=message):

@@ -39,10 +39,14 @@ class NativeMQADecodeBackend(MLADecodeBackend):
         self.kernels = native.native_kernels(cpu_features())[0]
         self.paged = PagedMQADecodeBackend(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
 
+    def runs_natively(self, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> bool:
+        """Whether `forward` takes the native kernel for this cache and step (else PAGED)."""
+        return kv_cache.dtype in native.KERNEL_DTYPES and not (
+            kv_cache.dtype == torch.bfloat16 and metadata.seq_lens.shape[0] == 1
+            and metadata.max_seq_len > self.paged_bf16_min_len)
+
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
-        if kv_cache.dtype not in native.KERNEL_DTYPES or (
-                kv_cache.dtype == torch.bfloat16 and metadata.seq_lens.shape[0] == 1
-                and metadata.max_seq_len > self.paged_bf16_min_len):
+        if not self.runs_natively(kv_cache, metadata):
             return self.paged.forward(q, kv_cache, metadata)
         return native.mla_decode(self.kernels, q, kv_cache, metadata.block_table, metadata.query_start_loc,
                                  metadata.seq_lens, self.scale, self.kv_lora_rank)

@@ -1,0 +1,51 @@
+"""The one-call decode attention block (models/attention_block.py, kernels/attention_block.c) against the layer's
+modules run one by one: the same logits and cache to the bit, and taken where it applies."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentserve.config import AttentionConfig
+from latentserve.kernels import native
+from latentserve.models import deepseek, load_model
+from tests.checkpoints import make_checkpoint
+from tests.models.paged import PagedRunner
+
+
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def _run(path, dtype: torch.dtype) -> tuple[list[torch.Tensor], PagedRunner]:
+    """Prefill two prompts, then decode one token each, then one request alone over 1 and 2 new tokens."""
+    attn_config = AttentionConfig(block_size=4)
+    runner = PagedRunner(load_model(path, dtype=dtype, attn_config=attn_config), attn_config)
+    g = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(0, 96, (n,), generator=g).tolist()  # noqa: E731
+    batches = [[(0, tokens(5)), (1, tokens(7))], [(0, tokens(1)), (1, tokens(1))], [(1, tokens(1))],
+               [(1, tokens(1))], [(0, tokens(2))], [(1, tokens(1)), (0, tokens(1))]]
+    return [runner.step(batch) for batch in batches], runner
+
+
+@pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])  # no q_lora / q_lora
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_fused_block_equals_the_modules(tmp_path, monkeypatch, variant, dtype, threads):
+    path = make_checkpoint(tmp_path, variant, kv_lora_rank=32, v_head_dim=16)  # the per-head kernel's multiples of 16
+    calls = []
+    monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
+        a[3].shape[0]) or _f(*a))
+    fused, fused_runner = _run(path, dtype)
+    assert calls and max(calls) >= 2  # decode steps of one and two tokens took it
+    monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
+    modules, module_runner = _run(path, dtype)
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+    for name, cache in fused_runner.model.static_forward_context.items():
+        other = module_runner.model.static_forward_context[name].kv_cache
+        assert torch.equal(cache.kv_cache.nan_to_num(), other.nan_to_num())
