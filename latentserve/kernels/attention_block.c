@@ -1,5 +1,5 @@
 /* A decode step's whole MLA attention block in one call: y = x + o_proj(attention(input_norm(x))) for T decode
- * tokens, chaining the kernels the layer's modules call one by one (norms, linears, the latent prologue, the
+ * tokens, and post_norm(y) (the MLP's input), chaining the kernels the layer's modules call one by one (norms, linears, the latent prologue, the
  * absorbed per-head products, paged decode attention) with the same arguments in the same order, so the result
  * equals theirs to the bit. It saves the ~50 torch ops and Python calls between them, which cost more than the
  * arithmetic at decode sizes. Weights and activations are all fp32 or all bf16 (`bf`); the cache either. */
@@ -8,8 +8,8 @@
 /* One layer's attention weights and shapes, filled in once by the caller. */
 typedef struct {
     int64_t hidden, heads, nope, rope, latent, v_dim, q_lora; /* q_lora 0: one q_proj */
-    const void *input_norm, *q_a, *q_a_norm, *q_b, *kv_a, *kv_a_norm, *w_uk_t, *w_uv, *o_proj;
-    float eps, q_a_eps, kv_a_eps, scale;
+    const void *input_norm, *q_a, *q_a_norm, *q_b, *kv_a, *kv_a_norm, *w_uk_t, *w_uv, *o_proj, *post_norm;
+    float eps, q_a_eps, kv_a_eps, scale, post_eps;
     int32_t style, bf; /* rope style (prologue.c's numbering); weights and activations bf16 */
 } MLABlock;
 
@@ -17,7 +17,7 @@ typedef struct {
 void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin,
                             void *cache, int cbf, int64_t block_size, const int32_t *block_table, int64_t bt_stride,
                             const int32_t *qsl, const int32_t *seq_lens, int64_t requests, const int64_t *slots,
-                            void *y, int threads) {
+                            void *y, void *y_normed, int threads) {
     int64_t size = w->bf ? 2 : 4, H = w->heads, D = w->nope + w->rope, L = w->latent;
     int io = w->bf ? 0b111 : 0, norm_io = w->bf ? 0b101 : 0;
     char *xn = malloc(T * w->hidden * size), *q = malloc(T * H * D * size), *kv = malloc(T * (L + w->rope) * size);
@@ -51,6 +51,7 @@ void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const f
     ls_dense_linear(heads, T, H * w->v_dim, w->o_proj, w->hidden, attn, io, threads);
     for (int64_t i = 0; i < T * w->hidden; i++) /* the residual, rounded as torch's add rounds it */
         store_out(y, w->bf, i, load_act(x, w->bf, i) + load_act(attn, w->bf, i));
+    ls_rms_norm(y, T, w->hidden, w->post_norm, w->post_eps, y_normed, norm_io, threads);
     free(xn), free(q), free(kv), free(kv_c), free(k_pe), free(qn), free(ql), free(qcat), free(ol), free(heads);
     free(attn);
 }

@@ -116,6 +116,47 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
     free(partial);
 }
 
+/* A MoE layer's stacked experts for T tokens through `ls_dense_experts`: token t's top-k experts ids[t] (global
+ * ids: the stack holds experts first..) with gates weights[t] (fp32), in expert order, then the `shared` I-wide
+ * chunks of the shared experts with gate 1. w13 `[E, 2I, K]` (gate rows, then up rows) and w2t `[E, I, K]` (down
+ * projections transposed) in the weights' dtype (bit 2 of `io`), as are the shared experts' gate sg, up su and
+ * transposed down sd `[shared * I, K]`. */
+void ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
+                        const float *weights, int64_t first, const void *w13, const void *w2t, int64_t shared,
+                        const void *sg, const void *su, const void *sd, void *y, int io, int threads) {
+    int64_t count = topk + shared, P = T * count, block = I * K * (((io >> 2) & 1) ? 2 : 4);
+    const void **gate = malloc(3 * P * sizeof(void *)), **up = gate + P, **down = up + P;
+    float *gates = malloc(P * sizeof(float));
+    int64_t *order = malloc(topk * sizeof(int64_t));
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *e = ids + t * topk;
+        for (int64_t c = 0; c < topk; c++) { /* insertion sort by expert id (a token's ids are distinct) */
+            int64_t j = c;
+            for (; j > 0 && e[order[j - 1]] > e[c]; j--) order[j] = order[j - 1];
+            order[j] = c;
+        }
+        for (int64_t c = 0; c < count; c++) {
+            int64_t p = t * count + c;
+            if (c < topk) {
+                int64_t local = e[order[c]] - first;
+                gate[p] = (const char *)w13 + 2 * local * block;
+                up[p] = (const char *)w13 + (2 * local + 1) * block;
+                down[p] = (const char *)w2t + local * block;
+                gates[p] = weights[t * topk + order[c]];
+            } else {
+                gate[p] = (const char *)sg + (c - topk) * block;
+                up[p] = (const char *)su + (c - topk) * block;
+                down[p] = (const char *)sd + (c - topk) * block;
+                gates[p] = 1.f;
+            }
+        }
+    }
+    ls_dense_experts(x, T, K, I, count, gate, up, down, gates, y, io, threads);
+    free(gate);
+    free(gates);
+    free(order);
+}
+
 /* One head's tile of NV vectors of outputs for mb (1 or 2) activation rows: y[i][:] = sum_k x[i][k] * w[k][:],
  * w's rows `stride` elements apart. The tile's accumulators stay in registers; each weight element read once. */
 INLINE void heads_tile(const float *x, int64_t xstride, const void *w, int wbf, int64_t K, int64_t stride, int mb,

@@ -99,13 +99,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_dense_linear.restype = None
     lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
     lib.ls_dense_heads.restype = None
-    lib.ls_dense_experts.argtypes = [p, i64, i64, i64, i64, p, p, p, p, p, i32, i32]
-    lib.ls_dense_experts.restype = None
+    lib.ls_stacked_experts.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, i64, p, p, p, p, i32, i32]
+    lib.ls_stacked_experts.restype = None
     lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
     lib.ls_rms_norm.restype = None
     lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32]
     lib.ls_mla_prologue.restype = None
-    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, i32]
+    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, p, i32]
     lib.ls_mla_attention_block.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
@@ -221,26 +221,28 @@ def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
     return y
 
 
-def dense_experts(kernels: NativeKernels, x: torch.Tensor, intermediate: int, gate: list[int], up: list[int],
-                  down_t: list[int], gates: torch.Tensor) -> torch.Tensor:
-    """`[T, K]` in x's dtype: tokens x `[T, K]` (contiguous, fp32 or bf16) each through len(gates) / T gated MLPs of
-    width `intermediate`, summed in fp32 with `gates` (fp32 `[T * count]`, token-major) in their order. Pair p's
-    weights, of x's dtype, are the addresses gate[p] and up[p] (`[intermediate, K]` rows, contiguous) and down_t[p]
-    (the down projection transposed, `[intermediate, K]`)."""
-    if x.dtype not in KERNEL_DTYPES or not x.is_contiguous() or x.dim() != 2:
-        raise ValueError(f"dense_experts reads a contiguous float32 or bfloat16 x [T, K], got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    pairs = len(gate)
-    if not (pairs == len(up) == len(down_t) == gates.numel()) or pairs % x.shape[0]:
-        raise ValueError(f"dense_experts takes as many gate, up, down_t addresses and gates, a multiple of the "
-                         f"{x.shape[0]} tokens; got {len(gate)}, {len(up)}, {len(down_t)}, {gates.numel()}")
-    if gates.dtype != torch.float32 or not gates.is_contiguous():
-        raise ValueError(f"dense_experts reads contiguous float32 gates, not {gates.dtype}")
-    (tokens, k), array = x.shape, ctypes.c_void_p * pairs
+def stacked_experts(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, w2t: torch.Tensor, first: int,
+                    ids: torch.Tensor, weights: torch.Tensor,
+                    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`[T, K]` in x's dtype: each token of x `[T, K]` through its routed experts ids `[T, k]` (int64, global: the
+    stack holds experts first..) in expert order, summed in fp32 with weights `[T, k]` (fp32), then through the shared
+    experts (gate, up, transposed down `[S, K]`, S a multiple of I) with gate 1. w13 `[E, 2I, K]` (gate rows, then up
+    rows), w2t `[E, I, K]`. x and every weight contiguous, of one dtype, fp32 or bf16."""
+    tensors = (x, w13, w2t, *(shared or ()))
+    if x.dtype not in KERNEL_DTYPES or any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors):
+        raise ValueError(f"stacked_experts reads contiguous x and weights of one dtype, float32 or bfloat16; got "
+                         f"{[str(t.dtype) for t in tensors]}")
+    if ids.dtype != torch.int64 or weights.dtype != torch.float32 or ids.shape != weights.shape:
+        raise ValueError(f"stacked_experts reads int64 ids and float32 weights of one shape, got {ids.dtype} "
+                         f"{tuple(ids.shape)} and {weights.dtype} {tuple(weights.shape)}")
+    (tokens, k), inter = x.shape, w2t.shape[1]
+    chunks = shared[0].shape[0] // inter if shared else 0
+    sg, su, sd = (t.data_ptr() for t in shared) if shared else (None, None, None)
     y = torch.empty(tokens, k, dtype=x.dtype)
-    io = int(x.dtype == torch.bfloat16) * 0b111
-    _call(kernels, "ls_dense_experts", x.data_ptr(), tokens, k, intermediate, pairs // tokens, array(*gate),
-          array(*up), array(*down_t), gates.data_ptr(), y.data_ptr(), io, torch.get_num_threads())
+    ids, weights = ids.contiguous(), weights.contiguous()  # held here: a temporary's memory goes with its last use
+    _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, ids.shape[1], ids.data_ptr(),
+          weights.data_ptr(), first, w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd, y.data_ptr(),
+          int(x.dtype == torch.bfloat16) * 0b111, torch.get_num_threads())
     return y
 
 
@@ -252,7 +254,8 @@ def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty_like(rows)
     io = int(x.dtype == torch.bfloat16) * 0b101
-    _call(kernels, "ls_rms_norm", rows.data_ptr(), rows.shape[0], rows.shape[1], weight.contiguous().data_ptr(), eps,
+    weight = weight.contiguous()
+    _call(kernels, "ls_rms_norm", rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), eps,
           y.data_ptr(), io, torch.get_num_threads())
     return y.view(x.shape)
 
@@ -281,36 +284,40 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
         raise ValueError("mla_prologue reads int64 slots, fp32 cos/sin and at most 1024 rope dims")
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
+    cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
     io = int(kv.dtype == torch.bfloat16) * 0b101 | int(kv_cache.dtype == torch.bfloat16) << 1
     _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, q.shape[1], q.shape[2], kv.data_ptr(), width - rope, rope,
-          weight.data_ptr(), eps, cos.contiguous().data_ptr(), sin.contiguous().data_ptr(), ROPE_STYLES.index(style),
-          kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.contiguous().data_ptr(), io,
+          weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
+          kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
           torch.get_num_threads())
     return kv_c, k_pe
 
 
 class MLABlock(ctypes.Structure):
     """attention_block.c's view of one layer's attention: shapes, weight addresses (fp32 or bf16, contiguous; with
-    no q_lora, q_b is q_proj), norm epsilons, the softmax scale, the rope style (`ROPE_STYLES` index)."""
+    no q_lora, q_b is q_proj; post_norm is the MLP's input norm), norm epsilons, the softmax scale, the rope style
+    (`ROPE_STYLES` index)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "nope", "rope", "latent", "v_dim", "q_lora")] + [
         (name, ctypes.c_void_p)
-        for name in ("input_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk_t", "w_uv", "o_proj")
-    ] + [(name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "scale")] + [
+        for name in ("input_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk_t", "w_uv", "o_proj", "post_norm")
+    ] + [(name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "scale", "post_eps")] + [
         ("style", ctypes.c_int32), ("bf", ctypes.c_int32)]
 
 
 def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """x + o_proj(MLA attention(input_norm(x))) for decode tokens x `[T, hidden]` (contiguous, the block's dtype),
-    their latents written to the cache; metadata as `mla_decode` and `mla_prologue` read it."""
-    y = torch.empty_like(x)
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, post_norm(y)) with y = x + o_proj(MLA attention(input_norm(x))), for decode tokens x `[T, hidden]`
+    (contiguous, the block's dtype), their latents written to the cache; metadata as `mla_decode` and
+    `mla_prologue` read it."""
+    y, normed = torch.empty_like(x), torch.empty_like(x)
     _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), x.shape[0], cos.data_ptr(),
           sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
           block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-          seq_lens.shape[0], slot_mapping.data_ptr(), y.data_ptr(), torch.get_num_threads())
-    return y
+          seq_lens.shape[0], slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads())
+    return y, normed
 
 
 def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,

@@ -279,23 +279,12 @@ class StackedExperts(nn.Module):
         """Every token's experts (in expert order, then the shared ones) in one kernel call, for decode and the few
         tokens of a speculative verification: each token's result is the same however the batch around it is
         split. Each token reads its experts' weights on its own (the batched paths read each expert once)."""
-        chosen, order = (ids - self.first).sort(dim=1)
-        gates = weights.gather(1, order).float()
-        inter, hidden = self.w2t.shape[1:]
-        size = self.w13.element_size()
-        block = inter * hidden * size  # bytes of one expert's gate, up or down rows
-        w13, w2t = self.w13.data_ptr(), self.w2t.data_ptr()
-        shared: list[tuple[int, int, int]] = []  # (gate, up, down_t) of each I-wide chunk of the shared experts
+        shared = None
         if with_shared:
             mlp = self.shared[0]
-            g, u, d = (p.weight.data_ptr() for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-            shared = [(g + c, u + c, d + c) for c in range(0, mlp.down_proj.in_features // inter * block, block)]
-            gates = F.pad(gates, (0, len(shared)), value=1.0)
-        rows = [(w13 + 2 * e * block, w13 + (2 * e + 1) * block, w2t + e * block) for e in chosen.flatten().tolist()]
-        count = ids.shape[1]
-        pairs = [p for t in range(x.shape[0]) for p in (*rows[t * count : (t + 1) * count], *shared)]
-        gate, up, down = (list(a) for a in zip(*pairs))
-        return native.dense_experts(kernels, x.contiguous(), inter, gate, up, down, gates.flatten())
+            shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight.t())
+        return native.stacked_experts(kernels, x.contiguous(), self.w13, self.w2t, self.first, ids,
+                                      weights.float(), shared)
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The sorted rows through their experts with `linear`, one expert with tokens at a time."""

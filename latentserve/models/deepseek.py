@@ -99,9 +99,14 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        fused = fused_attention(self.self_attn, self.input_layernorm, cos, sin, hidden)  # decode: one native call
-        hidden = fused if fused is not None else hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        fused = fused_attention(self.self_attn, norms, cos, sin, hidden)  # decode: one native call
+        if fused is not None:
+            hidden, normed = fused
+        else:
+            hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
+            normed = self.post_attention_layernorm(hidden)
+        return hidden + self.mlp(normed)
 
 
 class DeepseekModel(nn.Module):
