@@ -7,7 +7,8 @@ as a GEMM when it or an op it calls is a matrix product. Inside an attention bac
 gather, scatter, activation); elsewhere they are "other ops" (norms, rotary, cache writes, sampling).
 "Python + framework" is the rest of the step (under the profiler, so it includes the profiler's own
 cost per op, about a microsecond). latentserve's own quantized kernels (ctypes calls) record a range of their name
-while the profiler runs, and count as weight GEMMs (a batch-1 MoE call includes its experts' SiLU).
+while the profiler runs, and count as weight GEMMs (a batch-1 MoE call includes its experts' SiLU; the one-call
+decode attention block includes its attention, a few percent of it at moderate contexts).
 """
 from __future__ import annotations
 

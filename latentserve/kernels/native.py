@@ -293,15 +293,27 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     return kv_c, k_pe
 
 
+WEIGHT_KINDS = ("dense", "int8", "int4")  # attention_block.c's numbering
+
+
+class Weight(ctypes.Structure):
+    """attention_block.c's view of one projection's weight: `dense` (w in the activations' dtype, `[N, K]`, per-head
+    products bmm's `[H, K, N]`), `int8` (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum) or `int4` (w
+    in `pack_int4`'s layout, group size)."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
+
+
 class MLABlock(ctypes.Structure):
-    """attention_block.c's view of one layer's attention: shapes, weight addresses (fp32 or bf16, contiguous; with
-    no q_lora, q_b is q_proj; post_norm is the MLP's input norm), norm epsilons, the softmax scale, the rope style
-    (`ROPE_STYLES` index)."""
+    """attention_block.c's view of one layer's attention: shapes (with no q_lora, q_b is q_proj), weights, norm weight
+    addresses (contiguous, the activations' dtype; post_norm is the MLP's input norm) and epsilons, the softmax
+    scale, the rope style (`ROPE_STYLES` index), whether activations are bf16."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "nope", "rope", "latent", "v_dim", "q_lora")] + [
-        (name, ctypes.c_void_p)
-        for name in ("input_norm", "q_a", "q_a_norm", "q_b", "kv_a", "kv_a_norm", "w_uk_t", "w_uv", "o_proj", "post_norm")
-    ] + [(name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "scale", "post_eps")] + [
+        (name, Weight) for name in ("q_a", "q_b", "kv_a", "o_proj", "uk", "uv")] + [
+        (name, ctypes.c_void_p) for name in ("input_norm", "q_a_norm", "kv_a_norm", "post_norm")] + [
+        (name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "post_eps", "scale")] + [
         ("style", ctypes.c_int32), ("bf", ctypes.c_int32)]
 
 

@@ -1,92 +1,128 @@
 """A decode step's DeepSeek attention block, from the input norm to the residual and the MLP's input norm, in one
-native call
-(kernels/attention_block.c) where every piece would run latentserve's kernels anyway: plain fp32 or bf16 weights,
-decode tokens only, few enough that each linear and per-head product takes the native kernel, the NATIVE decode
-backend. The kernel chains those same kernels, so the result is the modules' to the bit; elsewhere the modules run.
+native call (kernels/attention_block.c) where every piece would run latentserve's kernels anyway: fp32/bf16, int8 or
+int4 projections without bias, decode tokens only, few enough that each projection and per-head product takes its
+native kernel, the NATIVE decode backend. The kernel chains those same kernels, so the result is the modules' to
+the bit; elsewhere the modules run.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from latentserve.attention.decode.native import NativeMQADecodeBackend
 from latentserve.kernels import native
 from latentserve.layers.linear import NATIVE_HEAD_TOKENS, Linear, native_rows
 from latentserve.layers.norm import RMSNorm
+from latentserve.layers.quant.int4 import NATIVE_INT4_ROWS, NativeInt4Linear
+from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear
 
 if TYPE_CHECKING:
     from latentserve.models.deepseek import DeepseekAttention
 
-
-def _plain(layer: Linear, dtype: torch.dtype) -> bool:
-    return type(layer) is Linear and layer.bias is None and layer.weight.dtype == dtype and layer.weight.is_contiguous()
-
-
-def _tensors(attn: DeepseekAttention, norms: tuple[RMSNorm, RMSNorm]) -> tuple[torch.Tensor | None, ...]:
-    """The weights the kernel reads, in `MLABlock`'s order (None for a quantized layer's, which it cannot read)."""
-    layers = (attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj) if attn.q_lora else (attn.q_proj,)
-    layers = (norms[0], *layers, attn.kv_a_proj_with_mqa, attn.kv_a_layernorm)
-    core = attn.attn
-    return (*(getattr(layer, "weight", None) for layer in layers), core.W_UK_T, core.W_UV,
-            getattr(attn.o_proj, "weight", None), norms[1].weight)
+Norms = tuple[RMSNorm, RMSNorm]  # a layer's input and post-attention norms
+Built = tuple[native.MLABlock, int]  # the kernel's view of a layer, and up to how many tokens it runs it
 
 
-def build_block(attn: DeepseekAttention, norms: tuple[RMSNorm, RMSNorm], dtype: torch.dtype) -> native.MLABlock | None:
-    """The layer's weights as the kernel reads them, or None where a piece is not plain `dtype` (fp32 or bf16).
-    `norms`: the layer's input and post-attention norms."""
+def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKernels,
+                threads: int) -> tuple[native.Weight, int] | None:
+    """(the kernel's view of a projection, up to how many rows its layer runs its native kernel), or None."""
+    if type(layer) is Linear:
+        w = layer.weight
+        if layer.bias is not None or w.dtype != dtype or not w.is_contiguous():
+            return None
+        return native.Weight(kind=0, w=w.data_ptr()), native_rows(dtype, layer.in_features, threads)
+    if getattr(layer, "bias", True) is not None or getattr(getattr(layer, "kernels", None), "isa", None) != kernels.isa:
+        return None  # (the same build loads the same library, whichever object holds it)
+    if isinstance(layer, NativeInt8Linear) and layer.out_dtype in (None, dtype):
+        return native.Weight(kind=1, w=layer.qweight.data_ptr(), scale=layer.scale.data_ptr(),
+                             qsum=layer.qsum.data_ptr()), NATIVE_INT8_ROWS
+    if isinstance(layer, NativeInt4Linear):
+        return native.Weight(kind=2, w=layer.packed.data_ptr(), group=layer.group_size), NATIVE_INT4_ROWS
+    return None
+
+
+def _absorbed(attn: DeepseekAttention, dtype: torch.dtype,
+              kernels: native.NativeKernels) -> tuple[native.Weight, native.Weight, int] | None:
+    """The per-head products (to the latent, to the values) as `MLAAttention._forward_decode` runs them natively."""
     core, m = attn.attn, attn.attn.mla
-    linears = [attn.q_a_proj, attn.q_b_proj] if attn.q_lora else [attn.q_proj]
-    all_norms = [*norms, attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora else [])
-    if (any(t is None for t in _tensors(attn, norms)) or core.int8_absorbed is not None or m.kv_lora_rank % 16 or m.v_head_dim % 16
-            or m.qk_rope_head_dim > 1024 or not isinstance(core.decode_backend, NativeMQADecodeBackend)
-            or not all(_plain(layer, dtype) for layer in [*linears, attn.kv_a_proj_with_mqa, attn.o_proj])
-            or not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in all_norms)
-            or core.W_UK_T.dtype != dtype or core.W_UV.dtype != dtype):
+    if core.int8_absorbed is not None:
+        uk, uv = core.int8_absorbed
+        if uk.kernels.isa != kernels.isa or uv.kernels.isa != kernels.isa:
+            return None
+        return (*(native.Weight(kind=1, w=h.q.data_ptr(), scale=h.scale.data_ptr(), qsum=h.qsum.data_ptr())
+                  for h in (uk, uv)), uk.max_tokens)
+    weights = (core.W_UK_T, core.W_UV)
+    if (any(w is None or w.dtype != dtype or not w.is_contiguous() for w in weights) or m.kv_lora_rank % 16
+            or m.v_head_dim % 16):
         return None
-    weights = [t.data_ptr() for t in _tensors(attn, norms)]
-    if attn.q_lora:
-        input_w, q_a, q_a_norm, q_b, *rest = weights
-    else:
-        (input_w, q_b, *rest), q_a, q_a_norm = weights, None, None
-    kv_a, kv_a_norm, w_uk_t, w_uv, o_proj, post_norm = rest
-    input_norm, post = norms
-    return native.MLABlock(
-        hidden=input_norm.weight.shape[0], heads=m.num_heads, nope=m.qk_nope_head_dim, rope=m.qk_rope_head_dim,
+    return (*(native.Weight(kind=0, w=w.data_ptr()) for w in weights), NATIVE_HEAD_TOKENS)
+
+
+def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kernels: native.NativeKernels,
+                threads: int) -> Built | None:
+    """The layer's attention as the kernel reads it, or None where a piece does not run latentserve's kernels."""
+    core, m = attn.attn, attn.attn.mla
+    all_norms = [*norms, attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora else [])
+    if (not isinstance(core.decode_backend, NativeMQADecodeBackend) or m.qk_rope_head_dim > 1024
+            or not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in all_norms)):
+        return None
+    names = ("q_a", "q_b", "kv_a", "o_proj") if attn.q_lora else ("q_b", "kv_a", "o_proj")
+    layers = (attn.q_a_proj, attn.q_b_proj) if attn.q_lora else (attn.q_proj,)
+    projections = [_projection(layer, dtype, kernels, threads)
+                   for layer in (*layers, attn.kv_a_proj_with_mqa, attn.o_proj)]
+    absorbed = _absorbed(attn, dtype, kernels)
+    if absorbed is None or any(p is None for p in projections):
+        return None
+    uk, uv, head_rows = absorbed
+    block = native.MLABlock(
+        hidden=norms[0].weight.shape[0], heads=m.num_heads, nope=m.qk_nope_head_dim, rope=m.qk_rope_head_dim,
         latent=m.kv_lora_rank, v_dim=m.v_head_dim, q_lora=attn.q_a_proj.out_features if attn.q_lora else 0,
-        input_norm=input_w, q_a=q_a, q_a_norm=q_a_norm, q_b=q_b, kv_a=kv_a, kv_a_norm=kv_a_norm, w_uk_t=w_uk_t,
-        w_uv=w_uv, o_proj=o_proj, post_norm=post_norm, eps=input_norm.eps, post_eps=post.eps,
-        q_a_eps=attn.q_a_layernorm.eps if attn.q_lora else 0.0, kv_a_eps=attn.kv_a_layernorm.eps, scale=core.scale, style=native.ROPE_STYLES.index(attn.rotary_emb.style),
-        bf=int(dtype == torch.bfloat16))
+        **{name: weight for name, (weight, _) in zip(names, projections)}, uk=uk, uv=uv,
+        input_norm=norms[0].weight.data_ptr(), post_norm=norms[1].weight.data_ptr(),
+        q_a_norm=attn.q_a_layernorm.weight.data_ptr() if attn.q_lora else None,
+        kv_a_norm=attn.kv_a_layernorm.weight.data_ptr(), eps=norms[0].eps, post_eps=norms[1].eps,
+        q_a_eps=attn.q_a_layernorm.eps if attn.q_lora else 0.0, kv_a_eps=attn.kv_a_layernorm.eps, scale=core.scale,
+        style=native.ROPE_STYLES.index(attn.rotary_emb.style), bf=int(dtype == torch.bfloat16))
+    return block, min(head_rows, *(rows for _, rows in projections))
 
 
-def fused_attention(attn: DeepseekAttention, norms: tuple[RMSNorm, RMSNorm], cos: torch.Tensor, sin: torch.Tensor,
+def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, sin: torch.Tensor,
                     hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(h, post_norm(h)) with h = hidden + attn(input_norm(hidden)) in one native call (`norms`: input, post), or
     None where the modules must run it."""
     tokens, dtype = hidden.shape[0], hidden.dtype
-    if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or not 0 < tokens <= NATIVE_HEAD_TOKENS:
-        return None
-    threads = torch.get_num_threads()
-    widths = (hidden.shape[1], attn.o_proj.in_features) + ((attn.q_b_proj.in_features,) if attn.q_lora else ())
-    if tokens > min(native_rows(dtype, width, threads) for width in widths):
+    if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or tokens == 0:
         return None
     kernels = native.for_this_cpu()
     core = attn.attn
     md = core.checked_metadata(hidden)
     if kernels is None or md.prefill is not None or md.decode is None:
         return None
-    block = _cached_block(attn, norms, dtype)  # None unless the decode backend is NATIVE
-    if block is None or not core.decode_backend.runs_natively(core.kv_cache, md.decode):
+    built = _cached_block(attn, norms, dtype, kernels, torch.get_num_threads())
+    if built is None or tokens > built[1] or not core.decode_backend.runs_natively(core.kv_cache, md.decode):
         return None
     d = md.decode
-    return native.mla_attention_block(kernels, block, hidden.contiguous(), cos.contiguous(), sin.contiguous(),
+    return native.mla_attention_block(kernels, built[0], hidden.contiguous(), cos.contiguous(), sin.contiguous(),
                                       core.kv_cache, d.block_table, d.query_start_loc, d.seq_lens, md.slot_mapping)
 
 
-def _cached_block(attn: DeepseekAttention, norms: tuple[RMSNorm, RMSNorm], dtype: torch.dtype) -> native.MLABlock | None:
-    """`build_block`, rebuilt whenever a weight was replaced (the kernel must never read a freed tensor)."""
-    key = (dtype, *(None if t is None else t.data_ptr() for t in _tensors(attn, norms)))
+def _key(attn: DeepseekAttention, norms: Norms) -> tuple:
+    """Every tensor the kernel reads, by address: a replaced weight must never be read through a stale one."""
+    modules = [*norms, attn.kv_a_layernorm, attn.kv_a_proj_with_mqa, attn.o_proj]
+    modules += [attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj] if attn.q_lora else [attn.q_proj]
+    tensors = [t for module in modules for t in module._parameters.values()]
+    tensors += [t for module in modules for t in module._buffers.values()]
+    core = attn.attn
+    tensors += [core.W_UK_T, core.W_UV] + [t for h in core.int8_absorbed or () for t in (h.q, h.scale, h.qsum)]
+    return tuple(None if t is None else t.data_ptr() for t in tensors)
+
+
+def _cached_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kernels: native.NativeKernels,
+                  threads: int) -> Built | None:
+    """`build_block`, rebuilt whenever the dtype, the thread count or a weight changed."""
+    key = (dtype, kernels.isa, threads, *_key(attn, norms))
     if attn.fused_block is None or attn.fused_block[0] != key:
-        attn.fused_block = (key, build_block(attn, norms, dtype))
+        attn.fused_block = (key, build_block(attn, norms, dtype, kernels, threads))
     return attn.fused_block[1]

@@ -60,7 +60,7 @@ class DeepseekAttention(nn.Module):
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         # (weight addresses, the native kernel's view of them) for the one-call decode path (`attention_block`)
-        self.fused_block: tuple[tuple, MLABlock | None] | None = None
+        self.fused_block: tuple[tuple, tuple[MLABlock, int] | None] | None = None
         self.attn = MLAAttention(
             attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
             kv_cache_dtype=dtype, device=device,

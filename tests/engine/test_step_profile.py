@@ -1,6 +1,8 @@
 """The step profile behind `latentserve bench --profile`: ops land in their category, the engine is left as it was."""
 import json
 
+import pytest
+
 import torch
 import torch.nn.functional as F
 
@@ -72,15 +74,21 @@ def test_bench_profile_prints_the_breakdown(tmp_path, capsys):
     assert set(profile["decode"]) == set(CATEGORIES)
 
 
-def test_native_quantized_kernels_count_as_weight_gemms(tmp_path):
+@pytest.mark.parametrize("fused", [False, True], ids=["modules", "fused block"])
+def test_native_quantized_kernels_count_as_weight_gemms(tmp_path, monkeypatch, fused):
     """latentserve's own kernels are ctypes calls, invisible to torch's profiler but for the range each records: the
-    linears' count as weight GEMMs, the decode attention's as attention."""
+    linears' count as weight GEMMs, the decode attention's as attention; the one-call attention block (run here
+    with the modules' kernels, then without) as weight GEMMs, its attention share included."""
     from latentserve.kernels.cpu import cpu_features
     from latentserve.kernels.native import native_kernels
+    from latentserve.models import deepseek
 
     if native_kernels(cpu_features())[0] is None:
         return  # PyTorch's kernels here: the tests above cover them
-    checkpoint = make_checkpoint(tmp_path, "v3", q_lora_rank=32, moe_intermediate_size=32, intermediate_size=64)
+    if not fused:
+        monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
+    checkpoint = make_checkpoint(tmp_path, "v3", q_lora_rank=32, moe_intermediate_size=32, intermediate_size=64,
+                                 kv_lora_rank=32, v_head_dim=16)
     engine = LLM(model=str(checkpoint), block_size=4, num_kv_blocks=64, quantization="int8").engine
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     engine.step()  # the prompt
@@ -89,7 +97,8 @@ def test_native_quantized_kernels_count_as_weight_gemms(tmp_path):
             engine.step()
     natives = [e for e in prof.events() if e.name.startswith("latentserve::")]
     gemms = [e for e in natives if e.name != "latentserve::ls_mla_decode"]  # that one is the decode attention
-    assert gemms and len(gemms) < len(natives)
+    assert gemms and (len(gemms) == len(natives)) == fused
+    assert any(e.name == "latentserve::ls_mla_attention_block" for e in natives) == fused
     result = categorize(prof.events())["decode"]
     for category, events in (("weight GEMMs", gemms), ("attention", [e for e in natives if e not in gemms])):
         assert result.op_seconds[category] >= sum(e.cpu_time_total for e in events) * 1e-6 * 0.99

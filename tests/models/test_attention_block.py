@@ -7,6 +7,7 @@ import torch
 
 from latentserve.config import AttentionConfig
 from latentserve.kernels import native
+from latentserve.layers.quant.config import QuantConfig
 from latentserve.models import deepseek, load_model
 from tests.checkpoints import make_checkpoint
 from tests.models.paged import PagedRunner
@@ -20,10 +21,11 @@ def threads(request):
     torch.set_num_threads(saved)
 
 
-def _run(path, dtype: torch.dtype) -> tuple[list[torch.Tensor], PagedRunner]:
+def _run(path, dtype: torch.dtype, quantization: QuantConfig | None) -> tuple[list[torch.Tensor], PagedRunner]:
     """Prefill two prompts, then decode one token each, then one request alone over 1 and 2 new tokens."""
     attn_config = AttentionConfig(block_size=4)
-    runner = PagedRunner(load_model(path, dtype=dtype, attn_config=attn_config), attn_config)
+    model = load_model(path, dtype=dtype, attn_config=attn_config, quantization=quantization)
+    runner = PagedRunner(model, attn_config)
     g = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(0, 96, (n,), generator=g).tolist()  # noqa: E731
     batches = [[(0, tokens(5)), (1, tokens(7))], [(0, tokens(1)), (1, tokens(1))], [(1, tokens(1))],
@@ -35,15 +37,18 @@ def _run(path, dtype: torch.dtype) -> tuple[list[torch.Tensor], PagedRunner]:
 @pytest.mark.parametrize("variant", ["v2_lite", "v3"])  # no q_lora / q_lora
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_fused_block_equals_the_modules(tmp_path, monkeypatch, variant, dtype, threads):
-    path = make_checkpoint(tmp_path, variant, kv_lora_rank=32, v_head_dim=16)  # the per-head kernel's multiples of 16
+@pytest.mark.parametrize("quantization", [None, QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
+def test_fused_block_equals_the_modules(tmp_path, monkeypatch, variant, dtype, threads, quantization):
+    # The per-head kernel's multiples of 16; int4's inputs in multiples of 64.
+    path = make_checkpoint(tmp_path, variant, kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
+                           moe_intermediate_size=64, **({"q_lora_rank": 64} if variant == "v3" else {}))
     calls = []
     monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
         a[3].shape[0]) or _f(*a))
-    fused, fused_runner = _run(path, dtype)
+    fused, fused_runner = _run(path, dtype, quantization)
     assert calls and max(calls) >= 2  # decode steps of one and two tokens took it
     monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
-    modules, module_runner = _run(path, dtype)
+    modules, module_runner = _run(path, dtype, quantization)
     for a, b in zip(fused, modules):
         assert torch.equal(a, b)
     for name, cache in fused_runner.model.static_forward_context.items():
