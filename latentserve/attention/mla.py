@@ -89,8 +89,9 @@ class MLAAttention(nn.Module):
         (kernels/prologue.c, to the bit what the torch ops give). None where the kernels cannot take it: the caller
         then runs those ops and `forward`."""
         dtype = kv.dtype
-        if (kv.device.type != "cpu" or dtype not in KERNEL_DTYPES or q.dtype != dtype or latent_norm.weight.dtype != dtype
-                or self.kv_cache is None or self.kv_cache.dtype not in KERNEL_DTYPES):
+        if (kv.device.type != "cpu" or dtype not in KERNEL_DTYPES or q.dtype != dtype
+                or latent_norm.weight.dtype != dtype or self.kv_cache is None
+                or self.kv_cache.dtype not in KERNEL_DTYPES):
             return None
         kernels = native.for_this_cpu()
         if kernels is None:

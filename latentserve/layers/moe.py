@@ -242,9 +242,8 @@ class StackedExperts(nn.Module):
 
     def _kernels(self, x: torch.Tensor) -> native.NativeKernels | None:
         """latentserve's kernels where they run these tokens, else None."""
-        if 0 < x.shape[0] <= NATIVE_MAX_TOKENS and x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES:
-            return native.for_this_cpu()
-        return None
+        on_cpu = x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES
+        return native.for_this_cpu() if on_cpu and 0 < x.shape[0] <= NATIVE_MAX_TOKENS else None
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""

@@ -17,9 +17,9 @@ from latentserve.layers.quant.linear import quantize_linear
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 3
 
 
-def _moe(dtype: torch.dtype = torch.float32, seed: int = 0) -> MoE:
+def _moe(dtype: torch.dtype = torch.float32, seed: int = 0, shared: int = 0) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(HIDDEN, INTER, RoutingConfig(EXPERTS, TOP_K), n_shared_experts=0)
+    moe = MoE(HIDDEN, INTER, RoutingConfig(EXPERTS, TOP_K), n_shared_experts=shared)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.2)
@@ -168,12 +168,7 @@ def test_stacked_moe_still_yields_twice() -> None:
 @pytest.mark.parametrize("tokens", [1, 3, 8, 9])  # 9: past the few-token kernel, shared experts on their own
 def test_shared_experts_join_the_stack_as_gate_one_experts(dtype: torch.dtype, tol: float, tokens: int) -> None:
     """Two I-wide shared experts (S = 2I) ride in the routed experts' kernel call; the sum is the naive one."""
-    torch.manual_seed(0)
-    moe = MoE(HIDDEN, INTER, RoutingConfig(EXPERTS, TOP_K), n_shared_experts=2)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.2)
-    moe = moe.to(dtype)
+    moe = _moe(dtype, shared=2)
     experts = _full_precision_weights(moe)
     shared = [p.weight.detach().float().clone() for p in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj,
                                                           moe.shared_experts.down_proj)]
