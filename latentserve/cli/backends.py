@@ -82,7 +82,17 @@ def describe_weights(device: str) -> str:
         f"    lm_head under int8 and int4: {int8.kernel} (--no-lm-head-quantized keeps the compute dtype)",
         "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
         f"    fp32 / bf16 linears: {_dense(device)}",
+        f"    decode attention block: {_block(device)}",
     ]) + "\n"
+
+
+def _block(device: str) -> str:
+    """Whether a decode layer's attention runs as one native call (models/attention_block.py)."""
+    kernels, why = native.native_kernels(cpu_features()) if device == "cpu" else (None, f"device {device}")
+    if kernels is None:
+        return f"the layer's modules one by one ({why})"
+    return ("one native call per layer where its projections run latentserve's kernels (fp32/bf16, int8, int4, no "
+            "bias), the NATIVE decode backend takes the step and its tokens are few enough; the modules elsewhere")
 
 
 def _dense(device: str) -> str:
