@@ -1,6 +1,6 @@
 """latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
 decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write;
-attention_block.c: a decode step's whole MLA attention block):
+attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing):
 built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
 cannot be built the callers keep PyTorch's kernels."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from latentserve.kernels.cpu import CpuFeatures
 
 KERNEL_DIR = Path(__file__).parent
 SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c",
-                                                      "attention_block.c"))
+                                                      "attention_block.c", "route.c"))
 HEADERS = (KERNEL_DIR / "simd.h",)
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
@@ -107,6 +107,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_mla_prologue.restype = None
     lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, p, i32]
     lib.ls_mla_attention_block.restype = None
+    lib.ls_route.argtypes = [p, i64, i64, i64, i32, i64, i64, p, i32, ctypes.c_float, p, p]
+    lib.ls_route.restype = None
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -330,6 +332,22 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
           block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
           seq_lens.shape[0], slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads())
     return y, normed
+
+
+def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, groups: int, topk_groups: int,
+          bias: torch.Tensor | None, norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights `[T, k]` fp32, expert ids `[T, k]` int64) from fp32 router logits `[T, E]`: softmax or sigmoid scores
+    (+ bias `[E]` to choose, not to weigh), the best `topk_groups` of `groups` equal groups kept (softmax: a group's
+    best score; sigmoid: its best two), the top k, weights divided by their sum (`norm`) and scaled."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or (bias is not None and bias.dtype != torch.float32):
+        raise ValueError(f"route reads fp32 logits [T, E] and an fp32 bias, got {logits.dtype} {tuple(logits.shape)}")
+    logits = logits.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    tokens, experts = logits.shape
+    weights, ids = torch.empty(tokens, k), torch.empty(tokens, k, dtype=torch.int64)
+    _call(kernels, "ls_route", logits.data_ptr(), tokens, experts, k, int(sigmoid), groups, topk_groups,
+          None if bias is None else bias.data_ptr(), int(norm), scaling, weights.data_ptr(), ids.data_ptr())
+    return weights, ids
 
 
 def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,

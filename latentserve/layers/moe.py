@@ -127,7 +127,14 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
-        return select_experts(logits, self.cfg, self.e_score_correction_bias)
+        kernels = native.for_this_cpu() if logits.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_TOKENS else None
+        if kernels is None:
+            return select_experts(logits, self.cfg, self.e_score_correction_bias)
+        cfg = self.cfg  # a few decode tokens: one native call where select_experts takes a dozen small ops
+        groups = cfg.n_group or 1
+        return native.route(kernels, logits, cfg.num_experts_per_tok, cfg.scoring_func == "sigmoid", groups,
+                            cfg.topk_group if cfg.topk_method != "greedy" and cfg.topk_group else groups,
+                            self.e_score_correction_bias, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 class MoE(nn.Module):

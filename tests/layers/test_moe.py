@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
@@ -213,3 +214,29 @@ def test_routing_config_rejects_bad_values(kwargs: dict, field: str) -> None:
     base = dict(n_routed_experts=8, num_experts_per_tok=2)
     with pytest.raises(ValueError, match=field):
         RoutingConfig(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])  # up to NATIVE_MAX_TOKENS the router routes in one native call
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_native_routing_matches_select_experts(case: str, tokens: int) -> None:
+    from latentserve.kernels import native
+
+    if native.for_this_cpu() is None:
+        pytest.skip("latentserve's kernels do not build here")
+    variant, overrides = CASES[case]
+    cfg = _routing(_hf_config(variant, **overrides))
+    router = Router(HIDDEN, cfg)
+    g = torch.Generator().manual_seed(tokens)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.2, generator=g)
+        if router.e_score_correction_bias is not None:
+            router.e_score_correction_bias.normal_(0, 0.2, generator=g)
+    x = torch.randn(tokens, HIDDEN, generator=g)
+    with torch.no_grad():
+        weights, ids = router(x)
+        logits = F.linear(x, router.weight)
+        expected_weights, expected_ids = select_experts(logits, cfg, router.e_score_correction_bias)
+    weights, ids = _sorted_by_expert(weights, ids)
+    expected_weights, expected_ids = _sorted_by_expert(expected_weights, expected_ids)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)

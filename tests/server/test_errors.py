@@ -101,8 +101,10 @@ def _wait_aborted(server, http, aborts_before: int) -> None:
     assert server.engine.scheduler.block_manager.usage == 0
 
 
-def test_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server, http, monkeypatch):
     server.wait_idle()
+    step = server.engine.step
+    monkeypatch.setattr(server.engine, "step", lambda: (time.sleep(0.01), step())[1])  # outlives the disconnect
     aborts = _aborts(http)
     body = {**GOOD, "max_tokens": 240, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
@@ -115,8 +117,10 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, http):
     _wait_aborted(server, http, aborts)
 
 
-def test_disconnect_while_waiting_for_a_full_response_aborts(server, http):
+def test_disconnect_while_waiting_for_a_full_response_aborts(server, http, monkeypatch):
     server.wait_idle()
+    step = server.engine.step
+    monkeypatch.setattr(server.engine, "step", lambda: (time.sleep(0.01), step())[1])  # outlives the timeout
     aborts = _aborts(http)
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json={**GOOD, "max_tokens": 240, "ignore_eos": True}, timeout=0.3)
