@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from latentserve.forward_context import set_dbo_yield_hook
+from latentserve.layers.linear import linear
 from latentserve.layers.moe import MoE, Router, RoutingConfig, select_experts
 from tests.checkpoints import make_config
 
@@ -234,7 +234,7 @@ def test_native_routing_matches_select_experts(case: str, tokens: int) -> None:
     x = torch.randn(tokens, HIDDEN, generator=g)
     with torch.no_grad():
         weights, ids = router(x)
-        logits = F.linear(x, router.weight)
+        logits = linear(x, router.weight)
         expected_weights, expected_ids = select_experts(logits, cfg, router.e_score_correction_bias)
     weights, ids = _sorted_by_expert(weights, ids)
     expected_weights, expected_ids = _sorted_by_expert(expected_weights, expected_ids)
