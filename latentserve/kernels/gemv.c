@@ -117,13 +117,15 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
 }
 
 /* A MoE layer's stacked experts for T tokens through `ls_dense_experts`: token t's top-k experts ids[t] (global
- * ids: the stack holds experts first..) with gates weights[t] (fp32), in expert order, then the `shared` I-wide
- * chunks of the shared experts with gate 1. w13 `[E, 2I, K]` (gate rows, then up rows) and w2t `[E, I, K]` (down
- * projections transposed) in the weights' dtype (bit 2 of `io`), as are the shared experts' gate sg, up su and
- * transposed down sd `[shared * I, K]`. */
-void ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
-                        const float *weights, int64_t first, const void *w13, const void *w2t, int64_t shared,
-                        const void *sg, const void *su, const void *sd, void *y, int io, int threads) {
+ * ids: the stack holds the E experts first..) with gates weights[t] (fp32), in expert order, then the `shared`
+ * I-wide chunks of the shared experts with gate 1. w13 `[E, 2I, K]` (gate rows, then up rows) and w2t `[E, I, K]`
+ * (down projections transposed) in the weights' dtype (bit 2 of `io`), as are the shared experts' gate sg, up su
+ * and transposed down sd `[shared * I, K]`. Returns 1, computing nothing, where an id lies outside the stack. */
+int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
+                       const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
+                       int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io, int threads) {
+    for (int64_t i = 0; i < T * topk; i++)
+        if (ids[i] < first || ids[i] >= first + E) return 1;
     int64_t count = topk + shared, P = T * count, block = I * K * (((io >> 2) & 1) ? 2 : 4);
     const void **gate = malloc(3 * P * sizeof(void *)), **up = gate + P, **down = up + P;
     float *gates = malloc(P * sizeof(float));
@@ -155,6 +157,7 @@ void ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t 
     free(gate);
     free(gates);
     free(order);
+    return 0;
 }
 
 /* One head's tile of NV vectors of outputs for mb (1 or 2) activation rows: y[i][:] = sum_k x[i][k] * w[k][:],

@@ -99,8 +99,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_dense_linear.restype = None
     lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
     lib.ls_dense_heads.restype = None
-    lib.ls_stacked_experts.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, p, i64, p, p, p, p, i32, i32]
-    lib.ls_stacked_experts.restype = None
+    lib.ls_stacked_experts.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, p, p, p, p, i32, i32]
+    lib.ls_stacked_experts.restype = i32
     lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
     lib.ls_rms_norm.restype = None
     lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32]
@@ -151,16 +151,15 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and wri
 PROFILE_PREFIX = "latentserve::"  # the profiler range each call gets while a torch profiler runs
 
 
-def _call(kernels: NativeKernels, name: str, *args) -> None:
-    """kernels.lib.`name`(*args), inside a profiler range named after it while torch's profiler runs (ctypes calls
-    are invisible to it otherwise)."""
+def _call(kernels: NativeKernels, name: str, *args):
+    """kernels.lib.`name`(*args) and what it returns, inside a profiler range named after it while torch's profiler
+    runs (ctypes calls are invisible to it otherwise)."""
     fn = getattr(kernels.lib, name)
     # The profiler's module-level flag: torch.autograd._profiler_enabled() stays False under an all-threads profile.
     if torch.autograd.profiler._is_profiler_enabled:
         with torch.profiler.record_function(PROFILE_PREFIX + name):
-            fn(*args)
-    else:
-        fn(*args)
+            return fn(*args)
+    return fn(*args)
 
 
 def activations(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -242,9 +241,12 @@ def stacked_experts(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, 
     sg, su, sd = (t.data_ptr() for t in shared) if shared else (None, None, None)
     y = torch.empty(tokens, k, dtype=x.dtype)
     ids, weights = ids.contiguous(), weights.contiguous()  # held here: a temporary's memory goes with its last use
-    _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, ids.shape[1], ids.data_ptr(),
-          weights.data_ptr(), first, w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd, y.data_ptr(),
-          int(x.dtype == torch.bfloat16) * 0b111, torch.get_num_threads())
+    bad = _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, ids.shape[1], ids.data_ptr(),
+                weights.data_ptr(), first, w13.shape[0], w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd,
+                y.data_ptr(), int(x.dtype == torch.bfloat16) * 0b111, torch.get_num_threads())
+    if bad:
+        raise ValueError(f"stacked_experts: the stack holds experts {first}..{first + w13.shape[0] - 1}, got ids "
+                         f"{ids.tolist()}")
     return y
 
 
@@ -262,7 +264,7 @@ def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps:
     return y.view(x.shape)
 
 
-ROPE_STYLES = ("gptj", "interleave", "neox")  # prologue.c's numbering
+ROPE_STYLES = ("gptj", "interleave", "neox")  # DeepSeek's rope layouts (layers/rotary.py), prologue.c's numbering
 
 
 def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -284,6 +286,8 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
         raise ValueError(f"mla_prologue reads contiguous q, kv, weight and a cache of rows of {width}")
     if slot_mapping.dtype != torch.int64 or cos.dtype != torch.float32 or rope > 1024 or q.shape[-1] < rope:
         raise ValueError("mla_prologue reads int64 slots, fp32 cos/sin and at most 1024 rope dims")
+    if style not in ROPE_STYLES:
+        raise ValueError(f"mla_prologue: rope style must be one of {ROPE_STYLES}, got {style!r}")
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
     cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
@@ -295,13 +299,13 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     return kv_c, k_pe
 
 
-WEIGHT_KINDS = ("dense", "int8", "int4")  # attention_block.c's numbering
+DENSE, INT8, INT4 = 0, 1, 2  # attention_block.c's kinds of weight
 
 
 class Weight(ctypes.Structure):
-    """attention_block.c's view of one projection's weight: `dense` (w in the activations' dtype, `[N, K]`, per-head
-    products bmm's `[H, K, N]`), `int8` (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum) or `int4` (w
-    in `pack_int4`'s layout, group size)."""
+    """attention_block.c's view of one projection's weight: DENSE (w in the activations' dtype, `[N, K]`, per-head
+    products bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum) or INT4 (w in
+    `pack_int4`'s layout, group size)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
@@ -341,9 +345,13 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
     best score; sigmoid: its best two), the top k, weights divided by their sum (`norm`) and scaled."""
     if logits.dtype != torch.float32 or logits.dim() != 2 or (bias is not None and bias.dtype != torch.float32):
         raise ValueError(f"route reads fp32 logits [T, E] and an fp32 bias, got {logits.dtype} {tuple(logits.shape)}")
+    tokens, experts = logits.shape
+    if (not 0 < topk_groups <= groups or experts % groups or not 0 < k <= topk_groups * (experts // groups)
+            or (bias is not None and bias.shape != (experts,))):
+        raise ValueError(f"route: {k} of {experts} experts from the best {topk_groups} of {groups} groups cannot be "
+                         f"chosen (bias {None if bias is None else tuple(bias.shape)})")
     logits = logits.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    tokens, experts = logits.shape
     weights, ids = torch.empty(tokens, k), torch.empty(tokens, k, dtype=torch.int64)
     _call(kernels, "ls_route", logits.data_ptr(), tokens, experts, k, int(sigmoid), groups, topk_groups,
           None if bias is None else bias.data_ptr(), int(norm), scaling, weights.data_ptr(), ids.data_ptr())

@@ -55,6 +55,15 @@ class RoutingConfig:
         if self.topk_method != "greedy":
             self._check_groups()
 
+    @property
+    def num_groups(self) -> int:
+        return self.n_group or 1
+
+    @property
+    def kept_groups(self) -> int:
+        """Groups a token's experts may come from: topk_group where the method limits groups, else all of them."""
+        return self.topk_group if self.topk_method != "greedy" else self.num_groups
+
     def _check_groups(self) -> None:
         n_group, topk_group = self.n_group, self.topk_group
         if not isinstance(n_group, int) or n_group <= 0 or self.n_routed_experts % n_group:
@@ -87,8 +96,8 @@ def select_experts(
     """Routing weights [T, k] (fp32) and expert ids [T, k] from fp32 router logits [T, E]."""
     k = cfg.num_experts_per_tok
     num_tokens = router_logits.shape[0]
-    group_size = cfg.n_routed_experts // (cfg.n_group or 1)
-    limit_groups = cfg.topk_method != "greedy" and cfg.topk_group < cfg.n_group  # else every group stays
+    group_size = cfg.n_routed_experts // cfg.num_groups
+    limit_groups = cfg.kept_groups < cfg.num_groups  # else every group stays
     if cfg.scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)
         if limit_groups:
@@ -132,10 +141,9 @@ class Router(nn.Module):
         if kernels is None:
             return select_experts(logits, self.cfg, self.e_score_correction_bias)
         cfg = self.cfg  # a few decode tokens: one native call where select_experts takes a dozen small ops
-        groups = cfg.n_group or 1
-        return native.route(kernels, logits, cfg.num_experts_per_tok, cfg.scoring_func == "sigmoid", groups,
-                            cfg.topk_group if cfg.topk_method != "greedy" and cfg.topk_group else groups,
-                            self.e_score_correction_bias, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        return native.route(kernels, logits, cfg.num_experts_per_tok, cfg.scoring_func == "sigmoid", cfg.num_groups,
+                            cfg.kept_groups, self.e_score_correction_bias, cfg.norm_topk_prob,
+                            cfg.routed_scaling_factor)
 
 
 class MoE(nn.Module):

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-ROPE_STYLES = ("gptj", "interleave", "neox")
+from latentserve.kernels.native import ROPE_STYLES  # the styles, in the order the kernels number them
+
 
 
 @dataclass(frozen=True)

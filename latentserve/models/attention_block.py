@@ -32,14 +32,14 @@ def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKern
         w = layer.weight
         if layer.bias is not None or w.dtype != dtype or not w.is_contiguous():
             return None
-        return native.Weight(kind=0, w=w.data_ptr()), native_rows(dtype, layer.in_features, threads)
+        return native.Weight(kind=native.DENSE, w=w.data_ptr()), native_rows(dtype, layer.in_features, threads)
     if getattr(layer, "bias", True) is not None or getattr(getattr(layer, "kernels", None), "isa", None) != kernels.isa:
         return None  # (the same build loads the same library, whichever object holds it)
     if isinstance(layer, NativeInt8Linear) and layer.out_dtype in (None, dtype):
-        return native.Weight(kind=1, w=layer.qweight.data_ptr(), scale=layer.scale.data_ptr(),
+        return native.Weight(kind=native.INT8, w=layer.qweight.data_ptr(), scale=layer.scale.data_ptr(),
                              qsum=layer.qsum.data_ptr()), NATIVE_INT8_ROWS
     if isinstance(layer, NativeInt4Linear):
-        return native.Weight(kind=2, w=layer.packed.data_ptr(), group=layer.group_size), NATIVE_INT4_ROWS
+        return native.Weight(kind=native.INT4, w=layer.packed.data_ptr(), group=layer.group_size), NATIVE_INT4_ROWS
     return None
 
 
@@ -51,13 +51,13 @@ def _absorbed(attn: DeepseekAttention, dtype: torch.dtype,
         uk, uv = core.int8_absorbed
         if uk.kernels.isa != kernels.isa or uv.kernels.isa != kernels.isa:
             return None
-        return (*(native.Weight(kind=1, w=h.q.data_ptr(), scale=h.scale.data_ptr(), qsum=h.qsum.data_ptr())
+        return (*(native.Weight(kind=native.INT8, w=h.q.data_ptr(), scale=h.scale.data_ptr(), qsum=h.qsum.data_ptr())
                   for h in (uk, uv)), uk.max_tokens)
     weights = (core.W_UK_T, core.W_UV)
     if (any(w is None or w.dtype != dtype or not w.is_contiguous() for w in weights) or m.kv_lora_rank % 16
             or m.v_head_dim % 16):
         return None
-    return (*(native.Weight(kind=0, w=w.data_ptr()) for w in weights), NATIVE_HEAD_TOKENS)
+    return (*(native.Weight(kind=native.DENSE, w=w.data_ptr()) for w in weights), NATIVE_HEAD_TOKENS)
 
 
 def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kernels: native.NativeKernels,

@@ -76,6 +76,9 @@ def test_stacked_experts_refuse_what_they_cannot_read():
     with pytest.raises(ValueError, match="of one dtype"):
         native.stacked_experts(kernels(ISAS[0]), torch.randn(1, 16).bfloat16(), w13, w2t, 0,
                                torch.zeros(1, 1).long(), torch.ones(1, 1))
+    with pytest.raises(ValueError, match=r"holds experts 4..5, got ids \[\[6\]\]"):  # never read past the stack
+        native.stacked_experts(kernels(ISAS[0]), torch.randn(1, 16), w13, w2t, 4, torch.tensor([[6]]),
+                               torch.ones(1, 1))
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -47,5 +47,7 @@ def test_prologue_refuses_what_it_cannot_read():
     cache = torch.zeros(2, 4, 72)
     with pytest.raises(ValueError, match="in kv's dtype"):
         native.mla_prologue(kernels(ISAS[0]), q.bfloat16(), kv, w, 1e-6, cos, sin, "neox", cache, torch.zeros(1).long())
+    with pytest.raises(ValueError, match="rope style must be one of"):
+        native.mla_prologue(kernels(ISAS[0]), q, kv, w, 1e-6, cos, sin, "yarn", cache, torch.zeros(1).long())
     with pytest.raises(ValueError, match="int64 slots"):
         native.mla_prologue(kernels(ISAS[0]), q, kv, w, 1e-6, cos, sin, "neox", cache, torch.zeros(1).int())

@@ -240,3 +240,17 @@ def test_native_routing_matches_select_experts(case: str, tokens: int) -> None:
     expected_weights, expected_ids = _sorted_by_expert(expected_weights, expected_ids)
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_native_routing_refuses_choices_it_cannot_make() -> None:
+    from latentserve.kernels import native
+
+    kernels = native.for_this_cpu()
+    if kernels is None:
+        pytest.skip("latentserve's kernels do not build here")
+    logits = torch.randn(2, 8)
+    for k, groups, kept in ((9, 1, 1), (2, 3, 1), (5, 4, 2), (2, 4, 5)):
+        with pytest.raises(ValueError, match=f"route: {k} of 8 experts from the best {kept} of {groups} groups"):
+            native.route(kernels, logits, k, True, groups, kept, None, True, 1.0)
+    with pytest.raises(ValueError, match=r"bias \(4,\)"):
+        native.route(kernels, logits, 2, True, 1, 1, torch.zeros(4), True, 1.0)
