@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,16 +23,18 @@ from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
-from latentserve.engine.spec_decode.config import SpeculativeConfig
+from latentserve.engine.spec_decode.config import DraftingPolicy, SpeculativeConfig
 from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
-from latentserve.kernels.cpu import auto_dtype
+from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
 from latentserve.models.config import DeepseekConfig
-from latentserve.models.loader import load_model
+from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
 from latentserve.sampling_params import SamplingParams
+logger = logging.getLogger(__name__)
+
 
 def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     """A dtype name, or "auto": bf16 where `device` computes it natively, else fp32 (`auto_dtype`)."""
@@ -211,7 +214,10 @@ class LLMEngine:
         if spec is not None:
             mtp = load_mtp(model_dir, self.model, attn_config, dtype, config.device)
             proposer = MTPProposer(mtp, attn_config, num_blocks, cache_dtype, num_spec, config.device)
-            spec_decoder = SpecDecoder(self.model, proposer, max_model_len, spec.disable_by_batch_size)
+            policy = spec.drafting_policy(weight_bytes(self.model, mtp), config.device, last_level_cache_bytes())
+            if policy.max_batch_size == 0:
+                logger.warning("speculative decoding: %s", policy.reason)
+            spec_decoder = SpecDecoder(self.model, proposer, max_model_len, policy)
         self.runner = ModelRunner(
             self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder
         )
@@ -230,6 +236,12 @@ class LLMEngine:
                 "size: use LLM(...), which starts the ranks"
             )
         return group if config.enable_expert_parallel else None
+
+    @property
+    def drafting_policy(self) -> DraftingPolicy | None:
+        """Up to how many requests a step drafts, and why; None when speculative decoding is off."""
+        decoder = self.runner.spec_decoder
+        return decoder.policy if decoder is not None else None
 
     @property
     def spec_decoding_stats(self) -> SpecDecodingStats | None:

@@ -2,6 +2,7 @@
 is read, converted (FP8 dequantized, cast, or quantized to int8/int4) and freed before the next."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import deque
@@ -309,3 +310,13 @@ def load_model(
     for layer in model.static_forward_context.values():
         layer.process_weights_after_loading(kernels)
     return model.eval()
+
+
+def weight_bytes(*modules: nn.Module) -> int:
+    """Bytes of the modules' parameters and buffers, each storage counted once (tied weights, shared heads)."""
+    storages = {}
+    for module in modules:
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -16,6 +16,8 @@ from tests.server.conftest import MODEL_NAME, LiveServer
 
 PROMPTS = ["In the beginning", "And God said", "The sons of Noah", "And it came to pass"]
 SPEC = "latentserve:spec_decode_"
+# Drafting whatever the CPU's cache: the default ("auto") turns it off where the weights fit in it.
+SPEC_CONFIG = {"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": None}
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -34,7 +36,7 @@ def complete(url: str, prompt: str, **body) -> dict:
 
 @pytest.fixture(scope="module")
 def spec_server():
-    server = LiveServer(DEFAULT_MODEL_DIR, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    server = LiveServer(DEFAULT_MODEL_DIR, speculative_config=SPEC_CONFIG)
     yield server
     server.stop()
 
@@ -82,7 +84,7 @@ def test_structured_output_requests_by_kind(spec_server):
 def test_data_parallel_ranks_are_summed():
     """Two ranks, each with its own MTP drafter: the counters are the sum of the ranks' own totals."""
     llm = LLM(model=DEFAULT_MODEL_DIR, dtype="float32", data_parallel_size=2,
-              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+              speculative_config=SPEC_CONFIG)
     server = LiveServer(DEFAULT_MODEL_DIR, engine=llm.engine)
     try:
         with ThreadPoolExecutor(2) as pool:  # two at once: one on each rank

@@ -4,13 +4,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 METHODS = ("mtp",)
-# Above this many requests in a step, drafting is off by default. On the embedded model (benchmarks/speculative.py,
-# benchmarks/RESULTS.md "MTP speculative decoding", 2026-12-04, after the one-thread native linears made plain
-# decode 1.8x faster) decode with k = 1 is 1.10x at 1 request and 1.22x at 2, but 0.76-0.78x at 3-4: verifying 6+
-# tokens leaves latentserve's few-row kernels for the batched paths. A deeper model, whose MTP layer is a smaller
-# share of a step, crosses later; `disable_by_batch_size` raises it.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 2
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class DraftingPolicy:
+    """Up to how many requests a step drafts (None: any number, 0: never), and why."""
+
+    max_batch_size: int | None
+    reason: str
+
+
+def auto_policy(weight_bytes: int, device: str | torch.device, cache_bytes: int | None) -> DraftingPolicy:
+    """`disable_by_batch_size="auto"`: draft where verifying k+1 tokens costs little more than decoding one.
+
+    On a CPU that holds when a step streams its weights from memory (benchmarks/RESULTS.md, "MTP: when drafting
+    pays", 2026-12-04): a model that fits in the last-level cache (`cache_bytes`) is bound by arithmetic, so a
+    verification step costs about k+1 decode steps and drafting loses at any acceptance (the embedded model: 0.84x
+    at 87 %). Where weights stream, a routed-expert model still reads about twice the expert weights for two
+    tokens (a verification step of a 24-layer V3-shaped model costs 1.5x a decode step at 1 request, 1.7-1.8x at
+    2), so drafting pays at one request only, and by 1.1-1.2x at 85-90 % acceptance. A GPU verifies a few tokens
+    for about the cost of one: drafting at every batch size, as vLLM's default."""
+    if torch.device(device).type != "cpu":
+        return DraftingPolicy(None, f"device {torch.device(device).type}: verification costs about one decode step")
+    size = f"the weights ({weight_bytes / 2**20:.0f} MiB)"
+    if cache_bytes is None:
+        return DraftingPolicy(1, f"{size} against an unknown last-level cache: assumed streamed, drafting at one "
+                                 "request")
+    cache = f"the CPU's last-level cache ({cache_bytes / 2**20:.0f} MiB)"
+    if weight_bytes <= cache_bytes:
+        return DraftingPolicy(0, f"{size} fit in {cache}: a step is bound by arithmetic and verifying drafts costs "
+                                 "what they save; drafting off (set disable_by_batch_size to force it)")
+    return DraftingPolicy(1, f"{size} stream past {cache}: drafting at one request, where verification costs "
+                             "least")
 
 
 @dataclass(frozen=True)
@@ -18,8 +47,9 @@ class SpeculativeConfig:
     method: str = "mtp"
     num_speculative_tokens: int = 1  # drafts per step; k > 1 chains the one MTP layer, as vLLM does
     # Steps with more requests than this neither draft nor run the MTP layer (its cache then misses their
-    # positions, which costs later drafts some acceptance, never exactness). None: always draft.
-    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # positions, which costs later drafts some acceptance, never exactness). None: always draft; "auto": by where
+    # drafting pays on this device and model (`auto_policy`).
+    disable_by_batch_size: int | None | str = AUTO
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -28,8 +58,16 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, got {k!r}")
         b = self.disable_by_batch_size
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be an int >= 1 or None, got {b!r}")
+        if b is not None and b != AUTO and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an int >= 1, None or 'auto', "
+                             f"got {b!r}")
+
+    def drafting_policy(self, weight_bytes: int, device: str | torch.device,
+                        cache_bytes: int | None) -> DraftingPolicy:
+        b = self.disable_by_batch_size
+        if b == AUTO:
+            return auto_policy(weight_bytes, device, cache_bytes)
+        return DraftingPolicy(b, "set by disable_by_batch_size" if b is not None else "drafting at every batch size")
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":

@@ -15,6 +15,7 @@ from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.engine.request import Logprobs, Request
 from latentserve.engine.sampler import Sampler, SamplingMetadata
 from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from latentserve.engine.spec_decode.config import DraftingPolicy
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import DraftRequest, MTPProposer
 from latentserve.engine.spec_decode.verifier import supports_speculation, verify
@@ -32,11 +33,11 @@ class SpecStepOutput:
 class SpecDecoder:
     def __init__(
         self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int,
-        disable_by_batch_size: int | None,
+        policy: DraftingPolicy,
     ) -> None:
         self.model = model
         self.proposer = proposer
-        self.disable_by_batch_size = disable_by_batch_size
+        self.policy = policy
         self.k = proposer.k
         self.max_model_len = max_model_len
         self.sampler = Sampler()
@@ -71,7 +72,7 @@ class SpecDecoder:
             for (s, _), row in zip(spec, tokens):
                 emitted[id(s)], logprobs[id(s)] = row, None
                 self.stats.observe_draft(s.num_drafts, len(row) - 1)
-        limit = self.disable_by_batch_size
+        limit = self.policy.max_batch_size
         if limit is not None and len(out.scheduled) > limit:
             drafts: list[list[int]] = []
         else:

@@ -5,7 +5,7 @@ from latentserve import LLM, SamplingParams
 from latentserve.cli import main
 
 PROMPTS = ["And God said", "In the beginning"]
-SPEC = '{"method": "mtp", "num_speculative_tokens": 2}'
+SPEC = '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": null}'  # drafting on any CPU
 
 
 def _run(argv, capsys):

@@ -7,7 +7,8 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.engine.spec_decode import SpeculativeConfig
-from latentserve.engine.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+from latentserve.engine import llm_engine
+from latentserve.engine.spec_decode.config import auto_policy
 from tests.models.mtp_checkpoint import make_mtp_checkpoint, reference_mtp_logprobs
 
 VOCAB = 6  # random drafts then agree with the target often enough that both acceptance and rejection happen
@@ -28,7 +29,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def _spec(k: int) -> dict:
-    """Drafting at every batch size (the default turns it off above a few requests)."""
+    """Drafting at every batch size (the default drafts at one request at most)."""
     return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": None}
 
 
@@ -101,21 +102,31 @@ def test_disable_by_batch_size(checkpoint, baseline) -> None:
     assert on.engine.spec_decoding_stats.num_drafts > 0
 
 
-def test_drafting_is_off_by_default_above_the_crossover_batch_size(checkpoint, baseline) -> None:
-    limit = DEFAULT_DISABLE_BY_BATCH_SIZE
-    assert SpeculativeConfig.from_value({"method": "mtp"}).disable_by_batch_size == limit
+def test_auto_policy_drafts_where_verification_is_cheap() -> None:
+    mib = 2**20
+    assert SpeculativeConfig.from_value({"method": "mtp"}).disable_by_batch_size == "auto"
+    fits = auto_policy(20 * mib, "cpu", 32 * mib)
+    assert fits.max_batch_size == 0 and "fit in the CPU's last-level cache (32 MiB)" in fits.reason
+    assert auto_policy(200 * mib, "cpu", 32 * mib).max_batch_size == 1
+    assert auto_policy(20 * mib, "cpu", None).max_batch_size == 1  # cache unknown: assumed streamed
+    assert auto_policy(20 * mib, "cuda", 32 * mib).max_batch_size is None
+    explicit = SpeculativeConfig(disable_by_batch_size=3).drafting_policy(20 * mib, "cpu", 32 * mib)
+    assert explicit.max_batch_size == 3
+
+
+@pytest.mark.parametrize("cache_bytes", [1, 2**40])
+def test_auto_drafting_follows_the_policy(checkpoint, baseline, monkeypatch, caplog, cache_bytes: int) -> None:
+    """Weights streamed past the cache: drafting at one request and not at two; weights in the cache: never."""
+    monkeypatch.setattr(llm_engine, "last_level_cache_bytes", lambda: cache_bytes)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    engine = {**ENGINE, "max_num_seqs": limit + 1, "num_kv_blocks": 4 * (limit + 1) + 24}
-    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **engine)
-    prompts = _prompts(limit + 1, seed=8)
+    llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **ENGINE)
+    assert llm.engine.drafting_policy.max_batch_size == (1 if cache_bytes == 1 else 0)
+    assert ("drafting off" in caplog.text) == (cache_bytes != 1)
+    prompts = _prompts(2, seed=8)
     assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
-    assert llm.engine.spec_decoding_stats.num_drafts == 0  # limit + 1 requests ran together throughout
-    assert _tokens(llm, prompts[:limit], params) == _tokens(baseline, prompts[:limit], params)
-    assert llm.engine.spec_decoding_stats.num_drafts > 0
-    always = SpeculativeConfig(num_speculative_tokens=1, disable_by_batch_size=None)
-    llm = LLM(model=checkpoint, speculative_config=always, **engine)
-    assert _tokens(llm, prompts, params) == _tokens(baseline, prompts, params)
-    assert llm.engine.spec_decoding_stats.num_drafts > 0
+    assert llm.engine.spec_decoding_stats.num_drafts == 0  # two requests ran together throughout
+    assert _tokens(llm, prompts[:1], params) == _tokens(baseline, prompts[:1], params)
+    assert (llm.engine.spec_decoding_stats.num_drafts > 0) == (cache_bytes == 1)
 
 
 def test_kv_cache_after_rejections_equals_a_run_without_speculation(checkpoint) -> None:
@@ -182,6 +193,8 @@ def test_refusals(checkpoint, tmp_path) -> None:
         SpeculativeConfig.from_value({"method": "ngram"})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
         SpeculativeConfig.from_value({"method": "mtp", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1, None or 'auto'"):
+        SpeculativeConfig.from_value({"method": "mtp", "disable_by_batch_size": "sometimes"})
     with pytest.raises(ValueError, match="unknown key"):
         SpeculativeConfig.from_value({"method": "mtp", "draft_model": "x"})
     from tests.checkpoints import make_checkpoint
