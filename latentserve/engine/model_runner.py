@@ -75,7 +75,7 @@ class ModelRunner:
         inputs = self.input_buffers.prepare(out)
         common = inputs.common
         slices = self._ubatch_slices(common)
-        if self.spec_decoder is not None:
+        if self.spec_decoder is not None and self.spec_decoder.speculates(out):
             return self._execute_speculative(out, inputs.input_ids, inputs.positions, common, slices)
         hidden = run_forward(self.model, [inputs.input_ids, inputs.positions], common, self.builders, slices)
 

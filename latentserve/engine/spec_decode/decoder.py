@@ -43,6 +43,14 @@ class SpecDecoder:
         self.sampler = Sampler()
         self.stats = SpecDecodingStats(self.k)
 
+    def speculates(self, out: SchedulerOutput) -> bool:
+        """Whether the step verifies drafts or proposes some; other steps sample as without speculation."""
+        return self._drafts_for(out) or any(s.num_drafts for s in out.scheduled)
+
+    def _drafts_for(self, out: SchedulerOutput) -> bool:
+        limit = self.policy.max_batch_size
+        return limit is None or len(out.scheduled) <= limit
+
     def step(
         self, out: SchedulerOutput, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
         common: CommonAttentionMetadata,
@@ -72,10 +80,8 @@ class SpecDecoder:
             for (s, _), row in zip(spec, tokens):
                 emitted[id(s)], logprobs[id(s)] = row, None
                 self.stats.observe_draft(s.num_drafts, len(row) - 1)
-        limit = self.policy.max_batch_size
-        if limit is not None and len(out.scheduled) > limit:
-            drafts: list[list[int]] = []
-        else:
+        drafts: list[list[int]] = []
+        if self._drafts_for(out):
             drafts = self._propose(out.scheduled, starts, emitted, hidden, input_ids, positions, common)
         return SpecStepOutput(
             sampled_token_ids=[emitted[id(s)][-1] for s, _ in sampling],
