@@ -11,19 +11,42 @@
 #define HEADS 8       /* heads per item at most: their accumulators stay in registers */
 #define ROW_TILE 64   /* positions per tile of the value pass: a tile's rows stay in cache across lane blocks */
 
+/* s[h] = the sum of acc[h]'s lanes for h < nh (acc[h] zero from nh on): under AVX-512 one tree for all 8 heads
+ * (a reduction per head costs as much as a quarter of a 288-column row's products). */
+INLINE void reduce_heads(vfloat acc[HEADS], int nh, float s[HEADS]) {
+#ifdef LS_AVX512
+    __m512 t[4], u[2];
+    for (int i = 0; i < 4; i++) /* per 128-bit lane: [a_0+a_2, b_0+b_2, a_1+a_3, b_1+b_3] for a, b = heads 2i, 2i+1 */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]),
+                             _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: heads 4i .. 4i + 3 */
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    __m512 v = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xdd));
+    v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1)); /* lanes: heads 0-3, 0-3, 4-7, 4-7 */
+    float all[16];
+    _mm512_storeu_ps(all, v);
+    for (int h = 0; h < nh; h++) s[h] = all[h < 4 ? h : h + 4];
+#else
+    for (int h = 0; h < nh; h++) s[h] = vreduce_add(acc[h]);
+#endif
+}
+
 /* scores[h * n + p] = q[h] . rows[p] (q scaled, fp32) for nh heads. */
 INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cbf, int64_t n, int nh,
                        float *scores) {
     for (int64_t p = 0; p < n; p++) {
         vfloat acc[HEADS];
-        for (int h = 0; h < nh; h++) acc[h] = vzero();
+        float sums[HEADS];
+        for (int h = 0; h < HEADS; h++) acc[h] = vzero();
         int64_t d = 0;
         for (; d + LANES <= D; d += LANES) {
             vfloat k = vload(rows[p], cbf, d);
             for (int h = 0; h < nh; h++) acc[h] = vfma(vload(q + h * D, 0, d), k, acc[h]);
         }
+        reduce_heads(acc, nh, sums);
         for (int h = 0; h < nh; h++) {
-            float s = vreduce_add(acc[h]);
+            float s = sums[h];
             for (int64_t e = d; e < D; e++) s += q[h * D + e] * load_act(rows[p], cbf, e);
             scores[h * n + p] = s;
         }
@@ -47,6 +70,74 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t
         for (int64_t p = p0; p < p1; p++)
             for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * n + p] * load_act(rows[p], cbf, l);
 }
+
+#ifdef LS_BF16DOT
+/* bf16 queries and cache on a CPU with AVX512-BF16: vdpbf16ps takes two columns a lane (exact products, summed in
+ * fp32), twice the multiply-adds of an fp32 FMA per instruction. */
+
+/* scores[h * n + p] = scale * (q[h] . rows[p]) for bf16 q and rows; columns past the last multiple of 32 in fp32. */
+INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t n, int nh, float scale,
+                            float *scores) {
+    for (int64_t p = 0; p < n; p++) {
+        const uint16_t *row = (const uint16_t *)rows[p];
+        __m512 acc[HEADS];
+        float sums[HEADS];
+        for (int h = 0; h < HEADS; h++) acc[h] = _mm512_setzero_ps();
+        int64_t d = 0;
+        for (; d + 32 <= D; d += 32) {
+            __m512bh k = (__m512bh)_mm512_loadu_si512(row + d);
+            for (int h = 0; h < nh; h++)
+                acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_loadu_si512(q + h * D + d), k);
+        }
+        reduce_heads(acc, nh, sums);
+        for (int h = 0; h < nh; h++) {
+            float s = sums[h];
+            for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * bf16_to_float(row[e]);
+            scores[h * n + p] = scale * s;
+        }
+    }
+}
+
+/* vpunpck{l,h}wd interleave two rows per 128-bit lane: a 32-column block's sums come out as lo = columns
+ * {0-3, 8-11, 16-19, 24-27}, hi = the others; these indices put them back in order (and take them apart). */
+#define LO_HI_ORDER_0 _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23)
+#define LO_HI_ORDER_1 _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)
+#define SPLIT_LO _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+#define SPLIT_HI _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
+
+/* weigh_rows over bf16 rows, two positions a vdpbf16ps: `pairs` holds each head's weights rounded to bf16, positions
+ * 2i and 2i + 1 in one int (low half first), and the rows are interleaved column by column. p0 is even. Columns past
+ * the last multiple of 32 take the fp32 loop. */
+INLINE void weigh_rows_bf16(const float *w, const int32_t *pairs, const char *const *rows, int64_t n, int64_t p0,
+                            int64_t p1, int64_t L, int nh, float *acc) {
+    int64_t l = 0;
+    for (; l + 32 <= L; l += 32) {
+        __m512 lo[HEADS], hi[HEADS];
+        for (int h = 0; h < nh; h++) {
+            __m512 a = _mm512_loadu_ps(acc + h * L + l), b = _mm512_loadu_ps(acc + h * L + l + 16);
+            lo[h] = _mm512_permutex2var_ps(a, SPLIT_LO, b);
+            hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
+        }
+        for (int64_t p = p0; p < p1; p += 2) {
+            __m512i r0 = _mm512_loadu_si512((const uint16_t *)rows[p] + l);
+            __m512i r1 = p + 1 < p1 ? _mm512_loadu_si512((const uint16_t *)rows[p + 1] + l) : _mm512_setzero_si512();
+            __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+            for (int h = 0; h < nh; h++) {
+                __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ((n + 1) / 2) + p / 2]);
+                lo[h] = _mm512_dpbf16_ps(lo[h], wp, vl);
+                hi[h] = _mm512_dpbf16_ps(hi[h], wp, vh);
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            _mm512_storeu_ps(acc + h * L + l, _mm512_permutex2var_ps(lo[h], LO_HI_ORDER_0, hi[h]));
+            _mm512_storeu_ps(acc + h * L + l + 16, _mm512_permutex2var_ps(lo[h], LO_HI_ORDER_1, hi[h]));
+        }
+    }
+    for (; l < L; l++)
+        for (int64_t p = p0; p < p1; p++)
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * n + p] * load_act(rows[p], 1, l);
+}
+#endif
 
 /* Each head's scores in place -> exp(score - max), and 1 / their sum in inv[h]. */
 static void softmax_rows(float *scores, int64_t n, int nh, float *inv) {
@@ -72,10 +163,30 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
                         float scale, void *out, int obf, int nh) {
     float qs[HEADS * D], acc[HEADS * L], inv[HEADS];
     float *scores = malloc(nh * n * sizeof(float));
+    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
+#ifdef LS_BF16DOT
+    if (qbf && cbf) {
+        int64_t half = (n + 1) / 2;
+        int32_t *pairs = malloc(nh * half * sizeof(int32_t));
+        score_rows_bf16(q, D, rows, n, nh, scale, scores);
+        softmax_rows(scores, n, nh, inv);
+        for (int h = 0; h < nh; h++)
+            for (int64_t i = 0; i < half; i++) {
+                const float *w = scores + h * n + 2 * i;
+                pairs[h * half + i] = (int32_t)(float_to_bf16(w[0]) | (2 * i + 1 < n ? (uint32_t)float_to_bf16(w[1]) << 16 : 0u));
+            }
+        for (int64_t p = 0; p < n; p += ROW_TILE)
+            weigh_rows_bf16(scores, pairs, rows, n, p, p + ROW_TILE < n ? p + ROW_TILE : n, L, nh, acc);
+        free(pairs);
+        for (int h = 0; h < nh; h++)
+            for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv[h]);
+        free(scores);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
     score_rows(qs, D, rows, cbf, n, nh, scores);
     softmax_rows(scores, n, nh, inv);
-    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
     for (int64_t p = 0; p < n; p += ROW_TILE)
         weigh_rows(scores, rows, cbf, n, p, p + ROW_TILE < n ? p + ROW_TILE : n, L, nh, acc);
     for (int h = 0; h < nh; h++)

@@ -30,6 +30,9 @@ ISA_FLAGS = {
     "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
     "avx2": ["-mavx2", "-mfma"],
 }
+# The same with AVX512-BF16: bf16 decode attention through vdpbf16ps (kernels/mla_decode.c).
+ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512_vnni"] + ["-mavx512bf16", "-DLS_BF16DOT"]
+FALLBACK = {"avx512_bf16": "avx512_vnni"}  # where a compiler cannot build the first, the second still runs
 # No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
 
@@ -49,6 +52,8 @@ def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
     if setting == "0":
         return None, f"{NATIVE_ENV}=0"
     if features.capability.startswith("AVX512") and features.vnni:
+        if features.avx512_bf16:
+            return "avx512_bf16", "AVX-512 with VNNI and BF16"
         return "avx512_vnni", "AVX-512 with VNNI"
     if features.capability.startswith(("AVX512", "AVX2")):
         return "avx2", f"{features.capability} without VNNI" if features.capability != "AVX2" else "AVX2"
@@ -129,6 +134,10 @@ def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
     if isa is None:
         return None, why
     kernels = load(isa)
+    if isinstance(kernels, str) and isa in FALLBACK:
+        why = f"{why}; {isa} build unavailable ({kernels})"
+        isa = FALLBACK[isa]
+        kernels = load(isa)
     if isinstance(kernels, str):
         return None, f"{isa} build unavailable: {kernels}"
     return kernels, why

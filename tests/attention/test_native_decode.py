@@ -126,8 +126,7 @@ def test_refuses_what_it_cannot_read():
         backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
 
 
-def test_a_lone_long_bf16_request_goes_to_paged(monkeypatch):
-    """Where PAGED's bf16 products are faster; the same answer either way."""
+def test_a_cache_dtype_it_cannot_read_goes_to_paged(monkeypatch):
     backend = NativeMQADecodeBackend(4, SCALE, 32, 8)
     g = torch.Generator().manual_seed(4)
     cache = torch.randn(80, 16, 40, generator=g).bfloat16()
@@ -135,13 +134,24 @@ def test_a_lone_long_bf16_request_goes_to_paged(monkeypatch):
     table = torch.arange(80, dtype=torch.int32)[None]
     calls = []
     monkeypatch.setattr(backend.paged, "forward", lambda *a, _f=backend.paged.forward: calls.append(1) or _f(*a))
-    long_md = _decode_metadata([1], [backend.paged_bf16_min_len + 1], table)
-    out = backend.forward(q, cache, long_md)
-    assert calls == [1]
-    native_out = native.mla_decode(backend.kernels, q, cache, table, long_md.query_start_loc, long_md.seq_lens, SCALE, 32)
-    assert (out.float() - native_out.float()).abs().max().item() <= 2e-2
-    backend.forward(q, cache, _decode_metadata([1], [backend.paged_bf16_min_len], table))
-    backend.forward(q.float(), cache.float(), _decode_metadata([1], [backend.paged_bf16_min_len + 1], table))
-    assert calls == [1]
-    backend.forward(q.float(), cache.half(), _decode_metadata([1], [9], table))  # a kv_cache_dtype it cannot read
-    assert calls == [1, 1]
+    backend.forward(q, cache, _decode_metadata([1], [1200], table))  # a lone long bf16 request: native
+    assert calls == []
+    out = backend.forward(q.float(), cache.half(), _decode_metadata([1], [9], table))
+    assert calls == [1] and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_past_the_vector_width(isa, dtype):
+    """Latent and rope widths that leave columns past the kernels' vector blocks (48 + 8: 16 latent columns past a
+    32-column block, 24 past a 32-column row block), an odd number of positions."""
+    g = torch.Generator().manual_seed(6)
+    cache = torch.randn(12, 8, 56, generator=g).to(dtype)
+    table = torch.randperm(12, generator=g)[:10].to(torch.int32)[None]
+    md = _decode_metadata([2], [77], table)
+    q = torch.randn(2, 5, 56, generator=g).to(dtype)
+    backend = NativeMQADecodeBackend(5, 0.11, 48, 8)
+    backend.kernels = kernels(isa)
+    out = backend.forward(q, cache, md)
+    ref = ReferenceDecodeBackend(5, 0.11, 48, 8).forward(q.float(), cache.float(), md)
+    assert (out.float() - ref).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 1e-5)

@@ -11,7 +11,7 @@ def _runnable_isas() -> list[str]:
     here = cpu_features()
     isas = []
     if here.capability.startswith("AVX512") and here.vnni:
-        isas.append("avx512_vnni")
+        isas += ["avx512_bf16", "avx512_vnni"] if here.avx512_bf16 else ["avx512_vnni"]
     if here.capability.startswith(("AVX512", "AVX2")):
         isas.append("avx2")
     return isas

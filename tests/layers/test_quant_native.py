@@ -2,6 +2,8 @@
 instruction set this machine can run: the AVX2 build runs on any AVX-512 machine too."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,6 +121,17 @@ def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp
     monkeypatch.setenv(native.NATIVE_ENV, "off")
     with pytest.raises(ValueError, match="LATENTSERVE_NATIVE_KERNELS='off': use 1 .* or 0"):
         native.native_kernels(cpu_features())
+
+
+def test_bf16_build_falls_back_to_the_vnni_one(monkeypatch):
+    """A compiler that cannot build AVX512-BF16 code still gives an AVX-512 machine its VNNI kernels."""
+    features = dataclasses.replace(cpu_features(), capability="AVX512", vnni=True, avx512_bf16=True)
+    assert native.kernel_isa(features)[0] == "avx512_bf16"
+    vnni = object()
+    monkeypatch.setattr(native, "load", lambda isa: "no -mavx512bf16" if isa == "avx512_bf16" else vnni)
+    built, why = native.native_kernels(features)
+    assert built is vnni and "avx512_bf16 build unavailable (no -mavx512bf16)" in why
+    assert native.kernel_isa(dataclasses.replace(features, avx512_bf16=False))[0] == "avx512_vnni"
 
 
 def test_pack_int4_layout():

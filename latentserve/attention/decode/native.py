@@ -14,17 +14,14 @@ from latentserve.kernels.cpu import cpu_features
 
 class NativeMQADecodeBackend(MLADecodeBackend):
     """Every decode token and block of heads is one work item: its request's rows are read where they lie, once
-    for the scores and once for the values, with an exact softmax between (fp32 sums). Several query tokens per
-    request (speculative decoding) see their causal prefixes. PAGED takes a cache in another dtype (an fp16
-    `kv_cache_dtype`), and a lone request over a long bf16 context, where its oneDNN bf16 products (two
-    multiply-adds per lane) are faster."""
+    for the scores and once for the values, with an exact softmax between (fp32 sums; bf16 products through
+    vdpbf16ps where the build has them). Several query tokens per request (speculative decoding) see their causal
+    prefixes. PAGED takes a cache in another dtype (an fp16 `kv_cache_dtype`). A lone request over a long bf16
+    context stays here too: 1.1-3.2x PAGED's oneDNN products from 1k to 16k positions (16 heads x (512 + 64), 2
+    threads, benchmarks/RESULTS.md, 2026-12-04 evening)."""
 
     supported_dtypes = native.KERNEL_DTYPES
     supported_device_types = ("cpu",)
-
-    # Above this many positions a lone request with a bf16 cache is faster through PAGED (16 heads x (512 + 64), 2
-    # threads, AVX-512 bf16: 1024 even, 4096 0.77 vs 1.07 ms); several requests, and fp32, stay here (1.1-1.9x faster).
-    paged_bf16_min_len: int = 1024
 
     @classmethod
     def get_name(cls) -> str:
@@ -41,9 +38,7 @@ class NativeMQADecodeBackend(MLADecodeBackend):
 
     def runs_natively(self, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> bool:
         """Whether `forward` takes the native kernel for this cache and step (else PAGED)."""
-        return kv_cache.dtype in native.KERNEL_DTYPES and not (
-            kv_cache.dtype == torch.bfloat16 and metadata.seq_lens.shape[0] == 1
-            and metadata.max_seq_len > self.paged_bf16_min_len)
+        return kv_cache.dtype in native.KERNEL_DTYPES
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
         if not self.runs_natively(kv_cache, metadata):
