@@ -123,7 +123,9 @@ def decode_metadata(llm: LLM) -> CommonAttentionMetadata:
     table = torch.zeros(len(running), width, dtype=torch.int32)
     for i, r in enumerate(running):
         table[i, : len(r.block_ids)] = torch.tensor(r.block_ids, dtype=torch.int32)
-    seq_lens = [r.num_computed_tokens + 1 for r in running]
+    block_size = llm.engine.runner.attn_config.block_size
+    # The next token's position, within the blocks the request holds (the scheduler adds a block when it decodes).
+    seq_lens = [min(r.num_computed_tokens + 1, len(r.block_ids) * block_size) for r in running]
     slots = torch.zeros(len(running), dtype=torch.long)  # unused: attention alone writes nothing
     return CommonAttentionMetadata.from_lists([1] * len(running), seq_lens, table, slots)
 

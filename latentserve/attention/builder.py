@@ -102,12 +102,18 @@ class MLAMetadataBuilder:
     def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
         seq_lens_cpu = common.seq_lens_cpu[:num_decodes]
         query_lens = common.query_lens_cpu[:num_decodes]
+        max_seq_len = int(seq_lens_cpu.max())
+        # Decode kernels read blocks straight from the table: a table too narrow for a request would be read past.
+        if common.block_table.shape[1] * self.attn_config.block_size < max_seq_len:
+            raise ValueError(f"decode metadata: a request of {max_seq_len} tokens needs "
+                             f"{-(-max_seq_len // self.attn_config.block_size)} blocks, but the block table has "
+                             f"{common.block_table.shape[1]} columns")
         return MLADecodeMetadata(
             block_table=common.block_table[:num_decodes],
             seq_lens=common.seq_lens[:num_decodes],
             query_start_loc=common.query_start_loc[: num_decodes + 1],
             max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens_cpu.max()),
+            max_seq_len=max_seq_len,
         )
 
     def _build_prefill(self, common: CommonAttentionMetadata, num_decodes: int) -> MLAPrefillMetadata:

@@ -11,6 +11,15 @@
 #define HEADS 8       /* heads per item at most: their accumulators stay in registers */
 #define ROW_TILE 64   /* positions per tile of the value pass: a tile's rows stay in cache across lane blocks */
 
+/* Rows lie in blocks scattered over the cache, where the hardware's prefetchers lose the stream at every block:
+ * the score pass asks for the row this many positions ahead. */
+#define PREFETCH_ROWS 4
+
+INLINE void prefetch_row(const char *const *rows, int64_t p, int64_t n, int64_t bytes) {
+    if (p < n)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(rows[p] + b, _MM_HINT_T0);
+}
+
 /* s[h] = the sum of acc[h]'s lanes for h < nh (acc[h] zero from nh on): under AVX-512 one tree for all 8 heads
  * (a reduction per head costs as much as a quarter of a 288-column row's products). */
 INLINE void reduce_heads(vfloat acc[HEADS], int nh, float s[HEADS]) {
@@ -36,6 +45,7 @@ INLINE void reduce_heads(vfloat acc[HEADS], int nh, float s[HEADS]) {
 INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cbf, int64_t n, int nh,
                        float *scores) {
     for (int64_t p = 0; p < n; p++) {
+        prefetch_row(rows, p + PREFETCH_ROWS, n, D * (cbf ? 2 : 4));
         vfloat acc[HEADS];
         float sums[HEADS];
         for (int h = 0; h < HEADS; h++) acc[h] = vzero();
@@ -61,6 +71,8 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t
         vfloat a[HEADS];
         for (int h = 0; h < nh; h++) a[h] = vload(acc + h * L, 0, l);
         for (int64_t p = p0; p < p1; p++) {
+            if (l == 0) /* the next tile's rows, which the score pass read long ago */
+                prefetch_row(rows, p + ROW_TILE, n, L * (cbf ? 2 : 4));
             vfloat v = vload(rows[p], cbf, l);
             for (int h = 0; h < nh; h++) a[h] = vfma(vset1(w[h * n + p]), v, a[h]);
         }
@@ -79,6 +91,7 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t
 INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t n, int nh, float scale,
                             float *scores) {
     for (int64_t p = 0; p < n; p++) {
+        prefetch_row(rows, p + PREFETCH_ROWS, n, D * 2);
         const uint16_t *row = (const uint16_t *)rows[p];
         __m512 acc[HEADS];
         float sums[HEADS];
@@ -119,6 +132,10 @@ INLINE void weigh_rows_bf16(const float *w, const int32_t *pairs, const char *co
             hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
         }
         for (int64_t p = p0; p < p1; p += 2) {
+            if (l == 0) { /* the next tile's rows, which the score pass read long ago */
+                prefetch_row(rows, p + ROW_TILE, n, L * 2);
+                prefetch_row(rows, p + 1 + ROW_TILE, n, L * 2);
+            }
             __m512i r0 = _mm512_loadu_si512((const uint16_t *)rows[p] + l);
             __m512i r1 = p + 1 < p1 ? _mm512_loadu_si512((const uint16_t *)rows[p + 1] + l) : _mm512_setzero_si512();
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);

@@ -31,6 +31,15 @@ def test_unordered_batch_is_a_clear_error_and_reorder_fixes_it():
     assert order == [1, 0]
 
 
+def test_a_block_table_too_narrow_for_a_decode_is_refused():
+    """Decode kernels read blocks straight from the table: a missing block would be read past its end."""
+    layer, builder, cache = setup(AttentionConfig(block_size=4), 64)
+    common = CommonAttentionMetadata.from_lists([1], [9], torch.tensor([[3, 5]], dtype=torch.int32),
+                                                torch.tensor([20]))
+    with pytest.raises(ValueError, match="a request of 9 tokens needs 3 blocks, but the block table has 2 columns"):
+        builder.build(common)
+
+
 def test_chunk_plan_is_bounded_by_workspace_and_covers_context():
     config = AttentionConfig(block_size=4, workspace_tokens=10)
     layer, builder, cache = setup(config, 64)
