@@ -2,14 +2,16 @@
  *
  * q [T, H, D] (D = L + R: the absorbed latent query, then the rope query), the cache [blocks, B, D] (rows
  * [c_kv ‖ k_pe]), out [T, H, L]: out[t, h] = softmax_p(scale * q[t, h] . row_p) . row_p[:L] over the positions p
- * that token t sees. One work item is a token and a block of heads: the item reads each row of its request once
- * per pass for all its heads (scores, then values), in fp32, with an exact softmax in between. Items are shared
- * out among the threads; heads per item shrink so that every thread gets work.
+ * that token t sees. One work item is a token and a block of heads: the item walks its request's rows in tiles,
+ * scoring a tile's rows for all its heads, then weighing the same rows while they are in cache (an online softmax:
+ * a running maximum and sum per head, the accumulators rescaled when the maximum grows), so each row is read from
+ * memory once. Sums in fp32. Items are shared out among the threads; heads per item shrink so that every thread
+ * gets work.
  */
 #include "simd.h"
 
 #define HEADS 8       /* heads per item at most: their accumulators stay in registers */
-#define ROW_TILE 64   /* positions per tile of the value pass: a tile's rows stay in cache across lane blocks */
+#define ROW_TILE 64   /* positions per tile: scored, then weighed while in cache (even: bf16 pairs positions) */
 
 /* Rows lie in blocks scattered over the cache, where the hardware's prefetchers lose the stream at every block:
  * the score pass asks for the row this many positions ahead. */
@@ -41,10 +43,10 @@ INLINE void reduce_heads(vfloat acc[HEADS], int nh, float s[HEADS]) {
 #endif
 }
 
-/* scores[h * n + p] = q[h] . rows[p] (q scaled, fp32) for nh heads. */
-INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cbf, int64_t n, int nh,
-                       float *scores) {
-    for (int64_t p = 0; p < n; p++) {
+/* scores[h * ROW_TILE + p - p0] = q[h] . rows[p] (q scaled, fp32) for nh heads and p0 <= p < p1 (of n rows). */
+INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cbf, int64_t p0, int64_t p1,
+                       int64_t n, int nh, float *scores) {
+    for (int64_t p = p0; p < p1; p++) {
         prefetch_row(rows, p + PREFETCH_ROWS, n, D * (cbf ? 2 : 4));
         vfloat acc[HEADS];
         float sums[HEADS];
@@ -58,39 +60,36 @@ INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int c
         for (int h = 0; h < nh; h++) {
             float s = sums[h];
             for (int64_t e = d; e < D; e++) s += q[h * D + e] * load_act(rows[p], cbf, e);
-            scores[h * n + p] = s;
+            scores[h * ROW_TILE + p - p0] = s;
         }
     }
 }
 
-/* acc[h * L + l] += sum_p w[h * n + p] * rows[p][l] over positions p0 <= p < p1. */
-INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t n, int64_t p0, int64_t p1, int64_t L,
-                       int nh, float *acc) {
+/* acc[h * L + l] += sum_j w[h * ROW_TILE + j] * rows[j][l] over a tile's nt rows. */
+INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t nt, int64_t L, int nh, float *acc) {
     int64_t l = 0;
     for (; l + LANES <= L; l += LANES) {
         vfloat a[HEADS];
         for (int h = 0; h < nh; h++) a[h] = vload(acc + h * L, 0, l);
-        for (int64_t p = p0; p < p1; p++) {
-            if (l == 0) /* the next tile's rows, which the score pass read long ago */
-                prefetch_row(rows, p + ROW_TILE, n, L * (cbf ? 2 : 4));
-            vfloat v = vload(rows[p], cbf, l);
-            for (int h = 0; h < nh; h++) a[h] = vfma(vset1(w[h * n + p]), v, a[h]);
+        for (int64_t j = 0; j < nt; j++) {
+            vfloat v = vload(rows[j], cbf, l);
+            for (int h = 0; h < nh; h++) a[h] = vfma(vset1(w[h * ROW_TILE + j]), v, a[h]);
         }
         for (int h = 0; h < nh; h++) vstore(acc + h * L + l, a[h]);
     }
     for (; l < L; l++)
-        for (int64_t p = p0; p < p1; p++)
-            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * n + p] * load_act(rows[p], cbf, l);
+        for (int64_t j = 0; j < nt; j++)
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_act(rows[j], cbf, l);
 }
 
 #ifdef LS_BF16DOT
 /* bf16 queries and cache on a CPU with AVX512-BF16: vdpbf16ps takes two columns a lane (exact products, summed in
  * fp32), twice the multiply-adds of an fp32 FMA per instruction. */
 
-/* scores[h * n + p] = scale * (q[h] . rows[p]) for bf16 q and rows; columns past the last multiple of 32 in fp32. */
-INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t n, int nh, float scale,
-                            float *scores) {
-    for (int64_t p = 0; p < n; p++) {
+/* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. */
+INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
+                            int nh, float scale, float *scores) {
+    for (int64_t p = p0; p < p1; p++) {
         prefetch_row(rows, p + PREFETCH_ROWS, n, D * 2);
         const uint16_t *row = (const uint16_t *)rows[p];
         __m512 acc[HEADS];
@@ -106,7 +105,7 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
         for (int h = 0; h < nh; h++) {
             float s = sums[h];
             for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * bf16_to_float(row[e]);
-            scores[h * n + p] = scale * s;
+            scores[h * ROW_TILE + p - p0] = scale * s;
         }
     }
 }
@@ -118,11 +117,16 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
 #define SPLIT_LO _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
 #define SPLIT_HI _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31)
 
-/* weigh_rows over bf16 rows, two positions a vdpbf16ps: `pairs` holds each head's weights rounded to bf16, positions
- * 2i and 2i + 1 in one int (low half first), and the rows are interleaved column by column. p0 is even. Columns past
- * the last multiple of 32 take the fp32 loop. */
-INLINE void weigh_rows_bf16(const float *w, const int32_t *pairs, const char *const *rows, int64_t n, int64_t p0,
-                            int64_t p1, int64_t L, int nh, float *acc) {
+/* weigh_rows over bf16 rows, two positions a vdpbf16ps: the weights rounded to bf16, rows 2i and 2i + 1 in one int
+ * (low half first), the rows interleaved column by column. Columns past the last multiple of 32 take the fp32 loop. */
+INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt, int64_t L, int nh, float *acc) {
+    int32_t pairs[HEADS * ROW_TILE / 2];
+    for (int h = 0; h < nh; h++)
+        for (int64_t j = 0; j < nt; j += 2) {
+            const float *wj = w + h * ROW_TILE + j;
+            pairs[h * ROW_TILE / 2 + j / 2] =
+                (int32_t)(float_to_bf16(wj[0]) | (j + 1 < nt ? (uint32_t)float_to_bf16(wj[1]) << 16 : 0u));
+        }
     int64_t l = 0;
     for (; l + 32 <= L; l += 32) {
         __m512 lo[HEADS], hi[HEADS];
@@ -131,16 +135,12 @@ INLINE void weigh_rows_bf16(const float *w, const int32_t *pairs, const char *co
             lo[h] = _mm512_permutex2var_ps(a, SPLIT_LO, b);
             hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
         }
-        for (int64_t p = p0; p < p1; p += 2) {
-            if (l == 0) { /* the next tile's rows, which the score pass read long ago */
-                prefetch_row(rows, p + ROW_TILE, n, L * 2);
-                prefetch_row(rows, p + 1 + ROW_TILE, n, L * 2);
-            }
-            __m512i r0 = _mm512_loadu_si512((const uint16_t *)rows[p] + l);
-            __m512i r1 = p + 1 < p1 ? _mm512_loadu_si512((const uint16_t *)rows[p + 1] + l) : _mm512_setzero_si512();
+        for (int64_t j = 0; j < nt; j += 2) {
+            __m512i r0 = _mm512_loadu_si512((const uint16_t *)rows[j] + l);
+            __m512i r1 = j + 1 < nt ? _mm512_loadu_si512((const uint16_t *)rows[j + 1] + l) : _mm512_setzero_si512();
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
             for (int h = 0; h < nh; h++) {
-                __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ((n + 1) / 2) + p / 2]);
+                __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ROW_TILE / 2 + j / 2]);
                 lo[h] = _mm512_dpbf16_ps(lo[h], wp, vl);
                 hi[h] = _mm512_dpbf16_ps(hi[h], wp, vh);
             }
@@ -151,64 +151,68 @@ INLINE void weigh_rows_bf16(const float *w, const int32_t *pairs, const char *co
         }
     }
     for (; l < L; l++)
-        for (int64_t p = p0; p < p1; p++)
-            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * n + p] * load_act(rows[p], 1, l);
+        for (int64_t j = 0; j < nt; j++)
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_act(rows[j], 1, l);
 }
 #endif
 
-/* Each head's scores in place -> exp(score - max), and 1 / their sum in inv[h]. */
-static void softmax_rows(float *scores, int64_t n, int nh, float *inv) {
+/* A tile's scores in place -> exp(score - running max) per head, the running maxima and sums updated, and where a
+ * head's maximum grew, its accumulated values and sum rescaled to the new one. */
+static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, float *sums, float *acc, int64_t L) {
     for (int h = 0; h < nh; h++) {
-        float *s = scores + h * n, m = -INFINITY, sum = 0.f;
-        for (int64_t p = 0; p < n; p++) m = fmaxf(m, s[p]);
-        int64_t p = 0;
-        for (; p + LANES <= n; p += LANES) {
-            vfloat e = vexp(vsub(vload(s, 0, p), vset1(m)));
-            vstore(s + p, e);
+        float *s = scores + h * ROW_TILE, m = maxima[h], sum = 0.f;
+        for (int64_t j = 0; j < nt; j++) m = fmaxf(m, s[j]);
+        if (m > maxima[h] && sums[h] > 0.f) {
+            float c = expf(maxima[h] - m);
+            sums[h] *= c;
+            for (int64_t l = 0; l < L; l++) acc[h * L + l] *= c;
+        }
+        maxima[h] = m;
+        int64_t j = 0;
+        for (; j + LANES <= nt; j += LANES) {
+            vfloat e = vexp(vsub(vload(s, 0, j), vset1(m)));
+            vstore(s + j, e);
             sum += vreduce_add(e);
         }
-        for (; p < n; p++) {
-            s[p] = expf(s[p] - m);
-            sum += s[p];
+        for (; j < nt; j++) {
+            s[j] = expf(s[j] - m);
+            sum += s[j];
         }
-        inv[h] = 1.f / sum;
+        sums[h] += sum;
     }
 }
 
-/* Heads h0 .. h0 + nh of one token over its n visible rows. */
+/* Heads h0 .. h0 + nh of one token over its n visible rows, tile by tile. */
 INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cbf, int64_t n,
                         float scale, void *out, int obf, int nh) {
-    float qs[HEADS * D], acc[HEADS * L], inv[HEADS];
-    float *scores = malloc(nh * n * sizeof(float));
+    float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
     for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
+    for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
 #ifdef LS_BF16DOT
-    if (qbf && cbf) {
-        int64_t half = (n + 1) / 2;
-        int32_t *pairs = malloc(nh * half * sizeof(int32_t));
-        score_rows_bf16(q, D, rows, n, nh, scale, scores);
-        softmax_rows(scores, n, nh, inv);
-        for (int h = 0; h < nh; h++)
-            for (int64_t i = 0; i < half; i++) {
-                const float *w = scores + h * n + 2 * i;
-                pairs[h * half + i] = (int32_t)(float_to_bf16(w[0]) | (2 * i + 1 < n ? (uint32_t)float_to_bf16(w[1]) << 16 : 0u));
-            }
-        for (int64_t p = 0; p < n; p += ROW_TILE)
-            weigh_rows_bf16(scores, pairs, rows, n, p, p + ROW_TILE < n ? p + ROW_TILE : n, L, nh, acc);
-        free(pairs);
-        for (int h = 0; h < nh; h++)
-            for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv[h]);
-        free(scores);
-        return;
-    }
+    int dot = qbf && cbf; /* bf16 products through vdpbf16ps */
+#else
+    int dot = 0;
 #endif
-    for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
-    score_rows(qs, D, rows, cbf, n, nh, scores);
-    softmax_rows(scores, n, nh, inv);
-    for (int64_t p = 0; p < n; p += ROW_TILE)
-        weigh_rows(scores, rows, cbf, n, p, p + ROW_TILE < n ? p + ROW_TILE : n, L, nh, acc);
-    for (int h = 0; h < nh; h++)
-        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv[h]);
-    free(scores);
+    if (!dot)
+        for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
+    for (int64_t p0 = 0; p0 < n; p0 += ROW_TILE) {
+        int64_t p1 = p0 + ROW_TILE < n ? p0 + ROW_TILE : n;
+#ifdef LS_BF16DOT
+        if (dot) {
+            score_rows_bf16(q, D, rows, p0, p1, n, nh, scale, scores);
+            online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
+            weigh_rows_bf16(scores, rows + p0, p1 - p0, L, nh, acc);
+            continue;
+        }
+#endif
+        score_rows(qs, D, rows, cbf, p0, p1, n, nh, scores);
+        online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
+        weigh_rows(scores, rows + p0, cbf, p1 - p0, L, nh, acc);
+    }
+    for (int h = 0; h < nh; h++) {
+        float inv = 1.f / sums[h];
+        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv);
+    }
 }
 
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
