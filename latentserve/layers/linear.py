@@ -30,8 +30,9 @@ def native_rows(dtype: torch.dtype, in_features: int, threads: int) -> int:
 
 
 # MLA's absorbed per-head products: up to this many tokens latentserve's kernel beats bmm (V2-Lite's and the 94M
-# V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads).
-NATIVE_HEAD_TOKENS = 4
+# V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads; at 8 tokens 0.98-1.33x
+# fp32 and 1.06-1.53x bf16, where bf16 bmm also copies its strided operand; at 12 bmm wins bf16 and ties fp32).
+NATIVE_HEAD_TOKENS = 8
 
 
 def _split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
