@@ -30,10 +30,50 @@ INLINE void dense_rows(const float *x, const void *w, int wbf, int64_t K, int mb
     }
 }
 
+#ifdef LS_BF16DOT
+/* dense_rows for bf16 x and w: vdpbf16ps, two columns a lane (exact products, fp32 sums). */
+INLINE void dense_rows_bf16(const uint16_t *x, const uint16_t *w, int64_t K, int mb, float dot[MB]) {
+    __m512 acc[MB], acc2[MB];
+    for (int i = 0; i < mb; i++) acc[i] = acc2[i] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k), wv2 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+        for (int i = 0; i < mb; i++) {
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + i * K + k), wv);
+            acc2[i] = _mm512_dpbf16_ps(acc2[i], (__m512bh)_mm512_loadu_si512(x + i * K + k + 32), wv2);
+        }
+    }
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(x + i * K + k), wv);
+    }
+    for (int i = 0; i < mb; i++) {
+        float d = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], acc2[i]));
+        for (int64_t t = k; t < K; t++) d += bf16_to_float(x[i * K + t]) * bf16_to_float(w[t]);
+        dot[i] = d;
+    }
+}
+#endif
+
 /* `io`: bit 0 x is bf16, bit 1 y, bit 2 w (else fp32). */
 void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4;
+#ifdef LS_BF16DOT
+    if (wbf && (io & 1)) { /* bf16 x and w: products through vdpbf16ps, x read as it is */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const uint16_t *row = (const uint16_t *)w + n * K;
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                int mb = M - m0 < MB ? (int)(M - m0) : MB;
+                float out[MB];
+                FOR_ROWS(dense_rows_bf16, (const uint16_t *)x + m0 * K, row, K)
+                for (int i = 0; i < mb; i++) store_out(y, io & 2, (m0 + i) * N + n, out[i]);
+            }
+        }
+        return;
+    }
+#endif
     float *xf = malloc(M * K * sizeof(float));
     for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, io & 1, i);
 #pragma omp parallel for num_threads(threads) schedule(static)
