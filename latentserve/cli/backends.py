@@ -103,10 +103,11 @@ def _dense(device: str) -> str:
     if kernels is None:
         return f"PyTorch's (latentserve's kernels: {why})"
     threads = torch.get_num_threads()
-    fp32, bf16 = native_rows(torch.float32, 2048, threads), native_rows(torch.bfloat16, 2048, threads)
+    fp32, bf16, short = (native_rows(dtype, width, threads, kernels)
+                         for dtype, width in ((torch.float32, 2048), (torch.bfloat16, 2048), (torch.bfloat16, 512)))
     return (f"latentserve's (built for {kernels.isa}) up to {fp32} fp32 rows and {bf16} bf16 rows at {threads} "
-            f"thread(s) ({native_rows(torch.bfloat16, 512, threads)} over inputs of <= 512), MLA's absorbed per-head "
-            f"products up to {NATIVE_HEAD_TOKENS} tokens; MKL / oneDNN above")
+            f"thread(s) ({short} over inputs of <= 512), MLA's absorbed per-head products up to {NATIVE_HEAD_TOKENS} "
+            "tokens; MKL / oneDNN above")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,6 +42,11 @@ class NativeKernels:
     isa: str
     lib: ctypes.CDLL
 
+    @property
+    def bf16_dot(self) -> bool:
+        """Whether bf16 products multiply through vdpbf16ps (the avx512_bf16 build)."""
+        return self.isa == "avx512_bf16"
+
 
 def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
     """(instruction set to build for, why) from what torch dispatches on: `ATEN_CPU_CAPABILITY=avx2` picks the AVX2

@@ -16,16 +16,21 @@ SPLIT_ROWS = (1, 4, 5, 6, 7, 8)
 SKINNY_ROWS = {torch.float32: range(2, 33), torch.bfloat16: range(17, 33), torch.float16: range(17, 33)}
 
 
-def native_rows(dtype: torch.dtype, in_features: int, threads: int) -> int:
+def native_rows(dtype: torch.dtype, in_features: int, threads: int, kernels: native.NativeKernels) -> int:
     """Up to how many rows latentserve's kernel (kernels/gemv.c) beats the other layouts, as measured with weights
     streamed (benchmarks/RESULTS.md). fp32: 1.25-1.8x at 1-3 rows on 2 threads, 1.3-3.8x F.linear on one, even at
     4. bf16 at 1 row: 1.5-3x. At 2-4 rows bf16 depends on the input width: over short rows (<= 512, small models'
-    hidden sizes and experts) oneDNN's fixed cost dominates and the kernel wins 1.4-2.8x; over V2-Lite's 2048 it
-    wins 1.0-1.3x at 2 rows on 2 threads but loses on one (0.87-0.97x), and loses from 3 rows on."""
+    hidden sizes and experts) oneDNN's fixed cost dominates and the kernel wins 1.4-2.8x. Over wider rows (V2-Lite's
+    2048) the build with vdpbf16ps wins 1.2-1.7x at 2-3 rows on 1-2 threads and ties at 4; the others win 1.0-1.3x
+    at 2 rows on 2 threads but lose on one (0.87-0.97x), and lose from 3 rows on."""
     if dtype == torch.float32:
         return 3
     if dtype == torch.bfloat16:
-        return 4 if in_features <= 512 else 2 if threads > 1 else 1
+        if in_features <= 512:
+            return 4
+        if kernels.bf16_dot:
+            return 3
+        return 2 if threads > 1 else 1
     return 0
 
 
@@ -48,9 +53,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in SKINNY_ROWS:
         return F.linear(x, weight, bias)
     threads, rows = torch.get_num_threads(), x.shape[0]
-    if rows <= native_rows(x.dtype, x.shape[1], threads) and weight.dtype == x.dtype and weight.is_contiguous():
+    if weight.dtype == x.dtype and weight.is_contiguous():
         kernels = native.for_this_cpu()
-        if kernels is not None:
+        if kernels is not None and rows <= native_rows(x.dtype, x.shape[1], threads, kernels):
             out = native.dense_linear(kernels, x.contiguous(), weight, x.dtype)
             return out if bias is None else out.add_(bias)
     if threads == 1:

@@ -32,7 +32,8 @@ def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKern
         w = layer.weight
         if layer.bias is not None or w.dtype != dtype or not w.is_contiguous():
             return None
-        return native.Weight(kind=native.DENSE, w=w.data_ptr()), native_rows(dtype, layer.in_features, threads)
+        rows = native_rows(dtype, layer.in_features, threads, kernels)
+        return native.Weight(kind=native.DENSE, w=w.data_ptr()), rows
     if getattr(layer, "bias", True) is not None or getattr(getattr(layer, "kernels", None), "isa", None) != kernels.isa:
         return None  # (the same build loads the same library, whichever object holds it)
     if isinstance(layer, NativeInt8Linear) and layer.out_dtype in (None, dtype):
