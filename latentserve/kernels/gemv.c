@@ -103,7 +103,13 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
     float *xf = malloc(T * K * sizeof(float)), *h = malloc(P * 2 * I * sizeof(float));
     float *a = malloc(P * I * sizeof(float)), *partial = malloc(threads * P * K * sizeof(float));
     int used = 1;
-    for (int64_t i = 0; i < T * K; i++) xf[i] = load_act(x, io & 1, i);
+#ifdef LS_BF16DOT
+    int dot = wbf && (io & 1); /* bf16 x and weights: gate and up through vdpbf16ps, x read as it is */
+#else
+    int dot = 0;
+#endif
+    if (!dot)
+        for (int64_t i = 0; i < T * K; i++) xf[i] = load_act(x, io & 1, i);
 #pragma omp parallel num_threads(threads)
     {
         int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = P * 2 * I;
@@ -111,7 +117,12 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
             int64_t p = r / (2 * I), j = r - p * 2 * I;
             const char *row = j < I ? (const char *)gate[p] + j * K * wsize : (const char *)up[p] + (j - I) * K * wsize;
             float out[MB];
-            dense_rows(xf + (p / count) * K, row, wbf, K, 1, out);
+#ifdef LS_BF16DOT
+            if (dot)
+                dense_rows_bf16((const uint16_t *)x + (p / count) * K, (const uint16_t *)row, K, 1, out);
+            else
+#endif
+                dense_rows(xf + (p / count) * K, row, wbf, K, 1, out);
             h[r] = out[0];
         }
 #pragma omp barrier
