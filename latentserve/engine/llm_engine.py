@@ -33,6 +33,7 @@ from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
 from latentserve.sampling_params import SamplingParams
+
 logger = logging.getLogger(__name__)
 
 

@@ -46,13 +46,12 @@ def cpu_features() -> CpuFeatures:
 
 def last_level_cache_bytes() -> int | None:
     """The size of CPU 0's largest cache as Linux reports it, or None where it does not."""
-    sizes = {}
+    units, sizes = {"K": 2**10, "M": 2**20, "G": 2**30}, {}
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
         try:
             level, size = (index / "level").read_text().strip(), (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
         if level.isdigit() and size[:-1].isdigit() and size[-1] in units:
             sizes[int(level)] = int(size[:-1]) * units[size[-1]]
     return sizes[max(sizes)] if sizes else None

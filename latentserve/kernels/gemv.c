@@ -60,29 +60,25 @@ void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4;
 #ifdef LS_BF16DOT
-    if (wbf && (io & 1)) { /* bf16 x and w: products through vdpbf16ps, x read as it is */
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const uint16_t *row = (const uint16_t *)w + n * K;
-            for (int64_t m0 = 0; m0 < M; m0 += MB) {
-                int mb = M - m0 < MB ? (int)(M - m0) : MB;
-                float out[MB];
-                FOR_ROWS(dense_rows_bf16, (const uint16_t *)x + m0 * K, row, K)
-                for (int i = 0; i < mb; i++) store_out(y, io & 2, (m0 + i) * N + n, out[i]);
-            }
-        }
-        return;
-    }
+    int dot = wbf && (io & 1); /* bf16 x and w: products through vdpbf16ps, x read as it is */
+#else
+    int dot = 0;
 #endif
-    float *xf = malloc(M * K * sizeof(float));
-    for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, io & 1, i);
+    float *xf = dot ? NULL : malloc(M * K * sizeof(float));
+    if (!dot)
+        for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, io & 1, i);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const void *row = (const char *)w + n * K * wsize;
         for (int64_t m0 = 0; m0 < M; m0 += MB) {
             int mb = M - m0 < MB ? (int)(M - m0) : MB;
             float out[MB];
-            FOR_ROWS(dense_rows, xf + m0 * K, row, wbf, K)
+#ifdef LS_BF16DOT
+            if (dot)
+                FOR_ROWS(dense_rows_bf16, (const uint16_t *)x + m0 * K, (const uint16_t *)row, K)
+            else
+#endif
+                FOR_ROWS(dense_rows, xf + m0 * K, row, wbf, K)
             for (int i = 0; i < mb; i++) store_out(y, io & 2, (m0 + i) * N + n, out[i]);
         }
     }

@@ -30,7 +30,8 @@ ISA_FLAGS = {
     "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
     "avx2": ["-mavx2", "-mfma"],
 }
-# The same with AVX512-BF16: bf16 decode attention through vdpbf16ps (kernels/mla_decode.c).
+# The same with AVX512-BF16: bf16 products (decode attention, few-row linears, experts' gate and up) through
+# vdpbf16ps.
 ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512_vnni"] + ["-mavx512bf16", "-DLS_BF16DOT"]
 FALLBACK = {"avx512_bf16": "avx512_vnni"}  # where a compiler cannot build the first, the second still runs
 # No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.

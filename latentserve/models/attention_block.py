@@ -102,7 +102,7 @@ def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, si
     if kernels is None or md.prefill is not None or md.decode is None:
         return None
     built = _cached_block(attn, norms, dtype, kernels, torch.get_num_threads())
-    if built is None or tokens > built[1] or not core.decode_backend.runs_natively(core.kv_cache, md.decode):
+    if built is None or tokens > built[1] or not core.decode_backend.runs_natively(core.kv_cache):
         return None
     d = md.decode
     return native.mla_attention_block(kernels, built[0], hidden.contiguous(), cos.contiguous(), sin.contiguous(),

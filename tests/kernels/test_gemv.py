@@ -21,6 +21,8 @@ def test_dense_linear_is_the_product_with_fp32_sums(isa, rows, k, dtype):
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
     out = native.dense_linear(kernels(isa), x, w, dtype)
     assert out.dtype == dtype and torch.equal(out, got.to(dtype))
+    # A row's result does not depend on the rows beside it (a verification step equals the decode steps it replaces).
+    assert torch.equal(native.dense_linear(kernels(isa), x[-1:].contiguous(), w, torch.float32)[0], got[-1])
 
 
 def test_dense_linear_refuses_what_it_cannot_read():

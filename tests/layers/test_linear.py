@@ -6,7 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.kernels import native
-from latentserve.layers.linear import NATIVE_HEAD_TOKENS, SKINNY_ROWS, SPLIT_ROWS, Linear, head_products, linear
+from latentserve.layers.linear import (
+    NATIVE_HEAD_TOKENS,
+    SKINNY_ROWS,
+    SPLIT_ROWS,
+    Linear,
+    head_products,
+    linear,
+    native_rows,
+)
 
 
 @pytest.fixture
@@ -86,6 +94,19 @@ def test_each_layout_is_taken_where_intended(two_threads, monkeypatch, setting) 
         linear(torch.randn(3, 1024, dtype=torch.bfloat16), wide)
         linear(torch.randn(4, 1024, dtype=torch.bfloat16), wide)
         assert calls == ["native", "bmm", "native", "native" if dot else "F.linear", "F.linear"]
+
+
+def test_native_rows_by_build() -> None:
+    """Wide bf16 inputs stay on the kernel up to 3 rows with the vdpbf16ps build, 2 (1 on one thread) without,
+    whichever build this machine runs."""
+    dot, plain = native.NativeKernels("avx512_bf16", None), native.NativeKernels("avx512_vnni", None)
+    assert dot.bf16_dot and not plain.bf16_dot and not native.NativeKernels("avx2", None).bf16_dot
+    for threads in (1, 2):
+        assert native_rows(torch.bfloat16, 2048, threads, dot) == 3
+        assert native_rows(torch.bfloat16, 2048, threads, plain) == threads
+        assert native_rows(torch.bfloat16, 512, threads, dot) == native_rows(torch.bfloat16, 512, threads, plain) == 4
+        assert native_rows(torch.float32, 2048, threads, dot) == native_rows(torch.float32, 2048, threads, plain) == 3
+        assert native_rows(torch.float16, 2048, threads, dot) == 0
 
 
 def test_linear_module_is_a_drop_in_nn_linear(two_threads) -> None:

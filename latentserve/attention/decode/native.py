@@ -13,9 +13,9 @@ from latentserve.kernels.cpu import cpu_features
 
 
 class NativeMQADecodeBackend(MLADecodeBackend):
-    """Every decode token and block of heads is one work item: its request's rows are read where they lie, once
-    for the scores and once for the values, with an exact softmax between (fp32 sums; bf16 products through
-    vdpbf16ps where the build has them). Several query tokens per request (speculative decoding) see their causal
+    """Every decode token and block of heads is one work item: its request's rows are read where they lie, a tile at
+    a time, scored and then weighed under an online softmax (fp32 sums; bf16 products through vdpbf16ps where the
+    build has them). Several query tokens per request (speculative decoding) see their causal
     prefixes. PAGED takes a cache in another dtype (an fp16 `kv_cache_dtype`). A lone request over a long bf16
     context stays here too: 1.1-3.2x PAGED's oneDNN products from 1k to 16k positions (16 heads x (512 + 64), 2
     threads, benchmarks/RESULTS.md, 2026-12-04 evening)."""
@@ -36,12 +36,12 @@ class NativeMQADecodeBackend(MLADecodeBackend):
         self.kernels = native.native_kernels(cpu_features())[0]
         self.paged = PagedMQADecodeBackend(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
 
-    def runs_natively(self, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> bool:
-        """Whether `forward` takes the native kernel for this cache and step (else PAGED)."""
+    def runs_natively(self, kv_cache: torch.Tensor) -> bool:
+        """Whether `forward` takes the native kernel for this cache (else PAGED)."""
         return kv_cache.dtype in native.KERNEL_DTYPES
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
-        if not self.runs_natively(kv_cache, metadata):
+        if not self.runs_natively(kv_cache):
             return self.paged.forward(q, kv_cache, metadata)
         return native.mla_decode(self.kernels, q, kv_cache, metadata.block_table, metadata.query_start_loc,
                                  metadata.seq_lens, self.scale, self.kv_lora_rank)

@@ -21,8 +21,8 @@ class DraftingPolicy:
 def auto_policy(weight_bytes: int, device: str | torch.device, cache_bytes: int | None) -> DraftingPolicy:
     """`disable_by_batch_size="auto"`: draft where verifying k+1 tokens costs little more than decoding one.
 
-    On a CPU that holds when a step streams its weights from memory (benchmarks/RESULTS.md, "MTP: when drafting
-    pays", 2026-12-04): a model that fits in the last-level cache (`cache_bytes`) is bound by arithmetic, so a
+    On a CPU that holds when a step streams its weights from memory (benchmarks/RESULTS.md, "2026-12-04 (evening):
+    when MTP drafting pays"): a model that fits in the last-level cache (`cache_bytes`) is bound by arithmetic, so a
     verification step costs about k+1 decode steps and drafting loses at any acceptance (the embedded model: 0.84x
     at 87 %). Where weights stream, a routed-expert model still reads about twice the expert weights for two
     tokens (a verification step of a 24-layer V3-shaped model costs 1.5x a decode step at 1 request, 1.7-1.8x at
