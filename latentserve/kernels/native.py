@@ -1,6 +1,7 @@
 """latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
 decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write;
-attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing):
+attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing; moe_block.c: a decode step's
+whole MoE block):
 built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
 cannot be built the callers keep PyTorch's kernels."""
 from __future__ import annotations
@@ -21,7 +22,7 @@ from latentserve.kernels.cpu import CpuFeatures
 
 KERNEL_DIR = Path(__file__).parent
 SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c",
-                                                      "attention_block.c", "route.c"))
+                                                      "attention_block.c", "route.c", "moe_block.c"))
 HEADERS = (KERNEL_DIR / "simd.h",)
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
@@ -120,6 +121,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_mla_attention_block.restype = None
     lib.ls_route.argtypes = [p, i64, i64, i64, i32, i64, i64, p, i32, ctypes.c_float, p, p]
     lib.ls_route.restype = None
+    lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
+    lib.ls_moe_block.restype = i32
     lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
 
 
@@ -351,6 +354,32 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
           block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
           seq_lens.shape[0], slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads())
     return y, normed
+
+
+class MoEBlock(ctypes.Structure):
+    """moe_block.c's view of one layer's MoE: shapes and routing (`ls_route`'s arguments), the fp32 router weight
+    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
+    shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
+    `experts_token` takes them, the shared MLP as one more expert of `shared_inter`, or None)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
+        ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
+        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bits", ctypes.c_int32), ("bf", ctypes.c_int32),
+        ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
+        ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
+        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("group", ctypes.c_int64),
+        ("shared_inter", ctypes.c_int64)]
+
+
+def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + moe(x) for a few tokens x `[T, hidden]` and the residual stream (both contiguous, the block's
+    dtype)."""
+    y = torch.empty_like(residual)
+    bad = _call(kernels, "ls_moe_block", ctypes.byref(block), x.data_ptr(), residual.data_ptr(), x.shape[0],
+                y.data_ptr(), torch.get_num_threads())
+    if bad:
+        raise ValueError(f"moe_block: the routing chose an expert outside the {block.experts} the block holds")
+    return y
 
 
 def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, groups: int, topk_groups: int,

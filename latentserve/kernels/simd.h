@@ -166,7 +166,8 @@ INLINE float vreduce_add(vfloat v) {
     case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
     }
 
-/* Kernels of the other files that attention_block.c and prologue.c chain (see each file for what they compute). */
+/* Kernels of the other files that attention_block.c, moe_block.c and prologue.c chain (see each file for what they
+ * compute). */
 void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, float eps, void *y, int ybf);
 void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads);
 void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads);
@@ -178,3 +179,10 @@ void ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, i
 void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
                    const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
                    int64_t R, float scale, void *out, int io, int threads);
+void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
+              const float *bias, int norm, float scaling, float *weights, int64_t *ids);
+void ls_experts_token(const void *x, int64_t K, int64_t I, int64_t count, void *const *weights, const float *gates,
+                      int bits, int64_t G, void *y, int io, int threads);
+int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
+                       const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
+                       int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io, int threads);

@@ -263,7 +263,7 @@ class StackedExperts(nn.Module):
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""
-        if self.shared is None or not _stacked_layout(self.shared[0]):
+        if self.shared is None or not stacked_layout(self.shared[0]):
             return None
         kernels = self._kernels(x)
         return None if kernels is None else self._native(kernels, x, weights, ids, with_shared=True)
@@ -313,7 +313,7 @@ class StackedExperts(nn.Module):
         return out
 
 
-def _stacked_layout(mlp: GatedMLP) -> bool:
+def stacked_layout(mlp: GatedMLP) -> bool:
     """Whether the shared experts' weights are still laid out as the stack reads them (gate and up contiguous, down
     transposed): replacing a parameter afterwards must not make the kernel read the wrong rows."""
     gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight

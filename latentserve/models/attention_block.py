@@ -109,21 +109,24 @@ def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, si
                                       core.kv_cache, d.block_table, d.query_start_loc, d.seq_lens, md.slot_mapping)
 
 
-def _key(attn: DeepseekAttention, norms: Norms) -> tuple:
-    """Every tensor the kernel reads, by address: a replaced weight must never be read through a stale one."""
+def _module_tensors(attn: DeepseekAttention, norms: Norms) -> list[torch.Tensor]:
+    """The parameters and buffers the kernel reads by address (a replaced one rebuilds the view)."""
     modules = [*norms, attn.kv_a_layernorm, attn.kv_a_proj_with_mqa, attn.o_proj]
     modules += [attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj] if attn.q_lora else [attn.q_proj]
-    tensors = [t for module in modules for t in module._parameters.values()]
-    tensors += [t for module in modules for t in module._buffers.values()]
+    return [t for module in modules for ts in (module._parameters, module._buffers) for t in ts.values()
+            if t is not None]
+
+
+def _absorbed_tensors(attn: DeepseekAttention) -> list[torch.Tensor]:
+    """The absorbed products' weights: plain attributes, so their addresses go in the view's key."""
     core = attn.attn
-    tensors += [core.W_UK_T, core.W_UV] + [t for h in core.int8_absorbed or () for t in (h.q, h.scale, h.qsum)]
-    return tuple(None if t is None else t.data_ptr() for t in tensors)
+    return [t for t in (core.W_UK_T, core.W_UV, *(t for h in core.int8_absorbed or () for t in (h.q, h.scale, h.qsum)))
+            if t is not None]
 
 
 def _cached_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kernels: native.NativeKernels,
                   threads: int) -> Built | None:
     """`build_block`, rebuilt whenever the dtype, the thread count or a weight changed."""
-    key = (dtype, kernels.isa, threads, *_key(attn, norms))
-    if attn.fused_block is None or attn.fused_block[0] != key:
-        attn.fused_block = (key, build_block(attn, norms, dtype, kernels, threads))
-    return attn.fused_block[1]
+    absorbed = _absorbed_tensors(attn)
+    return attn.fused_block.get((dtype, kernels.isa, threads, *(t.data_ptr() for t in absorbed)), lambda: (
+        build_block(attn, norms, dtype, kernels, threads), _module_tensors(attn, norms) + absorbed))

@@ -21,6 +21,8 @@ from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
+from latentserve.models.moe_block import fused_moe
+from latentserve.models.native_view import NativeView
 from latentserve.models.config import DeepseekConfig
 
 
@@ -59,8 +61,8 @@ class DeepseekAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
-        # (weight addresses, the native kernel's view of them) for the one-call decode path (`attention_block`)
-        self.fused_block: tuple[tuple, tuple[MLABlock, int] | None] | None = None
+        # the native kernel's view of the block, for the one-call decode path (`attention_block`)
+        self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
         self.attn = MLAAttention(
             attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
             kv_cache_dtype=dtype, device=device,
@@ -97,6 +99,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         norms = (self.input_layernorm, self.post_attention_layernorm)
@@ -106,6 +109,8 @@ class DeepseekDecoderLayer(nn.Module):
         else:
             hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
             normed = self.post_attention_layernorm(hidden)
+        if isinstance(self.mlp, MoE) and (out := fused_moe(self.mlp, self.moe_view, normed, hidden)) is not None:
+            return out  # decode: one native call
         return hidden + self.mlp(normed)
 
 

@@ -1,0 +1,129 @@
+"""A decode step's DeepSeek MoE block, from the router to the residual, in one native call (kernels/moe_block.c)
+where every piece would run latentserve's kernels anyway: the router's fp32 product over few enough rows, the native
+routing, and either the stacked fp32/bf16 experts (up to 3 tokens, with their shared experts folded in or none) or
+quantized int8/int4 experts and shared MLP (one token). The kernel chains those same kernels, so the result is the
+modules' to the bit; elsewhere (prefill, larger batches, expert parallelism, experts with a bias) the modules run.
+The view is cached per layer (`NativeView`); the layer's tensors are parameters and buffers, so any replacement
+rebuilds it.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from latentserve.forward_context import dbo_yield
+from latentserve.kernels import native
+from latentserve.layers.linear import native_rows
+from latentserve.layers.mlp import GatedMLP
+from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE, stacked_layout
+from latentserve.layers.quant.int4 import NativeInt4Linear
+from latentserve.layers.quant.int8 import NativeInt8Linear
+from latentserve.models.native_view import NativeView
+
+Built = tuple[native.MoEBlock, int, object]  # the kernel's view, up to how many tokens, what its pointers point into
+
+
+def _quantized_layers(mlp: nn.Module, kernels: native.NativeKernels) -> tuple[nn.Module, nn.Module] | None:
+    """(gate_up, down) of a gated MLP whose two layers are one of latentserve's quantized kinds, bias-free."""
+    layers = (getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    kind = type(layers[0])
+    if kind not in (NativeInt8Linear, NativeInt4Linear) or any(
+            type(layer) is not kind or layer.bias is not None or layer.kernels.isa != kernels.isa for layer in layers):
+        return None
+    return layers
+
+
+def _pointers(layers: tuple[nn.Module, nn.Module]) -> list[torch.Tensor]:
+    """An expert's tensors in the order `experts_token` takes their addresses."""
+    if type(layers[0]) is NativeInt8Linear:
+        return [t for layer in layers for t in (layer.qweight, layer.scale, layer.qsum)]
+    return [layer.packed for layer in layers]
+
+
+def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) -> tuple[int, object, list] | None:
+    """Fills in the quantized experts: (tokens it runs, its pointer tables, their tensors), or None."""
+    experts = [_quantized_layers(e, kernels) for e in moe.experts]
+    shared = [] if moe.shared_experts is None else [_quantized_layers(moe.shared_experts, kernels)]
+    every = [layer for layers in experts + shared if layers is not None for layer in layers]
+    if len(every) != 2 * (len(experts) + len(shared)) or len({(type(x), getattr(x, "group_size", 0)) for x in every}) != 1:
+        return None  # one quantized kind and group size throughout, as `experts_token` takes them
+    block.bits, block.group = (8 if type(every[0]) is NativeInt8Linear else 4), getattr(every[0], "group_size", 0)
+    block.inter = experts[0][0].out_features // 2
+    if any(layers[0].out_features != 2 * block.inter for layers in experts):
+        return None
+    tensors = [t for layers in experts for t in _pointers(layers)]
+    table = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+    block.table, tables = ctypes.addressof(table), [table]
+    if shared:
+        shared_tensors = _pointers(shared[0])
+        tables.append((ctypes.c_void_p * len(shared_tensors))(*(t.data_ptr() for t in shared_tensors)))
+        block.shared, block.shared_inter = ctypes.addressof(tables[-1]), shared[0][0].out_features // 2
+        tensors += shared_tensors
+    return 1, tables, tensors
+
+
+def _stacked(moe: MoE, block: native.MoEBlock, dtype: torch.dtype) -> tuple[int, list] | None:
+    """Fills in the stacked experts: (tokens it runs, their tensors), or None."""
+    stack = moe.stacked
+    if stack is None or stack.first or stack.w13.shape[0] != len(moe.experts) or stack.w13.dtype != dtype:
+        return None
+    block.inter, block.w13, block.w2t = stack.w2t.shape[1], stack.w13.data_ptr(), stack.w2t.data_ptr()
+    tensors = [stack.w13, stack.w2t]
+    if moe.shared_experts is not None:
+        mlp = stack.shared[0] if stack.shared else None
+        if not isinstance(mlp, GatedMLP) or not stacked_layout(mlp):
+            return None
+        shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight.t())
+        block.shared_chunks = shared[0].shape[0] // block.inter
+        block.sg, block.su, block.sd = (t.data_ptr() for t in shared)
+        tensors += shared
+    return NATIVE_MAX_TOKENS, tensors
+
+
+def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
+                    threads: int) -> tuple[Built | None, list[torch.Tensor]]:
+    """(the layer's MoE as the kernel reads it, or None where a piece does not run latentserve's kernels; every
+    tensor it reads by address)."""
+    router, cfg = moe.gate, moe.gate.cfg
+    bias = router.e_score_correction_bias
+    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous():
+        return None, []
+    block = native.MoEBlock(
+        hidden=router.weight.shape[1], experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok,
+        groups=cfg.num_groups, topk_groups=cfg.kept_groups, sigmoid=int(cfg.scoring_func == "sigmoid"),
+        norm=int(cfg.norm_topk_prob), scaling=cfg.routed_scaling_factor, router=router.weight.data_ptr(),
+        bias=None if bias is None else bias.data_ptr(), bf=int(dtype == torch.bfloat16))
+    tensors = [router.weight] + ([] if bias is None else [bias])
+    # The router's product takes latentserve's kernel up to native_rows rows (`linear`); past them, MKL's sums.
+    router_rows = native_rows(torch.float32, block.hidden, threads, kernels)
+    stacked = _stacked(moe, block, dtype)
+    if stacked is not None:
+        tokens, held = stacked
+        return (block, min(tokens, router_rows), held), tensors + held
+    quantized = _quantized(moe, block, kernels)
+    if quantized is None:
+        return None, tensors
+    tokens, tables, held = quantized
+    return (block, tokens, tables), tensors + held
+
+
+def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """hidden + moe(normed) in one native call (`view`: the layer's cached `build_moe_block`), or None where the
+    modules must run it."""
+    tokens, dtype = normed.shape[0], normed.dtype
+    if (normed.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or not 0 < tokens <= NATIVE_MAX_TOKENS
+            or moe.expert_parallel is not None):
+        return None
+    kernels = native.for_this_cpu()
+    if kernels is None:
+        return None
+    threads = torch.get_num_threads()
+    built = view.get((dtype, kernels.isa, threads), lambda: build_moe_block(moe, dtype, kernels, threads))
+    if built is None or tokens > built[1]:
+        return None
+    dbo_yield()  # where MoE.forward yields: before its experts, after them
+    y = native.moe_block(kernels, built[0], normed.contiguous(), hidden.contiguous())
+    dbo_yield()
+    return y

@@ -1,0 +1,109 @@
+"""The one-call decode MoE block (models/moe_block.py, kernels/moe_block.c) against the layer's modules run one by
+one: the same logits to the bit, taken where it applies, and rebuilt when a weight is replaced."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from latentserve.config import AttentionConfig
+from latentserve.kernels import native
+from latentserve.layers.moe import MoE
+from latentserve.layers.quant.config import QuantConfig
+from latentserve.models import deepseek, load_model
+from tests.checkpoints import make_checkpoint
+from tests.models.paged import PagedRunner
+
+pytestmark = pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+
+# Decodes of one and two requests, a short prefill the block takes and longer ones it leaves to the modules.
+BATCHES = [[(0, 5), (1, 7)], [(0, 1), (1, 1)], [(1, 1)], [(1, 1)], [(0, 2)], [(1, 1), (0, 1)], [(2, 3)], [(2, 1)]]
+
+
+@pytest.fixture
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def _model(path, dtype: torch.dtype, quantization: QuantConfig | None):
+    attn_config = AttentionConfig(block_size=4)
+    return load_model(path, dtype=dtype, attn_config=attn_config, quantization=quantization), attn_config
+
+
+def _run(model, attn_config) -> list[torch.Tensor]:
+    runner = PagedRunner(model, attn_config)
+    g = torch.Generator().manual_seed(0)
+    return [runner.step([(r, torch.randint(0, 96, (n,), generator=g).tolist()) for r, n in batch])
+            for batch in BATCHES]
+
+
+def _checkpoint(tmp_path, variant: str, **overrides):
+    # int4's inputs in multiples of 64: the hidden size, the experts' (the shared MLP's is twice theirs), q_lora's.
+    if variant != "v2_lite":
+        overrides["q_lora_rank"] = 64
+    return make_checkpoint(tmp_path, variant, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                           kv_lora_rank=64, v_head_dim=16, **overrides)
+
+
+def _calls(monkeypatch) -> list[int]:
+    calls = []
+    monkeypatch.setattr(native, "moe_block", lambda *a, _f=native.moe_block: calls.append(a[2].shape[0]) or _f(*a))
+    return calls
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v2_group", "v3"])  # softmax; softmax + groups; sigmoid + bias
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("quantization", [None, QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
+def test_fused_moe_equals_the_modules(tmp_path, monkeypatch, variant, dtype, threads, quantization):
+    path = _checkpoint(tmp_path, variant)
+    calls = _calls(monkeypatch)
+    fused = _run(*_model(path, dtype, quantization))
+    # Stacked experts take every step of up to 3 tokens (the router's product on latentserve's kernel), prefills
+    # included; quantized ones the one-token steps.
+    assert calls and max(calls) == (1 if quantization else 3)
+    monkeypatch.setattr(deepseek, "fused_moe", lambda *a: None)
+    modules = _run(*_model(path, dtype, quantization))
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+
+
+def _without_shared_experts(path, quantization):
+    model, attn_config = _model(path, torch.bfloat16, quantization)
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):  # (transformers cannot save a checkpoint without them)
+            layer.mlp.shared_experts = None
+            if layer.mlp.stacked is not None:
+                layer.mlp.stacked.shared = None
+    return model, attn_config
+
+
+@pytest.mark.parametrize("quantization", [None, QuantConfig("int8")], ids=str)
+def test_fused_moe_without_shared_experts(tmp_path, monkeypatch, quantization):
+    path = _checkpoint(tmp_path, "v3")
+    calls = _calls(monkeypatch)
+    fused = _run(*_without_shared_experts(path, quantization))
+    assert calls
+    monkeypatch.setattr(deepseek, "fused_moe", lambda *a: None)
+    for a, b in zip(fused, _run(*_without_shared_experts(path, quantization))):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("quantization", [None, QuantConfig("int4", 32)], ids=str)
+def test_a_replaced_weight_rebuilds_the_view(tmp_path, quantization):
+    model, attn_config = _model(_checkpoint(tmp_path, "v3"), torch.float32, quantization)
+    before = _run(model, attn_config)
+    layers = [layer for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+    assert all(layer.moe_view.builds == 1 for layer in layers)  # built once, reused every step
+    router = layers[0].mlp.gate
+    router.weight = nn.Parameter(torch.flip(router.weight.detach(), dims=[0]))  # other experts win
+    after = _run(model, attn_config)
+    assert layers[0].moe_view.builds == 2 and not torch.equal(before[-1], after[-1])
+    # The modules over the same replaced weight agree with the rebuilt view.
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(deepseek, "fused_moe", lambda *a: None)
+        for a, b in zip(after, _run(model, attn_config)):
+            assert torch.equal(a, b)

@@ -1,0 +1,51 @@
+"""`NativeView`: built once, rebuilt when its key changes, a module's tensor is replaced, or a storage is swapped."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from latentserve.models.native_view import NativeView
+
+
+def _view_of(layer: nn.Linear):
+    view, seen = NativeView(), []
+
+    def build():
+        seen.append(layer.weight.data_ptr())
+        return layer.weight.data_ptr(), [layer.weight]
+    return view, seen, build
+
+
+def test_built_once_then_reused():
+    layer = nn.Linear(4, 4)
+    view, seen, build = _view_of(layer)
+    assert [view.get(("a",), build) for _ in range(5)] == [layer.weight.data_ptr()] * 5
+    assert view.builds == 1 and len(seen) == 1
+    view.get(("b",), build)
+    assert view.builds == 2
+
+
+def test_a_replaced_parameter_rebuilds():
+    layer = nn.Linear(4, 4)
+    view, _, build = _view_of(layer)
+    view.get((), build)
+    layer.weight = nn.Parameter(torch.zeros(4, 4))
+    assert view.get((), build) == layer.weight.data_ptr() and view.builds == 2
+
+
+def test_a_swapped_storage_rebuilds():
+    layer = nn.Linear(4, 4)
+    view, _, build = _view_of(layer)
+    view.get((), build)
+    layer.weight.data = torch.zeros(4, 4)  # no registration hook sees this; the address does
+    assert view.get((), build) == layer.weight.data_ptr() and view.builds == 2
+
+
+def test_an_in_place_update_keeps_the_view():
+    layer = nn.Linear(4, 4)
+    view, _, build = _view_of(layer)
+    view.get((), build)
+    with torch.no_grad():
+        layer.weight.copy_(torch.ones(4, 4))  # same address: the kernel reads the new values
+    view.get((), build)
+    assert view.builds == 1
