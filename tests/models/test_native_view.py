@@ -1,4 +1,4 @@
-"""`NativeView`: built once, rebuilt when its key changes, a module's tensor is replaced, or a storage is swapped."""
+"""`NativeView`: built once, rebuilt when its key changes or a module's tensor is replaced, its tensors kept alive."""
 from __future__ import annotations
 
 import torch
@@ -33,12 +33,26 @@ def test_a_replaced_parameter_rebuilds():
     assert view.get((), build) == layer.weight.data_ptr() and view.builds == 2
 
 
-def test_a_swapped_storage_rebuilds():
+def test_a_replaced_buffer_or_submodule_rebuilds():
     layer = nn.Linear(4, 4)
     view, _, build = _view_of(layer)
     view.get((), build)
-    layer.weight.data = torch.zeros(4, 4)  # no registration hook sees this; the address does
-    assert view.get((), build) == layer.weight.data_ptr() and view.builds == 2
+    layer.register_buffer("scale", torch.ones(4))
+    view.get((), build)
+    layer.extra = nn.Identity()
+    view.get((), build)
+    assert view.builds == 3
+
+
+def test_the_view_keeps_what_it_reads_alive():
+    layer = nn.Linear(4, 4)
+    view, _, build = _view_of(layer)
+    old = layer.weight
+    view.get((), build)
+    layer.weight = nn.Parameter(torch.zeros(4, 4))
+    assert view._entry[2] == [old]  # until the next get rebuilds it, the old weight's memory stays
+    view.get((), build)
+    assert view._entry[2][0] is layer.weight
 
 
 def test_an_in_place_update_keeps_the_view():
