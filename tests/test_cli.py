@@ -369,8 +369,10 @@ def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypat
         assert f"int4: latentserve int4 (built for {kernels.isa}" in weights
         assert f"fp32 / bf16 linears: latentserve's (built for {kernels.isa}) up to 3 fp32 rows" in weights
         assert "decode attention block: one native call per layer" in weights
+        assert "decode MoE block: one native call per layer" in weights
     else:
         assert f"fp32 / bf16 linears: PyTorch's (latentserve's kernels: {why})" in weights
         assert f"decode attention block: the layer's modules one by one ({why})" in weights
+        assert f"decode MoE block: the layer's modules one by one ({why})" in weights
         assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights

@@ -83,6 +83,7 @@ def describe_weights(device: str) -> str:
         "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
         f"    fp32 / bf16 linears: {_dense(device)}",
         f"    decode attention block: {_block(device)}",
+        f"    decode MoE block: {_moe_block(device)}",
     ]) + "\n"
 
 
@@ -93,6 +94,16 @@ def _block(device: str) -> str:
         return f"the layer's modules one by one ({why})"
     return ("one native call per layer where its projections run latentserve's kernels (fp32/bf16, int8, int4, no "
             "bias), the NATIVE decode backend takes the step and its tokens are few enough; the modules elsewhere")
+
+
+def _moe_block(device: str) -> str:
+    """Whether a decode layer's MoE runs as one native call (models/moe_block.py)."""
+    kernels, why = native.native_kernels(cpu_features()) if device == "cpu" else (None, f"device {device}")
+    if kernels is None:
+        return f"the layer's modules one by one ({why})"
+    return ("one native call per layer (router, routing, routed and shared experts, residual) at up to 3 tokens over "
+            "stacked fp32/bf16 experts, at one token over int8 / int4 ones; the modules elsewhere (and under expert "
+            "parallelism)")
 
 
 def _dense(device: str) -> str:
