@@ -102,7 +102,7 @@ def _moe_block(device: str) -> str:
     if kernels is None:
         return f"the layer's modules one by one ({why})"
     return ("one native call per layer (router, routing, routed and shared experts, residual) at up to 3 tokens over "
-            "stacked fp32/bf16 experts, at one token over int8 / int4 ones; the modules elsewhere (and under expert "
+            "stacked fp32/bf16 experts, up to 8 over int8 / int4 ones; the modules elsewhere (and under expert "
             "parallelism)")
 
 

@@ -1,7 +1,9 @@
 /* A decode step's whole MoE block in one call: y = residual + moe(x) for a few tokens x (the post-attention norm's
  * output): the router's fp32 product, the routing, the routed experts and the shared ones, chaining the kernels the
  * modules call one by one (gemv.c's fp32 product, route.c, the stacked or quantized experts) with the same arguments
- * in the same order, and rounding the sums where torch's adds round them, so the result equals theirs to the bit.
+ * in the same order, and rounding the sums where torch's adds round them, so the result equals theirs to the bit
+ * wherever they run those kernels (quantized experts: one token; several go through the same kernel here, each
+ * token's result the same as alone).
  * It saves the ~20 Python calls and small torch ops of an MoE layer, which cost more than the routing arithmetic and
  * a fifth of a quantized V2-Lite decode step. Activations are all fp32 or all bf16 (`bf`). */
 #include "simd.h"
@@ -24,31 +26,39 @@ typedef struct {
     int64_t group, shared_inter;
 } MoEBlock;
 
-/* One token through its quantized routed experts (in expert order, as the modules sort them) and the shared MLP:
- * each rounded to the activations' dtype, then their sum, as torch adds the two. */
-static void quantized_token(const MoEBlock *b, const void *x, const float *weights, const int64_t *ids, void *out,
-                            int threads) {
+/* Tokens through their quantized routed experts (each token's in expert order, as the modules sort them) and the
+ * shared MLP: each rounded to the activations' dtype, then their sum, as torch adds the two. */
+static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const float *weights, const int64_t *ids,
+                             void *out, int threads) {
     int per = b->bits == 8 ? 6 : 2, io = b->bf ? 0b11 : 0;
     int64_t k = b->topk, K = b->hidden, size = b->bf ? 2 : 4;
-    void **chosen = malloc(k * per * sizeof(void *));
-    float *gates = malloc(k * sizeof(float));
+    void **chosen = malloc(T * k * per * sizeof(void *));
+    float *gates = malloc(T * k * sizeof(float));
     int64_t *order = malloc(k * sizeof(int64_t));
-    for (int64_t c = 0; c < k; c++) { /* insertion sort by expert id (a token's ids are distinct) */
-        int64_t j = c;
-        for (; j > 0 && ids[order[j - 1]] > ids[c]; j--) order[j] = order[j - 1];
-        order[j] = c;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t *e = ids + t * k;
+        for (int64_t c = 0; c < k; c++) { /* insertion sort by expert id (a token's ids are distinct) */
+            int64_t j = c;
+            for (; j > 0 && e[order[j - 1]] > e[c]; j--) order[j] = order[j - 1];
+            order[j] = c;
+        }
+        for (int64_t c = 0; c < k; c++) {
+            gates[t * k + c] = weights[t * k + order[c]];
+            memcpy(chosen + (t * k + c) * per, b->table + e[order[c]] * per, per * sizeof(void *));
+        }
     }
-    for (int64_t c = 0; c < k; c++) {
-        gates[c] = weights[order[c]];
-        memcpy(chosen + c * per, b->table + ids[order[c]] * per, per * sizeof(void *));
-    }
-    ls_experts_token(x, K, b->inter, k, chosen, gates, b->bits, b->group, out, io, threads);
+    ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits, b->group, out, io, threads);
     if (b->shared) {
-        const float one = 1.f;
-        char *shared = malloc(K * size);
-        ls_experts_token(x, K, b->shared_inter, 1, b->shared, &one, b->bits, b->group, shared, io, threads);
-        for (int64_t i = 0; i < K; i++) store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(shared, b->bf, i));
-        free(shared);
+        void **shared = malloc(T * per * sizeof(void *));
+        float *ones = malloc(T * sizeof(float));
+        char *y = malloc(T * K * size);
+        for (int64_t t = 0; t < T; t++) {
+            memcpy(shared + t * per, b->shared, per * sizeof(void *));
+            ones[t] = 1.f;
+        }
+        ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->bits, b->group, y, io, threads);
+        for (int64_t i = 0; i < T * K; i++) store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(y, b->bf, i));
+        free(shared), free(ones), free(y);
     }
     free(chosen), free(gates), free(order);
 }
@@ -63,9 +73,7 @@ int ls_moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t
     ls_dense_linear(x, T, K, b->router, E, logits, b->bf, threads); /* fp32 weight and logits */
     ls_route(logits, T, E, k, b->sigmoid, b->groups, b->topk_groups, b->bias, b->norm, b->scaling, weights, ids);
     if (b->bits)
-        for (int64_t t = 0; t < T; t++)
-            quantized_token(b, (const char *)x + t * K * size, weights + t * k, ids + t * k, moe + t * K * size,
-                            threads);
+        quantized_tokens(b, x, T, weights, ids, moe, threads);
     else
         bad = ls_stacked_experts(x, T, K, b->inter, k, ids, weights, 0, E, b->w13, b->w2t, b->shared_chunks, b->sg,
                                  b->su, b->sd, moe, b->bf ? 0b111 : 0, threads);

@@ -103,8 +103,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
     lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
-    lib.ls_experts_token.argtypes = [p, i64, i64, i64, p, p, i32, i64, p, i32, i32]
-    lib.ls_experts_token.restype = None
+    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, p, i32, i32]
+    lib.ls_experts_tokens.restype = None
     lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32]
     lib.ls_mla_decode.restype = None
     lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
@@ -360,7 +360,7 @@ class MoEBlock(ctypes.Structure):
     """moe_block.c's view of one layer's MoE: shapes and routing (`ls_route`'s arguments), the fp32 router weight
     `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
     shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
-    `experts_token` takes them, the shared MLP as one more expert of `shared_inter`, or None)."""
+    `experts_tokens` takes them, the shared MLP as one more expert of `shared_inter`, or None)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
         ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
@@ -414,16 +414,18 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     return y
 
 
-def experts_token(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
-                  intermediate: int, bits: int, group_size: int = 0) -> torch.Tensor:
-    """`[K]` in x's dtype (fp32 or bf16): one token x `[K]` (contiguous) through len(gates) routed experts, summed in
-    fp32 with `gates` (fp32) in their order. `weights` per expert: int8 (bits 8) gate_up q, scale, qsum, then
-    down's; int4 the two packed weights."""
+def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
+                   intermediate: int, bits: int, group_size: int = 0) -> torch.Tensor:
+    """`[T, K]` in x's dtype (fp32 or bf16): each token of x `[T, K]` (contiguous) through its gates.shape[1] routed
+    experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
+    alone. `weights` per (token, expert): int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
+    weights."""
     dtype, io = _io(x, x.dtype)
-    y = torch.empty(x.shape[-1], dtype=dtype)
+    tokens, count = gates.shape
+    y = torch.empty(tokens, x.shape[-1], dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
-    _call(kernels, "ls_experts_token", x.data_ptr(), x.shape[-1], intermediate, len(gates), pointers, gates.data_ptr(),
-          bits, group_size, y.data_ptr(), io, torch.get_num_threads())
+    _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, x.shape[-1], intermediate, count, pointers,
+          gates.data_ptr(), bits, group_size, y.data_ptr(), io, torch.get_num_threads())
     return y
 
 

@@ -303,22 +303,6 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     }
 }
 
-/* One output: a prepared activation row against one weight row of `int4_row_bytes(K, G)` bytes. */
-INLINE float int4_dot(const int8_t *xq, const float *xs, const float *corr, const uint8_t *row, int64_t K, int64_t G) {
-    const uint16_t *pairs = (const uint16_t *)row;
-    float d[MB], sf[K / G];
-    row_scales(pairs, K / G, sf);
-    int4_rows(xq, xs, sf, row + 4 * (K / G), K, log2_group(G), 1, d);
-    return d[0] + bf16_dot(pairs, corr, 2 * (K / G));
-}
-
-/* One output: an activation row quantized per row (scale sx) against int8 weight row w. */
-INLINE float int8_dot(const int8_t *xq, float sx, const int8_t *w, float scale, int32_t wsum, int64_t K) {
-    int32_t d[MB];
-    int8_rows(xq, K, w, K, 1, d);
-    return (float)(d[0] - INT8_OFFSET * wsum) * sx * scale;
-}
-
 /* Rows of `int4_row_bytes(K, G)`: (scale, minimum) bf16 pairs per group, then the nibbles (layout above): one stream
  * of bytes per row, read once. The activations are quantized in blocks of 64 columns (llama.cpp's Q8 blocks: 32).
  * q * scale + minimum is computed as (q - 8) * scale + (minimum + 8 * scale): the quantized activations meet only
@@ -404,55 +388,89 @@ static void free_acts(QuantActs a) {
     free(a.corr);
 }
 
-/* Output n of weight `w` (an expert's pointers: int8 (q, scale, qsum), int4 the packed rows) for activation row m. */
-INLINE float expert_dot(QuantActs a, int64_t m, void *const *w, int64_t n, int64_t K, int bits, int64_t G) {
-    if (bits == 8)
-        return int8_dot(a.q + m * K, a.s[m], (const int8_t *)w[0] + n * K, ((const float *)w[1])[n],
-                        ((const int32_t *)w[2])[n], K);
-    return int4_dot(a.q + m * K, a.s + m * (K / 64), a.corr + m * 2 * (K / G),
-                    (const uint8_t *)w[0] + n * (4 * (K / G) + K / 2), K, G);
+/* Output n of weight `w` (an expert's pointers: int8 (q, scale, qsum), int4 the packed rows) for the m activation
+ * rows first.. of `a`, into out[0..m): each row's value whatever m is (integer sums; int4's float sums per row). */
+static void group_dots(QuantActs a, int64_t first, int64_t m, void *const *w, int64_t n, int64_t K, int bits,
+                       int64_t G, float *dots) {
+    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        int mb = m - m0 < MB ? (int)(m - m0) : MB;
+        int64_t r = first + m0;
+        if (bits == 8) {
+            int32_t out[MB];
+            const float scale = ((const float *)w[1])[n];
+            const int32_t wsum = ((const int32_t *)w[2])[n];
+            FOR_ROWS(int8_rows, a.q + r * K, K, (const int8_t *)w[0] + n * K, K)
+            for (int i = 0; i < mb; i++) dots[m0 + i] = (float)(out[i] - INT8_OFFSET * wsum) * a.s[r + i] * scale;
+        } else {
+            int64_t groups = K / G;
+            const uint8_t *row = (const uint8_t *)w[0] + n * (4 * groups + K / 2);
+            float out[MB], sf[groups];
+            row_scales((const uint16_t *)row, groups, sf);
+            FOR_ROWS(int4_rows, a.q + r * K, a.s + r * (K / 64), sf, row + 4 * groups, K, log2_group(G))
+            for (int i = 0; i < mb; i++)
+                dots[m0 + i] = out[i] + bf16_dot((const uint16_t *)row, a.corr + (r + i) * 2 * groups, 2 * groups);
+        }
+    }
 }
 
-/* One token through `count` routed experts, y = sum_e weight[e] * down_e(silu(gate_e(x)) * up_e(x)), in the order
- * given: the whole batch-1 MoE in one call, in one parallel region: x is quantized once, all experts' gate_up rows
- * are shared out among the threads, then all their down rows. An expert's gate and up are one fused weight of 2 * I
- * rows (gate's first). Per expert, `weights` in pairs (gate_up, down): int8 ones as (q, scale, qsum) pointer triples
- * (bits 8), int4 ones as the packed rows (bits 4, group size G). */
-void ls_experts_token(const void *x, int64_t K, int64_t I, int64_t count, void *const *weights, const float *gates,
-                      int bits, int64_t G, void *y, int io, int threads) {
+/* T tokens, each through `count` routed experts: y[t] = sum_j gates[t, j] * down_j(silu(gate_j(x[t])) * up_j(x[t]))
+ * in the order given, in one parallel region. Per expert, `weights` in pairs (gate_up, down): int8 ones as (q, scale,
+ * qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group size G); an expert's gate and up are
+ * one fused weight of 2 * I rows (gate's first). The (token, expert) pairs are grouped by expert, so an expert that
+ * several tokens chose is read once for all of them; every pair's arithmetic is the same as for its token alone, so
+ * each token's result does not depend on the batch around it. */
+void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                       const float *gates, int bits, int64_t G, void *y, int io, int threads) {
     int per = bits == 8 ? 6 : 2, half = per / 2;
-    float *h = malloc(count * 2 * I * sizeof(float)), *a = malloc(count * I * sizeof(float));
-    float *o = malloc(count * K * sizeof(float));
-    QuantActs xa = quantize_acts(x, io & 1, 1, K, bits, G), aa = {NULL, NULL, NULL};
+    int64_t P = T * count, size = (io & 1) ? 2 : 4, groups = 0;
+    int64_t *order = malloc(P * sizeof(int64_t)), *slot = malloc(P * sizeof(int64_t));
+    int64_t *start = malloc((P + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) { /* insertion sort of the pairs by expert, stable */
+        int64_t j = p;
+        for (; j > 0 && (uintptr_t)weights[order[j - 1] * per] > (uintptr_t)weights[p * per]; j--)
+            order[j] = order[j - 1];
+        order[j] = p;
+    }
+    for (int64_t i = 0; i < P; i++) {
+        slot[order[i]] = i;
+        if (i == 0 || weights[order[i] * per] != weights[order[i - 1] * per]) start[groups++] = i;
+    }
+    start[groups] = P;
+    char *xg = malloc(P * K * size); /* each pair's token row, in grouped order */
+    for (int64_t i = 0; i < P; i++) memcpy(xg + i * K * size, (const char *)x + order[i] / count * K * size, K * size);
+    float *h = malloc(P * 2 * I * sizeof(float)), *a = malloc(P * I * sizeof(float)), *o = malloc(P * K * sizeof(float));
+    QuantActs xa = quantize_acts(xg, io & 1, P, K, bits, G), aa = {NULL, NULL, NULL};
 #pragma omp parallel num_threads(threads)
     {
-        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = count * 2 * I;
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = groups * 2 * I;
+        float dots[P]; /* an expert's pairs: at most one per token */
         for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
-            int64_t e = r / (2 * I);
-            h[r] = expert_dot(xa, 0, weights + e * per, r - e * 2 * I, K, bits, G);
+            int64_t g = r / (2 * I), n = r - g * 2 * I, first = start[g], m = start[g + 1] - first;
+            group_dots(xa, first, m, weights + order[first] * per, n, K, bits, G, dots);
+            for (int64_t i = 0; i < m; i++) h[(first + i) * 2 * I + n] = dots[i];
         }
 #pragma omp barrier
 #pragma omp single
         {
-            for (int64_t e = 0; e < count; e++) silu_mul(h + e * 2 * I, I, a + e * I);
-            aa = quantize_acts(a, 0, count, I, bits, G);
+            for (int64_t i = 0; i < P; i++) silu_mul(h + i * 2 * I, I, a + i * I);
+            aa = quantize_acts(a, 0, P, I, bits, G);
         }
-        rows = count * K;
+        rows = groups * K;
         for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
-            int64_t e = r / K;
-            o[r] = expert_dot(aa, e, weights + e * per + half, r - e * K, I, bits, G);
+            int64_t g = r / K, n = r - g * K, first = start[g], m = start[g + 1] - first;
+            group_dots(aa, first, m, weights + order[first] * per + half, n, I, bits, G, dots);
+            for (int64_t i = 0; i < m; i++) o[(first + i) * K + n] = dots[i];
         }
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int64_t k = 0; k < K; k++) {
+        for (int64_t tk = 0; tk < T * K; tk++) {
+            int64_t t = tk / K, k = tk - t * K;
             float sum = 0.f;
-            for (int64_t e = 0; e < count; e++) sum += gates[e] * o[e * K + k];
-            store_out(y, io & 2, k, sum);
+            for (int64_t j = 0; j < count; j++) sum += gates[t * count + j] * o[slot[t * count + j] * K + k];
+            store_out(y, io & 2, tk, sum);
         }
     }
     free_acts(xa);
     free_acts(aa);
-    free(h);
-    free(a);
-    free(o);
+    free(order), free(slot), free(start), free(xg), free(h), free(a), free(o);
 }

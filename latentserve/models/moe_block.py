@@ -1,8 +1,11 @@
 """A decode step's DeepSeek MoE block, from the router to the residual, in one native call (kernels/moe_block.c)
-where every piece would run latentserve's kernels anyway: the router's fp32 product over few enough rows, the native
-routing, and either the stacked fp32/bf16 experts (up to 3 tokens, with their shared experts folded in or none) or
-quantized int8/int4 experts and shared MLP (one token). The kernel chains those same kernels, so the result is the
-modules' to the bit; elsewhere (prefill, larger batches, expert parallelism, experts with a bias) the modules run.
+where every piece would run latentserve's kernels anyway: the router's fp32 product, the native routing, and either
+the stacked fp32/bf16 experts (up to 3 tokens, as far as the modules' router takes the same kernel; their shared
+experts folded in or none) or quantized int8/int4 experts and shared MLP (up to 8 tokens). The kernel chains those
+same kernels, so the result is the modules' to the bit where they run them (stacked experts; quantized ones at one
+token); at 2-8 tokens quantized experts chosen by several tokens are read once for all of them, and each token's
+result is what it would be alone. Elsewhere (longer prefills, larger batches, expert parallelism, experts with a
+bias) the modules run.
 The view is cached per layer (`NativeView`); the layer's tensors are parameters and buffers, so any replacement
 rebuilds it.
 """
@@ -36,7 +39,7 @@ def _quantized_layers(mlp: nn.Module, kernels: native.NativeKernels) -> tuple[nn
 
 
 def _pointers(layers: tuple[nn.Module, nn.Module]) -> list[torch.Tensor]:
-    """An expert's tensors in the order `experts_token` takes their addresses."""
+    """An expert's tensors in the order `experts_tokens` takes their addresses."""
     if type(layers[0]) is NativeInt8Linear:
         return [t for layer in layers for t in (layer.qweight, layer.scale, layer.qsum)]
     return [layer.packed for layer in layers]
@@ -48,7 +51,7 @@ def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) 
     shared = [] if moe.shared_experts is None else [_quantized_layers(moe.shared_experts, kernels)]
     every = [layer for layers in experts + shared if layers is not None for layer in layers]
     if len(every) != 2 * (len(experts) + len(shared)) or len({(type(x), getattr(x, "group_size", 0)) for x in every}) != 1:
-        return None  # one quantized kind and group size throughout, as `experts_token` takes them
+        return None  # one quantized kind and group size throughout, as `experts_tokens` takes them
     block.bits, block.group = (8 if type(every[0]) is NativeInt8Linear else 4), getattr(every[0], "group_size", 0)
     block.inter = experts[0][0].out_features // 2
     if any(layers[0].out_features != 2 * block.inter for layers in experts):
@@ -61,7 +64,7 @@ def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) 
         tables.append((ctypes.c_void_p * len(shared_tensors))(*(t.data_ptr() for t in shared_tensors)))
         block.shared, block.shared_inter = ctypes.addressof(tables[-1]), shared[0][0].out_features // 2
         tensors += shared_tensors
-    return 1, tables, tensors
+    return NATIVE_MAX_TOKENS, tables, tensors
 
 
 def _stacked(moe: MoE, block: native.MoEBlock, dtype: torch.dtype) -> tuple[int, list] | None:

@@ -217,7 +217,7 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, i
         if hasattr(layer, "kernels"):
             layer.kernels = kernels(isa)  # each build's SiLU and kernels
     calls = []
-    monkeypatch.setattr(native, "experts_token", lambda *a, _f=native.experts_token, **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(native, "experts_tokens", lambda *a, _f=native.experts_tokens, **k: calls.append(1) or _f(*a, **k))
     x = torch.randn(1, 128, generator=g) * 3  # SiLU over a wide range
     ids, weights = torch.tensor([[5, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
     got = run_expert_loop(experts, x, weights, ids)
@@ -247,7 +247,7 @@ def test_one_token_gated_mlp_in_one_call(monkeypatch, method, group):
     mlp.down_proj = quantize_linear("down", torch.randn(128, 64, generator=g) * 0.1, None, config, "cpu")
     x = torch.randn(2, 128, generator=g).bfloat16()
     calls = []
-    monkeypatch.setattr(native, "experts_token", lambda *a, _f=native.experts_token, **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(native, "experts_tokens", lambda *a, _f=native.experts_tokens, **k: calls.append(1) or _f(*a, **k))
     one = mlp(x[:1])
     assert calls == [1] and one.dtype == torch.bfloat16
     # Layer by layer in fp32 (two rows), as the one call computes inside: the same up to the output's bf16 rounding.

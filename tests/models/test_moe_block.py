@@ -10,7 +10,7 @@ from latentserve.config import AttentionConfig
 from latentserve.kernels import native
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import QuantConfig
-from latentserve.models import deepseek, load_model
+from latentserve.models import deepseek, load_model, moe_block
 from tests.checkpoints import make_checkpoint
 from tests.models.paged import PagedRunner
 
@@ -48,6 +48,13 @@ def _checkpoint(tmp_path, variant: str, **overrides):
                            kv_lora_rank=64, v_head_dim=16, **overrides)
 
 
+def _as_the_modules(monkeypatch, quantization: QuantConfig | None) -> None:
+    """Where the modules run the same kernels: quantized experts through the one call at one token only (at several
+    the modules go expert by expert; `test_quantized_tokens_each_as_alone` covers those)."""
+    if quantization:
+        monkeypatch.setattr(moe_block, "NATIVE_MAX_TOKENS", 1)
+
+
 def _calls(monkeypatch) -> list[int]:
     calls = []
     monkeypatch.setattr(native, "moe_block", lambda *a, _f=native.moe_block: calls.append(a[2].shape[0]) or _f(*a))
@@ -61,9 +68,10 @@ def _calls(monkeypatch) -> list[int]:
 def test_fused_moe_equals_the_modules(tmp_path, monkeypatch, variant, dtype, threads, quantization):
     path = _checkpoint(tmp_path, variant)
     calls = _calls(monkeypatch)
+    _as_the_modules(monkeypatch, quantization)
     fused = _run(*_model(path, dtype, quantization))
     # Stacked experts take every step of up to 3 tokens (the router's product on latentserve's kernel), prefills
-    # included; quantized ones the one-token steps.
+    # included; quantized ones (here) the one-token steps.
     assert calls and max(calls) == (1 if quantization else 3)
     monkeypatch.setattr(deepseek, "fused_moe", lambda *a: None)
     modules = _run(*_model(path, dtype, quantization))
@@ -85,6 +93,7 @@ def _without_shared_experts(path, quantization):
 def test_fused_moe_without_shared_experts(tmp_path, monkeypatch, quantization):
     path = _checkpoint(tmp_path, "v3")
     calls = _calls(monkeypatch)
+    _as_the_modules(monkeypatch, quantization)
     fused = _run(*_without_shared_experts(path, quantization))
     assert calls
     monkeypatch.setattr(deepseek, "fused_moe", lambda *a: None)
@@ -93,7 +102,8 @@ def test_fused_moe_without_shared_experts(tmp_path, monkeypatch, quantization):
 
 
 @pytest.mark.parametrize("quantization", [None, QuantConfig("int4", 32)], ids=str)
-def test_a_replaced_weight_rebuilds_the_view(tmp_path, quantization):
+def test_a_replaced_weight_rebuilds_the_view(tmp_path, monkeypatch, quantization):
+    _as_the_modules(monkeypatch, quantization)
     model, attn_config = _model(_checkpoint(tmp_path, "v3"), torch.float32, quantization)
     before = _run(model, attn_config)
     layers = [layer for layer in model.model.layers if isinstance(layer.mlp, MoE)]
@@ -107,3 +117,26 @@ def test_a_replaced_weight_rebuilds_the_view(tmp_path, quantization):
         m.setattr(deepseek, "fused_moe", lambda *a: None)
         for a, b in zip(after, _run(model, attn_config)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["v2_lite", "v3"])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("quantization", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
+def test_quantized_tokens_each_as_alone(tmp_path, variant, threads, quantization):
+    """Up to 8 tokens through quantized experts in one call: each token's output equals that token's alone (experts
+    that several tokens chose are read once for all of them), and the modules' within their roundings."""
+    model, _ = _model(_checkpoint(tmp_path, variant), torch.bfloat16, quantization)
+    layer = next(layer for layer in model.model.layers if isinstance(layer.mlp, MoE))
+    g = torch.Generator().manual_seed(1)
+    normed, hidden = (torch.randn(8, 64, generator=g).bfloat16() for _ in range(2))
+    together = moe_block.fused_moe(layer.mlp, layer.moe_view, normed, hidden)
+    assert together is not None
+    # With 8 tokens over 8 experts top-2, some expert serves several tokens.
+    assert len(set(layer.mlp.gate(normed)[1].flatten().tolist())) < 16
+    for t in range(8):
+        alone = moe_block.fused_moe(layer.mlp, layer.moe_view, normed[t:t + 1], hidden[t:t + 1])
+        assert torch.equal(together[t:t + 1], alone)
+    with torch.no_grad():
+        modules = hidden + layer.mlp(normed)
+    # bf16 outputs summed in another order (and torch's SiLU): a couple of bf16 steps of the output's scale.
+    assert (together.float() - modules.float()).abs().max() <= 0.02 * modules.float().abs().max()

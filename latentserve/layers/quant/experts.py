@@ -71,7 +71,7 @@ _ONE = torch.ones(1)
 
 
 def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
-    """The chosen experts through `native.experts_token` where each is a fused gate_up and a down of latentserve's
+    """The chosen experts through `native.experts_tokens` where each is a fused gate_up and a down of latentserve's
     kernels, bias-free; None otherwise."""
     layers = [(getattr(e, "gate_up_proj", None), e.down_proj) for e in chosen]
     kind = type(layers[0][0])
@@ -88,5 +88,5 @@ def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Te
         if any(gu.group_size != group or d.group_size != group for gu, d in layers):
             return None
     gate_up = layers[0][0]
-    return native.experts_token(gate_up.kernels, native.activations(xa, xa.shape[-1]).view(-1), weights,
-                                gates.float().contiguous(), gate_up.out_features // 2, bits, group)
+    return native.experts_tokens(gate_up.kernels, native.activations(xa, xa.shape[-1]), weights,
+                                 gates.float().reshape(1, -1).contiguous(), gate_up.out_features // 2, bits, group)
