@@ -33,19 +33,20 @@ def test_dense_linear_refuses_what_it_cannot_read():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("k", [64, 100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stacked_experts_are_each_tokens_weighted_sum_of_gated_mlps(isa, tokens, k, dtype):
     """Each token through 3 of experts 10..14 (a stack whose down projections are stored transposed), in expert
-    order, then two I-wide chunks of shared experts of gate 1."""
+    order, then two I-wide chunks of shared experts of gate 1; up to 8 tokens, as the MoE layer sends."""
     g = torch.Generator().manual_seed(k + tokens)
     inter, first = 24, 10
     w13 = (torch.randn(5, 2 * inter, k, generator=g) * 0.2).to(dtype)
     w2t = (torch.randn(5, inter, k, generator=g) * 0.2).to(dtype)
     shared = tuple((torch.randn(2 * inter, k, generator=g) * 0.2).to(dtype) for _ in range(3))  # gate, up, down_t
     x = (torch.randn(tokens, k, generator=g) * 2).to(dtype)
-    ids = torch.tensor([[14, 10, 12], [11, 12, 13], [10, 14, 11]][:tokens])
+    ids = torch.tensor([[14, 10, 12], [11, 12, 13], [10, 14, 11]] + [
+        (torch.randperm(5, generator=g)[:3] + first).tolist() for _ in range(5)])[:tokens]
     weights = torch.rand(tokens, 3, generator=g)
 
     def mlp(t, gate, up, down_t):
