@@ -179,11 +179,7 @@ int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t t
     int64_t *order = malloc(topk * sizeof(int64_t));
     for (int64_t t = 0; t < T; t++) {
         const int64_t *e = ids + t * topk;
-        for (int64_t c = 0; c < topk; c++) { /* insertion sort by expert id (a token's ids are distinct) */
-            int64_t j = c;
-            for (; j > 0 && e[order[j - 1]] > e[c]; j--) order[j] = order[j - 1];
-            order[j] = c;
-        }
+        sort_ids(e, topk, order);
         for (int64_t c = 0; c < count; c++) {
             int64_t p = t * count + c;
             if (c < topk) {

@@ -37,11 +37,7 @@ static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const 
     int64_t *order = malloc(k * sizeof(int64_t));
     for (int64_t t = 0; t < T; t++) {
         const int64_t *e = ids + t * k;
-        for (int64_t c = 0; c < k; c++) { /* insertion sort by expert id (a token's ids are distinct) */
-            int64_t j = c;
-            for (; j > 0 && e[order[j - 1]] > e[c]; j--) order[j] = order[j - 1];
-            order[j] = c;
-        }
+        sort_ids(e, k, order);
         for (int64_t c = 0; c < k; c++) {
             gates[t * k + c] = weights[t * k + order[c]];
             memcpy(chosen + (t * k + c) * per, b->table + e[order[c]] * per, per * sizeof(void *));

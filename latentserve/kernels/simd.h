@@ -166,6 +166,15 @@ INLINE float vreduce_add(vfloat v) {
     case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
     }
 
+/* order[0..k) = the positions of a token's k expert ids e in increasing id order (insertion sort; ids distinct). */
+INLINE void sort_ids(const int64_t *e, int64_t k, int64_t *order) {
+    for (int64_t c = 0; c < k; c++) {
+        int64_t j = c;
+        for (; j > 0 && e[order[j - 1]] > e[c]; j--) order[j] = order[j - 1];
+        order[j] = c;
+    }
+}
+
 /* Kernels of the other files that attention_block.c, moe_block.c and prologue.c chain (see each file for what they
  * compute). */
 void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, float eps, void *y, int ybf);

@@ -13,13 +13,6 @@ from tests.checkpoints import make_checkpoint
 from tests.models.paged import PagedRunner
 
 
-@pytest.fixture
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
 
 def _run(path, dtype: torch.dtype, quantization: QuantConfig | None) -> tuple[list[torch.Tensor], PagedRunner]:
     """Prefill two prompts, then decode one token each, then one request alone over 1 and 2 new tokens."""

@@ -51,15 +51,6 @@ def test_prefill_batch_matches_transformers(checkpoint) -> None:
         _check(ours, _reference_logprobs(reference, prompt))
 
 
-@pytest.fixture
-def threads(request):
-    """torch's thread count for one test (tests/conftest.py sets one); with more, `linear` lays out one-row and
-    few-row products differently (layers/linear.py)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
 
 @pytest.mark.parametrize("threads, num_seqs", [(1, 3), (2, 1), (2, 3)], indirect=["threads"])
 def test_incremental_decode_matches_transformers(checkpoint, threads: int, num_seqs: int) -> None:

@@ -20,13 +20,6 @@ pytestmark = pytest.mark.skipif(native.for_this_cpu() is None, reason="latentser
 BATCHES = [[(0, 5), (1, 7)], [(0, 1), (1, 1)], [(1, 1)], [(1, 1)], [(0, 2)], [(1, 1), (0, 1)], [(2, 3)], [(2, 1)]]
 
 
-@pytest.fixture
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
 
 def _model(path, dtype: torch.dtype, quantization: QuantConfig | None):
     attn_config = AttentionConfig(block_size=4)
