@@ -123,7 +123,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8 / int4: quantize linear weights at load (experts included); fp8: the checkpoint is "
                         "DeepSeek FP8 (detected from config.json anyway)")
     g.add_argument("--quantization-group-size", type=positive_int, default=d.quantization_group_size,
-                   help="int4: input columns per scale (32, 64 or 128; default 64)")
+                   help="int4: input columns per scale (32, 64 or 128; default: per layer, the largest that "
+                        "divides its input)")
     g.add_argument("--lm-head-quantized", action=argparse.BooleanOptionalAction, default=d.lm_head_quantized,
                    help="int8 / int4: quantize lm_head too (default: yes; --no-lm-head-quantized keeps it in the "
                         "compute dtype)")

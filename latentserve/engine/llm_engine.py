@@ -64,7 +64,8 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     kv_cache_dtype: str | torch.dtype = "auto"  # auto: the model dtype
     quantization: str | None = None  # "int8" / "int4" at load; "fp8" (or None) for a DeepSeek FP8 checkpoint
-    quantization_group_size: int | None = None  # int4's group of input columns: 32, 64 or 128 (None: 64)
+    # int4's group of input columns: 32, 64 or 128 (None: per layer, the largest that divides its input)
+    quantization_group_size: int | None = None
     lm_head_quantized: bool | None = None  # int8/int4: quantize lm_head too (None: yes, as llama.cpp does)
     block_size: int = 16
     max_num_seqs: int = 64

@@ -103,7 +103,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
     lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
-    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, p, i32, i32]
+    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
     lib.ls_experts_tokens.restype = None
     lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32]
     lib.ls_mla_decode.restype = None
@@ -360,15 +360,16 @@ class MoEBlock(ctypes.Structure):
     """moe_block.c's view of one layer's MoE: shapes and routing (`ls_route`'s arguments), the fp32 router weight
     `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
     shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
-    `experts_tokens` takes them, the shared MLP as one more expert of `shared_inter`, or None)."""
+    `experts_tokens` takes them, with gate_up's and down's int4 group sizes, the shared MLP as one more expert of
+    `shared_inter`, or None)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
         ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
         ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bits", ctypes.c_int32), ("bf", ctypes.c_int32),
         ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
         ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("group", ctypes.c_int64),
-        ("shared_inter", ctypes.c_int64)]
+        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("int4_groups", ctypes.c_int64 * 2),
+        ("shared_int4_groups", ctypes.c_int64 * 2), ("shared_inter", ctypes.c_int64)]
 
 
 def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -415,17 +416,17 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
 
 
 def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
-                   intermediate: int, bits: int, group_size: int = 0) -> torch.Tensor:
+                   intermediate: int, bits: int, groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
     """`[T, K]` in x's dtype (fp32 or bf16): each token of x `[T, K]` (contiguous) through its gates.shape[1] routed
     experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
     alone. `weights` per (token, expert): int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
-    weights."""
+    weights, of group sizes `groups` (gate_up's, down's)."""
     dtype, io = _io(x, x.dtype)
     tokens, count = gates.shape
     y = torch.empty(tokens, x.shape[-1], dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, x.shape[-1], intermediate, count, pointers,
-          gates.data_ptr(), bits, group_size, y.data_ptr(), io, torch.get_num_threads())
+          gates.data_ptr(), bits, *groups, y.data_ptr(), io, torch.get_num_threads())
     return y
 
 

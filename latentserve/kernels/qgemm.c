@@ -415,12 +415,13 @@ static void group_dots(QuantActs a, int64_t first, int64_t m, void *const *w, in
 
 /* T tokens, each through `count` routed experts: y[t] = sum_j gates[t, j] * down_j(silu(gate_j(x[t])) * up_j(x[t]))
  * in the order given, in one parallel region. Per expert, `weights` in pairs (gate_up, down): int8 ones as (q, scale,
- * qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group size G); an expert's gate and up are
+ * qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group sizes G for gate_up, GD for down,
+ * the largest dividing each layer's input by default); an expert's gate and up are
  * one fused weight of 2 * I rows (gate's first). The (token, expert) pairs are grouped by expert, so an expert that
  * several tokens chose is read once for all of them; every pair's arithmetic is the same as for its token alone, so
  * each token's result does not depend on the batch around it. */
 void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                       const float *gates, int bits, int64_t G, void *y, int io, int threads) {
+                       const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads) {
     int per = bits == 8 ? 6 : 2, half = per / 2;
     int64_t P = T * count, size = (io & 1) ? 2 : 4, groups = 0;
     int64_t *order = malloc(P * sizeof(int64_t)), *slot = malloc(P * sizeof(int64_t));
@@ -453,12 +454,12 @@ void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t c
 #pragma omp single
         {
             for (int64_t i = 0; i < P; i++) silu_mul(h + i * 2 * I, I, a + i * I);
-            aa = quantize_acts(a, 0, P, I, bits, G);
+            aa = quantize_acts(a, 0, P, I, bits, GD);
         }
         rows = groups * K;
         for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
             int64_t g = r / K, n = r - g * K, first = start[g], m = start[g + 1] - first;
-            group_dots(aa, first, m, weights + order[first] * per + half, n, I, bits, G, dots);
+            group_dots(aa, first, m, weights + order[first] * per + half, n, I, bits, GD, dots);
             for (int64_t i = 0; i < m; i++) o[(first + i) * K + n] = dots[i];
         }
 #pragma omp barrier

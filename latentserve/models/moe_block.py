@@ -45,14 +45,21 @@ def _pointers(layers: tuple[nn.Module, nn.Module]) -> list[torch.Tensor]:
     return [layer.packed for layer in layers]
 
 
+def _groups(layers: tuple[nn.Module, nn.Module]) -> tuple[int, int]:
+    return getattr(layers[0], "group_size", 0), getattr(layers[1], "group_size", 0)
+
+
 def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) -> tuple[int, object, list] | None:
     """Fills in the quantized experts: (tokens it runs, its pointer tables, their tensors), or None."""
     experts = [_quantized_layers(e, kernels) for e in moe.experts]
     shared = [] if moe.shared_experts is None else [_quantized_layers(moe.shared_experts, kernels)]
-    every = [layer for layers in experts + shared if layers is not None for layer in layers]
-    if len(every) != 2 * (len(experts) + len(shared)) or len({(type(x), getattr(x, "group_size", 0)) for x in every}) != 1:
-        return None  # one quantized kind and group size throughout, as `experts_tokens` takes them
-    block.bits, block.group = (8 if type(every[0]) is NativeInt8Linear else 4), getattr(every[0], "group_size", 0)
+    every = [layers for layers in experts + shared if layers is not None]
+    if len(every) != len(experts) + len(shared) or len({type(layers[0]) for layers in every}) != 1:
+        return None  # one quantized kind throughout
+    if len({_groups(layers) for layers in experts}) != 1:
+        return None  # the routed experts in one call: one pair of group sizes
+    block.bits = 8 if type(every[0][0]) is NativeInt8Linear else 4
+    block.int4_groups[:] = _groups(experts[0])
     block.inter = experts[0][0].out_features // 2
     if any(layers[0].out_features != 2 * block.inter for layers in experts):
         return None
@@ -63,6 +70,7 @@ def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) 
         shared_tensors = _pointers(shared[0])
         tables.append((ctypes.c_void_p * len(shared_tensors))(*(t.data_ptr() for t in shared_tensors)))
         block.shared, block.shared_inter = ctypes.addressof(tables[-1]), shared[0][0].out_features // 2
+        block.shared_int4_groups[:] = _groups(shared[0])
         tensors += shared_tensors
     return NATIVE_MAX_TOKENS, tables, tensors
 

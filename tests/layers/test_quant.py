@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from latentserve.layers.quant import linear as quant_linear
-from latentserve.layers.quant.config import Fp8Config, QuantConfig, resolve_quantization
+from latentserve.layers.quant.config import Fp8Config, QuantConfig, int4_group, resolve_quantization
 from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.int4 import (
@@ -66,7 +66,8 @@ def test_quantization_options_resolve_or_say_why_not():
     assert resolve_quantization(None, None, fp8) is None and resolve_quantization("fp8", None, fp8) is None
     # re-quantizes the dequantized FP8; lm_head too unless told not to
     assert resolve_quantization("int8", None, fp8) == QuantConfig("int8", lm_head=True)
-    assert resolve_quantization("int4", None, None, False) == QuantConfig("int4", 64, lm_head=False)
+    assert resolve_quantization("int4", None, None, False) == QuantConfig("int4", None, lm_head=False)
+    assert resolve_quantization("int4", 64, None, False) == QuantConfig("int4", 64, lm_head=False)
     with pytest.raises(ValueError, match="lm_head_quantized applies to quantization='int8' or 'int4' only"):
         resolve_quantization(None, None, None, False)
     with pytest.raises(ValueError, match="lm_head_quantized must be True, False or None, got 'yes'"):
@@ -79,6 +80,17 @@ def test_quantization_options_resolve_or_say_why_not():
         resolve_quantization("int4", 48, None)
     with pytest.raises(ValueError, match="applies to int4 only"):
         resolve_quantization("int8", 64, None)
+
+
+def test_int4_group_per_layer():
+    """No group size asked: each layer its largest that divides its input; one asked: that one or a named error."""
+    auto, g64 = QuantConfig("int4"), QuantConfig("int4", 64)
+    assert [int4_group(auto, "x", n) for n in (2048, 1408, 10944, 96)] == [128, 128, 64, 32]
+    assert int4_group(g64, "x", 2048) == 64
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj: int4 needs input columns in multiples of 32"):
+        int4_group(auto, "model.layers.0.mlp.down_proj", 100)
+    with pytest.raises(ValueError, match="down_proj: int4 group size 128 does not divide its 10944 input columns"):
+        int4_group(QuantConfig("int4", 128), "down_proj", 10944)
 
 
 def _layer(out_features: int, in_features: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

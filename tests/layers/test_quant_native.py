@@ -231,9 +231,10 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, i
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64)])
+@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64), ("int4", None)])
 def test_one_token_gated_mlp_in_one_call(monkeypatch, method, group):
-    """Dense and shared-expert MLPs at batch 1: one native call, the same result as the layer by layer path."""
+    """Dense and shared-expert MLPs at batch 1: one native call, the same result as the layer by layer path (int4
+    by default: gate_up over 128 inputs in groups of 128, down over 64 in groups of 64)."""
     from latentserve.layers.mlp import GatedMLP
     from latentserve.layers.quant.config import QuantConfig
     from latentserve.layers.quant.linear import quantize_linear

@@ -27,8 +27,8 @@ And the evening and the morning were the third day."""
 FORMATS = {
     "bf16": (dict(dtype="bfloat16"), 1.005, 0.97),
     "int8": (dict(quantization="int8"), 1.01, 0.93),  # dtype "auto": bf16 activations where the CPU has bf16
-    "int4": (dict(quantization="int4"), 1.10, 0.90),  # groups of 64
-    "int4-g128": (dict(quantization="int4", quantization_group_size=128), 1.10, 0.90),
+    "int4": (dict(quantization="int4"), 1.10, 0.90),  # per layer: groups of 128 where they divide
+    "int4-g64": (dict(quantization="int4", quantization_group_size=64), 1.10, 0.90),
     "int4-g32": (dict(quantization="int4", quantization_group_size=32), 1.10, 0.90),
 }
 PARAMS = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)

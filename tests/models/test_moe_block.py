@@ -57,7 +57,9 @@ def _calls(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("variant", ["v2_lite", "v2_group", "v3"])  # softmax; softmax + groups; sigmoid + bias
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("quantization", [None, QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
+# int4 by default: groups of 64 over the experts' inputs, 128 over the shared MLP's down projection.
+@pytest.mark.parametrize("quantization", [None, QuantConfig("int8"), QuantConfig("int4", 32), QuantConfig("int4")],
+                         ids=str)
 def test_fused_moe_equals_the_modules(tmp_path, monkeypatch, variant, dtype, threads, quantization):
     path = _checkpoint(tmp_path, variant)
     calls = _calls(monkeypatch)

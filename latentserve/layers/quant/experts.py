@@ -81,12 +81,12 @@ def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Te
         return None
     if kind is NativeInt8Linear:
         weights = [t for gu, d in layers for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
-        bits, group = 8, 0
+        bits, groups = 8, (0, 0)
     else:
         weights = [t for gu, d in layers for t in (gu.packed, d.packed)]
-        bits, group = 4, layers[0][0].group_size
-        if any(gu.group_size != group or d.group_size != group for gu, d in layers):
+        bits, groups = 4, (layers[0][0].group_size, layers[0][1].group_size)
+        if any((gu.group_size, d.group_size) != groups for gu, d in layers):
             return None
     gate_up = layers[0][0]
     return native.experts_tokens(gate_up.kernels, native.activations(xa, xa.shape[-1]), weights,
-                                 gates.float().reshape(1, -1).contiguous(), gate_up.out_features // 2, bits, group)
+                                 gates.float().reshape(1, -1).contiguous(), gate_up.out_features // 2, bits, groups)

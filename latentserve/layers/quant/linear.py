@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from latentserve.layers.quant.config import QuantConfig
+from latentserve.layers.quant.config import QuantConfig, int4_group
 from latentserve.kernels.cpu import CpuFeatures, cpu_features
 from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS, NATIVE_INT4_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
@@ -90,13 +90,7 @@ def quantize_linear(
         if kernel == FbgemmInt8Linear.kernel:
             return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
-    in_features = weight.shape[1]
-    if in_features % config.group_size:
-        raise ValueError(
-            f"{name}: int4 group size {config.group_size} does not divide its {in_features} input columns; "
-            f"choose a quantization_group_size that does"
-        )
-    q, scale, minimum = quantize_int4(weight, config.group_size)
+    q, scale, minimum = quantize_int4(weight, int4_group(config, name, weight.shape[1]))
     kernel = int4_kernel(device, features, *weight.shape).kernel
     if kernel == NativeInt4Linear.kernel:
         return NativeInt4Linear(q, scale, minimum, bias, native_kernels(features)[0],
