@@ -445,7 +445,9 @@ void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t c
     {
         int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = groups * 2 * I;
         float dots[P]; /* an expert's pairs: at most one per token */
-        for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
+        int64_t begin = rows * part / parts, len = rows * (part + 1) / parts - begin;
+        for (int64_t idx = 0; idx < len; idx++) {
+            int64_t r = two_streams(begin, len, idx);
             int64_t g = r / (2 * I), n = r - g * 2 * I, first = start[g], m = start[g + 1] - first;
             group_dots(xa, first, m, weights + order[first] * per, n, K, bits, G, dots);
             for (int64_t i = 0; i < m; i++) h[(first + i) * 2 * I + n] = dots[i];
@@ -457,7 +459,9 @@ void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t c
             aa = quantize_acts(a, 0, P, I, bits, GD);
         }
         rows = groups * K;
-        for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; r++) {
+        begin = rows * part / parts, len = rows * (part + 1) / parts - begin;
+        for (int64_t idx = 0; idx < len; idx++) {
+            int64_t r = two_streams(begin, len, idx);
             int64_t g = r / K, n = r - g * K, first = start[g], m = start[g + 1] - first;
             group_dots(aa, first, m, weights + order[first] * per + half, n, I, bits, GD, dots);
             for (int64_t i = 0; i < m; i++) o[(first + i) * K + n] = dots[i];

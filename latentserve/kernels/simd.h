@@ -166,6 +166,13 @@ INLINE float vreduce_add(vfloat v) {
     case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
     }
 
+/* The idx-th row a thread takes of its share [begin, begin + len): alternately from the share's first and second
+ * halves, so that two streams of weights are in flight (one stream a thread measured 1.14-1.19x slower: the
+ * hardware prefetchers keep fewer misses outstanding on one stream than memory can serve). */
+INLINE int64_t two_streams(int64_t begin, int64_t len, int64_t idx) {
+    return begin + ((idx & 1) ? (len + 1) / 2 + idx / 2 : idx / 2);
+}
+
 /* order[0..k) = the positions of a token's k expert ids e in increasing id order (insertion sort; ids distinct). */
 INLINE void sort_ids(const int64_t *e, int64_t k, int64_t *order) {
     for (int64_t c = 0; c < k; c++) {
