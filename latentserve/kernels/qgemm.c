@@ -110,12 +110,14 @@ void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t 
     quantize_blocks(x, io & 1, M * H, K, K, INT8_OFFSET, xq, sx);
 #pragma omp parallel num_threads(threads)
     {
-        /* Each thread a contiguous share of the H * N weight rows, walked without a division per row (short rows:
-         * MLA's per-head products have 128 or 512 columns). */
+        /* Each thread a contiguous share of the H * N weight rows, read as two streams (`two_streams`): a cursor
+         * (head, row) on each half, advanced without a division per row (short rows: MLA's per-head products have
+         * 128 or 512 columns). */
         int64_t rows = H * N, parts = omp_get_num_threads(), part = omp_get_thread_num();
-        int64_t begin = rows * part / parts, end = rows * (part + 1) / parts;
-        int64_t h = begin / N, n = begin % N;
-        for (int64_t hn = begin; hn < end; hn++) {
+        int64_t begin = rows * part / parts, len = rows * (part + 1) / parts - begin, mid = (len + 1) / 2;
+        int64_t cursors[2][2] = {{begin / N, begin % N}, {(begin + mid) / N, (begin + mid) % N}};
+        for (int64_t idx = 0; idx < len; idx++) {
+            int64_t hn = two_streams(begin, len, idx), *cursor = cursors[idx & 1], h = cursor[0], n = cursor[1];
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
                 int mb = M - m0 < MB ? (int)(M - m0) : MB;
                 int32_t out[MB];
@@ -125,9 +127,9 @@ void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t 
                     store_out(y, io & 2, row * N + n, (float)(out[i] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn]);
                 }
             }
-            if (++n == N) {
-                n = 0;
-                h++;
+            if (++cursor[1] == N) {
+                cursor[1] = 0;
+                cursor[0]++;
             }
         }
     }
@@ -317,8 +319,10 @@ void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64
     float *corrections = malloc(M * 2 * groups * sizeof(float));
     int4_prepare(x, io & 1, M, K, G, xq, xs, corrections);
     int gshift = log2_group(G);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+#pragma omp parallel num_threads(threads)
+    for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = N * part / parts,
+                 len = N * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+        int64_t n = two_streams(begin, len, idx);
         const uint16_t *pairs = (const uint16_t *)(w + n * row_bytes);
         const uint8_t *nibbles = w + n * row_bytes + 4 * groups;
         float sf[groups];
@@ -341,8 +345,10 @@ void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64
  * nearest even: one pass, for the many-row path's GEMM. */
 void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void *out, int bf16, int threads) {
     int64_t groups = K / G, row_bytes = 4 * groups + K / 2;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
+#pragma omp parallel num_threads(threads)
+    for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = N * part / parts,
+                 len = N * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+        int64_t n = two_streams(begin, len, idx);
         const uint16_t *pairs = (const uint16_t *)(w + n * row_bytes);
         const uint8_t *nibbles = w + n * row_bytes + 4 * groups;
         float row[64];
