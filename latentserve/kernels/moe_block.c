@@ -11,8 +11,8 @@
 /* One layer's MoE as the kernels read it. bits 0: fp32/bf16 experts stacked as StackedExperts holds them (w13
  * [E, 2I, K], w2t [E, I, K]), the shared ones folded in as `shared_chunks` more experts (sg, su, sd) or none;
  * bits 8 / 4: quantized experts, `per` pointers each in `table` (int8: gate_up's q, scale, qsum, then down's; int4:
- * the two packed weights, gate_up's and down's group sizes in `int4_groups`), the shared MLP as one more such expert of
- * `shared_inter` (its group sizes in `shared_int4_groups`) or NULL. */
+ * the two packed weights, gate_up's and down's group sizes in `int4_groups`), the shared MLP as one more such
+ * expert of `shared_inter` (its group sizes in `shared_int4_groups`) or NULL. */
 typedef struct {
     int64_t hidden, experts, topk, groups, topk_groups;
     int32_t sigmoid, norm;
@@ -44,7 +44,8 @@ static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const 
             memcpy(chosen + (t * k + c) * per, b->table + e[order[c]] * per, per * sizeof(void *));
         }
     }
-    ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits, b->int4_groups[0], b->int4_groups[1], out, io, threads);
+    ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits, b->int4_groups[0], b->int4_groups[1], out, io,
+                      threads);
     if (b->shared) {
         void **shared = malloc(T * per * sizeof(void *));
         float *ones = malloc(T * sizeof(float));
@@ -53,9 +54,10 @@ static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const 
             memcpy(shared + t * per, b->shared, per * sizeof(void *));
             ones[t] = 1.f;
         }
-        ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->bits, b->shared_int4_groups[0], b->shared_int4_groups[1], y, io,
-                          threads);
-        for (int64_t i = 0; i < T * K; i++) store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(y, b->bf, i));
+        ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->bits, b->shared_int4_groups[0],
+                          b->shared_int4_groups[1], y, io, threads);
+        for (int64_t i = 0; i < T * K; i++)
+            store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(y, b->bf, i));
         free(shared), free(ones), free(y);
     }
     free(chosen), free(gates), free(order);

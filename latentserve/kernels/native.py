@@ -421,8 +421,12 @@ def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.
     experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
     alone. `weights` per (token, expert): int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
     weights, of group sizes `groups` (gate_up's, down's)."""
-    dtype, io = _io(x, x.dtype)
     tokens, count = gates.shape
+    per = {8: 6, 4: 2}.get(bits)
+    if per is None or len(weights) != tokens * count * per or x.shape[0] != tokens:
+        raise ValueError(f"experts_tokens takes bits 8 or 4 and 6 or 2 weights per (token, expert), gates "
+                         f"{tuple(gates.shape)} over {x.shape[0]} tokens; got bits {bits}, {len(weights)} weights")
+    dtype, io = _io(x, x.dtype)
     y = torch.empty(tokens, x.shape[-1], dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, x.shape[-1], intermediate, count, pointers,

@@ -388,6 +388,19 @@ static QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, in
     return a;
 }
 
+/* Rows rows[0..P) of `a` (quantized as quantize_acts did, K columns, group size G) copied in that order. */
+static QuantActs gather_acts(QuantActs a, const int64_t *rows, int64_t P, int64_t K, int bits, int64_t G) {
+    int64_t scales = bits == 8 ? 1 : K / 64, corrs = bits == 8 ? 0 : 2 * (K / G);
+    QuantActs g = {malloc(P * K), malloc(P * (K / 64 + 1) * sizeof(float)), corrs ? malloc(P * corrs * sizeof(float))
+                                                                                 : NULL};
+    for (int64_t i = 0; i < P; i++) {
+        memcpy(g.q + i * K, a.q + rows[i] * K, K);
+        memcpy(g.s + i * scales, a.s + rows[i] * scales, scales * sizeof(float));
+        if (corrs) memcpy(g.corr + i * corrs, a.corr + rows[i] * corrs, corrs * sizeof(float));
+    }
+    return g;
+}
+
 static void free_acts(QuantActs a) {
     free(a.q);
     free(a.s);
@@ -421,15 +434,15 @@ static void group_dots(QuantActs a, int64_t first, int64_t m, void *const *w, in
 
 /* T tokens, each through `count` routed experts: y[t] = sum_j gates[t, j] * down_j(silu(gate_j(x[t])) * up_j(x[t]))
  * in the order given, in one parallel region. Per expert, `weights` in pairs (gate_up, down): int8 ones as (q, scale,
- * qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group sizes G for gate_up, GD for down,
- * the largest dividing each layer's input by default); an expert's gate and up are
- * one fused weight of 2 * I rows (gate's first). The (token, expert) pairs are grouped by expert, so an expert that
- * several tokens chose is read once for all of them; every pair's arithmetic is the same as for its token alone, so
- * each token's result does not depend on the batch around it. */
+ * qsum) pointer triples (bits 8), int4 ones as the packed rows (bits 4, group sizes G for gate_up, GD for down);
+ * an expert's gate and up are one fused weight of 2 * I rows (gate's first). x is quantized once per token. The
+ * (token, expert) pairs are grouped by expert, so an expert that several tokens chose is read once for all of them;
+ * every pair's arithmetic is the same as for its token alone, so each token's result does not depend on the batch
+ * around it. */
 void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
                        const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads) {
     int per = bits == 8 ? 6 : 2, half = per / 2;
-    int64_t P = T * count, size = (io & 1) ? 2 : 4, groups = 0;
+    int64_t P = T * count, groups = 0;
     int64_t *order = malloc(P * sizeof(int64_t)), *slot = malloc(P * sizeof(int64_t));
     int64_t *start = malloc((P + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < P; p++) { /* insertion sort of the pairs by expert, stable */
@@ -443,10 +456,12 @@ void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t c
         if (i == 0 || weights[order[i] * per] != weights[order[i - 1] * per]) start[groups++] = i;
     }
     start[groups] = P;
-    char *xg = malloc(P * K * size); /* each pair's token row, in grouped order */
-    for (int64_t i = 0; i < P; i++) memcpy(xg + i * K * size, (const char *)x + order[i] / count * K * size, K * size);
-    float *h = malloc(P * 2 * I * sizeof(float)), *a = malloc(P * I * sizeof(float)), *o = malloc(P * K * sizeof(float));
-    QuantActs xa = quantize_acts(xg, io & 1, P, K, bits, G), aa = {NULL, NULL, NULL};
+    int64_t *token = malloc(P * sizeof(int64_t)); /* each pair's token, in grouped order */
+    for (int64_t i = 0; i < P; i++) token[i] = order[i] / count;
+    float *h = malloc(P * 2 * I * sizeof(float)), *a = malloc(P * I * sizeof(float));
+    float *o = malloc(P * K * sizeof(float));
+    QuantActs xt = quantize_acts(x, io & 1, T, K, bits, G), xa = gather_acts(xt, token, P, K, bits, G);
+    QuantActs aa = {NULL, NULL, NULL};
 #pragma omp parallel num_threads(threads)
     {
         int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = groups * 2 * I;
@@ -481,7 +496,8 @@ void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t c
             store_out(y, io & 2, tk, sum);
         }
     }
+    free_acts(xt);
     free_acts(xa);
     free_acts(aa);
-    free(order), free(slot), free(start), free(xg), free(h), free(a), free(o);
+    free(order), free(slot), free(start), free(token), free(h), free(a), free(o);
 }

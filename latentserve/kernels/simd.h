@@ -167,8 +167,8 @@ INLINE float vreduce_add(vfloat v) {
     }
 
 /* The idx-th row a thread takes of its share [begin, begin + len): alternately from the share's first and second
- * halves, so that two streams of weights are in flight (one stream a thread measured 1.14-1.19x slower: the
- * hardware prefetchers keep fewer misses outstanding on one stream than memory can serve). */
+ * halves, so that two streams of weights are in flight (the hardware prefetchers keep fewer misses outstanding on
+ * one stream than memory can serve: one stream a thread measured up to 1.17x slower, benchmarks/RESULTS.md). */
 INLINE int64_t two_streams(int64_t begin, int64_t len, int64_t idx) {
     return begin + ((idx & 1) ? (len + 1) / 2 + idx / 2 : idx / 2);
 }

@@ -231,6 +231,18 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, i
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_experts_tokens_refuse_what_they_cannot_read():
+    """A pointer list that does not match the gates would be read past its end: refused, named."""
+    if native.native_kernels(cpu_features())[0] is None:
+        pytest.skip("no native kernels here")
+    x, packed = torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.uint8)
+    k = native.native_kernels(cpu_features())[0]
+    with pytest.raises(ValueError, match="experts_tokens takes bits 8 or 4 .* got bits 4, 2 weights"):
+        native.experts_tokens(k, x, [packed, packed], torch.ones(2, 1), 2, 4, (64, 64))
+    with pytest.raises(ValueError, match="got bits 3"):
+        native.experts_tokens(k, x, [packed] * 4, torch.ones(2, 1), 2, 3)
+
+
 @pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64), ("int4", None)])
 def test_one_token_gated_mlp_in_one_call(monkeypatch, method, group):
     """Dense and shared-expert MLPs at batch 1: one native call, the same result as the layer by layer path (int4
