@@ -287,12 +287,17 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = xq + m * K;
-        for (int64_t g = 0; g < groups; g++) {
-            float exact = 0.f, rounded = 0.f;
-            for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                exact += load_act(x, bf16, m * K + k);
-                rounded += (float)q[k] * xs[m * chunks + k / XBLOCK];
+        for (int64_t g = 0; g < groups; g++) { /* vector sums of x; integer sums of q times each block's scale */
+            vfloat sum = vzero();
+            float rounded = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k += LANES) sum = vadd(sum, vload(x, bf16, m * K + k));
+            for (int64_t b = g * G; b < (g + 1) * G; b += XBLOCK) {
+                int64_t n = G < XBLOCK ? G : XBLOCK;
+                int32_t qsum = 0;
+                for (int64_t k = b; k < b + n; k++) qsum += q[k];
+                rounded += (float)qsum * xs[m * chunks + b / XBLOCK];
             }
+            float exact = vreduce_add(sum);
             corr[(m * groups + g) * 2] = 8.f * (exact - rounded);
             corr[(m * groups + g) * 2 + 1] = exact;
         }
