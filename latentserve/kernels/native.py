@@ -100,7 +100,7 @@ def _build(isa: str) -> Path:
 
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ls_int8_heads.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
+    lib.ls_int8_heads.argtypes = lib.ls_int8_heads_lanes.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
     lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
     lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
@@ -123,7 +123,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_route.restype = None
     lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
     lib.ls_moe_block.restype = i32
-    lib.ls_int8_heads.restype = lib.ls_int4_linear.restype = lib.ls_int4_dequantize.restype = None
+    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear", "ls_int4_dequantize"):
+        getattr(lib, name).restype = None
 
 
 @functools.cache
@@ -208,6 +209,23 @@ def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: 
     y = torch.empty(m, h, n, dtype=dtype)
     _call(kernels, "ls_int8_heads", x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n,
           y.data_ptr(), io, torch.get_num_threads())
+    return y
+
+
+def int8_lanes(q: torch.Tensor) -> torch.Tensor:
+    """int8 q `[H, N, K]` (N % 16 == 0, K % 4 == 0) in `int8_heads_lanes`' layout `[H, N / 16, K / 4, 16, 4]`."""
+    h, n, k = q.shape
+    return q.view(h, n // 16, 16, k // 4, 4).transpose(2, 3).contiguous()
+
+
+def int8_heads_lanes(kernels: NativeKernels, x: torch.Tensor, lanes: torch.Tensor, scale: torch.Tensor,
+                     qsum: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`int8_heads` with the weight in `int8_lanes`' layout: the same outputs, short rows read as one stream."""
+    (m, h, k), n = x.shape, lanes.shape[1] * 16
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(m, h, n, dtype=dtype)
+    _call(kernels, "ls_int8_heads_lanes", x.data_ptr(), m, h, k, lanes.data_ptr(), scale.data_ptr(), qsum.data_ptr(),
+          n, y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
@@ -317,13 +335,13 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     return kv_c, k_pe
 
 
-DENSE, INT8, INT4 = 0, 1, 2  # attention_block.c's kinds of weight
+DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # attention_block.c's kinds of weight
 
 
 class Weight(ctypes.Structure):
     """attention_block.c's view of one projection's weight: DENSE (w in the activations' dtype, `[N, K]`, per-head
-    products bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum) or INT4 (w in
-    `pack_int4`'s layout, group size)."""
+    products bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the
+    same in `int8_lanes`' layout) or INT4 (w in `pack_int4`'s layout, group size)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]

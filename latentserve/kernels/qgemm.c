@@ -138,6 +138,65 @@ void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t 
 }
 
 #ifdef LS_AVX512
+/* dots[j] = sum_k (xq[k] + 128) * w[j, k] for the 16 outputs of a block in the lanes layout (ls_int8_heads_lanes):
+ * each 64-byte load holds 4 columns of all 16, against x's 4 bytes in every lane. */
+INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots[16]) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int64_t c = 0; c < K / 4; c++) {
+        int32_t x4;
+        memcpy(&x4, xq + 4 * c, 4);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(x4), _mm512_loadu_si512(w + 64 * c));
+    }
+    _mm512_storeu_si512(dots, acc);
+}
+#else
+/* As the AVX-512 version with x signed (vpmaddubsw's |x| times w with x's sign, as int8_rows does). */
+INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots[16]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int64_t c = 0; c < K / 4; c++) {
+        int32_t x4;
+        memcpy(&x4, xq + 4 * c, 4);
+        __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+    }
+    _mm256_storeu_si256((__m256i *)dots, lo);
+    _mm256_storeu_si256((__m256i *)(dots + 8), hi);
+}
+#endif
+
+/* ls_int8_heads for a weight in the lanes layout [H, N / 16, K / 4, 16, 4] (element [h, b, c, j, i] = w[h, 16 b + j,
+ * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
+ * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
+ * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
+void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                         const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+    int8_t *xq = malloc(M * H * K);
+    float *sx = malloc(M * H * sizeof(float));
+    quantize_blocks(x, io & 1, M * H, K, K, INT8_OFFSET, xq, sx);
+    int64_t per_head = N / 16, blocks = H * per_head;
+#pragma omp parallel num_threads(threads)
+    for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
+                 len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+        int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
+        for (int64_t m = 0; m < M; m++) { /* the block's 16 * K bytes stay in L1 across the rows of x */
+            int32_t dots[16];
+            int64_t row = m * H + h;
+            lanes_dot(xq + row * K, w + b * 16 * K, K, dots);
+            for (int j = 0; j < 16; j++) {
+                int64_t hn = h * N + n0 + j;
+                store_out(y, io & 2, row * N + n0 + j, (float)(dots[j] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn]);
+            }
+        }
+    }
+    free(xq);
+    free(sx);
+}
+
+#ifdef LS_AVX512
 /* 64 weights from 32 bytes: low nibbles are columns 0-31, high nibbles 32-63, as the packing put them. */
 INLINE __m512i unpack64(const uint8_t *p) {
     const __m256i low = _mm256_set1_epi8(0x0f);

@@ -52,8 +52,8 @@ def _absorbed(attn: DeepseekAttention, dtype: torch.dtype,
         uk, uv = core.int8_absorbed
         if uk.kernels.isa != kernels.isa or uv.kernels.isa != kernels.isa:
             return None
-        return (*(native.Weight(kind=native.INT8, w=h.q.data_ptr(), scale=h.scale.data_ptr(), qsum=h.qsum.data_ptr())
-                  for h in (uk, uv)), uk.max_tokens)
+        return (*(native.Weight(kind=native.INT8_LANES if h.lanes else native.INT8, w=h.q.data_ptr(),
+                                scale=h.scale.data_ptr(), qsum=h.qsum.data_ptr()) for h in (uk, uv)), uk.max_tokens)
     weights = (core.W_UK_T, core.W_UV)
     if (any(w is None or w.dtype != dtype or not w.is_contiguous() for w in weights) or m.kv_lora_rank % 16
             or m.v_head_dim % 16):

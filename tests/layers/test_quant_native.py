@@ -160,19 +160,37 @@ def test_int4_dequantize_in_one_pass(isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int8_head_products_are_per_head_integer_products(isa):
-    """MLA's absorbed products: each (token, head) row quantized on its own, times that head's int8 weight."""
+@pytest.mark.parametrize("heads, n, k, lanes", [(4, 24, 40, False), (3, 32, 28, True), (2, 512, 128, True),
+                                                 (2, 128, 512, False)])
+def test_int8_head_products_are_per_head_integer_products(isa, heads, n, k, lanes):
+    """MLA's absorbed products: each (token, head) row quantized on its own, times that head's int8 weight; in the
+    lanes layout where N % 16 == 0 and K % 4 == 0 (W_UK's shape last)."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(4, 24, 40, generator=g) * 0.1  # [heads, out, in]
-    x = torch.randn(3, 4, 40, generator=g)  # [tokens, heads, in]
+    w = torch.randn(heads, n, k, generator=g) * 0.1  # [heads, out, in]
+    x = torch.randn(3, heads, k, generator=g)  # [tokens, heads, in]
     products = Int8HeadProducts(w, kernels(isa))
-    q, scale = quantize_int8(w.reshape(-1, 40))
-    xq, s = _quantized_rows(x.reshape(-1, 40))
-    per_head = torch.einsum("thk,hnk->thn", xq.double().view(3, 4, 40), q.double().view(4, 24, 40))
-    expected = per_head * s.double().view(3, 4, 1) * scale.double().view(1, 4, 24)
+    assert products.lanes == lanes
+    q, scale = quantize_int8(w.reshape(-1, k))
+    xq, s = _quantized_rows(x.reshape(-1, k))
+    per_head = torch.einsum("thk,hnk->thn", xq.double().view(3, heads, k), q.double().view(heads, n, k))
+    expected = per_head * s.double().view(3, heads, 1) * scale.double().view(1, heads, n)
     got = products(x)
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
     assert products(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 2, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_lanes_layout_gives_the_rows_kernels_outputs(isa, tokens, dtype):
+    """Same integer sums, same float epilogue: the two layouts' outputs are equal, bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(3, 48, 36, generator=g), torch.randn(tokens, 3, 36, generator=g).to(dtype)
+    q, scale = quantize_int8(w.reshape(-1, 36))
+    qsum = q.sum(dim=1, dtype=torch.int32)
+    rows = native.int8_heads(kernels(isa), x, q.view(3, 48, 36), scale, qsum, dtype)
+    lanes = native.int8_heads_lanes(kernels(isa), x, native.int8_lanes(q.view(3, 48, 36)), scale, qsum, dtype)
+    assert torch.equal(rows, lanes)
 
 
 def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
@@ -185,8 +203,9 @@ def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
         attention = load_model(src, quantization=QuantConfig(method, group)).model.layers[0].self_attn.attn
         assert attention.int8_absorbed is not None
         to_latent, _ = attention.int8_absorbed
-        torch.testing.assert_close(to_latent.q.float() * to_latent.scale.view(*to_latent.q.shape[:2], 1),
-                                   attention.W_UK_T.transpose(1, 2).float(), rtol=0, atol=0.01)
+        w = attention.W_UK_T.transpose(1, 2)
+        q = to_latent.q.transpose(2, 3).reshape(w.shape) if to_latent.lanes else to_latent.q  # lanes -> rows
+        torch.testing.assert_close(q.float() * to_latent.scale.view(*w.shape[:2], 1), w.float(), rtol=0, atol=0.01)
     assert load_model(src).model.layers[0].self_attn.attn.int8_absorbed is None
 
 

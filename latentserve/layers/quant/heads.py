@@ -7,9 +7,16 @@ from latentserve.kernels import native
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, quantize_int8
 
 
+# W_UK's [16, 512, 128] per-head product at one token: 1.7-1.85x faster in lanes (68 -> 38 us, weights streamed);
+# W_UV's [16, 128, 512]: 0.91-0.93x, its rows long enough already (benchmarks/RESULTS.md).
+LANES_COLUMNS = 128
+
+
 class Int8HeadProducts:
     """y[t, h] = x[t, h] @ w[h]^T with w `[H, N, K]` in int8 per output row, activations quantized per (t, h): one
-    kernel call for all heads. Up to NATIVE_INT8_ROWS tokens: callers keep the full-precision weight for more."""
+    kernel call for all heads. Up to NATIVE_INT8_ROWS tokens: callers keep the full-precision weight for more.
+    Rows of at most LANES_COLUMNS (MLA's W_UK: 128), N % 16 == 0 and K % 4 == 0 keep `q` in `native.int8_lanes`'
+    layout (`lanes`): the same outputs, read as one stream instead of one short row at a time."""
 
     max_tokens = NATIVE_INT8_ROWS
 
@@ -17,10 +24,13 @@ class Int8HeadProducts:
         heads, n, k = w.shape
         q, scale = quantize_int8(w.reshape(heads * n, k))
         self.kernels = kernels
-        self.q, self.scale = q.view(heads, n, k), scale
+        self.lanes = n % 16 == 0 and k % 4 == 0 and k <= LANES_COLUMNS
+        self.q = native.int8_lanes(q.view(heads, n, k)) if self.lanes else q.view(heads, n, k)
+        self.scale = scale
         self.qsum = q.sum(dim=1, dtype=torch.int32)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, H, K]` -> `[T, H, N]` in x's dtype."""
         xa = native.activations(x, x.shape[-1]).view(x.shape)
-        return native.int8_heads(self.kernels, xa, self.q, self.scale, self.qsum, x.dtype).to(x.dtype)
+        product = native.int8_heads_lanes if self.lanes else native.int8_heads
+        return product(self.kernels, xa, self.q, self.scale, self.qsum, x.dtype).to(x.dtype)
