@@ -168,34 +168,6 @@ INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots
 }
 #endif
 
-/* ls_int8_heads for a weight in the lanes layout [H, N / 16, K / 4, 16, 4] (element [h, b, c, j, i] = w[h, 16 b + j,
- * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
- * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
- * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
-void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                         const int32_t *wsum, int64_t N, void *y, int io, int threads) {
-    int8_t *xq = malloc(M * H * K);
-    float *sx = malloc(M * H * sizeof(float));
-    quantize_blocks(x, io & 1, M * H, K, K, INT8_OFFSET, xq, sx);
-    int64_t per_head = N / 16, blocks = H * per_head;
-#pragma omp parallel num_threads(threads)
-    for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                 len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-        int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
-        for (int64_t m = 0; m < M; m++) { /* the block's 16 * K bytes stay in L1 across the rows of x */
-            int32_t dots[16];
-            int64_t row = m * H + h;
-            lanes_dot(xq + row * K, w + b * 16 * K, K, dots);
-            for (int j = 0; j < 16; j++) {
-                int64_t hn = h * N + n0 + j;
-                store_out(y, io & 2, row * N + n0 + j, (float)(dots[j] - INT8_OFFSET * wsum[hn]) * sx[row] * scale[hn]);
-            }
-        }
-    }
-    free(xq);
-    free(sx);
-}
-
 #ifdef LS_AVX512
 /* 64 weights from 32 bytes: low nibbles are columns 0-31, high nibbles 32-63, as the packing put them. */
 INLINE __m512i unpack64(const uint8_t *p) {
@@ -469,6 +441,32 @@ static void free_acts(QuantActs a) {
     free(a.q);
     free(a.s);
     free(a.corr);
+}
+
+/* ls_int8_heads for a weight in the lanes layout [H, N / 16, K / 4, 16, 4] (element [h, b, c, j, i] = w[h, 16 b + j,
+ * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
+ * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
+ * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
+void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                         const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
+    int64_t per_head = N / 16, blocks = H * per_head;
+#pragma omp parallel num_threads(threads)
+    for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
+                 len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+        int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
+        for (int64_t m = 0; m < M; m++) { /* the block's 16 * K bytes stay in L1 across the rows of x */
+            int32_t dots[16];
+            int64_t row = m * H + h;
+            lanes_dot(a.q + row * K, w + b * 16 * K, K, dots);
+            for (int j = 0; j < 16; j++) {
+                int64_t hn = h * N + n0 + j;
+                float v = (float)(dots[j] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn];
+                store_out(y, io & 2, row * N + n0 + j, v);
+            }
+        }
+    }
+    free_acts(a);
 }
 
 /* Output n of weight `w` (an expert's pointers: int8 (q, scale, qsum), int4 the packed rows) for the m activation
