@@ -316,16 +316,16 @@ INLINE int log2_group(int64_t G) { return G == 32 ? 5 : G == 64 ? 6 : 7; } /* G 
 static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs, float *corr) {
     int64_t groups = K / G, chunks = K / 64;
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
+    int64_t span = G < XBLOCK ? G : XBLOCK; /* a group's columns under one scale of x */
     for (int64_t m = 0; m < M; m++) {
         int8_t *q = xq + m * K;
         for (int64_t g = 0; g < groups; g++) { /* vector sums of x; integer sums of q times each block's scale */
             vfloat sum = vzero();
             float rounded = 0.f;
             for (int64_t k = g * G; k < (g + 1) * G; k += LANES) sum = vadd(sum, vload(x, bf16, m * K + k));
-            for (int64_t b = g * G; b < (g + 1) * G; b += XBLOCK) {
-                int64_t n = G < XBLOCK ? G : XBLOCK;
+            for (int64_t b = g * G; b < (g + 1) * G; b += span) {
                 int32_t qsum = 0;
-                for (int64_t k = b; k < b + n; k++) qsum += q[k];
+                for (int64_t k = b; k < b + span; k++) qsum += q[k];
                 rounded += (float)qsum * xs[m * chunks + b / XBLOCK];
             }
             float exact = vreduce_add(sum);
