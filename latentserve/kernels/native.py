@@ -215,6 +215,9 @@ def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: 
 def int8_lanes(q: torch.Tensor) -> torch.Tensor:
     """int8 q `[H, N, K]` (N % 16 == 0, K % 4 == 0) in `int8_heads_lanes`' layout `[H, N / 16, K / 4, 16, 4]`."""
     h, n, k = q.shape
+    if q.dtype != torch.int8 or n % 16 or k % 4:
+        raise ValueError(f"int8_lanes takes int8 [H, N, K] with N % 16 == 0 and K % 4 == 0, not {q.dtype} "
+                         f"{tuple(q.shape)}")
     return q.view(h, n // 16, 16, k // 4, 4).transpose(2, 3).contiguous()
 
 

@@ -193,6 +193,13 @@ def test_int8_lanes_layout_gives_the_rows_kernels_outputs(isa, tokens, dtype):
     assert torch.equal(rows, lanes)
 
 
+def test_int8_lanes_names_a_shape_it_cannot_lay_out():
+    with pytest.raises(ValueError, match=r"N % 16 == 0 and K % 4 == 0.*\(2, 24, 8\)"):
+        native.int8_lanes(torch.zeros(2, 24, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="torch.float32"):
+        native.int8_lanes(torch.zeros(2, 32, 8))
+
+
 def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
     from latentserve.models import load_model
     from latentserve.layers.quant.config import QuantConfig
