@@ -21,9 +21,9 @@ import torch
 from latentserve.kernels.cpu import CpuFeatures
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("qgemm.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c",
-                                                      "attention_block.c", "route.c", "moe_block.c"))
-HEADERS = (KERNEL_DIR / "simd.h",)
+SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "gemv.c", "mla_decode.c", "norm.c",
+                                               "prologue.c", "attention_block.c", "route.c", "moe_block.c"))
+HEADERS = (KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h")
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"
@@ -424,15 +424,16 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
     return weights, ids
 
 
-def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int,
+def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, group_size: int, out_features: int,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[M, N]` = x `[M, K]` (`activations`) times the int4 weight `packed` by `pack_int4`; in `out_dtype` where the
-    kernels write it, else fp32."""
-    (m, k), n = x.shape, packed.shape[0]
+    """`[M, out_features]` = x `[M, K]` (`activations`) times the int4 weight `packed` by `pack_int4`; in `out_dtype`
+    where the kernels write it, else fp32."""
+    m, k = x.shape
+    _check_int4(packed, out_features, k, group_size)
     dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, n, dtype=dtype)
-    _call(kernels, "ls_int4_linear", x.data_ptr(), m, k, packed.data_ptr(), group_size, n, y.data_ptr(), io,
-          torch.get_num_threads())
+    y = torch.empty(m, out_features, dtype=dtype)
+    _call(kernels, "ls_int4_linear", x.data_ptr(), m, k, packed.data_ptr(), group_size, out_features, y.data_ptr(),
+          io, torch.get_num_threads())
     return y
 
 
@@ -483,17 +484,37 @@ def int4_dequantize(kernels: NativeKernels, packed: torch.Tensor, in_features: i
     """`out` (fp32 or bf16 `[N, K]`, contiguous) = the weight in `pack_int4`'s layout, q * scale + minimum."""
     if out.dtype not in KERNEL_DTYPES or not out.is_contiguous():
         raise ValueError(f"int4_dequantize writes contiguous float32 or bfloat16, not {out.dtype}")
-    _call(kernels, "ls_int4_dequantize", packed.data_ptr(), in_features, group_size, packed.shape[0], out.data_ptr(),
+    _check_int4(packed, out.shape[0], in_features, group_size)
+    _call(kernels, "ls_int4_dequantize", packed.data_ptr(), in_features, group_size, out.shape[0], out.data_ptr(),
           int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 
+INT4_BLOCK = 16  # outputs per block of `pack_int4`'s layout
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """uint8 `[N, 4 * groups + K / 2]` from q `[N, K]` in [0, 15] (K a multiple of 64) and fp32 `scale`, `minimum`
-    `[N, groups]`: per row, (scale, minimum) as bf16 pairs, then per 64 columns 32 bytes whose byte j holds column j
-    (low nibble) and column 32 + j (high)."""
-    n, k = q.shape
-    chunks = q.view(n, k // 64, 2, 32)
-    nibbles = (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(n, k // 2)
-    pairs = torch.stack([scale, minimum], dim=-1).to(torch.bfloat16).view(n, -1).view(torch.uint8)
-    return torch.cat([pairs, nibbles], dim=1)
+    """uint8 `[ceil(N / 16), groups * (64 + 8 * G)]` from q `[N, K]` in [0, 15] (K a multiple of 64) and fp32
+    `scale`, `minimum` `[N, groups]` (G = K / groups): the outputs in blocks of 16 (zero rows pad the last), each
+    block per group the 16 (scale, minimum) bf16 pairs, then per 8 columns 64 bytes whose byte 4j + i holds output
+    j's column i (low nibble) and 4 + i (high) (int4.c)."""
+    (n, k), groups = q.shape, scale.shape[1]
+    g, pad = k // groups, -n % INT4_BLOCK
+    q, scale, minimum = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scale, minimum))
+    blocks = (n + pad) // INT4_BLOCK
+    units = q.view(blocks, INT4_BLOCK, groups, g // 8, 2, 4)  # [block, output, group, unit, low/high, column]
+    nibbles = (units[..., 0, :] | (units[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 8 * g)
+    pairs = torch.stack([scale, minimum], dim=-1).to(torch.bfloat16).view(torch.uint8)  # [N, groups, 4]
+    pairs = pairs.view(blocks, INT4_BLOCK, groups, 4).transpose(1, 2).reshape(blocks, groups, 64)
+    return torch.cat([pairs, nibbles], dim=2).view(blocks, -1)
+
+
+def _check_int4(packed: torch.Tensor, n: int, k: int, group_size: int) -> None:
+    """A weight in `pack_int4`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if group_size not in (32, 64, 128) or k % 64 or k % group_size:
+        raise ValueError(f"int4 kernels take group size 32, 64 or 128 dividing K, K a multiple of 64; got group size "
+                         f"{group_size}, K {k}")
+    expected = (-(-n // INT4_BLOCK), k // group_size * (64 + 8 * group_size))
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
+        raise ValueError(f"int4 weight of {n} outputs, {k} inputs, group size {group_size} is contiguous uint8 "
+                         f"{expected} in pack_int4's layout; got {packed.dtype} {tuple(packed.shape)}")

@@ -153,18 +153,20 @@ INLINE float vreduce_add(vfloat v) {
 #define MB 4 /* AVX2 has 16 vector registers */
 #endif
 
-/* Calls fn(..., mb, out) with mb a constant, so that the accumulators of each row count live in registers. */
-#define FOR_ROWS(fn, ...)                                 \
-    switch (mb) {                                         \
-    case 1: fn(__VA_ARGS__, 1, out); break;               \
-    case 2: fn(__VA_ARGS__, 2, out); break;               \
-    case 3: fn(__VA_ARGS__, 3, out); break;               \
-    case 4: fn(__VA_ARGS__, 4, out); break;               \
-    case 5: if (MB >= 5) fn(__VA_ARGS__, 5, out); break;  \
-    case 6: if (MB >= 6) fn(__VA_ARGS__, 6, out); break;  \
-    case 7: if (MB >= 7) fn(__VA_ARGS__, 7, out); break;  \
-    case 8: if (MB >= 8) fn(__VA_ARGS__, 8, out); break;  \
+/* Calls fn(..., mb, out) with mb (at most `limit`) a constant, so that the accumulators of each row count live in
+ * registers. */
+#define FOR_ROWS_UPTO(limit, fn, ...)                        \
+    switch (mb) {                                            \
+    case 1: fn(__VA_ARGS__, 1, out); break;                  \
+    case 2: if (limit >= 2) fn(__VA_ARGS__, 2, out); break;  \
+    case 3: if (limit >= 3) fn(__VA_ARGS__, 3, out); break;  \
+    case 4: if (limit >= 4) fn(__VA_ARGS__, 4, out); break;  \
+    case 5: if (limit >= 5) fn(__VA_ARGS__, 5, out); break;  \
+    case 6: if (limit >= 6) fn(__VA_ARGS__, 6, out); break;  \
+    case 7: if (limit >= 7) fn(__VA_ARGS__, 7, out); break;  \
+    case 8: if (limit >= 8) fn(__VA_ARGS__, 8, out); break;  \
     }
+#define FOR_ROWS(fn, ...) FOR_ROWS_UPTO(MB, fn, __VA_ARGS__)
 
 /* The idx-th row a thread takes of its share [begin, begin + len): alternately from the share's first and second
  * halves, so that two streams of weights are in flight (the hardware prefetchers keep fewer misses outstanding on

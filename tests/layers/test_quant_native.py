@@ -75,7 +75,7 @@ def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
     w, x = _data(rows, n, k, seed=2)
     q, scale, minimum = quantize_int4(w, group)
     expected = _int4_reference(x, q, scale, minimum)
-    got = native.int4_linear(kernels(isa), x, native.pack_int4(q, scale, minimum), group)
+    got = native.int4_linear(kernels(isa), x, native.pack_int4(q, scale, minimum), group, n)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
@@ -135,13 +135,23 @@ def test_bf16_build_falls_back_to_the_vnni_one(monkeypatch):
 
 
 def test_pack_int4_layout():
-    q = torch.arange(128, dtype=torch.uint8).remainder(16).view(1, 128)
-    scale, minimum = torch.tensor([[0.5, 0.25]]), torch.tensor([[-1.0, 3.0]])
+    """Blocks of 16 outputs (the last padded with zeros), per group the 16 (scale, minimum) pairs, then per 8 columns
+    64 bytes: byte 4j + i is output j's column i (low nibble) and 4 + i (high)."""
+    n, k, group = 20, 128, 64
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    scale, minimum = torch.rand(n, 2) + 0.5, -torch.rand(n, 2)
     packed = native.pack_int4(q, scale, minimum)
-    assert packed.shape == (1, 8 + 64)
-    assert packed[:, :8].view(torch.bfloat16).tolist() == [[0.5, -1.0, 0.25, 3.0]]  # (scale, minimum) per group
-    nibbles = packed[0, 8:]
-    assert nibbles[0].item() == q[0, 0] | (q[0, 32] << 4) and nibbles[33].item() == q[0, 65] | (q[0, 97] << 4)
+    assert packed.shape == (2, 2 * (64 + 8 * 64))
+    group1 = packed[1, 64 + 8 * 64:].view(-1)  # block 1 (outputs 16-19, then padding), group 1 (columns 64-127)
+    pairs = group1[:64].view(torch.bfloat16).view(16, 2)
+    assert pairs[3].tolist() == [scale[19, 1].bfloat16().item(), minimum[19, 1].bfloat16().item()]
+    assert pairs[4:].eq(0).all()
+    unit2 = group1[64 + 2 * 64: 64 + 3 * 64]  # columns 80-87
+    assert unit2[4 * 3 + 1].item() == q[19, 81] | (q[19, 85] << 4)
+    assert unit2[4 * 4:].eq(0).all()
+    with pytest.raises(ValueError, match=r"20 outputs, 128 inputs, group size 32 is contiguous uint8 \(2, 1280\) in "
+                                         r"pack_int4's layout; got torch.uint8 \(2, 1152\)"):
+        native.int4_linear(kernels(ISAS[0]), torch.randn(1, k), packed, 32, n)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -305,5 +315,5 @@ def test_bf16_activations_and_outputs_go_in_and_out_as_they_are(isa):
     assert torch.equal(native.int8_linear(kernels(isa), xb, q, scale, qsum, torch.bfloat16), fp32.bfloat16())
     q4, s4, m4 = quantize_int4(w, 64)
     packed = native.pack_int4(q4, s4, m4)
-    fp32 = native.int4_linear(kernels(isa), xb.float(), packed, 64)
-    assert torch.equal(native.int4_linear(kernels(isa), xb, packed, 64, torch.bfloat16), fp32.bfloat16())
+    fp32 = native.int4_linear(kernels(isa), xb.float(), packed, 64, q4.shape[0])
+    assert torch.equal(native.int4_linear(kernels(isa), xb, packed, 64, q4.shape[0], torch.bfloat16), fp32.bfloat16())

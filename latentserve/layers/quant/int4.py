@@ -156,8 +156,8 @@ class Int4PackLinear(nn.Module):
 
 class NativeInt4Linear(nn.Module):
     """latentserve's int4 kernel (`native.py`) up to `NATIVE_INT4_ROWS` rows; from there the weight is dequantized
-    (into scratch space) for one GEMM in `gemm_dtype`. Scale and minimum are kept in bf16 beside each row's nibbles,
-    as int4pack_mm keeps them (half a bit per weight at group size 64 instead of one)."""
+    (into scratch space) for one GEMM in `gemm_dtype`. Scale and minimum are kept in bf16 beside the nibbles of each
+    block of 16 outputs, as int4pack_mm keeps them (half a bit per weight at group size 64 instead of one)."""
 
     kernel = "latentserve int4"
 
@@ -180,7 +180,7 @@ class NativeInt4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
         if x2.shape[0] <= NATIVE_INT4_ROWS:
-            y = native.int4_linear(self.kernels, x2, self.packed, self.group_size, x.dtype)
+            y = native.int4_linear(self.kernels, x2, self.packed, self.group_size, self.out_features, x.dtype)
         else:
             y = F.linear(x2.to(self.gemm_dtype), self.dequantized())
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -1,0 +1,198 @@
+/* int4 linear layers for few rows (decode): y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight q * scale + minimum
+ * per group of G input columns (q in [0, 15]; G 32, 64 or 128; K % 64 == 0).
+ *
+ * Layout (`pack_int4`): the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes read
+ * once; per group of G columns, the 16 outputs' (scale, minimum) as bf16 pairs (64 bytes), then G / 8 units of
+ * 64 bytes, unit c holding columns 8c .. 8c + 7 of the group: byte 4j + i = q[j, 8c + i] | q[j, 8c + 4 + i] << 4
+ * for output j < 16, i < 4. One 64-byte load feeds all 16 outputs against 4 columns of x broadcast to every lane,
+ * so the scaling and the corrections are vector multiply-adds across the outputs and no sum is horizontal: rows in
+ * the weight's order paid a fixed cost each that short rows (an expert's down projection: 1408 columns) felt most.
+ *
+ * The activations are quantized to int8 per 64 columns (quant_acts.c). q * scale + minimum is computed as
+ * (q - 8) * scale + (minimum + 8 * scale): the quantized activations meet only the centred part of the weight, the
+ * rest takes the exact sums of x over each group (q * scale alone, up to twice the weight's range, would multiply
+ * the activations' rounding by its large mean). With the integer products of q, the centring is a correction per
+ * group: 8 * scale * (sum of x - sum of quantized x). Built for AVX-512 VNNI (vpdpbusd: nibbles u8 x activations
+ * s8) and AVX2 (vpmaddubsw, the same operands). Each row's result is the same whatever rows it is computed with. */
+#include "quant.h"
+
+#ifdef LS_AVX512
+#define QROWS 4 /* activation rows per pass over a block: 3 vector registers each */
+
+INLINE __m512i broadcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* out[i][j] = output j of the block at p for activation row i (xq, xs, corr: row 0's; rows K, K / 64, 2 * K / G
+ * apart). */
+INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                       int mb, float (*out)[16]) {
+    const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set1_epi32((int)0xffff0000);
+    int64_t groups = K / G, span = G < XBLOCK ? G : XBLOCK;
+    __m512 res[QROWS];
+    for (int i = 0; i < mb; i++) res[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i pairs = _mm512_loadu_si512(p);
+        __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+        __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+        p += 64;
+        for (int64_t k = g * G; k < (g + 1) * G; k += span) { /* under one scale of x */
+            __m512i lo_acc[QROWS], hi_acc[QROWS];
+            for (int i = 0; i < mb; i++) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
+            for (int64_t c = k; c < k + span; c += 8, p += 64) {
+                __m512i v = _mm512_loadu_si512(p);
+                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int i = 0; i < mb; i++) {
+                    lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, broadcast4(xq + i * K + c));
+                    hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, broadcast4(xq + i * K + c + 4));
+                }
+            }
+            for (int i = 0; i < mb; i++) {
+                __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]));
+                res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i], hi_acc[i])), res[i]);
+            }
+        }
+        for (int i = 0; i < mb; i++) {
+            const float *cg = corr + i * 2 * groups + 2 * g;
+            res[i] = _mm512_fmadd_ps(scale, _mm512_set1_ps(cg[0]), res[i]);
+            res[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(cg[1]), res[i]);
+        }
+    }
+    for (int i = 0; i < mb; i++) _mm512_storeu_ps(out[i], res[i]);
+}
+#else
+#define QROWS 2 /* 16 vector registers: 4 a row */
+
+INLINE __m256i broadcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* As the AVX-512 version, each 64-byte unit as two halves of 8 outputs: pairs of products summed in int16 (at most
+ * 4 * 15 * 127 for the low and high nibbles' pairs together), then in int32. */
+INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                       int mb, float (*out)[16]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), high_half = _mm256_set1_epi32((int)0xffff0000);
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t groups = K / G, span = G < XBLOCK ? G : XBLOCK;
+    __m256 res[QROWS][2];
+    for (int i = 0; i < mb; i++) res[i][0] = res[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 scale[2], minimum[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i pairs = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+            scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+            minimum[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
+        }
+        p += 64;
+        for (int64_t k = g * G; k < (g + 1) * G; k += span) {
+            __m256i acc[QROWS][2];
+            for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+            for (int64_t c = k; c < k + span; c += 8, p += 64) {
+                __m256i lo[2], hi[2];
+                for (int h = 0; h < 2; h++) {
+                    __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+                    lo[h] = _mm256_and_si256(v, low);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                for (int i = 0; i < mb; i++) {
+                    __m256i x0 = broadcast4(xq + i * K + c), x1 = broadcast4(xq + i * K + c + 4);
+                    for (int h = 0; h < 2; h++) {
+                        __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+                        acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pair, ones));
+                    }
+                }
+            }
+            for (int i = 0; i < mb; i++) {
+                __m256 sx = _mm256_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]);
+                for (int h = 0; h < 2; h++)
+                    res[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale[h], sx), _mm256_cvtepi32_ps(acc[i][h]), res[i][h]);
+            }
+        }
+        for (int i = 0; i < mb; i++) {
+            const float *cg = corr + i * 2 * groups + 2 * g;
+            for (int h = 0; h < 2; h++) {
+                res[i][h] = _mm256_fmadd_ps(scale[h], _mm256_set1_ps(cg[0]), res[i][h]);
+                res[i][h] = _mm256_fmadd_ps(minimum[h], _mm256_set1_ps(cg[1]), res[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        _mm256_storeu_ps(out[i], res[i][0]);
+        _mm256_storeu_ps(out[i] + 8, res[i][1]);
+    }
+}
+#endif
+
+void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots) {
+    for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
+        int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
+        int64_t r = first + m0;
+        float(*out)[16] = (float(*)[16])(dots + 16 * m0);
+        const int8_t *xq = a.q + r * K;
+        const float *xs = a.s + r * (K / XBLOCK), *corr = a.corr + r * 2 * (K / G);
+        if (G == 128) /* a constant group size: the loops over it unrolled */
+            FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 128)
+        else if (G == 64)
+            FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 64)
+        else
+            FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 32)
+    }
+}
+
+void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
+                    int threads) {
+    QuantActs a = quantize_acts(x, io & 1, M, K, 4, G);
+    int64_t blocks = (N + 15) / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        float *dots = malloc(M * 16 * sizeof(float));
+        for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
+                     len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+            int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
+            int4_block_dots(a, 0, M, w + b * int4_block_bytes(K, G), K, G, dots);
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t j = 0; j < outputs; j++) store_out(y, io & 2, m * N + 16 * b + j, dots[16 * m + j]);
+        }
+        free(dots);
+    }
+    free_acts(a);
+}
+
+/* The weight `[N, K]` as q * scale + minimum, in fp32 or (bf16 != 0) bf16 rounded to nearest even: one pass, for
+ * the many-row path's GEMM. */
+void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void *out, int bf16, int threads) {
+    int64_t blocks = (N + 15) / 16;
+#pragma omp parallel num_threads(threads)
+    for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
+                 len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+        int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
+        const uint8_t *p = w + b * int4_block_bytes(K, G);
+        float tile[16][G];
+        for (int64_t g = 0; g < K / G; g++) {
+            float scale[16], minimum[16];
+            for (int j = 0; j < 16; j++) {
+                scale[j] = bf16_to_float(((const uint16_t *)p)[2 * j]);
+                minimum[j] = bf16_to_float(((const uint16_t *)p)[2 * j + 1]);
+            }
+            p += 64;
+            for (int64_t c = 0; c < G; c += 8, p += 64)
+                for (int j = 0; j < 16; j++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t byte = p[4 * j + i];
+                        tile[j][c + i] = (float)(byte & 15) * scale[j] + minimum[j];
+                        tile[j][c + 4 + i] = (float)(byte >> 4) * scale[j] + minimum[j];
+                    }
+            for (int64_t j = 0; j < outputs; j++) {
+                int64_t at = (16 * b + j) * K + g * G;
+                if (bf16)
+                    for (int64_t k = 0; k < G; k++) ((uint16_t *)out)[at + k] = float_to_bf16(tile[j][k]);
+                else
+                    memcpy((float *)out + at, tile[j], G * sizeof(float));
+            }
+        }
+    }
+}
