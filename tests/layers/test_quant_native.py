@@ -155,18 +155,20 @@ def test_pack_int4_layout():
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int4_dequantize_in_one_pass(isa):
-    w, _ = _data(1, 40, 192, seed=6)
-    q, scale, minimum = quantize_int4(w, 64)
+@pytest.mark.parametrize("n, k, group", [(40, 192, 64), (17, 256, 32), (33, 384, 128)])
+def test_int4_dequantize_in_one_pass(isa, n, k, group):
+    """Every block of 16 outputs, the last one part padding, each group's pairs."""
+    w, _ = _data(1, n, k, seed=6)
+    q, scale, minimum = quantize_int4(w, group)
     packed = native.pack_int4(q, scale, minimum)
-    expected = (q.float().view(40, 3, 64) * scale.bfloat16().float()[..., None]
-                + minimum.bfloat16().float()[..., None]).view(40, 192)
-    fp32 = native.int4_dequantize(kernels(isa), packed, 192, 64, torch.empty(40, 192))
-    torch.testing.assert_close(fp32, expected, rtol=0, atol=1e-6)
-    bf16 = native.int4_dequantize(kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.bfloat16))
+    expected = (q.float().view(n, -1, group) * scale.bfloat16().float()[..., None]
+                + minimum.bfloat16().float()[..., None]).view(n, k)
+    fp32 = native.int4_dequantize(kernels(isa), packed, k, group, torch.empty(n, k))
+    assert torch.equal(fp32, expected)  # q * scale, then + minimum, each rounded as torch rounds them
+    bf16 = native.int4_dequantize(kernels(isa), packed, k, group, torch.empty(n, k, dtype=torch.bfloat16))
     assert torch.equal(bf16, fp32.bfloat16())  # rounded once, to nearest even
     with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float16"):
-        native.int4_dequantize(kernels(isa), packed, 192, 64, torch.empty(40, 192, dtype=torch.float16))
+        native.int4_dequantize(kernels(isa), packed, k, group, torch.empty(n, k, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("isa", ISAS)
