@@ -6,7 +6,7 @@ rows each call takes the next of enough copies of the weight to stream it from m
 model's weights stream. Kernels: bf16 `F.linear`; int8 through fbgemm (`linear_dynamic`, activations quantized per
 call), oneDNN's `_int_mm` (activations quantized per row) and latentserve's layer (its own kernel up to
 NATIVE_INT8_ROWS rows, `_int_mm` above); int4 through PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) and
-latentserve's layer (its own kernel up to NATIVE_INT4_ROWS rows, one dequantized bf16 GEMM above). `_weight_int8pack_mm`
+latentserve's layer (its own kernel at every row count). `_weight_int8pack_mm`
 measured 2-7x slower than fbgemm (benchmarks/RESULTS.md) and is left out.
 Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 3]`.
 """
@@ -53,7 +53,7 @@ def kernels(out_features: int, in_features: int, copies: int) -> dict[str, list]
         "int8 _int_mm": [lambda x, q=q8.clone(): int8_gemm(x.float(), q, s8) for _ in range(copies)],
         "int8 latentserve": [NativeInt8Linear(q8.clone(), s8, None, native) for _ in range(copies)],
         "int4pack_mm": int4,
-        "int4 latentserve": [NativeInt4Linear(q4, s4, m4, None, native, torch.bfloat16) for _ in range(copies)],
+        "int4 latentserve": [NativeInt4Linear(q4, s4, m4, None, native) for _ in range(copies)],
     }
 
 

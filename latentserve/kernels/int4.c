@@ -143,133 +143,27 @@ void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block
     }
 }
 
+#define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
+
 void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
                     int threads) {
     QuantActs a = quantize_acts(x, io & 1, M, K, 4, G);
     int64_t blocks = (N + 15) / 16;
 #pragma omp parallel num_threads(threads)
     {
-        float *dots = malloc(M * 16 * sizeof(float));
-        for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                     len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-            int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
-            int4_block_dots(a, 0, M, w + b * int4_block_bytes(K, G), K, G, dots);
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t j = 0; j < outputs; j++) store_out(y, io & 2, m * N + 16 * b + j, dots[16 * m + j]);
+        float *dots = malloc((M < ROW_CHUNK ? M : ROW_CHUNK) * 16 * sizeof(float));
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+            for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
+                         len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+                int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
+                int4_block_dots(a, m0, rows, w + b * int4_block_bytes(K, G), K, G, dots);
+                for (int64_t m = 0; m < rows; m++)
+                    for (int64_t j = 0; j < outputs; j++)
+                        store_out(y, io & 2, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
+            }
         }
         free(dots);
     }
     free_acts(a);
-}
-
-#ifdef LS_AVX512
-/* 16 floats to bf16, rounded to nearest even (float_to_bf16's integer rounding). */
-INLINE __m256i bf16_round(__m512 f) {
-    __m512i u = _mm512_castps_si512(f);
-    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    return _mm512_cvtepi32_epi16(r);
-}
-
-/* One 64-byte unit of a block's group (8 columns of its 16 outputs) as q * scale + minimum into out[at],
- * out[at + stride], .. (the first `outputs` of the 16); scale and minimum in each pair of outputs' lanes (8 and 8). */
-INLINE void dequantize_unit(const uint8_t *p, const __m512 *scale, const __m512 *minimum, void *out, int bf16,
-                            int64_t at, int64_t stride, int64_t outputs) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    __m512i v = _mm512_loadu_si512(p);
-    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    /* per 128-bit lane L: outputs 4L and 4L + 1 (8 columns each) in the first, 4L + 2 and 4L + 3 in the second */
-    __m512i halves[2] = {_mm512_unpacklo_epi32(lo, hi), _mm512_unpackhi_epi32(lo, hi)};
-    for (int pair = 0; pair < 8 && 2 * pair < outputs; pair++) {
-        __m512i h = halves[pair & 1];
-        __m128i q = (pair >> 1) == 0 ? _mm512_castsi512_si128(h)
-                    : (pair >> 1) == 1 ? _mm512_extracti32x4_epi32(h, 1)
-                    : (pair >> 1) == 2 ? _mm512_extracti32x4_epi32(h, 2) : _mm512_extracti32x4_epi32(h, 3);
-        __m512 w = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), scale[pair]), minimum[pair]);
-        int64_t row = at + 2 * pair * stride;
-        int second = 2 * pair + 1 < outputs;
-        if (bf16) {
-            __m256i r = bf16_round(w);
-            _mm_storeu_si128((__m128i *)((uint16_t *)out + row), _mm256_castsi256_si128(r));
-            if (second) _mm_storeu_si128((__m128i *)((uint16_t *)out + row + stride), _mm256_extracti128_si256(r, 1));
-        } else {
-            _mm256_storeu_ps((float *)out + row, _mm512_castps512_ps256(w));
-            if (second) _mm256_storeu_ps((float *)out + row + stride, _mm512_extractf32x8_ps(w, 1));
-        }
-    }
-}
-
-/* f[0..16) as dequantize_unit's lanes: per pair of outputs, 8 lanes of the first's value and 8 of the second's. */
-INLINE void pair_lanes(const float *f, __m512 *lanes) {
-    __m512 all = _mm512_loadu_ps(f);
-    for (int pair = 0; pair < 8; pair++)
-        lanes[pair] = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * pair), _mm256_set1_epi32(2 * pair + 1), 1), all);
-}
-#else
-/* 8 floats to bf16, rounded to nearest even (float_to_bf16's integer rounding). */
-INLINE __m128i bf16_round(__m256 f) {
-    __m256i u = _mm256_castps_si256(f);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
-/* As the AVX-512 version, scale and minimum one vector per output, each output's 8 columns on their own. */
-INLINE void dequantize_unit(const uint8_t *p, const __m256 *scale, const __m256 *minimum, void *out, int bf16,
-                            int64_t at, int64_t stride, int64_t outputs) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int half = 0; half < 2; half++) { /* outputs 8 * half .. 8 * half + 7 */
-        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * half));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        __m256i halves[2] = {_mm256_unpacklo_epi32(lo, hi), _mm256_unpackhi_epi32(lo, hi)};
-        for (int j = 0; j < 8 && 8 * half + j < outputs; j++) {
-            __m256i h = halves[(j >> 1) & 1];
-            __m128i lane = j & 4 ? _mm256_extracti128_si256(h, 1) : _mm256_castsi256_si128(h);
-            __m128i q = j & 1 ? _mm_srli_si128(lane, 8) : lane;
-            int o = 8 * half + j;
-            __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), scale[o]), minimum[o]);
-            if (bf16)
-                _mm_storeu_si128((__m128i *)((uint16_t *)out + at + o * stride), bf16_round(w));
-            else
-                _mm256_storeu_ps((float *)out + at + o * stride, w);
-        }
-    }
-}
-
-INLINE void pair_lanes(const float *f, __m256 *lanes) {
-    for (int j = 0; j < 16; j++) lanes[j] = _mm256_set1_ps(f[j]);
-}
-#endif
-
-/* The weight `[N, K]` as q * scale + minimum (a product, then a sum, as the reference computes it), in fp32 or
- * (bf16 != 0) bf16 rounded to nearest even: one pass, for the many-row path's GEMM. */
-void ls_int4_dequantize(const uint8_t *w, int64_t K, int64_t G, int64_t N, void *out, int bf16, int threads) {
-    int64_t blocks = (N + 15) / 16, size = bf16 ? 2 : 4;
-#pragma omp parallel num_threads(threads)
-    {
-        /* A block's 16 rows are assembled here, then copied out whole. Rows written 16 at once K apart (4 KB at
-         * K = 2048 in bf16) share their cache sets: the tile's rows are a line further apart. */
-        int64_t stride = K + 64 / size;
-        char *tile = malloc(16 * stride * size);
-        for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                     len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-            int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
-            const uint8_t *p = w + b * int4_block_bytes(K, G);
-            for (int64_t k = 0; k < K; k += G) {
-                float scale[16], minimum[16];
-                for (int j = 0; j < 16; j++) {
-                    scale[j] = bf16_to_float(((const uint16_t *)p)[2 * j]);
-                    minimum[j] = bf16_to_float(((const uint16_t *)p)[2 * j + 1]);
-                }
-                p += 64;
-                vfloat sl[16], ml[16];
-                pair_lanes(scale, sl);
-                pair_lanes(minimum, ml);
-                for (int64_t c = k; c < k + G; c += 8, p += 64) dequantize_unit(p, sl, ml, tile, bf16, c, stride, outputs);
-            }
-            for (int64_t j = 0; j < outputs; j++)
-                memcpy((char *)out + (16 * b + j) * K * size, tile + j * stride * size, K * size);
-        }
-        free(tile);
-    }
 }

@@ -102,7 +102,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ls_int8_heads.argtypes = lib.ls_int8_heads_lanes.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
-    lib.ls_int4_dequantize.argtypes = [p, i64, i64, i64, p, i32, i32]
     lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
     lib.ls_experts_tokens.restype = None
     lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32]
@@ -123,7 +122,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_route.restype = None
     lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
     lib.ls_moe_block.restype = i32
-    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear", "ls_int4_dequantize"):
+    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear"):
         getattr(lib, name).restype = None
 
 
@@ -476,17 +475,6 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
           block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
           seq_lens.shape[0], scale, out.data_ptr(), io, torch.get_num_threads())
-    return out
-
-
-def int4_dequantize(kernels: NativeKernels, packed: torch.Tensor, in_features: int, group_size: int,
-                    out: torch.Tensor) -> torch.Tensor:
-    """`out` (fp32 or bf16 `[N, K]`, contiguous) = the weight in `pack_int4`'s layout, q * scale + minimum."""
-    if out.dtype not in KERNEL_DTYPES or not out.is_contiguous():
-        raise ValueError(f"int4_dequantize writes contiguous float32 or bfloat16, not {out.dtype}")
-    _check_int4(packed, out.shape[0], in_features, group_size)
-    _call(kernels, "ls_int4_dequantize", packed.data_ptr(), in_features, group_size, out.shape[0], out.data_ptr(),
-          int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 

@@ -15,7 +15,7 @@ from latentserve.attention.decode.native import NativeMQADecodeBackend
 from latentserve.kernels import native
 from latentserve.layers.linear import NATIVE_HEAD_TOKENS, Linear, native_rows
 from latentserve.layers.norm import RMSNorm
-from latentserve.layers.quant.int4 import NATIVE_INT4_ROWS, NativeInt4Linear
+from latentserve.layers.quant.int4 import NativeInt4Linear
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear
 
 if TYPE_CHECKING:
@@ -26,8 +26,9 @@ Built = tuple[native.MLABlock, int]  # the kernel's view of a layer, and up to h
 
 
 def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKernels,
-                threads: int) -> tuple[native.Weight, int] | None:
-    """(the kernel's view of a projection, up to how many rows its layer runs its native kernel), or None."""
+                threads: int) -> tuple[native.Weight, int | None] | None:
+    """(the kernel's view of a projection, up to how many rows its layer runs its native kernel (None: any)), or
+    None."""
     if type(layer) is Linear:
         w = layer.weight
         if layer.bias is not None or w.dtype != dtype or not w.is_contiguous():
@@ -40,7 +41,7 @@ def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKern
         return native.Weight(kind=native.INT8, w=layer.qweight.data_ptr(), scale=layer.scale.data_ptr(),
                              qsum=layer.qsum.data_ptr()), NATIVE_INT8_ROWS
     if isinstance(layer, NativeInt4Linear):
-        return native.Weight(kind=native.INT4, w=layer.packed.data_ptr(), group=layer.group_size), NATIVE_INT4_ROWS
+        return native.Weight(kind=native.INT4, w=layer.packed.data_ptr(), group=layer.group_size), None
     return None
 
 
@@ -86,7 +87,7 @@ def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kerne
         kv_a_norm=attn.kv_a_layernorm.weight.data_ptr(), eps=norms[0].eps, post_eps=norms[1].eps,
         q_a_eps=attn.q_a_layernorm.eps if attn.q_lora else 0.0, kv_a_eps=attn.kv_a_layernorm.eps, scale=core.scale,
         style=native.ROPE_STYLES.index(attn.rotary_emb.style), bf=int(dtype == torch.bfloat16))
-    return block, min(head_rows, *(rows for _, rows in projections))
+    return block, min([head_rows, *(rows for _, rows in projections if rows is not None)])
 
 
 def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, sin: torch.Tensor,

@@ -16,7 +16,6 @@ from latentserve.layers.quant.int8 import BLOCK_ELEMENTS
 # grows with every 4 rows (the crossover measured between 64 and 128 rows on V2-Lite's shapes, about the same for
 # every shape since both sides scale with the weight: benchmarks/RESULTS.md, "Quantized kernels per shape").
 INT4_DEQUANT_ROWS = 128
-NATIVE_INT4_ROWS = 24  # the native kernel up to this many rows, dequantize + GEMM above (benchmarks/RESULTS.md)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -155,33 +154,24 @@ class Int4PackLinear(nn.Module):
 
 
 class NativeInt4Linear(nn.Module):
-    """latentserve's int4 kernel (`native.py`) up to `NATIVE_INT4_ROWS` rows; from there the weight is dequantized
-    (into scratch space) for one GEMM in `gemm_dtype`. Scale and minimum are kept in bf16 beside the nibbles of each
-    block of 16 outputs, as int4pack_mm keeps them (half a bit per weight at group size 64 instead of one)."""
+    """latentserve's int4 kernel (`native.py`, activations quantized to int8 per 64 columns) at every row count: in
+    blocks of 16 outputs it runs 1.4-1.9x faster than dequantizing the weight for one bf16 GEMM even at 512 rows
+    (benchmarks/RESULTS.md). Scale and minimum are kept in bf16 beside the nibbles of each block, as int4pack_mm
+    keeps them (half a bit per weight at group size 64 instead of one)."""
 
     kernel = "latentserve int4"
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: nn.Parameter | None,
-                 kernels: native.NativeKernels, gemm_dtype: torch.dtype) -> None:
+                 kernels: native.NativeKernels) -> None:
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.group_size = q.shape[1] // scale.shape[1]
-        self.kernels, self.gemm_dtype = kernels, gemm_dtype
+        self.kernels = kernels
         self.register_buffer("packed", native.pack_int4(q, scale, minimum))
         self.bias = bias
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight `[out, in]` in `gemm_dtype` (fp32 or bf16), in one pass; it lives in this thread's scratch space
-        until the next call."""
-        n, k = self.out_features, self.in_features
-        out = _scratch_tensor("weight", n * k, self.gemm_dtype).view(n, k)
-        return native.int4_dequantize(self.kernels, self.packed, k, self.group_size, out)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
-        if x2.shape[0] <= NATIVE_INT4_ROWS:
-            y = native.int4_linear(self.kernels, x2, self.packed, self.group_size, self.out_features, x.dtype)
-        else:
-            y = F.linear(x2.to(self.gemm_dtype), self.dequantized())
+        y = native.int4_linear(self.kernels, x2, self.packed, self.group_size, self.out_features, x.dtype)
         y = y.view(*x.shape[:-1], self.out_features).to(x.dtype)
         return y if self.bias is None else y.add_(self.bias)

@@ -9,7 +9,7 @@ from torch import nn
 from latentserve.layers.quant.config import QuantConfig, int4_group
 from latentserve.kernels.cpu import CpuFeatures, cpu_features
 from latentserve.layers.quant.int4 import (
-    INT4_DEQUANT_ROWS, NATIVE_INT4_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
+    INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
 )
 from latentserve.layers.quant.int8 import (
     NATIVE_INT8_ROWS, FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
@@ -47,8 +47,8 @@ def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int |
     kernels, why = native_kernels(features)
     gemm = "bf16" if features.native_bf16 else "fp32 (bf16 is emulated here)"
     if kernels is not None and (in_features is None or in_features % 64 == 0):
-        return KernelChoice(NativeInt4Linear.kernel, f"built for {kernels.isa} ({why}); from {NATIVE_INT4_ROWS + 1} "
-                            f"rows the weight is dequantized for one {gemm} GEMM")
+        return KernelChoice(NativeInt4Linear.kernel, f"built for {kernels.isa} ({why}); at every row count (faster than "
+                            f"one dequantized {gemm} GEMM up to 2048 rows measured: benchmarks/RESULTS.md)")
     if kernels is not None:
         why = f"{in_features} inputs, latentserve's int4 kernel needs a multiple of 64"
     if out_features is not None and out_features % INT4PACK_OUT_MULTIPLE:
@@ -93,8 +93,7 @@ def quantize_linear(
     q, scale, minimum = quantize_int4(weight, int4_group(config, name, weight.shape[1]))
     kernel = int4_kernel(device, features, *weight.shape).kernel
     if kernel == NativeInt4Linear.kernel:
-        return NativeInt4Linear(q, scale, minimum, bias, native_kernels(features)[0],
-                                torch.bfloat16 if features.native_bf16 else torch.float32)
+        return NativeInt4Linear(q, scale, minimum, bias, native_kernels(features)[0])
     if kernel == Int4PackLinear.kernel:
         return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16,
                               torch.bfloat16 if features.native_bf16 else torch.float32)
