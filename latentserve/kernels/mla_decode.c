@@ -5,13 +5,16 @@
  * that token t sees. One work item is a token and a block of heads: the item walks its request's rows in tiles,
  * scoring a tile's rows for all its heads, then weighing the same rows while they are in cache (an online softmax:
  * a running maximum and sum per head, the accumulators rescaled when the maximum grows), so each row is read from
- * memory once. Sums in fp32. Items are shared out among the threads; heads per item shrink so that every thread
- * gets work.
+ * memory once. Sums in fp32. A token's positions are split in chunks of CHUNK, each its own item, their partial
+ * softmaxes combined after (as flash-decoding splits them): with one token, the threads read different rows instead
+ * of the same ones for different heads. The chunks are the same whatever the batch and the threads, so a token's
+ * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work.
  */
 #include "simd.h"
 
 #define HEADS 8       /* heads per item at most: their accumulators stay in registers */
 #define ROW_TILE 64   /* positions per tile: scored, then weighed while in cache (even: bf16 pairs positions) */
+#define CHUNK 256     /* positions per item (a multiple of ROW_TILE) */
 
 /* Rows lie in blocks scattered over the cache, where the hardware's prefetchers lose the stream at every block:
  * the score pass asks for the row this many positions ahead. */
@@ -86,26 +89,34 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t
 /* bf16 queries and cache on a CPU with AVX512-BF16: vdpbf16ps takes two columns a lane (exact products, summed in
  * fp32), twice the multiply-adds of an fp32 FMA per instruction. */
 
-/* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. */
+/* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. Two rows
+ * a pass, so that each load of q feeds two products. */
 INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
                             int nh, float scale, float *scores) {
-    for (int64_t p = p0; p < p1; p++) {
+    for (int64_t p = p0; p < p1; p += 2) {
         prefetch_row(rows, p + PREFETCH_ROWS, n, D * 2);
-        const uint16_t *row = (const uint16_t *)rows[p];
-        __m512 acc[HEADS];
-        float sums[HEADS];
-        for (int h = 0; h < HEADS; h++) acc[h] = _mm512_setzero_ps();
+        prefetch_row(rows, p + PREFETCH_ROWS + 1, n, D * 2);
+        int two = p + 1 < p1;
+        const uint16_t *row[2] = {(const uint16_t *)rows[p], (const uint16_t *)rows[two ? p + 1 : p]};
+        __m512 acc[2][HEADS];
+        float sums[2][HEADS];
+        for (int h = 0; h < HEADS; h++) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512bh k = (__m512bh)_mm512_loadu_si512(row + d);
-            for (int h = 0; h < nh; h++)
-                acc[h] = _mm512_dpbf16_ps(acc[h], (__m512bh)_mm512_loadu_si512(q + h * D + d), k);
+            __m512bh k0 = (__m512bh)_mm512_loadu_si512(row[0] + d), k1 = (__m512bh)_mm512_loadu_si512(row[1] + d);
+            for (int h = 0; h < nh; h++) {
+                __m512bh qh = (__m512bh)_mm512_loadu_si512(q + h * D + d);
+                acc[0][h] = _mm512_dpbf16_ps(acc[0][h], qh, k0);
+                acc[1][h] = _mm512_dpbf16_ps(acc[1][h], qh, k1);
+            }
         }
-        reduce_heads(acc, nh, sums);
-        for (int h = 0; h < nh; h++) {
-            float s = sums[h];
-            for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * bf16_to_float(row[e]);
-            scores[h * ROW_TILE + p - p0] = scale * s;
+        for (int i = 0; i < 1 + two; i++) {
+            reduce_heads(acc[i], nh, sums[i]);
+            for (int h = 0; h < nh; h++) {
+                float s = sums[i][h];
+                for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * bf16_to_float(row[i][e]);
+                scores[h * ROW_TILE + p + i - p0] = scale * s;
+            }
         }
     }
 }
@@ -161,15 +172,18 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt,
 static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, float *sums, float *acc, int64_t L) {
     for (int h = 0; h < nh; h++) {
         float *s = scores + h * ROW_TILE, m = maxima[h], sum = 0.f;
-        for (int64_t j = 0; j < nt; j++) m = fmaxf(m, s[j]);
+        int64_t j = 0;
+        vfloat mv = vset1(m);
+        for (; j + LANES <= nt; j += LANES) mv = vmax(mv, vload(s, 0, j));
+        m = vmax_reduce(mv);
+        for (; j < nt; j++) m = s[j] > m ? s[j] : m;
         if (m > maxima[h] && sums[h] > 0.f) {
             float c = expf(maxima[h] - m);
             sums[h] *= c;
             for (int64_t l = 0; l < L; l++) acc[h * L + l] *= c;
         }
         maxima[h] = m;
-        int64_t j = 0;
-        for (; j + LANES <= nt; j += LANES) {
+        for (j = 0; j + LANES <= nt; j += LANES) {
             vfloat e = vexp(vsub(vload(s, 0, j), vset1(m)));
             vstore(s + j, e);
             sum += vreduce_add(e);
@@ -182,9 +196,11 @@ static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, flo
     }
 }
 
-/* Heads h0 .. h0 + nh of one token over its n visible rows, tile by tile. */
-INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cbf, int64_t n,
-                        float scale, void *out, int obf, int nh) {
+/* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n), tile by tile: into `out` normalized,
+ * or where `partial` is given, each head's running maximum, sum and unnormalized values there (L + 2 floats a head)
+ * for combine_chunks. */
+INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cbf, int64_t p_begin,
+                        int64_t p_end, float scale, void *out, int obf, float *partial, int nh) {
     float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
     for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
     for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
@@ -195,24 +211,50 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
 #endif
     if (!dot)
         for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
-    for (int64_t p0 = 0; p0 < n; p0 += ROW_TILE) {
-        int64_t p1 = p0 + ROW_TILE < n ? p0 + ROW_TILE : n;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
+        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
 #ifdef LS_BF16DOT
         if (dot) {
-            score_rows_bf16(q, D, rows, p0, p1, n, nh, scale, scores);
+            score_rows_bf16(q, D, rows, p0, p1, p_end, nh, scale, scores);
             online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
             weigh_rows_bf16(scores, rows + p0, p1 - p0, L, nh, acc);
             continue;
         }
 #endif
-        score_rows(qs, D, rows, cbf, p0, p1, n, nh, scores);
+        score_rows(qs, D, rows, cbf, p0, p1, p_end, nh, scores);
         online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
         weigh_rows(scores, rows + p0, cbf, p1 - p0, L, nh, acc);
     }
     for (int h = 0; h < nh; h++) {
+        if (partial) {
+            float *part = partial + h * (L + 2);
+            part[0] = maxima[h], part[1] = sums[h];
+            memcpy(part + 2, acc + h * L, L * sizeof(float));
+            continue;
+        }
         float inv = 1.f / sums[h];
         for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv);
     }
+}
+
+/* One head's output from its chunks' partial softmaxes (decode_item's `partial`, `chunks` of them H heads apart),
+ * rescaled to their common maximum. */
+static void combine_chunks(const float *partial, int64_t chunks, int64_t H, int64_t L, void *out, int obf) {
+    float m = -INFINITY, sum = 0.f, w[chunks], acc[L];
+    for (int64_t c = 0; c < chunks; c++) m = fmaxf(m, partial[c * H * (L + 2)]);
+    for (int64_t c = 0; c < chunks; c++) {
+        w[c] = expf(partial[c * H * (L + 2)] - m);
+        sum += w[c] * partial[c * H * (L + 2) + 1];
+    }
+    for (int64_t l = 0; l < L; l++) acc[l] = 0.f;
+    for (int64_t c = 0; c < chunks; c++)
+        for (int64_t l = 0; l < L; l++) acc[l] += w[c] * partial[c * H * (L + 2) + 2 + l];
+    for (int64_t l = 0; l < L; l++) store_out(out, obf, l, acc[l] / sum);
+}
+
+/* Positions query token t of request r sees: its request's earlier ones and itself. */
+INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *seq_lens) {
+    return seq_lens[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r]) + 1;
 }
 
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
@@ -234,28 +276,51 @@ void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, co
         }
         for (int64_t t = qsl[r]; t < qsl[r + 1]; t++) request[t] = r;
     }
-    int64_t per = (T * H + threads - 1) / threads;
-    int heads = per < 1 ? 1 : per > HEADS ? HEADS : (int)per;
-    int64_t blocks = (H + heads - 1) / heads;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t item = 0; item < T * blocks; item++) {
-        int64_t t = item / blocks, h0 = item % blocks * heads, r = request[t];
-        int nh = H - h0 < heads ? (int)(H - h0) : heads;
-        int64_t n = seq_lens[r] - (qsl[r + 1] - qsl[r]) + (t - qsl[r]) + 1;
-        const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
-        void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
-        const char *const *rr = rows + r * max_len;
-        switch (nh) { /* a constant head count per instance: the accumulators live in registers */
-        case 1: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 1); break;
-        case 2: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 2); break;
-        case 3: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 3); break;
-        case 4: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 4); break;
-        case 5: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 5); break;
-        case 6: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 6); break;
-        case 7: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 7); break;
-        default: decode_item(qt, qbf, D, L, rr, cbf, n, scale, ot, obf, 8); break;
+    /* Token t's chunks are numbered first[t] .. first[t + 1]; a chunk's items split its heads in blocks. */
+    int64_t *first = malloc((T + 1) * sizeof(int64_t));
+    first[0] = 0;
+    for (int64_t t = 0; t < T; t++) first[t + 1] = first[t] + (visible(t, request[t], qsl, seq_lens) + CHUNK - 1) / CHUNK;
+    int64_t chunks = first[T], per = (chunks * H + threads - 1) / threads;
+    int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
+    float *partial = malloc(chunks * H * (L + 2) * sizeof(float));
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < chunks * blocks; item++) {
+            int64_t chunk = item / blocks, t = 0;
+            while (first[t + 1] <= chunk) t++;
+            int64_t r = request[t], n = visible(t, r, qsl, seq_lens), c = chunk - first[t];
+            int64_t p_begin = c * CHUNK, p_end = p_begin + CHUNK < n ? p_begin + CHUNK : n;
+            int whole = first[t + 1] - first[t] == 1;
+            for (int64_t h0 = item % blocks * heads; h0 < H && h0 < (item % blocks + 1) * heads; h0 += HEADS) {
+                int64_t end = (item % blocks + 1) * heads < H ? (item % blocks + 1) * heads : H;
+                int nh = end - h0 < HEADS ? (int)(end - h0) : HEADS;
+                const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
+                void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
+                float *pt = whole ? NULL : partial + (chunk * H + h0) * (L + 2);
+                const char *const *rr = rows + r * max_len;
+                switch (nh) { /* a constant head count per instance: the accumulators live in registers */
+                case 1: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 1); break;
+                case 2: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 2); break;
+                case 3: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 3); break;
+                case 4: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 4); break;
+                case 5: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 5); break;
+                case 6: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 6); break;
+                case 7: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 7); break;
+                default: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 8); break;
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * H; th++) {
+            int64_t t = th / H, h = th - t * H;
+            if (first[t + 1] - first[t] > 1)
+                combine_chunks(partial + (first[t] * H + h) * (L + 2), first[t + 1] - first[t], H, L,
+                               (char *)out + th * L * (obf ? 2 : 4), obf);
         }
     }
     free(rows);
     free(request);
+    free(first);
+    free(partial);
 }
