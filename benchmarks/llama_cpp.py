@@ -9,9 +9,10 @@ in the llama-cpp-python sdist on PyPI:
     cmake --build /tmp/llbuild -j2 --target llama-bench llama-quantize      (~15-20 min on 2 cores)
 The converter (vendor/llama.cpp/convert_hf_to_gguf.py) uses the gguf-py next to it and transformers from our venv.
 Run: `.venv/bin/python benchmarks/llama_cpp.py --llama-src /tmp/llsrc/llama_cpp_python-*/vendor/llama.cpp
---llama-build /tmp/llbuild [--layers 2] [--threads 2] [--formats int8,int4] [--interleave 3]`. The checkpoint is
-benchmarks/weights.py's; the GGUF files go to --gguf-dir (a few GB; never inside the repository). On a shared machine
-use --interleave: each format loads once, and single llama-bench runs alternate with rounds of ours.
+--llama-build /tmp/llbuild [--layers 2] [--threads 2] [--formats int8,int4] [--interleave 3] [--depth 2048]`.
+The checkpoint is benchmarks/weights.py's; the GGUF files go to --gguf-dir (a few GB; never inside the repository).
+On a shared machine use --interleave: each format loads once, and single llama-bench runs alternate with rounds of
+ours. --depth measures decode after that many tokens of context, where attention is a larger share of the step.
 """
 from __future__ import annotations
 
@@ -94,13 +95,14 @@ def make_ggufs(checkpoint: Path, work: Path, src: Path, build: Path, types: list
     return files
 
 
-def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int, repeats: int) -> dict:
-    """llama-bench's mean tok/s for a `prefill`-token prompt and `decode` batch-1 generated tokens."""
-    rows = json.loads(run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", str(prefill),
-                           "-n", str(decode), "-r", str(repeats), "-o", "json"]))
-    return {"prefill_tok_s": next(r["avg_ts"] for r in rows if r["n_prompt"] and not r["n_gen"]),
-            "decode_b1_tok_s": next(r["avg_ts"] for r in rows if r["n_gen"] and not r["n_prompt"]),
-            "size_gb": rows[0]["model_size"] / 1e9}
+def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int, repeats: int,
+                depth: int = 0) -> dict:
+    """llama-bench's mean tok/s for a `prefill`-token prompt and `decode` batch-1 generated tokens after `depth`
+    tokens of context."""
+    base = [str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    prompt = json.loads(run(base + ["-p", str(prefill), "-n", "0"]))[0]
+    gen = json.loads(run(base + ["-p", "0", "-n", str(decode), "-d", str(depth)]))[0]
+    return {"prefill_tok_s": prompt["avg_ts"], "decode_b1_tok_s": gen["avg_ts"], "size_gb": gen["model_size"] / 1e9}
 
 
 # One format in a process of its own (`our_engine`, then the best of `rounds` of `our_round`), JSON out.
@@ -111,38 +113,43 @@ sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 from benchmarks.llama_cpp import our_engine, our_round, _best
 torch.set_num_threads(int(sys.argv[4]))
-llm = our_engine(Path(sys.argv[2]), sys.argv[3], int(sys.argv[6]))
+llm = our_engine(Path(sys.argv[2]), sys.argv[3], int(sys.argv[6]), int(sys.argv[8]) + int(sys.argv[5]))
 best = None
 for _ in range(int(sys.argv[7])):
-    best = _best(best, our_round(llm.engine, int(sys.argv[6]), int(sys.argv[5])))
+    best = _best(best, our_round(llm.engine, int(sys.argv[6]), int(sys.argv[5]), int(sys.argv[8])))
 best["dtype"] = str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
 print(json.dumps(best))
 """
 
 
-def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode: int, rounds: int) -> dict:
+def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode: int, rounds: int,
+                depth: int = 0) -> dict:
     """One format in its own process, measured as `interleaved` measures it: the best of `rounds` rounds."""
     root = Path(__file__).resolve().parent.parent
     out = run([sys.executable, "-c", WORKER, str(root), str(checkpoint), name, str(threads), str(decode), str(prefill),
-               str(rounds)])
+               str(rounds), str(depth)])
     return json.loads(out.strip().splitlines()[-1])
 
 
-def our_engine(checkpoint: Path, name: str, prefill: int):
-    """An LLM of `checkpoint` in format `name` (benchmarks/weights.py's FORMATS) for `our_round`."""
+def our_engine(checkpoint: Path, name: str, prefill: int, context: int = 0):
+    """An LLM of `checkpoint` in format `name` (benchmarks/weights.py's FORMATS) for `our_round`, room for
+    `context` tokens of one request besides the prefill."""
     from benchmarks.weights import FORMATS
     from latentserve import LLM
 
-    return LLM(model=str(checkpoint), num_kv_blocks=64, block_size=16, max_model_len=1024, max_num_seqs=1,
-               max_num_batched_tokens=prefill, enable_prefix_caching=False, **FORMATS[name])
+    length = max(1024, prefill, context + 8)
+    return LLM(model=str(checkpoint), num_kv_blocks=-(-length // 16), block_size=16, max_model_len=length,
+               max_num_seqs=1, max_num_batched_tokens=max(prefill, context + 8), enable_prefix_caching=False,
+               **FORMATS[name])
 
 
-def our_round(engine, prefill: int, decode: int) -> dict:
-    """One round as llama-bench measures it: mean tok/s of `decode` batch-1 steps after a 4-token prompt, and of one
-    `prefill`-token prompt."""
+def our_round(engine, prefill: int, decode: int, depth: int = 0) -> dict:
+    """One round as llama-bench measures it: mean tok/s of `decode` batch-1 steps after a prompt of `depth` tokens
+    (at least 4), and of one `prefill`-token prompt."""
     from latentserve import SamplingParams
 
-    engine.add_request([11, 22, 33, 44], SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True))
+    prompt = [(11 * i) % 100000 + 5 for i in range(max(4, depth))]
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True))
     engine.step()  # the prompt
     start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -171,11 +178,11 @@ def interleaved(
     torch.set_num_threads(args.threads)
     ours, theirs = {}, {}
     for name, kind in pairs:
-        llm = our_engine(checkpoint, name, args.prefill_len)
+        llm = our_engine(checkpoint, name, args.prefill_len, args.depth + args.decode_len)
         for _ in range(args.interleave):
             theirs[kind] = _best(theirs.get(kind), llama_bench(args.llama_build, ggufs[kind], args.threads,
-                                                               args.prefill_len, args.decode_len, 1))
-            ours[name] = _best(ours.get(name), our_round(llm.engine, args.prefill_len, args.decode_len))
+                                                               args.prefill_len, args.decode_len, 1, args.depth))
+            ours[name] = _best(ours.get(name), our_round(llm.engine, args.prefill_len, args.decode_len, args.depth))
         ours[name]["dtype"] = str(llm.engine.model.model.embed_tokens.weight.dtype).removeprefix("torch.")
         del llm
         gc.collect()
@@ -197,6 +204,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--decode-len", type=int, default=32, help="llama.cpp's tokens per decode run; "
                         "latentserve's decode steps")
+    parser.add_argument("--depth", type=int, default=0, help="tokens of context before the decode steps (llama-bench "
+                        "-d); the prefill column stays at depth 0")
     parser.add_argument("--repeats", type=int, default=3, help="llama-bench repetitions")
     parser.add_argument("--formats", default=",".join(name for name, _ in PAIRS),
                         help=f"latentserve formats to compare, from {[name for name, _ in PAIRS]}")
@@ -225,10 +234,10 @@ def main() -> None:
         ours, theirs = interleaved(checkpoint, ggufs, pairs, args)
     else:
         theirs = {kind: llama_bench(args.llama_build, ggufs[kind], args.threads, args.prefill_len, args.decode_len,
-                                    args.repeats) for kind in sorted({t for _, t in pairs})}
-        ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len, args.repeats)
-                for name, _ in pairs}
-    print("| latentserve | llama.cpp | decode b1 tok/s (ours / theirs = ratio) | "
+                                    args.repeats, args.depth) for kind in sorted({t for _, t in pairs})}
+        ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len, args.repeats,
+                                  args.depth) for name, _ in pairs}
+    print(f"| latentserve | llama.cpp | decode b1 tok/s after {max(4, args.depth)} tokens (ours / theirs = ratio) | "
           f"prefill {args.prefill_len} tok/s (ours / theirs = ratio) |\n|---|---|---|---|")
     for name, kind in pairs:
         cells = [f"{ours[name][k]:.1f} / {theirs[kind][k]:.1f} = {ours[name][k] / theirs[kind][k]:.2f}x"
