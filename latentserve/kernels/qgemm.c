@@ -101,13 +101,13 @@ void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t 
 /* dots[j] = sum_k (xq[k] + 128) * w[j, k] for the 16 outputs of a block in the lanes layout (ls_int8_heads_lanes):
  * each 64-byte load holds 4 columns of all 16, against x's 4 bytes in every lane. */
 INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots[16]) {
-    __m512i acc = _mm512_setzero_si512();
-    for (int64_t c = 0; c < K / 4; c++) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t c = 0; c < K / 4; c++) { /* four chains: long rows are not bound by vpdpbusd's latency */
         int32_t x4;
         memcpy(&x4, xq + 4 * c, 4);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(x4), _mm512_loadu_si512(w + 64 * c));
+        acc[c & 3] = _mm512_dpbusd_epi32(acc[c & 3], _mm512_set1_epi32(x4), _mm512_loadu_si512(w + 64 * c));
     }
-    _mm512_storeu_si512(dots, acc);
+    _mm512_storeu_si512(dots, _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3])));
 }
 #else
 /* As the AVX-512 version with x signed (vpmaddubsw's |x| times w with x's sign, as int8_rows does). */

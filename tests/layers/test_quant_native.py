@@ -154,7 +154,7 @@ def test_pack_int4_layout():
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("heads, n, k, lanes", [(4, 24, 40, False), (3, 32, 28, True), (2, 512, 128, True),
-                                                 (2, 128, 512, False)])
+                                                 (2, 128, 512, True), (2, 16, 516, False)])
 def test_int8_head_products_are_per_head_integer_products(isa, heads, n, k, lanes):
     """MLA's absorbed products: each (token, head) row quantized on its own, times that head's int8 weight; in the
     lanes layout where N % 16 == 0 and K % 4 == 0 (W_UK's shape last)."""
