@@ -1,4 +1,4 @@
-/* int4 linear layers for few rows (decode): y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight q * scale + minimum
+/* int4 linear layers: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight q * scale + minimum
  * per group of G input columns (q in [0, 15]; G 32, 64 or 128; K % 64 == 0).
  *
  * Layout (`pack_int4`): the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes read
@@ -18,12 +18,6 @@
 
 #ifdef LS_AVX512
 #define QROWS 4 /* activation rows per pass over a block: 3 vector registers each */
-
-INLINE __m512i broadcast4(const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm512_set1_epi32(v);
-}
 
 /* out[i][j] = output j of the block at p for activation row i (xq, xs, corr: row 0's; rows K, K / 64, 2 * K / G
  * apart). */
@@ -45,8 +39,8 @@ INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, con
                 __m512i v = _mm512_loadu_si512(p);
                 __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 for (int i = 0; i < mb; i++) {
-                    lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, broadcast4(xq + i * K + c));
-                    hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, broadcast4(xq + i * K + c + 4));
+                    lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
+                    hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
                 }
             }
             for (int i = 0; i < mb; i++) {
@@ -64,12 +58,6 @@ INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, con
 }
 #else
 #define QROWS 2 /* 16 vector registers: 4 a row */
-
-INLINE __m256i broadcast4(const int8_t *x) {
-    int32_t v;
-    memcpy(&v, x, 4);
-    return _mm256_set1_epi32(v);
-}
 
 /* As the AVX-512 version, each 64-byte unit as two halves of 8 outputs: pairs of products summed in int16 (at most
  * 4 * 15 * 127 for the low and high nibbles' pairs together), then in int32. */
@@ -99,7 +87,8 @@ INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, con
                     hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }
                 for (int i = 0; i < mb; i++) {
-                    __m256i x0 = broadcast4(xq + i * K + c), x1 = broadcast4(xq + i * K + c + 4);
+                    __m256i x0 = _mm256_set1_epi32(four_bytes(xq + i * K + c));
+                    __m256i x1 = _mm256_set1_epi32(four_bytes(xq + i * K + c + 4));
                     for (int h = 0; h < 2; h++) {
                         __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
                         acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pair, ones));

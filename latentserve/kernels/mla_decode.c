@@ -276,25 +276,27 @@ void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, co
         }
         for (int64_t t = qsl[r]; t < qsl[r + 1]; t++) request[t] = r;
     }
-    /* Token t's chunks are numbered first[t] .. first[t + 1]; a chunk's items split its heads in blocks. */
+    /* Token t's chunks are numbered first[t] .. first[t + 1] (token[chunk]: whose); a chunk's items split its heads
+     * in blocks. */
     int64_t *first = malloc((T + 1) * sizeof(int64_t));
     first[0] = 0;
     for (int64_t t = 0; t < T; t++) first[t + 1] = first[t] + (visible(t, request[t], qsl, seq_lens) + CHUNK - 1) / CHUNK;
     int64_t chunks = first[T], per = (chunks * H + threads - 1) / threads;
+    int64_t *token = malloc(chunks * sizeof(int64_t));
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t c = first[t]; c < first[t + 1]; c++) token[c] = t;
     int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
     float *partial = malloc(chunks * H * (L + 2) * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * blocks; item++) {
-            int64_t chunk = item / blocks, t = 0;
-            while (first[t + 1] <= chunk) t++;
-            int64_t r = request[t], n = visible(t, r, qsl, seq_lens), c = chunk - first[t];
-            int64_t p_begin = c * CHUNK, p_end = p_begin + CHUNK < n ? p_begin + CHUNK : n;
+            int64_t chunk = item / blocks, t = token[chunk], r = request[t], n = visible(t, r, qsl, seq_lens);
+            int64_t p_begin = (chunk - first[t]) * CHUNK, p_end = p_begin + CHUNK < n ? p_begin + CHUNK : n;
+            int64_t h_begin = item % blocks * heads, h_end = h_begin + heads < H ? h_begin + heads : H;
             int whole = first[t + 1] - first[t] == 1;
-            for (int64_t h0 = item % blocks * heads; h0 < H && h0 < (item % blocks + 1) * heads; h0 += HEADS) {
-                int64_t end = (item % blocks + 1) * heads < H ? (item % blocks + 1) * heads : H;
-                int nh = end - h0 < HEADS ? (int)(end - h0) : HEADS;
+            for (int64_t h0 = h_begin; h0 < h_end; h0 += HEADS) {
+                int nh = h_end - h0 < HEADS ? (int)(h_end - h0) : HEADS;
                 const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
                 void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
                 float *pt = whole ? NULL : partial + (chunk * H + h0) * (L + 2);
@@ -322,5 +324,6 @@ void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, co
     free(rows);
     free(request);
     free(first);
+    free(token);
     free(partial);
 }

@@ -103,9 +103,8 @@ void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t 
 INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots[16]) {
     __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int64_t c = 0; c < K / 4; c++) { /* four chains: long rows are not bound by vpdpbusd's latency */
-        int32_t x4;
-        memcpy(&x4, xq + 4 * c, 4);
-        acc[c & 3] = _mm512_dpbusd_epi32(acc[c & 3], _mm512_set1_epi32(x4), _mm512_loadu_si512(w + 64 * c));
+        __m512i xv = _mm512_set1_epi32(four_bytes(xq + 4 * c));
+        acc[c & 3] = _mm512_dpbusd_epi32(acc[c & 3], xv, _mm512_loadu_si512(w + 64 * c));
     }
     _mm512_storeu_si512(dots, _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3])));
 }
@@ -115,9 +114,7 @@ INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
     for (int64_t c = 0; c < K / 4; c++) {
-        int32_t x4;
-        memcpy(&x4, xq + 4 * c, 4);
-        __m256i xv = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xv);
+        __m256i xv = _mm256_set1_epi32(four_bytes(xq + 4 * c)), ax = _mm256_abs_epi8(xv);
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
         lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));

@@ -10,6 +10,13 @@
 #endif
 #define XBLOCK 64 /* int4's activations are quantized per 64 columns */
 
+/* x's 4 bytes as one int, to broadcast to every lane (the lanes layouts' activations). */
+INLINE int32_t four_bytes(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return v;
+}
+
 /* For int8 weights: q = round(x / s) + INT8_OFFSET per row, scale s one a row. For int4: q = round(x / s) per
  * XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see int4.c). */
 typedef struct {
