@@ -43,6 +43,9 @@ class ModelConfig:
     num_nextn_predict_layers: int  # MTP layers stored after the main ones; not run
     max_position_embeddings: int
     quantization: Fp8Config | None = None  # how the checkpoint stores its weights; None: plain fp32/bf16/fp16
+    # Each main layer's MLP, "dense" or "sparse", where the config lists them (GLM, A.X); None, and for the MTP
+    # layers after them: by first_k_dense_replace and moe_layer_freq.
+    mlp_layer_types: tuple[str, ...] | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -59,11 +62,11 @@ class ModelConfig:
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            self.routing is not None
-            and layer_idx >= self.first_k_dense_replace
-            and layer_idx % self.moe_layer_freq == 0
-        )
+        if self.routing is None:
+            return False
+        if self.mlp_layer_types is not None and layer_idx < len(self.mlp_layer_types):
+            return self.mlp_layer_types[layer_idx] == "sparse"
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":

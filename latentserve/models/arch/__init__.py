@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from latentserve.models.arch.base import Architecture
 from latentserve.models.arch.deepseek import DeepseekV2, DeepseekV3
+from latentserve.models.arch.glm4_moe_lite import Glm4MoeLite
 from latentserve.models.arch.sarvam import SarvamMLA
 from latentserve.models.fields import Fields
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (DeepseekV2(), DeepseekV3(), SarvamMLA())}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (DeepseekV2(), DeepseekV3(), SarvamMLA(), Glm4MoeLite())}
 
 
 def supported() -> list[str]:
