@@ -15,6 +15,7 @@ from latentserve.attention.mla import MLAAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
+from latentserve.layers.embedding import ScaledEmbedding
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
@@ -117,6 +118,19 @@ class DeepseekDecoderLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
+class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
+    """MiniCPM3's layer: each sublayer's output scaled before its residual add. The one-call decode blocks add it
+    unscaled, so this layer runs its modules."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.residual_scale = config.residual_scale
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden)) * self.residual_scale
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
+
+
 class DeepseekModel(nn.Module):
     def __init__(
         self,
@@ -128,10 +142,12 @@ class DeepseekModel(nn.Module):
     ) -> None:
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size) if c.embedding_scale == 1.0
+                             else ScaledEmbedding(c.vocab_size, c.hidden_size, c.embedding_scale))
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        layer_cls = DeepseekDecoderLayer if c.residual_scale == 1.0 else ScaledResidualDecoderLayer
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(
+            layer_cls(
                 c, i, DeepseekAttention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
             )
             for i in range(c.num_hidden_layers)
@@ -193,4 +209,6 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[T, vocab_size]`."""
+        if self.config.logits_scaling != 1.0:
+            hidden = hidden / self.config.logits_scaling
         return self.lm_head(hidden).float()
