@@ -50,6 +50,8 @@ class ModelConfig:
     embedding_scale: float = 1.0  # the embeddings' multiplier (MiniCPM3's scale_emb)
     residual_scale: float = 1.0  # each sublayer's output multiplier before its residual add (MiniCPM3)
     logits_scaling: float = 1.0  # the final hidden states' divisor before the head (transformers' name, MiniCPM3)
+    # Mistral 4: queries times 1 + beta * log(1 + floor(position / rope.original_max_position_embeddings))
+    llama4_scaling_beta: float | None = None
 
     @property
     def qk_head_dim(self) -> int:

@@ -21,6 +21,7 @@ from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.norm import RMSNorm
+from latentserve.layers.query_scaling import Llama4QueryScaling
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.moe_block import fused_moe
@@ -70,13 +71,17 @@ class DeepseekAttention(nn.Module):
             kv_cache_dtype=dtype, device=device,
         )
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers; q_scale `[T]`:
+        each token's query multiplier, where the model scales queries by position (Mistral 4)."""
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         else:
             q = self.q_proj(hidden)
         q = q.view(hidden.shape[0], self.num_heads, -1)
+        if q_scale is not None:  # before the rotation rather than after, as transformers does: it is linear
+            q = q * q_scale.to(q.dtype)[:, None, None]
         kv = self.kv_a_proj_with_mqa(hidden)
         out = self.attn.forward_projected(q, kv, self.kv_a_layernorm, self.rotary_emb, cos, sin)
         if out is None:
@@ -105,13 +110,15 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        fused = fused_attention(self.self_attn, norms, cos, sin, hidden)  # decode: one native call
+        # decode: one native call, which has no query scaling
+        fused = fused_attention(self.self_attn, norms, cos, sin, hidden) if q_scale is None else None
         if fused is not None:
             hidden, normed = fused
         else:
-            hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
+            hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden), q_scale)
             normed = self.post_attention_layernorm(hidden)
         if isinstance(self.mlp, MoE) and (out := fused_moe(self.mlp, self.moe_view, normed, hidden)) is not None:
             return out  # decode: one native call
@@ -126,8 +133,9 @@ class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
         super().__init__(config, layer_idx, attention)
         self.residual_scale = config.residual_scale
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden)) * self.residual_scale
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden), q_scale) * self.residual_scale
         return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
 
 
@@ -153,12 +161,15 @@ class DeepseekModel(nn.Module):
             for i in range(c.num_hidden_layers)
         )
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
+            c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions)
+        q_scale = None if self.query_scaling is None else self.query_scaling(positions)
         for layer in self.layers:
-            hidden = layer(cos, sin, hidden)
+            hidden = layer(cos, sin, hidden, q_scale)
         return self.norm(hidden)
 
 
