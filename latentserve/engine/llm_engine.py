@@ -128,7 +128,7 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vo
 
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
-    num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
+    num_layers = model_config.num_attention_layers + (config.speculative_config is not None)  # + the MTP's cache
     per_block = config.block_size * model_config.mla_config.kv_cache_dim * num_layers * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:

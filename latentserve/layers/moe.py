@@ -22,9 +22,11 @@ PER_EXPERT_MAX_PAIRS = 4
 # experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
 # paths win, reading each expert once.
 NATIVE_MAX_TOKENS = 8
-# scoring function -> the top-k methods paired with it: DeepSeek's, and Mistral 4's group_limited_top2 (softmax scores,
-# a group scored by its best two experts as noaux_tc does)
-TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy", "group_limited_top2"), "sigmoid": ("noaux_tc",)}
+# scoring function -> the top-k methods paired with it: DeepSeek's, Mistral 4's group_limited_top2 (softmax scores, a
+# group scored by its best two experts as noaux_tc does) and LongCat-Flash's softmax noaux_tc (the correction bias
+# steers the choice, over one group)
+TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy", "group_limited_top2", "noaux_tc"),
+                "sigmoid": ("noaux_tc",)}
 
 
 @dataclass(frozen=True)
@@ -55,11 +57,16 @@ class RoutingConfig:
             )
         if self.topk_method != "greedy":
             self._check_groups()
+        if self.scoring_func == "softmax" and self.topk_method == "noaux_tc" and self.kept_groups != self.num_groups:
+            raise ValueError("softmax noaux_tc routing takes every group: topk_group must equal n_group, got "
+                             f"{self.topk_group} of {self.n_group}")
 
     @property
     def native_routing(self) -> bool:
-        """Whether latentserve's routing kernel (route.c) computes this routing: it scores a group by its best expert
-        under softmax."""
+        """Whether latentserve's routing kernel (route.c) computes this routing: under softmax it scores a group by its
+        best expert and has no correction bias."""
+        if self.scoring_func == "softmax" and self.topk_method == "noaux_tc":
+            return False
         return self.topk_method != "group_limited_top2" or self.kept_groups == self.num_groups
 
     @property
@@ -114,7 +121,11 @@ def select_experts(
                             else grouped.amax(dim=-1))
             # Softmax scores are positive, so a zero never outranks an expert of a kept group.
             scores = scores.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), 0.0)
-        weights, ids = scores.topk(k, dim=-1)
+        if correction_bias is None:
+            weights, ids = scores.topk(k, dim=-1)
+        else:  # softmax noaux_tc, over one group
+            ids = (scores + correction_bias).topk(k, dim=-1).indices
+            weights = scores.gather(1, ids)
     else:
         scores = router_logits.sigmoid()
         # noaux_tc: the learned bias steers which experts are chosen, not how much they weigh.

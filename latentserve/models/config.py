@@ -52,6 +52,16 @@ class ModelConfig:
     logits_scaling: float = 1.0  # the final hidden states' divisor before the head (transformers' name, MiniCPM3)
     # Mistral 4: queries times 1 + beta * log(1 + floor(position / rope.original_max_position_embeddings))
     llama4_scaling_beta: float | None = None
+    # LongCat-Flash: each layer two attention + dense MLP sublayers, and an MoE on the first's normed input whose
+    # output joins the second's residual (models/shortcut_layer.py); routed experts past n_routed_experts -
+    # zero_expert_num are identities (layers/zero_expert_moe.py)
+    shortcut_moe: bool = False
+    zero_expert_num: int = 0
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Attention layers (each its own KV cache) of the main model."""
+        return self.num_hidden_layers * (2 if self.shortcut_moe else 1)
 
     @property
     def qk_head_dim(self) -> int:

@@ -6,7 +6,8 @@ Module and parameter names follow the checkpoints (`model.layers.{i}.self_attn.q
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from functools import partial
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from latentserve.layers.norm import RMSNorm
 from latentserve.layers.query_scaling import Llama4QueryScaling
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
+from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.config import ModelConfig
@@ -39,7 +41,7 @@ class DeepseekAttention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        layer_idx: int,
+        name: str,  # its attention layer's: the key of its metadata and KV cache
         rotary_emb: RotaryEmbedding,
         attn_config: AttentionConfig,
         static_ctx: StaticForwardContext,
@@ -67,7 +69,7 @@ class DeepseekAttention(nn.Module):
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
         self.attn = MLAAttention(
-            attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
+            name, c.mla_config, c.softmax_scale, attn_config, static_ctx,
             kv_cache_dtype=dtype, device=device,
         )
 
@@ -139,6 +141,14 @@ class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
 
 
+def _decoder_layer(c: ModelConfig, i: int, attention: Callable[[str], DeepseekAttention]) -> nn.Module:
+    """Layer i of the model's kind, its attention built by `attention(name)`."""
+    if c.shortcut_moe:
+        return ShortcutMoEDecoderLayer(c, [attention(f"model.layers.{i}.self_attn.{j}.attn") for j in (0, 1)])
+    layer_cls = DeepseekDecoderLayer if c.residual_scale == 1.0 else ScaledResidualDecoderLayer
+    return layer_cls(c, i, attention(attention_layer_name(i)))
+
+
 class DeepseekModel(nn.Module):
     def __init__(
         self,
@@ -153,13 +163,9 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size) if c.embedding_scale == 1.0
                              else ScaledEmbedding(c.vocab_size, c.hidden_size, c.embedding_scale))
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
-        layer_cls = DeepseekDecoderLayer if c.residual_scale == 1.0 else ScaledResidualDecoderLayer
-        self.layers = nn.ModuleList(
-            layer_cls(
-                c, i, DeepseekAttention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
-            )
-            for i in range(c.num_hidden_layers)
-        )
+        attention = partial(DeepseekAttention, c, rotary_emb=self.rotary_emb, attn_config=attn_config,
+                            static_ctx=static_ctx, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(_decoder_layer(c, i, attention) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
             c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
@@ -200,10 +206,10 @@ class DeepseekForCausalLM(nn.Module):
         self.config = config
         self.mla_config = config.mla_config
         self.static_forward_context = StaticForwardContext()
-        self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.attention_layer_names = list(self.static_forward_context)  # in layer order
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

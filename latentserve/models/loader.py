@@ -303,9 +303,10 @@ def load_model(
     def wanted(name: str) -> bool:
         return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped
 
-    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, iter_checkpoint_tensors(model_dir, wanted))
+    tensors = iter_checkpoint_tensors(model_dir, wanted)
     if config.quantization is not None:
         tensors = dequantize_fp8(tensors, config.quantization)
+    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, tensors)  # as published -> the core's names
     load_weights(model, tensors, quantization, device)
     kernels = absorbed_kernels(quantization, device)
     for layer in model.static_forward_context.values():

@@ -97,7 +97,8 @@ class DeepseekMTP(nn.Module):
         with torch.device(device), _default_dtype(dtype):
             self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_style)
             attention = DeepseekAttention(
-                config, idx, self.rotary_emb, attn_config, self.static_forward_context, dtype, device
+                config, attention_layer_name(idx), self.rotary_emb, attn_config, self.static_forward_context, dtype,
+                device,
             )
             self.layer = DeepseekMTPLayer(config, attention, own_embed, own_head)
         # Borrowed from the main model unless the checkpoint has the MTP's own; a tuple keeps them out of our
