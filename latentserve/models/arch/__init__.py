@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from latentserve.models.arch.axk1 import AXK1
 from latentserve.models.arch.base import Architecture
-from latentserve.models.arch.deepseek import DeepseekV2, DeepseekV3
+from latentserve.models.arch.deepseek import DeepseekV2, DeepseekV3, KimiK2
 from latentserve.models.arch.glm4_moe_lite import Glm4MoeLite
 from latentserve.models.arch.kimi_k25 import KimiK25
 from latentserve.models.arch.longcat_flash import LongcatFlash
@@ -14,7 +14,10 @@ from latentserve.models.arch.sarvam import SarvamMLA
 from latentserve.models.arch.youtu import Youtu
 from latentserve.models.fields import Fields
 
-ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (DeepseekV2(), DeepseekV3(), SarvamMLA(), Glm4MoeLite(), Youtu(), AXK1(), MiniCPM3(), Mistral4(), LongcatFlash(), KimiK25())}
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    DeepseekV2(), DeepseekV3(), KimiK2(), SarvamMLA(), Glm4MoeLite(), Youtu(), AXK1(), MiniCPM3(), Mistral4(),
+    LongcatFlash(), KimiK25(),
+)}
 
 
 def supported() -> list[str]:
