@@ -307,6 +307,8 @@ def load_model(
     if config.quantization is not None:
         tensors = dequantize_fp8(tensors, config.quantization)
     tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, tensors)  # as published -> the core's names
+    if dropped:  # a converted tensor may hold dropped parameters too (Mistral 4's experts, stored as one)
+        tensors = ((name, tensor) for name, tensor in tensors if param_name(name) not in dropped)
     load_weights(model, tensors, quantization, device)
     kernels = absorbed_kernels(quantization, device)
     for layer in model.static_forward_context.values():

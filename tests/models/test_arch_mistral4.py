@@ -53,3 +53,26 @@ def test_config_reads_rope_share_and_query_scaling() -> None:
     assert config.routing.topk_method == "group_limited_top2" and config.routing.scoring_func == "softmax"
     with pytest.raises(ValueError, match="partial_rotary_factor"):
         ModelConfig.from_dict(raw | {"rope_parameters": {**YARN, "partial_rotary_factor": 0.25}})
+
+
+def test_expert_parallel_rank_reads_only_its_experts_from_the_3d_tensors(tmp_path) -> None:
+    """Under expert parallelism `prepare` drops the other ranks' experts: their slices of the stored 3-D tensors
+    are not loaded, this rank's are, exactly."""
+    from torch import nn
+
+    from latentserve.layers.moe import MoE
+    from latentserve.models import load_model
+    from tests.models.arch_harness import make_arch_checkpoint
+
+    path = make_arch_checkpoint(tmp_path, TestMistral4.case)
+
+    def keep_first_half(model) -> None:
+        for moe in (m for m in model.modules() if isinstance(m, MoE)):
+            for i in range(4, 8):
+                moe.experts[i] = nn.Identity()
+
+    full, half = load_model(path), load_model(path, prepare=keep_first_half)
+    for a, b in zip(full.model.layers, half.model.layers):
+        for i in range(4):
+            assert torch.equal(a.mlp.experts[i].down_proj.weight, b.mlp.experts[i].down_proj.weight)
+        assert isinstance(b.mlp.experts[5], nn.Identity)
