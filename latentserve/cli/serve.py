@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     name = (default_model_dir() if args.model is None else Path(args.model)).name
     try:
-        serve(serving_engine(llm), name, config)
+        return serve(serving_engine(llm), name, config)
     finally:
         llm.shutdown()
-    return 0
