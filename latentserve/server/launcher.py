@@ -12,7 +12,7 @@ import uvicorn
 
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.llm_engine import EngineConfig
-from latentserve.server.api import DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
+from latentserve.server.api import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
 from latentserve.server.async_engine import AsyncLLMEngine, Engine
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ class ServerConfig:
     served_model_name: str | None = None  # the `model` clients send; default: the model directory's name
     drain_timeout: float = 30.0  # seconds in-flight requests get to finish after SIGTERM
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger request bodies get 413
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT  # a body stalled this many seconds before its end gets 408
     metrics_prefix: str = "latentserve"  # /metrics names are <prefix>:<vLLM's name>; "vllm" gives vLLM's exact names
     log_level: str = "info"
     tool_call_parser: str | None = None  # e.g. deepseek_v3: tool_choice "auto" finds calls in the model's format
@@ -78,7 +79,7 @@ def log_config(level: str) -> dict:
 def serve(engine: Engine, model_name: str, config: ServerConfig) -> int:
     """Serve a loaded engine as `model_name` until SIGTERM / SIGINT (status 0) or until the engine fails (1)."""
     app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting,
-                    config.max_request_bytes, config.metrics_prefix, config.tool_call_parser)
+                    config.max_request_bytes, config.metrics_prefix, config.tool_call_parser, config.body_read_timeout)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                log_config=log_config(config.log_level),
                                timeout_graceful_shutdown=max(int(config.drain_timeout), 1))
