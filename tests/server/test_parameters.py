@@ -250,3 +250,27 @@ def test_chat_logprobs_list_no_token_of_a_stripped_stop_string(client, stream):
         choice = client.chat.completions.create(**body).choices[0]
         text, listed = choice.message.content, [t.token for t in choice.logprobs.content]
     assert text == full[: full.index(stop)] and listed == list(text)
+
+
+def _streamed_usage(chunks) -> tuple[dict, list]:
+    chunks = list(chunks)
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    return chunks[-1].usage, chunks
+
+
+def test_streamed_usage_of_batched_prompts_and_n_equals_the_non_streamed(client):
+    """Every prompt of a batch and every one of the n samples counts (prompts of different lengths, ignore_eos)."""
+    body = dict(prompt=["hello", "the lazy dog", "abc"], temperature=1.0, seed=4, max_tokens=6, n=2, ignore_eos=True)
+    whole = complete(client, **body).usage
+    streamed, chunks = _streamed_usage(complete(client, stream=True, stream_options={"include_usage": True}, **body))
+    assert streamed == whole and whole.completion_tokens == 3 * 2 * 6
+    assert {c.choices[0].index for c in chunks[:-1]} == set(range(6))
+
+
+def test_streamed_chat_usage_with_n_equals_the_non_streamed(client):
+    body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], temperature=1.0, seed=4,
+                max_tokens=7, n=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**body).usage
+    streamed, _ = _streamed_usage(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                                 **body))
+    assert streamed == whole and whole.completion_tokens == 3 * 7
