@@ -5,6 +5,7 @@ from typing import Mapping
 
 import torch
 
+from latentserve.attention.dsa.metadata import DSAMetadataBuilder
 from latentserve.attention.kv_cache import slots_for_positions
 from latentserve.attention.metadata import (
     ChunkedContextMetadata,
@@ -75,6 +76,9 @@ class MLAMetadataBuilder:
         self.workspace = torch.empty(
             attn_config.workspace_tokens, mla.kv_cache_dim, dtype=layer.kv_cache_dtype, device=self.device
         )
+        # The DSA top-k state is per-batch state too: this builder's own, like the backend clone and workspace.
+        self.dsa = None if layer.index_topk is None else DSAMetadataBuilder(
+            layer.index_topk, attn_config.block_size, self.workspace, attn_config.debug_ownership, self)
 
     def __repr__(self) -> str:
         return f"MLAMetadataBuilder(id={self.builder_id})"
@@ -97,6 +101,7 @@ class MLAMetadataBuilder:
             decode=decode,
             prefill=prefill,
             builder_id=self.builder_id,
+            dsa=None if self.dsa is None else self.dsa.build(common),
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
