@@ -77,8 +77,12 @@ class MLAMetadataBuilder:
             attn_config.workspace_tokens, mla.kv_cache_dim, dtype=layer.kv_cache_dtype, device=self.device
         )
         # The DSA top-k state is per-batch state too: this builder's own, like the backend clone and workspace.
-        self.dsa = None if layer.index_topk is None else DSAMetadataBuilder(
-            layer.index_topk, attn_config.block_size, self.workspace, attn_config.debug_ownership, self)
+        topks = {static_ctx[n].index_topk for n in layer_names} - {None}
+        if len(topks) > 1:
+            raise ValueError(f"the attention layers select different top-k counts {sorted(topks)}: one builder "
+                             "builds one DSA selection per ubatch")
+        self.dsa = None if not topks else DSAMetadataBuilder(
+            topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self)
 
     def __repr__(self) -> str:
         return f"MLAMetadataBuilder(id={self.builder_id})"

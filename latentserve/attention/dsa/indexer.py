@@ -91,8 +91,8 @@ class Indexer(nn.Module):
     def _select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                 positions: torch.Tensor, topk: int) -> torch.Tensor:
         """q `[n, H, D]`, weights `[n, H]`, keys `[S, D]` -> the slots of each token's top-k causal positions."""
-        scores = F.relu(torch.einsum("nhd,sd->nhs", q, keys) * self.config.head_dim**-0.5)
-        index = torch.einsum("nh,nhs->ns", weights, scores)
+        scores = torch.einsum("nhd,sd->nhs", q, keys).mul_(self.config.head_dim**-0.5).relu_()
+        index = torch.bmm(weights[:, None, :], scores)[:, 0]
         future = torch.arange(keys.shape[0], device=q.device)[None, :] > positions[:, None]
         index.masked_fill_(future, float("-inf"))
         k = min(topk, keys.shape[0])
