@@ -23,7 +23,7 @@ from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 
 
 def attention_layer_name(layer_idx: int) -> str:
@@ -35,7 +35,7 @@ class DeepseekAttention(nn.Module):
 
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         attn_config: AttentionConfig,
@@ -89,7 +89,7 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
@@ -117,7 +117,7 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         attn_config: AttentionConfig,
         static_ctx: StaticForwardContext,
         dtype: torch.dtype,
@@ -159,7 +159,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         attn_config: AttentionConfig = AttentionConfig(),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
