@@ -12,6 +12,7 @@ from latentserve.layers.quant.config import Fp8Config
 from latentserve.layers.moe import RoutingConfig
 from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
 from latentserve.models.arch import architecture_for
+from latentserve.models.dsa import DSAConfig
 from latentserve.models.fields import Fields
 
 
@@ -46,6 +47,7 @@ class ModelConfig:
     # Each main layer's MLP, "dense" or "sparse", where the config lists them (GLM, A.X); None, and for the MTP
     # layers after them: by first_k_dense_replace and moe_layer_freq.
     mlp_layer_types: tuple[str, ...] | None = None
+    dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
 
     @property
     def qk_head_dim(self) -> int:
