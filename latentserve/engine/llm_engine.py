@@ -131,7 +131,7 @@ def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dt
     num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
     values = model_config.mla_config.kv_cache_dim * num_layers
     if model_config.dsa is not None:  # the indexers' key caches
-        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers
+        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:

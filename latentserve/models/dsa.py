@@ -35,9 +35,14 @@ class DSAConfig:
             raise ValueError("config.json: the first layer shares the top-k of an earlier indexer layer, but there "
                              "is none (indexer_types must start with 'full')")
 
-    @property
-    def num_indexer_layers(self) -> int:
-        return sum(self.indexer_layers)
+    def runs_indexer(self, layer_idx: int) -> bool:
+        """Whether the layer runs its own indexer. MTP layers, stored after the main ones, do (DeepSeek-V3.2's has
+        its indexer's weights)."""
+        return layer_idx >= len(self.indexer_layers) or self.indexer_layers[layer_idx]
+
+    def num_indexer_layers(self, num_layers: int) -> int:
+        """How many of the first `num_layers` layers (main, then MTP) run an indexer: one key cache each."""
+        return sum(self.runs_indexer(i) for i in range(num_layers))
 
 
 def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: AttentionConfig,
@@ -48,7 +53,7 @@ def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: 
         return MLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, kv_cache_dtype=dtype,
                             device=device)
     indexer = None
-    if d.indexer_layers[layer_idx]:
+    if d.runs_indexer(layer_idx):
         indexer = Indexer(IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim,
                                         c.qk_rope_head_dim, d.index_topk, d.interleaved_rope), c.rope)
     return SparseMLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, d.index_topk, indexer,

@@ -43,3 +43,13 @@ class DSASuite(ArchSuite):
         full = torch.tensor([lp for out in greedy for lp in prompt_logprobs(out)])
         half = torch.tensor([lp for out in outputs for lp in prompt_logprobs(out)])
         assert (half - full).abs().mean().item() < 0.1
+
+    def test_kv_memory_budget_holds_the_indexer_caches(self, checkpoint) -> None:
+        """kv_cache_memory_bytes bounds the latent and the indexer caches together."""
+        budget = 200_000
+        engine = llm(checkpoint, num_kv_blocks=None, kv_cache_memory_bytes=budget, max_model_len=64)
+        caches = engine.engine.runner.kv_caches
+        assert any(name.endswith(".indexer") for name in caches)
+        used = sum(t.numel() * t.element_size() for t in caches.values())
+        per_block = used // next(iter(caches.values())).shape[0]
+        assert budget - per_block < used <= budget
