@@ -55,7 +55,8 @@ def make_layers(attn_config: AttentionConfig, topk: int, indexers: list[Indexer 
             layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=g) / MLA.kv_lora_rank**0.5)
         layer.process_weights_after_loading()
         layers.append(layer)
-    allocate_kv_caches(static_ctx, num_blocks, attn_config.block_size, torch.float32)
+    for cache in allocate_kv_caches(static_ctx, num_blocks, attn_config.block_size, torch.float32).values():
+        cache.fill_(float("nan"))  # a read of a slot nobody wrote poisons the output
     return layers, static_ctx
 
 

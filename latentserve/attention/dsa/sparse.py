@@ -18,7 +18,10 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
     step = max(1, workspace.shape[0] // k)
     for s in range(0, num_tokens, step):
         sel = slots[s : s + step]
-        rows = gather_kv_cache(kv_cache, sel.clamp(min=0).flatten(), out=workspace)
+        # Empty entries read a selected row of their token instead (masked below): a row nobody wrote may hold NaN,
+        # and a zero weight times NaN is NaN.
+        rows = gather_kv_cache(kv_cache, torch.where(sel < 0, sel.amax(dim=1, keepdim=True), sel).flatten(),
+                               out=workspace)
         rows = rows.view(sel.shape[0], k, -1).float()
         scores = torch.einsum("tnd,tkd->tnk", q[s : s + step].float(), rows) * scale
         scores.masked_fill_((sel < 0)[:, None, :], float("-inf"))
