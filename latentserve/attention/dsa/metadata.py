@@ -19,7 +19,7 @@ class DSAMetadata:
     # Every token sees at most `topk` positions: the selection would keep them all, so attend densely, as the
     # reference does when the context is shorter than top-k.
     dense: bool
-    req_slots: list[torch.Tensor]  # per request: flat cache slots of positions [0, seq_len)
+    req_slots: list[torch.Tensor]  # per request: flat cache slots of positions [0, seq_len); none when dense
     query_start_loc_cpu: list[int]
     context_lens_cpu: list[int]
     workspace: torch.Tensor  # the builder's: gathers of selected rows
@@ -42,12 +42,14 @@ class DSAMetadataBuilder:
 
     def build(self, common: CommonAttentionMetadata) -> DSAMetadata:
         seq_lens = common.seq_lens_cpu.tolist()
+        dense = max(seq_lens, default=0) <= self.topk
         bt_cpu = common.block_table.cpu()
-        req_slots = [slots_for_positions(bt_cpu[r], torch.arange(n), self.block_size).to(common.block_table.device)
-                     for r, n in enumerate(seq_lens)]
+        req_slots = [] if dense else [  # (a dense ubatch selects nothing)
+            slots_for_positions(bt_cpu[r], torch.arange(n), self.block_size).to(common.block_table.device)
+            for r, n in enumerate(seq_lens)]
         md = DSAMetadata(
             topk=self.topk,
-            dense=max(seq_lens, default=0) <= self.topk,
+            dense=dense,
             req_slots=req_slots,
             query_start_loc_cpu=common.query_start_loc_cpu.tolist(),
             context_lens_cpu=common.num_computed_tokens_cpu.tolist(),
