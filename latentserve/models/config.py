@@ -47,6 +47,7 @@ class ModelConfig:
     # Each main layer's MLP, "dense" or "sparse", where the config lists them (GLM, A.X); None, and for the MTP
     # layers after them: by first_k_dense_replace and moe_layer_freq.
     mlp_layer_types: tuple[str, ...] | None = None
+    moe_output_norm: bool = False  # an RMSNorm on each MoE's output, before the residual (layers/normed_moe.py)
     dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
 
     @property

@@ -18,6 +18,7 @@ from latentserve.kernels.native import MLABlock
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
+from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
@@ -96,7 +97,9 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.self_attn = attention
-        if c.is_moe_layer(layer_idx):
+        if c.is_moe_layer(layer_idx) and c.moe_output_norm:
+            self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
+        elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)

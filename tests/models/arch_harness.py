@@ -86,6 +86,12 @@ def prompt_logprobs(out) -> list[float]:
     return [out.prompt_logprobs[pos][out.prompt_token_ids[pos]] for pos in range(1, len(out.prompt_token_ids))]
 
 
+def output_logprobs(out) -> torch.Tensor:
+    """The log-prob of each generated token."""
+    completion = out.outputs[0]
+    return torch.tensor([lp[t] for lp, t in zip(completion.logprobs, completion.token_ids)])
+
+
 class ArchSuite:
     case: ArchCase
 
@@ -122,9 +128,8 @@ class ArchSuite:
                 expected = reference(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
             steps = expected[len(prompt) - 1 : -1]
             assert steps.argmax(-1).tolist() == tokens
-            ours = [lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)]
             want = steps.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(ours), want, rtol=0, atol=ATOL)
+            torch.testing.assert_close(output_logprobs(out), want, rtol=0, atol=ATOL)
 
     def test_dbo_equals_no_dbo(self, checkpoint, greedy) -> None:
         split = llm(checkpoint, enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2)
@@ -168,3 +173,4 @@ class ArchSuite:
         modules = llm(checkpoint).generate(PROMPTS[:2], GREEDY)
         for a, b in zip(fused, modules):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            torch.testing.assert_close(output_logprobs(a), output_logprobs(b), rtol=0, atol=1e-5)

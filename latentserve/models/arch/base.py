@@ -51,12 +51,12 @@ class Architecture:
         return f"{type(self).__name__}({self.model_type!r})"
 
 
-def mlp_layer_types(f: Fields, num_layers: int, first_dense: int) -> tuple[str, ...]:
+def mlp_layer_types(f: Fields, num_layers: int, first_dense: int, freq: int = 1) -> tuple[str, ...]:
     """config.json's `mlp_layer_types` ("dense" or "sparse" per layer), or, where it has none, `first_dense` dense
-    layers and then sparse ones (transformers' default for the families that list them)."""
+    layers and then every `freq`-th one sparse (transformers' default for the families that list them)."""
     types = f.raw.get("mlp_layer_types")
     if types is None:
-        return tuple("dense" if i < first_dense else "sparse" for i in range(num_layers))
+        return tuple("sparse" if i >= first_dense and i % freq == 0 else "dense" for i in range(num_layers))
     if not isinstance(types, list) or len(types) != num_layers or not set(types) <= {"dense", "sparse"}:
         raise ValueError(f"{f.where}: field 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
                          f"{num_layers} layers, got {types!r}")
