@@ -13,6 +13,7 @@ LENGTHS = [41, 29, 12]
 # (requests, per request the positions it computes): prefills; a decode and a chunked prefill over its context;
 # a lone decode.
 STEPS = [([0, 1, 2], [(0, 24), (0, 28), (0, 12)]), ([1, 0], [(28, 29), (24, 40)]), ([0], [(40, 41)])]
+MLA_OUT = D.MLA.num_heads * D.MLA.v_head_dim
 
 
 def block_tables(num_blocks: int) -> torch.Tensor:
@@ -36,9 +37,6 @@ def run_steps(layers, builder, seqs, tables, rotary):
                     outs[i][r][s:e] = out[start : start + e - s]
                     start += e - s
     return outs, dense
-
-
-MLA_OUT = D.MLA.num_heads * D.MLA.v_head_dim
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["v32_half_split", "glm5_interleaved"])
