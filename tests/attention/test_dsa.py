@@ -93,3 +93,16 @@ def test_a_shared_layer_without_an_earlier_indexer_is_a_clear_error():
     md = D.builders(layers, ctx, config)[0].build(D.step_common(seqs, reqs, spans, block_tables(40), BLOCK))
     with set_forward_context(ForwardContext({"layer.0": md})), pytest.raises(RuntimeError, match="no layer before"):
         layers[0](*D.step_inputs(seqs, reqs, spans, 0, RotaryEmbedding(D.ROPE, RopeConfig(), "interleave")))
+
+
+def test_settings_a_builder_cannot_serve_are_clear_errors():
+    ref = D.hf_indexer(False, 8, seed=0)
+    config = AttentionConfig(block_size=BLOCK, workspace_tokens=4)
+    layers, ctx = D.make_layers(config, 8, [D.our_indexer(ref, False, 8)], num_blocks=8)
+    with pytest.raises(ValueError, match="workspace_tokens=4 must hold one token's top-k rows"):
+        D.builders(layers, ctx, config)
+    config = AttentionConfig(block_size=BLOCK)
+    layers, ctx = D.make_layers(config, 8, [D.our_indexer(ref, False, 8), None], num_blocks=8)
+    layers[1].index_topk = 16
+    with pytest.raises(ValueError, match=r"different top-k counts \[8, 16\]"):
+        D.builders(layers, ctx, config)
