@@ -25,7 +25,7 @@ from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, concat
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
-from latentserve.models.formats import hf_quant
+from latentserve.models.formats import gguf, hf_quant, model_folder
 from latentserve.models.safetensors_reader import read_header, read_tensors
 
 SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales: `{weight name}_scale_inv`
@@ -71,8 +71,11 @@ def open_checkpoint(
     model_dir: Path, config: DeepseekConfig, wanted: Callable[[str], bool]
 ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
     """The `wanted` tensors of a checkpoint as the model takes them: FP8 weights dequantized, a GPTQ / AWQ /
-    compressed-tensors layer's parts unpacked into one int4 / int8 weight."""
+    compressed-tensors layer's parts unpacked into one int4 / int8 weight, a GGUF's tensors under their Hugging Face
+    names."""
     quant = config.quantization
+    if gguf.is_gguf_folder(model_dir):
+        return gguf.read_tensors(model_dir, wanted)
     if isinstance(quant, hf_quant.HfQuantConfig):
         files = checkpoint_files(model_dir)
         names = {entry.name for file in files for entry in read_header(file)}
@@ -303,13 +306,13 @@ def load_model(
     prepare: Callable[[DeepseekForCausalLM], None] | None = None,
     quantization: QuantConfig | None = None,
 ) -> DeepseekForCausalLM:
-    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`, an FP8
+    """Read `path/config.json` and its safetensors weights (or the GGUF file `path`) into a ready model (weights cast to `dtype`, an FP8
     checkpoint's dequantized as published, linear layers quantized as `quantization` says).
 
     `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
     modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither
     allocated nor read from the checkpoint, nor required in it."""
-    model_dir = Path(path)
+    model_dir = model_folder(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = DeepseekConfig.from_pretrained(model_dir)

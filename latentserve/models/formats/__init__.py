@@ -3,12 +3,21 @@
 Hugging Face names, a quantized layer's weight unpacked into latentserve's int4 / int8 layout."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
+from latentserve.models.formats.gguf import is_gguf, open_gguf
 from latentserve.models.formats.hf_quant import HF_QUANT_METHODS, parse_hf_quant
 
 GGUF_METHOD = "gguf"
+
+
+def model_folder(path: str | Path) -> Path:
+    """The checkpoint folder `--model path` stands for: the path itself, or for a GGUF file the folder of its
+    config and tokenizer that gguf.py writes."""
+    path = Path(path)
+    return open_gguf(path) if is_gguf(path) else path
 
 
 def checkpoint_quantization(raw: Any) -> Fp8Config | PrequantizedConfig:
