@@ -174,7 +174,8 @@ class DeepseekConfig:
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
             num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, minimum=0),
             max_position_embeddings=max_positions,
-            quantization=checkpoint_quantization(raw["quantization_config"]) if raw.get("quantization_config") else None,
+            quantization=(checkpoint_quantization(raw["quantization_config"]) if raw.get("quantization_config")
+                          else None),
         )
 
 

@@ -85,7 +85,9 @@ def open_checkpoint(
     return dequantize_fp8(tensors, quant) if isinstance(quant, Fp8Config) else tensors
 
 
-def dequantized(tensors: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantized(
+    tensors: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in full precision: a quantized checkpoint loaded into another quantization than its own."""
     for name, tensor in tensors:
         yield name, tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
@@ -306,8 +308,9 @@ def load_model(
     prepare: Callable[[DeepseekForCausalLM], None] | None = None,
     quantization: QuantConfig | None = None,
 ) -> DeepseekForCausalLM:
-    """Read `path/config.json` and its safetensors weights (or the GGUF file `path`) into a ready model (weights cast to `dtype`, an FP8
-    checkpoint's dequantized as published, linear layers quantized as `quantization` says).
+    """Read `path/config.json` and its safetensors weights (or the GGUF file `path`) into a ready model (weights
+    cast to `dtype`, an FP8 checkpoint's dequantized as published, a GPTQ / AWQ / compressed-tensors / GGUF one's
+    unpacked, linear layers quantized as `quantization` says: None keeps every weight in `dtype`).
 
     `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
     modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither

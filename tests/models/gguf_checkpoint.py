@@ -135,7 +135,8 @@ def write_gguf(src: Path, dst: Path, kind_of: Callable[[str, torch.Tensor], T] =
                split_kv_b: bool = True, split_max_tensors: int = 0, tokenizer_dir: Path | None = None,
                seed: int = 0, skip: set[str] = frozenset()) -> dict[str, np.ndarray]:
     """Write `src` (a safetensors checkpoint) as the GGUF `dst`, each 2-D+ tensor as `kind_of(gguf name, tensor)`
-    (1-D ones F32, as the converter does), but those in `skip`; returns gguf's dequantization of every tensor, by GGUF name."""
+    (1-D ones F32, as the converter does), but those in `skip`; returns gguf's dequantization of every tensor, by
+    GGUF name."""
     config = json.loads((src / "config.json").read_text())
     tensors = _converted(load_file(src / SINGLE_FILE), config, split_kv_b)
     w = gguf.GGUFWriter(dst, "deepseek2", split_max_tensors=split_max_tensors)

@@ -218,12 +218,6 @@ def is_gguf_folder(model_dir: Path) -> bool:
     return (model_dir / GGUF_INDEX).is_file()
 
 
-def _array(tensor) -> np.ndarray:
-    """A tensor's values in fp32 (gguf's own dequantization), shaped as torch indexes it (GGUF lists dims
-    innermost first)."""
-    return dequantize(tensor.data, GGMLQuantizationType(tensor.tensor_type))
-
-
 def _int4(data: np.ndarray, kind: GGMLQuantizationType) -> Int4Weight:
     """Q4_0 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each a
     product of an fp16 and a 6-bit integer at most, so exact)."""
