@@ -1,7 +1,7 @@
 """GGUF files of a tiny random DeepSeek checkpoint, written with gguf's GGUFWriter under the tensor names and metadata
 keys llama.cpp's converter (convert_hf_to_gguf.py, DeepseekV2Model) writes for deepseek2: routed experts stacked per
 layer, kv_b_proj split into attn_k_b (per head, transposed) and attn_v_b (or kept as attn_kv_b, as older files
-are), e_score_correction_bias as exp_probs_b.bias, 1-D tensors in F32."""
+are, or both), e_score_correction_bias as exp_probs_b.bias, 1-D tensors in F32."""
 from __future__ import annotations
 
 import json
@@ -42,7 +42,7 @@ def encode(w: torch.Tensor, kind: T, gen: np.random.Generator) -> tuple[np.ndarr
     return data, gguf.quants.dequantize(data, kind)
 
 
-def _converted(tensors: dict[str, torch.Tensor], config: dict, split_kv_b: bool) -> dict[str, torch.Tensor]:
+def _converted(tensors: dict[str, torch.Tensor], config: dict, kv_b: str) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under llama.cpp's names, in its layout."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, config["num_hidden_layers"])
     out: dict[str, torch.Tensor] = {}
@@ -53,12 +53,13 @@ def _converted(tensors: dict[str, torch.Tensor], config: dict, split_kv_b: bool)
             expert, proj = int(name.split(".")[5]), name.split(".")[6]
             experts.setdefault(f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight", []).append((expert, t))
             continue
-        if name.endswith("kv_b_proj.weight") and split_kv_b:
+        if name.endswith("kv_b_proj.weight") and kv_b in ("split", "both"):
             heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
             k_b, v_b = t.view(heads, nope + v, -1).split([nope, v], dim=1)
             out[f"blk.{layer}.attn_k_b.weight"] = k_b.transpose(1, 2).contiguous()
             out[f"blk.{layer}.attn_v_b.weight"] = v_b.contiguous()
-            continue
+            if kv_b == "split":
+                continue
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
         base, suffix = name.rsplit(".", 1)
         out[f"{names.get_name(base)}.{suffix}"] = t
@@ -132,15 +133,16 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer_dir: Path, pre: str = "gpt-2") -
 
 
 def write_gguf(src: Path, dst: Path, kind_of: Callable[[str, torch.Tensor], T] = lambda name, t: T.F32,
-               split_kv_b: bool = True, split_max_tensors: int = 0, tokenizer_dir: Path | None = None,
+               kv_b: str = "split", split_max_tensors: int = 0, tokenizer_dir: Path | None = None,
                seed: int = 0, skip: set[str] = frozenset()) -> dict[str, np.ndarray]:
-    """Write `src` (a safetensors checkpoint) as the GGUF `dst`, each 2-D+ tensor as `kind_of(gguf name, tensor)`
+    """Write `src` (a safetensors checkpoint) as the GGUF `dst`, kv_b_proj as attn_k_b and attn_v_b ("split"),
+    attn_kv_b ("whole", older files) or all three ("both", as some converter versions wrote), each 2-D+ tensor as `kind_of(gguf name, tensor)`
     (1-D ones F32, as the converter does), but those in `skip`; returns gguf's dequantization of every tensor, by
     GGUF name."""
     config = json.loads((src / "config.json").read_text())
-    tensors = _converted(load_file(src / SINGLE_FILE), config, split_kv_b)
+    tensors = _converted(load_file(src / SINGLE_FILE), config, kv_b)
     w = gguf.GGUFWriter(dst, "deepseek2", split_max_tensors=split_max_tensors)
-    _metadata(w, config, split_kv_b)
+    _metadata(w, config, kv_b != "whole")
     if tokenizer_dir is not None:
         add_tokenizer(w, tokenizer_dir)
     gen = np.random.default_rng(seed)

@@ -36,11 +36,11 @@ def _cache(tmp_path, monkeypatch):
 # Not v2_group (YaRN mscale != mscale_all_dim: GGUF keeps one, llama.cpp runs them equal, as DeepSeek's configs
 # have them) nor v3_nonorm (rope dims stored as halves: llama.cpp's deepseek2 rope takes them as DeepSeek stores
 # them, in pairs).
-@pytest.mark.parametrize("variant, split_kv_b", [("v3", True), ("v2_lite", False), ("v3", False)])
-def test_f32_gguf_matches_its_safetensors(tmp_path, variant, split_kv_b):
+@pytest.mark.parametrize("variant, kv_b", [("v3", "split"), ("v2_lite", "whole"), ("v3", "both")])
+def test_f32_gguf_matches_its_safetensors(tmp_path, variant, kv_b):
     src = make_checkpoint(tmp_path, variant)
     path = tmp_path / "model.gguf"
-    write_gguf(src, path, split_kv_b=split_kv_b)
+    write_gguf(src, path, kv_b=kv_b)
     folder = model_folder(path)
     expected = DeepseekConfig.from_pretrained(src)
     config = DeepseekConfig.from_pretrained(folder)

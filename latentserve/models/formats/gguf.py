@@ -128,7 +128,7 @@ def hf_config(meta: dict[str, Any], kinds: dict[str, GGMLQuantizationType]) -> d
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": get("attention.head_count"),
-        "q_lora_rank": get("attention.q_lora_rank", None),
+        "q_lora_rank": get("attention.q_lora_rank", 0) or None,  # llama.cpp says 0 for none (V2-Lite)
         "kv_lora_rank": get("attention.kv_lora_rank"),
         "qk_nope_head_dim": key_length - rope_dim,
         "qk_rope_head_dim": rope_dim,
@@ -280,11 +280,17 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     """(Hugging Face name, tensor / Int4Weight / Int8Weight) for every `wanted` tensor of the GGUF `model_dir`
     stands for, one at a time (each file is memory-mapped; a tensor is converted as it is asked for)."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
+    readers = [GGUFReader(file) for file in files]
+    # Some converter versions wrote attn_kv_b beside attn_k_b / attn_v_b: kv_b_proj is then read from attn_kv_b.
+    blocks = [_BLOCK.match(t.name) for reader in readers for t in reader.tensors]
+    whole_kv_b = {m[1] for m in blocks if m and m[2] == "attn_kv_b.weight"}
     stats, halves = _Stats(), {}
-    for file in files:
-        for tensor in GGUFReader(file).tensors:
+    for file, reader in zip(files, readers):
+        for tensor in reader.tensors:
             match = _BLOCK.match(tensor.name)
             part = match[2] if match else None
+            if part in (_K_B, _V_B) and match[1] in whole_kv_b:
+                continue
             if part in _EXPERTS:
                 for expert in range(tensor.data.shape[0]):
                     name = f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[part]}.weight"
