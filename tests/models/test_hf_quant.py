@@ -14,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from latentserve.kernels.cpu import cpu_features
+from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear, quantize_int4
 from latentserve.layers.quant.int8 import Int8Linear
@@ -261,3 +263,20 @@ def test_missing_part_names_the_layer(tmp_path):
     save_file(tensors, path / SINGLE_FILE)
     with pytest.raises(ValueError, match="awq layer 'model.layers.0.self_attn.o_proj' is missing \\['qzeros'\\]"):
         load_model(path, quantization=QuantConfig("int4"))
+
+
+def test_llm_loads_a_gptq_checkpoint_in_int4(tmp_path):
+    from latentserve import LLM, SamplingParams
+
+    src = make_checkpoint(tmp_path, "v3", **SHAPES)
+    gen = torch.Generator().manual_seed(7)
+    config = dict(quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=True)
+    path, _ = _write(src, tmp_path / "gptq", lambda name, w: _gptq(w, 128, gen), config)
+    kwargs = dict(num_kv_blocks=16, block_size=4, max_model_len=64)
+    llm = LLM(model=str(path), **kwargs)
+    down = llm.engine.model.model.layers[1].mlp.experts[0].down_proj
+    assert down.kernel == quant_linear.int4_kernel(torch.device("cpu"), cpu_features(), 128, 128).kernel
+    out = llm.generate([[5, 17, 33]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint .* stored as gptq"):
+        LLM(model=str(path), quantization="fp8", **kwargs)

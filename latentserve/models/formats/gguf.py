@@ -312,4 +312,5 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     if halves:
         name, pair = next(iter(halves.items()))
         raise ValueError(f"GGUF has {sorted(pair)} but not both attn_k_b and attn_v_b for {name}")
-    stats.log(files[0].name)
+    if stats.repacked or stats.requantized or stats.dequantized:
+        stats.log(files[0].name)
