@@ -23,7 +23,8 @@ from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig, Quant
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, concat
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.arch import ARCHITECTURES
+from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.formats import gguf, hf_quant, model_folder
 from latentserve.models.safetensors_reader import read_header, read_tensors
@@ -68,7 +69,7 @@ def iter_checkpoint_tensors(
 
 
 def open_checkpoint(
-    model_dir: Path, config: DeepseekConfig, wanted: Callable[[str], bool]
+    model_dir: Path, config: ModelConfig, wanted: Callable[[str], bool]
 ) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
     """The `wanted` tensors of a checkpoint as the model takes them: FP8 weights dequantized, a GPTQ / AWQ /
     compressed-tensors layer's parts unpacked into one int4 / int8 weight, a GGUF's tensors under their Hugging Face
@@ -129,7 +130,7 @@ def checkpoint_name(param: str) -> str:
     return param.replace(".self_attn.attn.kv_b_proj.", ".self_attn.kv_b_proj.")
 
 
-def _is_mtp(name: str, config: DeepseekConfig) -> bool:
+def _is_mtp(name: str, config: ModelConfig) -> bool:
     """Multi-token-prediction layers are stored as extra layers after the main ones; models/mtp.py loads them."""
     match = _LAYER_INDEX.match(name)
     if match is None:
@@ -318,7 +319,7 @@ def load_model(
     model_dir = model_folder(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    config = DeepseekConfig.from_pretrained(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
     with _parameters_on_meta():
         model = DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
     declared = set(model.state_dict())
@@ -335,7 +336,7 @@ def load_model(
     def wanted(name: str) -> bool:
         return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped
 
-    tensors = open_checkpoint(model_dir, config, wanted)
+    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, open_checkpoint(model_dir, config, wanted))
     stored = config.quantization
     if isinstance(stored, PrequantizedConfig) and (quantization is None or quantization.method != stored.method):
         tensors = dequantized(tensors)

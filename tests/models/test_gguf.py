@@ -18,7 +18,7 @@ from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
 from latentserve.models import load_model
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
 from latentserve.models.formats import gguf as gguf_format
 from latentserve.models.formats.gguf import read_tensors
@@ -42,8 +42,8 @@ def test_f32_gguf_matches_its_safetensors(tmp_path, variant, kv_b):
     path = tmp_path / "model.gguf"
     write_gguf(src, path, kv_b=kv_b)
     folder = model_folder(path)
-    expected = DeepseekConfig.from_pretrained(src)
-    config = DeepseekConfig.from_pretrained(folder)
+    expected = ModelConfig.from_pretrained(src)
+    config = ModelConfig.from_pretrained(folder)
     assert config == expected.__class__(**{**expected.__dict__, "num_nextn_predict_layers": 0})  # llama.cpp: no MTP
     model = load_model(path, dtype=torch.float32, attn_config=ATTN)
     plain = load_model(src, dtype=torch.float32, attn_config=ATTN)
@@ -102,7 +102,7 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     path = tmp_path / "model.gguf"
     values = write_gguf(src, path, _kind)
     folder = model_folder(path)
-    assert DeepseekConfig.from_pretrained(folder).quantization.method == "int4"
+    assert ModelConfig.from_pretrained(folder).quantization.method == "int4"
     with caplog.at_level(logging.INFO):
         read = dict(read_tensors(folder, lambda name: True))
     assert re.search(r"repacked into int4 groups of 32 without requantizing: 5 Q4_0, 20 Q4_K; dequantized and "

@@ -21,7 +21,7 @@ from latentserve.layers.quant.int4 import Int4Linear, quantize_int4
 from latentserve.layers.quant.int8 import Int8Linear
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
 from latentserve.models import load_model
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from latentserve.models.loader import SINGLE_FILE, open_checkpoint
 from tests.checkpoints import make_checkpoint
 from tests.models.test_formats import ATTN, _logprobs, _portable_kernels, _reference, _write_plain
@@ -90,7 +90,7 @@ def _write(src: Path, dst: Path, quantize, config: dict) -> tuple[Path, dict[str
 
 
 def _unpacked(path: Path) -> dict[str, object]:
-    config = DeepseekConfig.from_pretrained(path)
+    config = ModelConfig.from_pretrained(path)
     return {name: t for name, t in open_checkpoint(path, config, lambda name: True) if QUANTIZED.search(name)}
 
 
