@@ -16,10 +16,9 @@ from safetensors.torch import load_file
 
 from latentserve.models.loader import SINGLE_FILE
 
-# gguf-py quantizes these itself; K-quants it only dequantizes, so their blocks are random (valid: finite fp16
-# super-block scales) and gguf's dequantization is their value.
-QUANTIZABLE = {T.Q8_0, T.Q4_0, T.F16, T.BF16, T.F32}
-# Byte offsets of each K-quant block's fp16 super-block scales, and the block size.
+# gguf-py quantizes F32, F16, BF16, Q8_0, Q4_0, Q4_1 itself; K-quants it only dequantizes, so their blocks are
+# random (valid: finite fp16 super-block scales) and gguf's dequantization is their value. Byte offsets of each
+# K-quant block's fp16 super-block scales, and the block size:
 K_QUANTS = {T.Q4_K: ((0, 2), 144), T.Q5_K: ((0, 2), 176), T.Q6_K: ((208,), 210)}
 
 

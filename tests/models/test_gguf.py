@@ -86,7 +86,7 @@ def test_split_gguf_loads_as_one(tmp_path):
 # Big enough for K-quants (256 values a row): every type on some weight.
 SHAPES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256)
 TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q6_K), (r"attn_output", T.Q4_0),
-         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q8_0), (r"_shexp", T.Q4_0), (r"ffn_(gate|up)\.", T.Q4_K),
+         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q8_0), (r"ffn_(gate|up)_shexp", T.Q4_0), (r"ffn_down_shexp", T.Q4_1), (r"ffn_(gate|up)\.", T.Q4_K),
          (r"ffn_down\.", T.Q6_K), (r"^output\.", T.Q6_K), (r"token_embd", T.Q8_0), (r"attn_k_b", T.BF16),
          (r"attn_v_b", T.F16)]
 
@@ -96,7 +96,7 @@ def _kind(name: str, tensor) -> T:
 
 
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
-    """Q4_0 / Q4_K weights become int4 with exactly gguf's dequantized values; Q5_K, Q6_K, Q8_0 ones are
+    """Q4_0 / Q4_1 / Q4_K weights become int4 with exactly gguf's dequantized values; Q5_K, Q6_K, Q8_0 ones are
     dequantized by gguf and quantized to int8 per row; the model runs those weights as transformers does."""
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
@@ -105,13 +105,14 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     assert ModelConfig.from_pretrained(folder).quantization.method == "int4"
     with caplog.at_level(logging.INFO):
         read = dict(read_tensors(folder, lambda name: True))
-    assert re.search(r"repacked into int4 groups of 32 without requantizing: 5 Q4_0, 20 Q4_K; dequantized and "
+    assert re.search(r"repacked into int4 groups of 32 without requantizing: 4 Q4_0, 1 Q4_1, 20 Q4_K; dequantized and "
                      r"quantized to int8 per output channel: 2 Q5_K, 4 Q6_K, 8 Q8_0; dequantized to the compute "
                      r"dtype: 1 Q8_0", caplog.text)
     experts = values["blk.1.ffn_gate_exps.weight"]
     for name, gguf_name, expected in [
         ("model.layers.0.self_attn.q_a_proj.weight", "blk.0.attn_q_a.weight", values["blk.0.attn_q_a.weight"]),
         ("model.layers.1.self_attn.o_proj.weight", "blk.1.attn_output.weight", values["blk.1.attn_output.weight"]),
+        ("model.layers.1.mlp.shared_experts.down_proj.weight", None, values["blk.1.ffn_down_shexp.weight"]),
         ("model.layers.1.mlp.experts.3.gate_proj.weight", None, experts[3]),
     ]:
         weight = read[name]

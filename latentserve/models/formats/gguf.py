@@ -7,8 +7,8 @@ llama.cpp's converter stacks each layer's routed experts into one tensor (`ffn_*
 splits `kv_b_proj` into `attn_k_b` (per head, transposed: `[heads, kv_lora_rank, qk_nope]`) and `attn_v_b`; older
 files keep `attn_kv_b`. Both come back as `kv_b_proj`.
 
-Weights: Q4_0 and Q4_K map onto latentserve's int4 layout exactly (groups of 32 columns, w = q * scale + minimum:
-Q4_0's scale d and minimum -8d, Q4_K's d * sc and -dmin * m per sub-block) and are repacked, not requantized. Other
+Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups of 32 columns, w = q * scale +
+minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are repacked, not requantized. Other
 quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values, not per row; Q5_K and Q6_K have
 more bits) are dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the
 router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The load log counts each."""
@@ -68,7 +68,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
                               r"\.weight|^lm_head\.weight)$")
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_K}
+INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
 
 
 def is_gguf(path: Path) -> bool:
@@ -218,20 +218,25 @@ def is_gguf_folder(model_dir: Path) -> bool:
     return (model_dir / GGUF_INDEX).is_file()
 
 
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+
 def _int4(data: np.ndarray, kind: GGMLQuantizationType) -> Int4Weight:
-    """Q4_0 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each a
-    product of an fp16 and a 6-bit integer at most, so exact)."""
+    """Q4_0 / Q4_1 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each
+    an fp16, or one times a 6-bit integer, so exact)."""
     rows = data.shape[0]
-    if kind == GGMLQuantizationType.Q4_0:  # per 32: fp16 d, 16 bytes: columns 0-15 low nibbles, 16-31 high
-        blocks = data.reshape(rows, -1, 18)
-        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)[..., 0]
-        qs = blocks[..., 2:]
+    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        # Per 32: fp16 d (Q4_1: and m), 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones.
+        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
+        blocks = data.reshape(rows, -1, head + 16)
+        qs = blocks[..., head:]
         q = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        scale, minimum = d, -8 * d
+        scale = _fp16(blocks, 0)
+        minimum = -8 * scale if kind == GGMLQuantizationType.Q4_0 else _fp16(blocks, 2)
     else:  # per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
         blocks = data.reshape(rows, -1, 144)
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
         sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
         scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
         minimum = -(dmin * m.reshape(rows, -1, 8).astype(np.float32))
