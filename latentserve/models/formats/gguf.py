@@ -283,15 +283,15 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, tensor / Int4Weight / Int8Weight) for every `wanted` tensor of the GGUF `model_dir`
-    stands for, one at a time (each file is memory-mapped; a tensor is converted as it is asked for)."""
+    stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after: the pages
+    a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
-    readers = [GGUFReader(file) for file in files]
     # Some converter versions wrote attn_kv_b beside attn_k_b / attn_v_b: kv_b_proj is then read from attn_kv_b.
-    blocks = [_BLOCK.match(t.name) for reader in readers for t in reader.tensors]
+    blocks = [_BLOCK.match(t.name) for file in files for t in GGUFReader(file).tensors]
     whole_kv_b = {m[1] for m in blocks if m and m[2] == "attn_kv_b.weight"}
     stats, halves = _Stats(), {}
-    for file, reader in zip(files, readers):
-        for tensor in reader.tensors:
+    for file in files:
+        for tensor in GGUFReader(file).tensors:
             match = _BLOCK.match(tensor.name)
             part = match[2] if match else None
             if part in (_K_B, _V_B) and match[1] in whole_kv_b:
