@@ -86,7 +86,8 @@ def test_split_gguf_loads_as_one(tmp_path):
 # Big enough for K-quants (256 values a row): every type on some weight.
 SHAPES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256)
 TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q6_K), (r"attn_output", T.Q4_0),
-         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q8_0), (r"ffn_(gate|up)_shexp", T.Q4_0), (r"ffn_down_shexp", T.Q4_1), (r"ffn_(gate|up)\.", T.Q4_K),
+         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q8_0), (r"ffn_(gate|up)_shexp", T.Q4_0),
+         (r"ffn_down_shexp", T.Q4_1), (r"ffn_(gate|up)\.", T.Q4_K),
          (r"ffn_down\.", T.Q6_K), (r"^output\.", T.Q6_K), (r"token_embd", T.Q8_0), (r"attn_k_b", T.BF16),
          (r"attn_v_b", T.F16)]
 
@@ -193,3 +194,22 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
     for ours, theirs in zip(_logprobs(model), reference):
         error = (ours - theirs).abs()
         assert error.max() < 0.3 and error.mean() < 0.06
+
+
+def test_expert_shard_converts_only_its_experts(tmp_path, monkeypatch):
+    """Expert parallelism: a rank takes its routed experts' rows of the stacked GGUF tensors, and no others."""
+    from latentserve.distributed.expert_parallel import RemoteExpert
+    from tests.models.test_loader import _shard
+
+    src = make_checkpoint(tmp_path, "v3")
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path)
+    converted = []
+    convert = gguf_format._convert
+    monkeypatch.setattr(gguf_format, "_convert", lambda t, name, *a: converted.append(name) or convert(t, name, *a))
+    model = load_model(path, attn_config=ATTN, prepare=_shard(1, 2))
+    experts = model.model.layers[1].mlp.experts
+    assert [isinstance(e, RemoteExpert) for e in experts] == [True] * 4 + [False] * 4
+    assert not [n for n in converted if re.search(r"\.experts\.[0-3]\.", n)]
+    plain = load_model(src, attn_config=ATTN, prepare=_shard(1, 2)).state_dict()
+    assert all(torch.equal(t, plain[n]) for n, t in model.state_dict().items())

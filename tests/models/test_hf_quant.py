@@ -280,3 +280,22 @@ def test_llm_loads_a_gptq_checkpoint_in_int4(tmp_path):
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint .* stored as gptq"):
         LLM(model=str(path), quantization="fp8", **kwargs)
+
+
+def test_expert_shard_reads_only_its_experts_parts(tmp_path, monkeypatch):
+    from latentserve.distributed.expert_parallel import RemoteExpert
+    from latentserve.models import safetensors_reader
+    from tests.models.test_loader import _shard
+
+    src = make_checkpoint(tmp_path, "v3", **SHAPES)
+    gen = torch.Generator().manual_seed(8)
+    config = dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm")
+    path, _ = _write(src, tmp_path / "awq", lambda name, w: _awq(w, 128, gen), config)
+    reads = []
+    read = safetensors_reader._read
+    monkeypatch.setattr(safetensors_reader, "_read",
+                        lambda f, entry, file: reads.append(entry.name) or read(f, entry, file))
+    model = load_model(path, attn_config=ATTN, quantization=QuantConfig("int4"), prepare=_shard(1, 2))
+    assert [isinstance(e, RemoteExpert) for e in model.model.layers[1].mlp.experts] == [True] * 4 + [False] * 4
+    assert not [n for n in reads if re.search(r"\.experts\.[0-3]\.", n)]
+    assert "model.layers.1.mlp.experts.4.down_proj.qzeros" in reads
