@@ -134,10 +134,10 @@ def add_tokenizer(w: gguf.GGUFWriter, tokenizer_dir: Path, pre: str = "gpt-2") -
 def write_gguf(src: Path, dst: Path, kind_of: Callable[[str, torch.Tensor], T] = lambda name, t: T.F32,
                kv_b: str = "split", split_max_tensors: int = 0, tokenizer_dir: Path | None = None,
                seed: int = 0, skip: set[str] = frozenset()) -> dict[str, np.ndarray]:
-    """Write `src` (a safetensors checkpoint) as the GGUF `dst`, kv_b_proj as attn_k_b and attn_v_b ("split"),
-    attn_kv_b ("whole", older files) or all three ("both", as some converter versions wrote), each 2-D+ tensor as `kind_of(gguf name, tensor)`
-    (1-D ones F32, as the converter does), but those in `skip`; returns gguf's dequantization of every tensor, by
-    GGUF name."""
+    """Write `src` (a safetensors checkpoint) as the GGUF `dst`: kv_b_proj as attn_k_b and attn_v_b ("split"),
+    attn_kv_b ("whole", older files) or all three ("both", as some converter versions wrote); each 2-D+ tensor as
+    `kind_of(gguf name, tensor)` (1-D ones F32, as the converter does), but those in `skip`. Returns gguf's
+    dequantization of every tensor, by GGUF name."""
     config = json.loads((src / "config.json").read_text())
     tensors = _converted(load_file(src / SINGLE_FILE), config, kv_b)
     w = gguf.GGUFWriter(dst, "deepseek2", split_max_tensors=split_max_tensors)
