@@ -30,6 +30,7 @@ from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
 from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
 from latentserve.models.config import ModelConfig
+from latentserve.models.formats import model_folder
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
 from latentserve.sampling_params import SamplingParams
@@ -129,7 +130,10 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vo
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     num_layers = model_config.num_attention_layers + (config.speculative_config is not None)  # + the MTP's cache
-    per_block = config.block_size * model_config.mla_config.kv_cache_dim * num_layers * cache_dtype.itemsize
+    values = model_config.mla_config.kv_cache_dim * num_layers
+    if model_config.dsa is not None:  # the indexers' key caches
+        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")
@@ -154,7 +158,7 @@ def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) ->
 
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig) -> None:
-        model_dir = Path(model)
+        model_dir = model_folder(model)  # a GGUF file: the folder of its config and tokenizer
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
         if torch.device(config.device).type == "cpu":

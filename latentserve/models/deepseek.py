@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from latentserve.attention.mla import MLAAttention
+from latentserve.attention.dsa.indexer import IndexerInputs
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
@@ -29,6 +29,7 @@ from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.config import ModelConfig
+from latentserve.models.dsa import attention_core
 
 
 def attention_layer_name(layer_idx: int) -> str:
@@ -41,12 +42,13 @@ class DeepseekAttention(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        name: str,  # its attention layer's: the key of its metadata and KV cache
+        layer_idx: int,
         rotary_emb: RotaryEmbedding,
         attn_config: AttentionConfig,
         static_ctx: StaticForwardContext,
         dtype: torch.dtype,
         device: torch.device | str,
+        name: str | None = None,  # its attention layer's (metadata and KV cache key); None: attention_layer_name
     ) -> None:
         super().__init__()
         c = config
@@ -68,17 +70,17 @@ class DeepseekAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
-        self.attn = MLAAttention(
-            name, c.mla_config, c.softmax_scale, attn_config, static_ctx,
-            kv_cache_dtype=dtype, device=device,
-        )
+        self.attn = attention_core(c, attention_layer_name(layer_idx) if name is None else name, layer_idx,
+                                   attn_config, static_ctx, dtype, device)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers; q_scale `[T]`:
         each token's query multiplier, where the model scales queries by position (Mistral 4)."""
+        q_resid = None
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
         q = q.view(hidden.shape[0], self.num_heads, -1)
@@ -93,7 +95,9 @@ class DeepseekAttention(nn.Module):
             # k_pe rides along as one more head: one rotation instead of two.
             pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
             q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
-            out = self.attn(q, kv_c_normed, pe[:, -1])
+            # DSA's indexer scores from the layer's input and q's LoRA residual too.
+            sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
+            out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
         return self.o_proj(out)
 
 
@@ -141,12 +145,12 @@ class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
         return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
 
 
-def _decoder_layer(c: ModelConfig, i: int, attention: Callable[[str], DeepseekAttention]) -> nn.Module:
-    """Layer i of the model's kind, its attention built by `attention(name)`."""
+def _decoder_layer(c: ModelConfig, i: int, attention: Callable[..., DeepseekAttention]) -> nn.Module:
+    """Layer i of the model's kind, its attention built by `attention(i, name=...)`."""
     if c.shortcut_moe:
-        return ShortcutMoEDecoderLayer(c, [attention(f"model.layers.{i}.self_attn.{j}.attn") for j in (0, 1)])
+        return ShortcutMoEDecoderLayer(c, [attention(i, name=f"model.layers.{i}.self_attn.{j}.attn") for j in (0, 1)])
     layer_cls = DeepseekDecoderLayer if c.residual_scale == 1.0 else ScaledResidualDecoderLayer
-    return layer_cls(c, i, attention(attention_layer_name(i)))
+    return layer_cls(c, i, attention(i))
 
 
 class DeepseekModel(nn.Module):

@@ -8,6 +8,8 @@ import math
 import re
 from typing import Any
 
+import torch
+
 from latentserve.models.arch.base import Architecture, Tensors
 from latentserve.models.fields import Fields
 
@@ -57,8 +59,11 @@ class LongcatFlash(Architecture):
                 continue  # its multi-token-prediction module: not run
             for pattern, replacement in _RENAMES:
                 name = pattern.sub(replacement, name)
-            if name.endswith(".q_b_proj.weight"):
-                tensor = (tensor.float() * q_scale).to(tensor.dtype)
-            elif name.endswith(".kv_a_layernorm.weight"):
-                tensor = (tensor.float() * kv_scale).to(tensor.dtype)
+            scale = q_scale if name.endswith(".q_b_proj.weight") else (
+                kv_scale if name.endswith(".kv_a_layernorm.weight") else None)
+            if scale is not None:
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"{name} is stored quantized: LongCat-Flash's LoRA scaling is folded into it at "
+                                     "load, which needs it in full precision")
+                tensor = (tensor.float() * scale).to(tensor.dtype)
             yield name, tensor

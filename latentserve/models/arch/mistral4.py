@@ -7,6 +7,8 @@ import math
 import re
 from typing import Any
 
+import torch
+
 from latentserve.models.arch.base import Architecture, Tensors
 from latentserve.models.fields import Fields
 
@@ -46,6 +48,8 @@ class Mistral4(Architecture):
                 yield name, tensor
                 continue
             prefix, kind = match[1], match[2]
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name} is stored quantized: Mistral 4's 3-D expert tensors load in full precision")
             for e, weight in enumerate(tensor.unbind(0)):
                 if kind == "down_proj":
                     yield f"{prefix}.{e}.down_proj.weight", weight
