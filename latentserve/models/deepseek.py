@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V2-Lite / V3 on latentserve's paged MLA attention.
+"""The DeepSeek-shaped MLA model on latentserve's paged attention, which every architecture (models/arch/) runs:
+its layers' variants are chosen by `ModelConfig` fields.
 
 Module and parameter names follow the checkpoints (`model.layers.{i}.self_attn.q_a_proj`, ...), except
 `kv_b_proj`, which lives in the attention core: `model.layers.{i}.self_attn.attn.kv_b_proj`.

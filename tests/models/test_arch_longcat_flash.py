@@ -5,7 +5,8 @@ shortcut MoE runs its modules."""
 from tests.models.arch_harness import ArchCase, ArchSuite
 
 # BASE fields LongCat-Flash names otherwise (or derives: num_hidden_layers is twice num_layers)
-_RENAMED = ("num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "intermediate_size", "num_hidden_layers")
+_RENAMED = ("num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "intermediate_size",
+            "num_hidden_layers")
 
 
 class TestLongcatFlash(ArchSuite):
