@@ -162,6 +162,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding with the checkpoint\'s MTP layer, as JSON: '
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs independent of the requests batched with it (slower)")
 
 
 def speculative_config(text: str) -> dict:
@@ -220,6 +222,7 @@ def build_llm(args: argparse.Namespace) -> LLM:
             link_bandwidth_gbps=args.link_bandwidth_gbps,
             reasoning_parser=args.reasoning_parser,
             speculative_config=args.speculative_config,
+            batch_invariant=args.batch_invariant,
         )
 
 

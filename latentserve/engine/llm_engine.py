@@ -28,7 +28,8 @@ from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
-from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
+from latentserve.kernels import native
+from latentserve.kernels.cpu import auto_dtype, cpu_features, last_level_cache_bytes
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
@@ -92,6 +93,8 @@ class EngineConfig:
     reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
     # {"method": "mtp", "num_speculative_tokens": k}: draft with the checkpoint's MTP layer, verify exactly.
     speculative_config: SpeculativeConfig | dict | None = None
+    # A request's tokens and logprobs independent of what else its steps hold (latentserve.batch_invariant).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -102,6 +105,8 @@ class EngineConfig:
             if value is not None and not _is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
 
 
 def dbo_config(config: EngineConfig) -> DBOConfig:
@@ -111,6 +116,26 @@ def dbo_config(config: EngineConfig) -> DBOConfig:
         cuda = torch.device(config.device).type == "cuda"
         decode_threshold = DBOConfig.dbo_decode_token_threshold if cuda else CPU_DBO_DECODE_TOKEN_THRESHOLD
     return DBOConfig(config.enable_dbo, decode_threshold, config.dbo_prefill_token_threshold)
+
+
+def check_batch_invariant(config: EngineConfig, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Batch-invariant mode runs on latentserve's CPU kernels; a setting that would take another path fails here."""
+    problems = []
+    if torch.device(config.device).type != "cpu":
+        problems.append(f"device {config.device!r} (it needs the CPU)")
+    else:
+        kernels, why = native.native_kernels(cpu_features())
+        if kernels is None:
+            problems.append(f"latentserve's CPU kernels ({why})")
+    for name, value in (("dtype", dtype), ("kv_cache_dtype", cache_dtype)):
+        if value not in native.KERNEL_DTYPES:
+            problems.append(f"{name} {value} (it needs float32 or bfloat16)")
+    if config.decode_backend not in (None, "NATIVE"):
+        problems.append(f"decode_backend {config.decode_backend!r} (it needs NATIVE)")
+    if config.speculative_config is not None:
+        problems.append("speculative decoding (whether a step drafts depends on its batch size)")
+    if problems:
+        raise ValueError(f"batch_invariant=True cannot run with: {'; '.join(problems)}")
 
 
 def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vocab_size: int) -> list[int]:
@@ -165,6 +190,8 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         dtype = parse_dtype(config.dtype, config.device)
         cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
+        if config.batch_invariant:
+            check_batch_invariant(config, dtype, cache_dtype)
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         attn_config = AttentionConfig(
@@ -172,7 +199,8 @@ class LLMEngine:
             decode_threshold=1 + num_spec,  # a verification step is a decode with k+1 new tokens
             workspace_tokens=config.workspace_tokens,
             prefill_backend=config.prefill_backend,
-            decode_backend=config.decode_backend,
+            decode_backend="NATIVE" if config.batch_invariant else config.decode_backend,
+            batch_invariant=config.batch_invariant,
         )
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
