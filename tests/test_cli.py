@@ -376,3 +376,12 @@ def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypat
         assert f"decode MoE block: the layer's modules one by one ({why})" in weights
         assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
+
+
+def test_backends_lists_the_architectures(capsys):
+    from latentserve.models.arch import ARCHITECTURES
+
+    code, out, _ = run_cli(["backends"], capsys)
+    listed = out.split("architectures (", 1)[1].splitlines()[1:]
+    assert code == 0 and [line.split(":")[0].strip() for line in listed] == list(ARCHITECTURES)
+    assert "  deepseek_v3: DeepseekV3ForCausalLM (" in out

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from latentserve.layers.linear import Linear
 from latentserve import batch_invariant
+from latentserve.layers.linear import Linear
 from latentserve.layers.quant.experts import tokens_mlp
 
 
