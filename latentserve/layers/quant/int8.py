@@ -8,7 +8,6 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from latentserve import batch_invariant
 from latentserve.layers.linear import linear
 from latentserve.kernels import native
 
@@ -121,7 +120,7 @@ class NativeInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
         dtype = self.out_dtype or x.dtype
-        if x2.shape[0] <= NATIVE_INT8_ROWS or batch_invariant.is_enabled():
+        if x2.shape[0] <= NATIVE_INT8_ROWS:
             y = native.int8_linear(self.kernels, x2, self.qweight, self.scale, self.qsum, dtype)
         else:
             y = int8_gemm(x2.float(), self.qweight, self.scale)
