@@ -91,16 +91,16 @@ def _native_tokens(chosen: list[list[nn.Module]], xa: torch.Tensor, gates: torch
     bits = 8 if kind is NativeInt8Linear else 4
     x = native.activations(xa, xa.shape[-1])
     gates = gates.float().contiguous()
-    outs = []
-    for start in range(0, len(chosen), TOKENS_PER_CALL):
-        stop = start + TOKENS_PER_CALL
-        outs.append(native.experts_tokens(gate_up.kernels, x[start:stop].contiguous(), _pointers(layers[start:stop], bits),
-                                          gates[start:stop], gate_up.out_features // 2, bits, groups))
+    outs = [native.experts_tokens(gate_up.kernels, x[t : t + TOKENS_PER_CALL].contiguous(),
+                                  _pointers(layers[t : t + TOKENS_PER_CALL], bits), gates[t : t + TOKENS_PER_CALL],
+                                  gate_up.out_features // 2, bits, groups)
+            for t in range(0, len(chosen), TOKENS_PER_CALL)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _pointers(layers: list[list[tuple[nn.Module, nn.Module]]], bits: int) -> list[torch.Tensor]:
     """The weights `experts_tokens` reads per (token, expert), in its order."""
+    pairs = [pair for row in layers for pair in row]
     if bits == 8:
-        return [t for row in layers for gu, d in row for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
-    return [t for row in layers for gu, d in row for t in (gu.packed, d.packed)]
+        return [t for gu, d in pairs for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
+    return [t for gu, d in pairs for t in (gu.packed, d.packed)]
