@@ -249,7 +249,8 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
                         link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1",
-                        speculative_config=None)
+                        speculative_config=None, kv_cache_dtype="auto", enable_prefix_caching=True,
+                        enable_chunked_prefill=True, tokenizer=None, max_logprobs=20)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -339,7 +340,8 @@ def test_mistake_in_a_subprocess_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "latentserve.cli", "generate", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True, cwd=REPO, timeout=120, env=SUBPROCESS_ENV)
     assert proc.returncode == 1
-    assert proc.stderr == f"latentserve: error: model directory {tmp_path / 'nope'} does not exist\n"
+    assert proc.stderr == (f"latentserve: error: model directory {tmp_path / 'nope'} does not exist (latentserve "
+                           "downloads nothing: the model is a local checkpoint directory)\n")
     assert proc.stdout == ""
 
 
