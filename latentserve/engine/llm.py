@@ -11,6 +11,7 @@ from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.llm_engine import EngineConfig, LLMEngine, engine_tokenizer, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.reasoning import make_reasoning_parser
+from latentserve.models.saved import save_quantized
 from latentserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -96,6 +97,15 @@ class LLM:
         """vLLM's: SamplingParams() with what the model's generation config (generation_config=...) sets."""
         defaults = self.engine.generation_defaults if self.dp_engine is None else self._generation_defaults
         return SamplingParams(**defaults)
+
+    def save_quantized(self, output_dir: str | Path) -> Path:
+        """Write the loaded int8/int4 model as it runs (packed weights included) to `output_dir`, a new folder;
+        `LLM(model=output_dir)` then maps it and runs on it without quantizing again (models/saved.py)."""
+        if self.dp_engine is not None:
+            raise ValueError("save_quantized needs a one-process LLM (data_parallel_size=1)")
+        if self.engine.quantization is None or self.engine.quantization.method not in ("int8", "int4"):
+            raise ValueError("save_quantized saves an int8 or int4 model: load it with quantization='int8' or 'int4'")
+        return save_quantized(self.engine.model, self.model_dir, Path(output_dir), self.engine.quantization)
 
     def shutdown(self) -> None:
         """Stop the data-parallel ranks (also done when the LLM is garbage-collected or at exit)."""

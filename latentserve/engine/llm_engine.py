@@ -33,6 +33,7 @@ from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
 from latentserve.models.config import DeepseekConfig
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
+from latentserve.models.saved import load_saved, read_saved
 from latentserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -186,7 +187,11 @@ class LLMEngine:
             # In a data-parallel rank this overrides the front end's even share of the cores.
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = parse_dtype(config.dtype, config.device)
+        saved = read_saved(model_dir)  # None: a checkpoint to load (and maybe quantize)
+        if saved is not None:
+            saved.check_settings(config.dtype, config.quantization, config.quantization_group_size,
+                                 config.lm_head_quantized, config.device)
+        dtype = saved.dtype if saved is not None else parse_dtype(config.dtype, config.device)
         cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
@@ -203,8 +208,9 @@ class LLMEngine:
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
-        quantization = resolve_quantization(config.quantization, config.quantization_group_size,
-                                            model_config.quantization, config.lm_head_quantized)
+        quantization = saved.quantization if saved is not None else resolve_quantization(
+            config.quantization, config.quantization_group_size, model_config.quantization, config.lm_head_quantized)
+        self.quantization = quantization  # what save_quantized records
         model_len = model_config.max_position_embeddings
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:
@@ -223,7 +229,10 @@ class LLMEngine:
             # Other ranks' routed experts are dropped before loading: this rank never allocates or reads them.
             link = LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps)
             prepare = functools.partial(shard_experts, group=expert_group, link=link)
-        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare, quantization)
+        if saved is not None and prepare is not None:
+            raise ValueError(f"{model_dir} is a saved quantized model: expert parallelism needs the original checkpoint")
+        self.model = (load_saved(saved, attn_config) if saved is not None
+                      else load_model(model_dir, dtype, attn_config, config.device, prepare, quantization))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
