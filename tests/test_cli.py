@@ -378,3 +378,13 @@ def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypat
         assert f"decode MoE block: the layer's modules one by one ({why})" in weights
         assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
+
+
+def test_start_imports_neither_dynamo_nor_sympy():
+    """Building the model on meta once pulled torch._dynamo and sympy in through torch._refs (~2 s of a start)."""
+    code = ("import sys; from latentserve.cli import main; main(['generate', '--max-tokens', '1']); "
+            "print([m for m in ('torch._dynamo', 'sympy') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=SUBPROCESS_ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
