@@ -380,6 +380,15 @@ def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypat
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
 
 
+def test_backends_lists_the_architectures(capsys):
+    from latentserve.models.arch import ARCHITECTURES
+
+    code, out, _ = run_cli(["backends"], capsys)
+    listed = out.split("architectures (", 1)[1].splitlines()[1:]
+    assert code == 0 and [line.split(":")[0].strip() for line in listed] == list(ARCHITECTURES)
+    assert "  deepseek_v3: DeepseekV3ForCausalLM (" in out
+
+
 def test_start_imports_neither_dynamo_nor_sympy():
     """Building the model on meta once pulled torch._dynamo and sympy in through torch._refs (~2 s of a start)."""
     code = ("import sys; from latentserve.cli import main; main(['generate', '--max-tokens', '1']); "

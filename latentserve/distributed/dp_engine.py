@@ -264,4 +264,7 @@ class ExternalDPEngine:
         return answers
 
     def shutdown(self) -> None:
+        # Every rank finishes its last collective before any rank tears its connections down: a rank still
+        # reading the final all_gather when its peer closes has been seen to abort in gloo (rare, under load).
+        dist.barrier()
         destroy_dp_group()

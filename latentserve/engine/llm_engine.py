@@ -30,7 +30,7 @@ from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
 from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
 from latentserve.models.saved import load_saved, read_saved
@@ -150,7 +150,7 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
             raise ValueError(f"{name}={k} exceeds this engine's max_logprobs={max_logprobs} (--max-logprobs)")
 
 
-def _blocks_for_memory(config: EngineConfig, model_config: DeepseekConfig, cache_dtype: torch.dtype) -> int:
+def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
     per_block = config.block_size * model_config.mla_config.kv_cache_dim * num_layers * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
@@ -204,7 +204,7 @@ class LLMEngine:
         )
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
-        model_config = DeepseekConfig.from_pretrained(model_dir)
+        model_config = ModelConfig.from_pretrained(model_dir)
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")

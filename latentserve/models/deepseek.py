@@ -18,12 +18,13 @@ from latentserve.kernels.native import MLABlock
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
+from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 
 
 def attention_layer_name(layer_idx: int) -> str:
@@ -35,7 +36,7 @@ class DeepseekAttention(nn.Module):
 
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         attn_config: AttentionConfig,
@@ -89,11 +90,13 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
-        if c.is_moe_layer(layer_idx):
+        if c.is_moe_layer(layer_idx) and c.moe_output_norm:
+            self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
+        elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
@@ -117,7 +120,7 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         attn_config: AttentionConfig,
         static_ctx: StaticForwardContext,
         dtype: torch.dtype,
@@ -159,7 +162,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         attn_config: AttentionConfig = AttentionConfig(),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",

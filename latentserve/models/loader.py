@@ -22,7 +22,8 @@ from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import Fp8Config, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.arch import ARCHITECTURES
+from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.safetensors_reader import read_tensors
 
@@ -101,7 +102,7 @@ def checkpoint_name(param: str) -> str:
     return param.replace(".self_attn.attn.kv_b_proj.", ".self_attn.kv_b_proj.")
 
 
-def _is_mtp(name: str, config: DeepseekConfig) -> bool:
+def _is_mtp(name: str, config: ModelConfig) -> bool:
     """Multi-token-prediction layers are stored as extra layers after the main ones; models/mtp.py loads them."""
     match = _LAYER_INDEX.match(name)
     if match is None:
@@ -275,7 +276,7 @@ def _materialize(model: nn.Module, device: torch.device | str, skip: set[str]) -
                 setattr(module, name, made[id(param)])
 
 
-def empty_model(config: DeepseekConfig, attn_config: AttentionConfig, dtype: torch.dtype,
+def empty_model(config: ModelConfig, attn_config: AttentionConfig, dtype: torch.dtype,
                 device: torch.device | str) -> DeepseekForCausalLM:
     """The model with every parameter on meta, for the weights to be installed."""
     with _parameters_on_meta():
@@ -299,7 +300,7 @@ def load_model(
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    config = DeepseekConfig.from_pretrained(model_dir)
+    config = ModelConfig.from_pretrained(model_dir)
     model = empty_model(config, attn_config, dtype, device)
     declared = set(model.state_dict())
     if prepare is not None:
@@ -315,7 +316,7 @@ def load_model(
     def wanted(name: str) -> bool:
         return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped
 
-    tensors = iter_checkpoint_tensors(model_dir, wanted)
+    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, iter_checkpoint_tensors(model_dir, wanted))
     if config.quantization is not None:
         tensors = dequantize_fp8(tensors, config.quantization)
     load_weights(model, tensors, quantization, device)

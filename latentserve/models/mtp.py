@@ -26,7 +26,7 @@ from latentserve.layers.linear import Linear
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import (
     DeepseekAttention,
     DeepseekDecoderLayer,
@@ -46,13 +46,13 @@ from latentserve.models.loader import (
 )
 
 
-def mtp_prefix(config: DeepseekConfig) -> str:
+def mtp_prefix(config: ModelConfig) -> str:
     """Checkpoint name prefix of the (first) MTP layer."""
     return f"model.layers.{config.num_hidden_layers}."
 
 
 class SharedHead(nn.Module):
-    def __init__(self, config: DeepseekConfig, own_head: bool) -> None:
+    def __init__(self, config: ModelConfig, own_head: bool) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if own_head:
@@ -62,7 +62,7 @@ class SharedHead(nn.Module):
 class DeepseekMTPLayer(DeepseekDecoderLayer):
     """A decoder layer plus the MTP input projection and output norm; parameter names follow the checkpoint."""
 
-    def __init__(self, config: DeepseekConfig, attention: DeepseekAttention, own_embed: bool, own_head: bool) -> None:
+    def __init__(self, config: ModelConfig, attention: DeepseekAttention, own_embed: bool, own_head: bool) -> None:
         super().__init__(config, config.num_hidden_layers, attention)
         h = config.hidden_size
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)

@@ -28,7 +28,7 @@ from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n
 from latentserve.layers.quant.int8 import Int8Linear, NativeInt8Linear
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.loader import empty_model
 
@@ -292,7 +292,7 @@ def load_saved(saved: SavedModel, attn_config: AttentionConfig = AttentionConfig
     manifest = saved.manifest
     kernels, _ = native_kernels(cpu_features())
     views = _views(saved.path / manifest["weights"], manifest["file_bytes"])
-    model = empty_model(DeepseekConfig.from_pretrained(saved.path), attn_config, saved.dtype, "cpu")
+    model = empty_model(ModelConfig.from_pretrained(saved.path), attn_config, saved.dtype, "cpu")
     for name, spec in manifest["modules"].items():
         layer = _new(SAVABLE[spec["class"]], spec["attributes"], kernels)
         for buffer in spec["buffers"]:
