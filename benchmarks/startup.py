@@ -41,10 +41,10 @@ print(elapsed, int(hwm.split()[1]) / 1024)
 IMPORT_ONLY = "import latentserve"
 
 
-def run_child(args: list[str]) -> tuple[float, float, float]:
+def run_child(args: list[str], tree: Path = REPO) -> tuple[float, float, float]:
     """(wall seconds, then what the child printed: seconds from import to first token and peak RSS in MiB, its
     VmHWM: getrusage's maximum would include this process's size at the fork) of one fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--method", choices=["int8", "int4"], default="int4")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compare-tree", type=Path, default=None,
+                        help="another checkout (e.g. main's) whose embedded start runs interleaved with this one's")
     args = parser.parse_args()
     source = args.dir / f"v2lite-{args.layers}"
     saved = args.dir / f"v2lite-{args.layers}-{args.method}"
@@ -75,11 +77,15 @@ def main() -> None:
         "quantize-at-load": (str(source), {**small, "quantization": args.method}),
         "saved": (str(saved), small),
     }
+    trees = {name: REPO for name in ways}
+    if args.compare_tree is not None:
+        ways[f"embedded ({args.compare_tree})"] = ways["embedded"]
+        trees[f"embedded ({args.compare_tree})"] = args.compare_tree
     results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ["import", *ways]}
     for _ in range(args.rounds):
         results["import"].append(run_child([IMPORT_ONLY]))
         for name, (model, kwargs) in ways.items():
-            results[name].append(run_child([CHILD, model, repr(kwargs)]))
+            results[name].append(run_child([CHILD, model, repr(kwargs)], trees[name]))
     import_s = statistics.median(r[0] for r in results["import"])
     file_mib = sum(f.stat().st_size for f in saved.iterdir()) / 2**20
     print(f"import latentserve: {import_s:.2f} s (median wall); saved {args.method} folder {file_mib:.0f} MiB")
