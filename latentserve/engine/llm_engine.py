@@ -152,7 +152,10 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
-    per_block = config.block_size * model_config.mla_config.kv_cache_dim * num_layers * cache_dtype.itemsize
+    values = model_config.mla_config.kv_cache_dim * num_layers
+    if model_config.dsa is not None:  # the indexers' key caches
+        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")

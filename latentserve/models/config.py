@@ -12,6 +12,7 @@ from latentserve.layers.quant.config import Fp8Config
 from latentserve.layers.moe import RoutingConfig
 from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
 from latentserve.models.arch import architecture_for
+from latentserve.models.dsa import DSAConfig
 from latentserve.models.fields import Fields
 
 
@@ -47,6 +48,7 @@ class ModelConfig:
     # layers after them: by first_k_dense_replace and moe_layer_freq.
     mlp_layer_types: tuple[str, ...] | None = None
     moe_output_norm: bool = False  # an RMSNorm on each MoE's output, before the residual (layers/normed_moe.py)
+    dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
 
     @property
     def qk_head_dim(self) -> int:

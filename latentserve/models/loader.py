@@ -92,14 +92,21 @@ def dequantize_fp8(
         raise ValueError(f"checkpoint has {name + SCALE_SUFFIX!r} but {name!r} is not a float8_e4m3fn tensor in it")
 
 
+_CORE_PARTS = ("kv_b_proj", "indexer")  # the checkpoint's attention modules that live in the attention core
+
+
 def param_name(checkpoint_name: str) -> str:
-    """Checkpoint tensor name -> our parameter name (kv_b_proj belongs to the attention core)."""
-    return checkpoint_name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj.")
+    """Checkpoint tensor name -> our parameter name (kv_b_proj and DSA's indexer belong to the attention core)."""
+    for part in _CORE_PARTS:
+        checkpoint_name = checkpoint_name.replace(f".self_attn.{part}.", f".self_attn.attn.{part}.")
+    return checkpoint_name
 
 
 def checkpoint_name(param: str) -> str:
     """The inverse of `param_name`."""
-    return param.replace(".self_attn.attn.kv_b_proj.", ".self_attn.kv_b_proj.")
+    for part in _CORE_PARTS:
+        param = param.replace(f".self_attn.attn.{part}.", f".self_attn.{part}.")
+    return param
 
 
 def _is_mtp(name: str, config: ModelConfig) -> bool:

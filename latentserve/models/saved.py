@@ -96,13 +96,14 @@ def _quantized_modules(model: nn.Module) -> dict[str, dict]:
     return specs
 
 
-def _absorbed(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
-    """MLA's absorbed decode weights (plain attributes of each attention core) and their int8 products."""
+def _derived(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """What loading derived beyond parameters and buffers: tensors kept as plain attributes (MLA's absorbed decode
+    weights W_UK_T and W_UV) and the absorbed int8 products."""
     tensors, products = {}, {}
     for name, module in model.named_modules():
+        tensors.update({f"{name}.{k}": v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
         if not isinstance(module, MLAAttention):
             continue
-        tensors[f"{name}.W_UK_T"], tensors[f"{name}.W_UV"] = module.W_UK_T, module.W_UV
         for i, product in enumerate(module.int8_absorbed or ()):
             key = f"{name}.int8_absorbed.{i}"
             products[key] = _attributes(product, key)
@@ -155,8 +156,8 @@ def save_quantized(model: DeepseekForCausalLM, source_dir: Path, output_dir: Pat
             raise SavedModelError(f"{name} is not contiguous, which a saved model cannot hold")
         seen[key] = name
         tensors[name] = t
-    absorbed, products = _absorbed(model)
-    tensors.update(absorbed)
+    derived, products = _derived(model)
+    tensors.update(derived)
     output_dir.mkdir(parents=True, exist_ok=True)
     file_bytes = _write_safetensors(output_dir / WEIGHTS, tensors, {"format": FORMAT, "version": str(VERSION)})
     config = json.loads((source_dir / "config.json").read_text())
@@ -173,6 +174,7 @@ def save_quantized(model: DeepseekForCausalLM, source_dir: Path, output_dir: Pat
                          "lm_head": quantization.lm_head},
         "layout": kernel_layout({spec["class"] for spec in modules.values()}),
         "modules": modules, "absorbed_products": products, "aliases": aliases,
+        "tensor_attributes": [name for name in derived if ".int8_absorbed." not in name],
     }
     (output_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return output_dir
@@ -305,9 +307,11 @@ def load_saved(saved: SavedModel, attn_config: AttentionConfig = AttentionConfig
             model.get_submodule(parent_name).fuse_gate_up(layer)
         else:
             setattr(model.get_submodule(parent_name), child, layer)
+    for name in manifest["tensor_attributes"]:
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, views.pop(name))
     for name, module in model.named_modules():
         if isinstance(module, MLAAttention):
-            module.W_UK_T, module.W_UV = views.pop(f"{name}.W_UK_T"), views.pop(f"{name}.W_UV")
             products = [manifest["absorbed_products"].get(f"{name}.int8_absorbed.{i}") for i in range(2)]
             if products[0] is not None:
                 module.int8_absorbed = tuple(_product(views, f"{name}.int8_absorbed.{i}", attrs, kernels)
