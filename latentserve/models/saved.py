@@ -40,8 +40,9 @@ ALIGN = 64  # every tensor starts on a cache line, as torch's own allocations do
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 # The quantized layers whose state is plain tensors and plain attributes; fbgemm's packed weight is opaque.
 SAVABLE = {cls.__name__: cls for cls in (Int8Linear, NativeInt8Linear, Int4Linear, Int4PackLinear, NativeInt4Linear)}
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64", torch.bool: "BOOL"}
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+                       torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+                       torch.bool: "BOOL"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
@@ -120,6 +121,8 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: d
             gap = ALIGN - offset % ALIGN
             header[f"__pad.{pads}"] = {"dtype": "U8", "shape": [gap], "data_offsets": [offset, offset + gap]}
             offset, pads = offset + gap, pads + 1
+        if t.dtype not in _SAFETENSORS_DTYPES:
+            raise SavedModelError(f"{name} is a {t.dtype} tensor, which a saved model cannot hold")
         size = t.numel() * t.element_size()
         header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + size]}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from latentserve import LLM, SamplingParams
 from latentserve.cli import main
@@ -74,10 +75,16 @@ def test_weights_are_views_of_the_mapped_file(saved):
     llm = LLM(path, **ENGINE)
     ranges = mapped_range(path / WEIGHTS)
     assert ranges
-    tensors = list(llm.engine.model.state_dict().values())
-    assert len(tensors) > 20
-    for t in tensors:
+    state = llm.engine.model.state_dict()
+    assert len(state) > 20
+    for t in state.values():
         assert any(start <= t.data_ptr() < end for start, end in ranges)
+    with safe_open(path / WEIGHTS, "pt") as f:  # a valid safetensors file, by the format's own library
+        names = [name for name in f.keys() if not name.startswith("__pad.")]
+        assert set(state) - set(names) <= set(json.loads((path / MANIFEST).read_text())["aliases"])
+        for name in names:
+            if name in state:
+                assert torch.equal(f.get_tensor(name), state[name]), name
 
 
 def test_quantize_command(checkpoint, tmp_path, capsys):
@@ -90,6 +97,18 @@ def test_quantize_command(checkpoint, tmp_path, capsys):
     assert [o.outputs[0].logprobs for o in mapped] == [o.outputs[0].logprobs for o in reference]
     assert main([*argv, "--output", str(output)]) == 1
     assert "is not empty: pass a new --output folder" in capsys.readouterr().err
+
+
+def test_embedded_model_saved_and_served_by_the_cli(tmp_path, capsys):
+    """`latentserve quantize` then `generate --model DIR`: the same text as quantizing at load."""
+    output = tmp_path / "embedded-int4"
+    assert main(["quantize", "--quantization", "int4", "--output", str(output)]) == 0
+    capsys.readouterr()
+    flags = ["--max-tokens", "8", "--temperature", "0", "--num-kv-blocks", "64", "--json"]
+    assert main(["generate", "--quantization", "int4", *flags]) == 0
+    at_load = json.loads(capsys.readouterr().out)
+    assert main(["generate", "--model", str(output), *flags]) == 0
+    assert json.loads(capsys.readouterr().out) == at_load
 
 
 def copy_saved(path: Path, tmp_path: Path) -> Path:
