@@ -44,6 +44,7 @@ _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat1
                        torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
                        torch.bool: "BOOL"}
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+_DTYPE_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in _SAFETENSORS_DTYPES}
 
 
 class SavedModelError(ValueError):
@@ -72,7 +73,9 @@ def _encode(value: Any, where: str) -> Any:
 
 def _decode(value: Any, kernels: NativeKernels | None) -> Any:
     if isinstance(value, dict) and "dtype" in value:
-        return DTYPES[value["dtype"]] if value["dtype"] in DTYPES else getattr(torch, value["dtype"])
+        if value["dtype"] not in _DTYPE_NAMES:
+            raise SavedModelError(f"unknown dtype {value['dtype']!r} in the manifest: save the model again")
+        return _DTYPE_NAMES[value["dtype"]]
     if isinstance(value, dict) and "kernels" in value:
         return kernels
     return value
@@ -227,18 +230,18 @@ def read_saved(model_dir: Path) -> SavedModel | None:
         return None
     try:
         manifest = json.loads(path.read_text())
-        version = manifest["version"]
-        fmt = manifest["format"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        version, fmt, layout = manifest["version"], manifest["format"], manifest["layout"]
+        classes = {spec["class"] for spec in manifest["modules"].values()}
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise SavedModelError(f"{path} is malformed ({e!r}): save the model again") from None
     if fmt != FORMAT:
         raise SavedModelError(f"{path} names format {fmt!r}, not {FORMAT!r}")
     if not isinstance(version, int) or version > VERSION:
         raise SavedModelError(f"{model_dir} was saved in format version {version}, newer than this latentserve reads "
                               f"({VERSION}): upgrade latentserve, or quantize the original checkpoint with this one")
-    here = kernel_layout({spec["class"] for spec in manifest["modules"].values()})
-    if here != manifest["layout"]:
-        raise SavedModelError(f"{model_dir} was saved for kernel layout {manifest['layout']}, and this machine uses "
+    here = kernel_layout(classes)
+    if here != layout:
+        raise SavedModelError(f"{model_dir} was saved for kernel layout {layout}, and this machine uses "
                               f"{here}: quantize the original checkpoint here (`latentserve quantize`)")
     return SavedModel(Path(model_dir), manifest)
 
