@@ -397,3 +397,16 @@ def test_start_imports_neither_dynamo_nor_sympy():
                           env=SUBPROCESS_ENV)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_generation_config_gives_the_sampling_defaults(model_dir, tmp_path, capsys):
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    base = ["generate", "--model", str(model_dir), *ENGINE_FLAGS, "--prompt", "and god said", "--json"]
+    code, out, _ = run_cli([*base, "--generation-config", str(folder)], capsys)
+    assert code == 0
+    code, flagged, _ = run_cli([*base, "--max-tokens", "3", *GREEDY], capsys)
+    assert code == 0 and json.loads(out) == json.loads(flagged)
+    code, _, err = run_cli([*base, "--generation-config", str(tmp_path)], capsys)
+    assert code == 1 and "no generation_config.json there" in err

@@ -19,7 +19,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from latentserve.assets import DEFAULT_MODEL_DIR
-from latentserve.cli import main
+from latentserve.cli import main, make_parser, vllm_flags
 from latentserve.cli import serve as serve_cli
 from latentserve.engine.chat_template import render_chat
 
@@ -257,3 +257,20 @@ def test_real_start_with_https_cors_and_log_level(model_dir, tmp_path):
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert "Uvicorn running on" not in err and "Application startup complete" not in err  # info lines: off
+
+
+@pytest.mark.parametrize("flag", vllm_flags.FLAGS, ids=lambda flag: flag.names[0])
+def test_every_vllm_flag_without_counterpart_says_why(flag, capsys):
+    """Refused ones exit 2 naming the flag and the reason; accepted values and no-op flags parse (no-ops with a note)."""
+    argv = ["serve", flag.names[0]] + (["0.5" if not flag.accepted else "8"] if flag.takes_value else [])
+    if flag.note:
+        args = make_parser().parse_args(argv)
+        vllm_flags.print_notes(args)
+        assert capsys.readouterr().err == f"latentserve: note: {flag.names[0]}: {flag.reason}\n"
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        make_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"{flag.names[0]} {argv[-1]}: {flag.reason}" in capsys.readouterr().err
+    for value in flag.accepted:
+        assert vllm_flags.NOTES_DEST in vars(make_parser().parse_args(["serve", flag.names[0], value]))
