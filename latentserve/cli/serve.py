@@ -20,11 +20,18 @@ from latentserve.engine.chat_template import load_chat_template
 from latentserve.engine.llm import default_model_dir
 from latentserve.distributed.dp_engine import launched_by_torchrun
 from latentserve.server import ServerConfig
-from latentserve.server.api import CORS, DEFAULT_MAX_REQUEST_BYTES
+from latentserve.server.api import CORS, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from latentserve.server.launcher import make_app, serve_app, serving_engine
 from latentserve.server.tool_parsers import tool_parser_names
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder name)")
     g.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
+    g.add_argument("--body-read-timeout", type=positive_float, default=DEFAULT_BODY_READ_TIMEOUT,
+                   help="seconds a request body may stall before its end (then 408)")
     g.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--metrics-prefix", choices=["latentserve", "vllm"], default="latentserve",
@@ -102,7 +111,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_template = load_chat_template(args.chat_template) if args.chat_template is not None else None
         return ServerConfig(host=args.host, port=args.port, api_key=api_key, max_waiting=args.max_waiting,
                             served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
-                            max_request_bytes=args.max_request_bytes, metrics_prefix=args.metrics_prefix,
+                            max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
+                            metrics_prefix=args.metrics_prefix,
                             log_level=args.uvicorn_log_level, tool_call_parser=args.tool_call_parser,
                             chat_template=chat_template, cors=cors, ssl_keyfile=args.ssl_keyfile,
                             ssl_certfile=args.ssl_certfile)
@@ -119,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         with user_errors():  # e.g. a chat template for a model without a tokenizer
             app = make_app(serving_engine(llm), name, config)
-        serve_app(app, config)
+        return serve_app(app, config)
     finally:
         llm.shutdown()
-    return 0

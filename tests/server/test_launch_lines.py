@@ -35,7 +35,7 @@ TEMPLATE = "{% for m in messages %}<｜User｜>{{ m['content'] }}{% endfor %}<�
 def start(argv: list[str], monkeypatch) -> tuple[TestClient, serve_cli.ServerConfig]:
     """`latentserve serve ARGV` up to the point where uvicorn would run: the app it built, and its settings."""
     built = {}
-    monkeypatch.setattr(serve_cli, "serve_app", lambda app, config: built.update(app=app, config=config))
+    monkeypatch.setattr(serve_cli, "serve_app", lambda app, config: built.update(app=app, config=config) or 0)
     assert main(["serve", *argv]) == 0
     return TestClient(built["app"]), built["config"]
 
