@@ -11,7 +11,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from latentserve.attention.mla import MLAAttention
+from latentserve.attention.dsa.indexer import IndexerInputs
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
@@ -25,6 +25,7 @@ from latentserve.models.attention_block import fused_attention
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.config import ModelConfig
+from latentserve.models.dsa import attention_core
 
 
 def attention_layer_name(layer_idx: int) -> str:
@@ -64,15 +65,15 @@ class DeepseekAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
-        self.attn = MLAAttention(
-            attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
-            kv_cache_dtype=dtype, device=device,
-        )
+        self.attn = attention_core(c, attention_layer_name(layer_idx), layer_idx, attn_config, static_ctx, dtype,
+                                   device)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
+        q_resid = None
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
         q = q.view(hidden.shape[0], self.num_heads, -1)
@@ -85,7 +86,9 @@ class DeepseekAttention(nn.Module):
             # k_pe rides along as one more head: one rotation instead of two.
             pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
             q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
-            out = self.attn(q, kv_c_normed, pe[:, -1])
+            # DSA's indexer scores from the layer's input and q's LoRA residual too.
+            sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
+            out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
         return self.o_proj(out)
 
 

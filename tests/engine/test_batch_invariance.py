@@ -1,6 +1,7 @@
 """Batch-invariant mode: a request's tokens and logprobs are the same, to the bit, alone and beside any other
 requests, whatever the step's size, prefill chunking, prefix-cache hits and DBO split (the reference is the request
 alone in a fresh engine)."""
+import json
 import random
 
 import pytest
@@ -109,3 +110,13 @@ def test_without_native_kernels_it_fails_at_start(monkeypatch):
 def test_batch_invariant_must_be_a_bool():
     with pytest.raises(ValueError, match="batch_invariant must be True or False, got 'yes'"):
         LLM(batch_invariant="yes")
+
+
+def test_sparse_attention_models_fail_at_start(tmp_path):
+    """Checked from config.json, before any weight is read (there are none here)."""
+    config = json.loads((default_model_dir() / "config.json").read_text())
+    config.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"], index_topk=8, index_n_heads=4,
+                  index_head_dim=32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"batch_invariant=True cannot run with: DeepSeek Sparse Attention"):
+        LLM(model=str(tmp_path), batch_invariant=True)
