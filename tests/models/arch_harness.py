@@ -148,6 +148,16 @@ class ArchSuite:
             torch.testing.assert_close(torch.tensor(prompt_logprobs(b)), torch.tensor(prompt_logprobs(a)),
                                        rtol=0, atol=1e-5)
 
+    @pytest.mark.skipif(native.for_this_cpu() is None, reason="batch-invariant mode runs latentserve's kernels")
+    def test_batch_invariant_mode(self, checkpoint) -> None:
+        """batch_invariant=True: a request alone and among others (its prefill chunked beside theirs) gives the same
+        tokens and log-probs, to the bit."""
+        engine = llm(checkpoint, batch_invariant=True, max_num_batched_tokens=48, num_kv_blocks=256)
+        alone = engine.generate(PROMPTS[:1], GREEDY)[0]
+        batched = engine.generate(PROMPTS + [list(range(50, 90))], GREEDY)[0]
+        assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
+        assert torch.equal(output_logprobs(alone), output_logprobs(batched))
+
     @pytest.mark.parametrize("method", ["int8", "int4", "bfloat16"])
     def test_quantized_loading_stays_close(self, checkpoint, greedy, method: str) -> None:
         """Quantized weights, or bf16 compute, move the prompt log-probs a little on average (int4 the most)."""
