@@ -49,6 +49,10 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] | None = None
     moe_output_norm: bool = False  # an RMSNorm on each MoE's output, before the residual (layers/normed_moe.py)
     dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
+    # A.X K2: one projection from q's LoRA gives the query and a sigmoid gate on the attention output
+    # (models/gated_attention.py), and the input norms and the MoE layers' norms are gated (layers/gated_norm.py).
+    q_output_gate: bool = False
+    gated_norm_rank: int | None = None
 
     @property
     def qk_head_dim(self) -> int:
