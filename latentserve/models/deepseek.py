@@ -14,6 +14,7 @@ from torch import nn
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.layers.gated_norm import GatedRMSNorm
+from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
@@ -22,7 +23,7 @@ from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import ModelConfig
-from latentserve.models.gated_attention import QGateAttention
+from latentserve.models.gated_attention import HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
@@ -31,8 +32,10 @@ from latentserve.models.native_view import NativeView
 def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, attn_config: AttentionConfig,
                     static_ctx: StaticForwardContext, dtype: torch.dtype,
                     device: torch.device | str) -> DeepseekAttention:
-    """The layer's attention module: DeepSeek's, or the fused q-and-gate variant (A.X K2)."""
-    kind = QGateAttention if config.q_output_gate else DeepseekAttention
+    """The layer's attention module: DeepSeek's, or one with an output gate (A.X K2's from the fused q projection,
+    Hunyuan V4's from the layer's input)."""
+    kind = (QGateAttention if config.q_output_gate else HiddenGateAttention if config.hidden_output_gate
+            else DeepseekAttention)
     return kind(config, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device)
 
 
@@ -51,7 +54,8 @@ class DeepseekDecoderLayer(nn.Module):
         if c.is_moe_layer(layer_idx) and c.moe_output_norm:
             self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
         elif c.is_moe_layer(layer_idx):
-            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias)
+            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias,
+                           c.swiglu_limit)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.input_layernorm = _norm(c, gated=True)
@@ -71,6 +75,22 @@ class DeepseekDecoderLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
+class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
+    """A decoder layer over hyper-connected residual streams `[T, n, H]` (layers/hyper_connection.py). It never
+    takes the one-call decode blocks, which add their block's output to one plain residual."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.attn_hc = HyperConnection(config.hidden_size, config.hyper_connections)
+        self.ffn_hc = HyperConnection(config.hidden_size, config.hyper_connections)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        post, x = self.attn_hc(streams)
+        streams = add_to_streams(streams, post, self.self_attn(cos, sin, self.input_layernorm(x)))
+        post, x = self.ffn_hc(streams)
+        return add_to_streams(streams, post, self.mlp(self.post_attention_layernorm(x)))
+
+
 class DeepseekModel(nn.Module):
     def __init__(
         self,
@@ -84,19 +104,24 @@ class DeepseekModel(nn.Module):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        hc = c.hyper_connections
+        layer_kind = DeepseekDecoderLayer if hc is None else HyperConnectedDecoderLayer
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(
-                c, i, build_attention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
-            )
+            layer_kind(c, i, build_attention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device))
             for i in range(c.num_hidden_layers)
         )
+        self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.hc_head is not None:  # every stream starts as the embedding
+            hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
         cos, sin = self.rotary_emb.cos_sin(positions)
         for layer in self.layers:
             hidden = layer(cos, sin, hidden)
+        if self.hc_head is not None:
+            hidden = self.hc_head(hidden)
         return self.norm(hidden)
 
 

@@ -1,8 +1,10 @@
-"""`QGateAttention`: MLA whose query and output gate come from one fused projection (A.X K2).
+"""MLA with a sigmoid gate on the attention output, before o_proj, one value per head and value dim.
 
-`q_b_proj` reads q's LoRA residual beside the un-normed LoRA activation, `[q_resid ‖ q_a]`, and writes, per head,
+`QGateAttention` (A.X K2): the gate and the query come from one fused projection. `q_b_proj` reads q's LoRA residual beside the un-normed LoRA activation, `[q_resid ‖ q_a]`, and writes, per head,
 the query `[qk_head_dim]` then a gate `[v_head_dim]`; the attention output is multiplied by the gate's sigmoid before
-o_proj. The checkpoints keep the projection fused (its FP8 block scales span both halves), and so does the model."""
+o_proj. The checkpoints keep the projection fused (its FP8 block scales span both halves), and so does the model.
+
+`HiddenGateAttention` (Hunyuan V4): the gate is its own projection of the layer's input, `gate_proj`."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +32,15 @@ class QGateAttention(DeepseekAttention):
         q, gate = fused.split([fused.shape[-1] - self.v_head_dim, self.v_head_dim], dim=-1)
         out = self.attend(cos, sin, hidden, q.contiguous(), q_resid)
         return self.o_proj((out * torch.sigmoid(gate.flatten(1).float())).to(out.dtype))
+
+
+class HiddenGateAttention(DeepseekAttention):
+    native_block = False  # the one-call decode block has no gate
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.gate_proj = Linear(config.hidden_size, config.num_attention_heads * config.v_head_dim, bias=False)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.attend(cos, sin, hidden, *self.project_q(hidden))
+        return self.o_proj(out * torch.sigmoid(self.gate_proj(hidden)))

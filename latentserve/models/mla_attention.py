@@ -61,13 +61,17 @@ class DeepseekAttention(nn.Module):
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
+        return self.o_proj(self.attend(cos, sin, hidden, *self.project_q(hidden)))
+
+    def project_q(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(queries `[T, N, qk_head_dim]`, q's LoRA residual or None)."""
         q_resid = None
         if self.q_lora:
             q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
             q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
-        return self.o_proj(self.attend(cos, sin, hidden, q.view(hidden.shape[0], self.num_heads, -1), q_resid))
+        return q.view(hidden.shape[0], self.num_heads, -1), q_resid
 
     def attend(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor, q: torch.Tensor,
                q_resid: torch.Tensor | None) -> torch.Tensor:

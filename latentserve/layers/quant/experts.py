@@ -73,6 +73,8 @@ _ONE = torch.ones(1)
 def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
     """The chosen experts through `native.experts_tokens` where each is a fused gate_up and a down of latentserve's
     kernels, bias-free; None otherwise."""
+    if any(getattr(e, "swiglu_limit", None) is not None for e in chosen):
+        return None  # the kernel has no clamp
     layers = [(getattr(e, "gate_up_proj", None), e.down_proj) for e in chosen]
     kind = type(layers[0][0])
     if kind not in (NativeInt8Linear, NativeInt4Linear) or any(

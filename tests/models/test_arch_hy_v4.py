@@ -1,0 +1,78 @@
+"""Hunyuan V4 (hy_v4) against transformers: DSA with top-k below the prompt lengths, the second layer sharing the
+first's selection, the tail-rope indexer, learned attention sinks (random, not the zero init), the output gate from
+the layer's input, four hyper-connected residual streams, routed experts clamped at a limit the tiny model reaches,
+the first layer dense. The checkpoint is transformers' native layout (stacked experts, `linear_gate`, `hc_pre.*`)."""
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from latentserve import LLM
+from latentserve.models import ModelConfig
+from latentserve.models.loader import SINGLE_FILE
+from tests.models.arch_harness import ArchCase, make_arch_checkpoint
+from tests.models.dsa_suite import DSASuite
+
+
+def _checkpoint(root, case):
+    """transformers initializes the sinks to zero and the hyper-connection scales to 0.01: randomize both, so that
+    a model ignoring them would not match."""
+    path = make_arch_checkpoint(root, case)
+    tensors = load_file(path / SINGLE_FILE)
+    g = torch.Generator().manual_seed(5)
+    for name, tensor in tensors.items():
+        if name.endswith("learnable_sink_param"):
+            tensor.copy_(torch.randn(tensor.shape, generator=g) * 2)
+        elif name.endswith("hc_scale"):
+            tensor.copy_(torch.rand(tensor.shape, generator=g) + 0.5)
+    save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
+    return path
+
+
+class TestHYV4(DSASuite):
+    case = ArchCase("hy_v4", dict(
+        q_lora_rank=32, mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4), index_topk=8, index_n_heads=16,
+        index_head_dim=32, indexer_types=["full", "shared", "full"], hc_mult=4, swiglu_limit=0.5),
+        native_attention=False, native_moe=False)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tmp_path_factory):
+        return _checkpoint(tmp_path_factory.mktemp(cls.case.model_type), cls.case)
+
+    def test_the_clamp_binds(self, checkpoint, greedy) -> None:
+        """With the limit raised past every activation the model's output changes: the tests above exercise it."""
+        import json
+        config = json.loads((checkpoint / "config.json").read_text())
+        (checkpoint / "config.json").write_text(json.dumps(config | {"swiglu_limit": 0.0}))  # 0: no clamp
+        try:
+            from tests.models.arch_harness import GREEDY, PROMPTS, llm, prompt_logprobs
+            unclamped = llm(checkpoint).generate(PROMPTS, GREEDY)
+        finally:
+            (checkpoint / "config.json").write_text(json.dumps(config))
+        assert any(abs(a - b) > 1e-3 for x, y in zip(greedy, unclamped)
+                   for a, b in zip(prompt_logprobs(x), prompt_logprobs(y)))
+
+
+def _raw(**overrides) -> dict:
+    raw = TestHYV4.case.transformers_config().to_dict() | {"architectures": ["HYV4ForCausalLM"]}
+    return {k: v for k, v in (raw | overrides).items() if v is not None}
+
+
+def test_config_defaults_and_errors() -> None:
+    config = ModelConfig.from_dict(_raw(indexer_types=None, num_hidden_layers=6, mlp_layer_types=None))
+    assert config.dsa.indexer_layers == (True, True, False, False, False, True)
+    assert config.mlp_layer_types == ("dense",) + ("sparse",) * 5
+    assert config.dsa.attention_sinks and config.dsa.rope_tail and config.hyper_connections.streams == 4
+    assert ModelConfig.from_dict(_raw(swiglu_limit=-1.0)).swiglu_limit is None
+    with pytest.raises(ValueError, match="hc_mult"):
+        ModelConfig.from_dict(_raw(hc_mult=0))
+    with pytest.raises(ValueError, match="indexer_types"):
+        ModelConfig.from_dict(_raw(indexer_types=["full", "dense", "full"]))
+
+
+def test_speculative_decoding_is_refused(tmp_path) -> None:
+    """Its MTP layers are not loaded: asking for MTP drafts is a clear error."""
+    path = make_arch_checkpoint(tmp_path, TestHYV4.case)
+    with pytest.raises(ValueError, match="MTP"):
+        LLM(model=str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
