@@ -44,11 +44,16 @@ class ArchCase:
     native_attention: bool = True  # a decode layer's attention runs attention_block.c
     native_moe: bool = True  # a decode layer's MoE runs moe_block.c
     int4_error: float = 0.5  # mean |prompt log-prob error| of int4 weights against fp32 (int8: a quarter)
+    # A multimodal model's own fields, its text model's (BASE and `config`) then going in its `text_config`.
+    wrapper: dict | None = None
+    auto_class: str = "AutoModelForCausalLM"  # transformers' class that builds and loads it
 
     def transformers_config(self):
         from transformers import AutoConfig
 
         fields = {k: v for k, v in {**BASE, **self.config}.items() if k not in self.drop}
+        if self.wrapper is not None:
+            fields = {**self.wrapper, "text_config": fields}
         config = AutoConfig.for_model(self.model_type, **fields)
         config._attn_implementation = "eager"
         return config
@@ -57,10 +62,10 @@ class ArchCase:
 def make_arch_checkpoint(root: Path, case: ArchCase, seed: int = 0) -> Path:
     """A random tiny model of the case, saved by transformers; norms, biases and the correction bias randomized too
     (transformers initializes them to constants)."""
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(case.transformers_config()).float().eval()
+    model = getattr(transformers, case.auto_class).from_config(case.transformers_config()).float().eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -110,7 +115,7 @@ class ArchSuite:
         assert model.config.model_type == self.case.model_type
 
     def test_prompt_logprobs_match_transformers(self, checkpoint, greedy) -> None:
-        reference = load_reference(checkpoint)
+        reference = load_reference(checkpoint, self.case.auto_class)
         for prompt, out in zip(PROMPTS, greedy):
             with torch.no_grad():
                 expected = reference(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
@@ -120,7 +125,7 @@ class ArchSuite:
 
     def test_greedy_tokens_and_logprobs_teacher_forced(self, checkpoint, greedy) -> None:
         """transformers over prompt + our output picks each of our tokens and gives it our log-prob."""
-        reference = load_reference(checkpoint)
+        reference = load_reference(checkpoint, self.case.auto_class)
         for prompt, out in zip(PROMPTS, greedy):
             tokens = out.outputs[0].token_ids
             assert len(tokens) == MAX_TOKENS

@@ -28,12 +28,14 @@ def _checkpoint(root, case):
     return path
 
 
+HY_V4 = dict(
+    q_lora_rank=32, mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, norm_topk_prob=True,
+    rope_parameters=dict(rope_type="default", rope_theta=1e4), index_topk=8, index_n_heads=16, index_head_dim=32,
+    indexer_types=["full", "shared", "full"], hc_mult=4, swiglu_limit=0.5)
+
+
 class TestHYV4(DSASuite):
-    case = ArchCase("hy_v4", dict(
-        q_lora_rank=32, mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=2.5, norm_topk_prob=True,
-        rope_parameters=dict(rope_type="default", rope_theta=1e4), index_topk=8, index_n_heads=16,
-        index_head_dim=32, indexer_types=["full", "shared", "full"], hc_mult=4, swiglu_limit=0.5),
-        native_attention=False, native_moe=False)
+    case = ArchCase("hy_v4", HY_V4, native_attention=False, native_moe=False)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -52,6 +54,25 @@ class TestHYV4(DSASuite):
             (checkpoint / "config.json").write_text(json.dumps(config))
         assert any(abs(a - b) > 1e-3 for x, y in zip(greedy, unclamped)
                    for a, b in zip(prompt_logprobs(x), prompt_logprobs(y)))
+
+
+class TestHYV4VL(DSASuite):
+    """The VL model's language model on text, against transformers' whole VL model given text only (its MRoPE then
+    rotates by the token positions); its checkpoint has the vision tower, which is skipped."""
+    case = ArchCase("hy_v4_vl", {**HY_V4, "rope_parameters": dict(rope_type="default", rope_theta=1e4,
+                                                                  mrope_section=[4, 2, 2])},
+                    native_attention=False, native_moe=False, auto_class="AutoModelForImageTextToText",
+                    wrapper=dict(tie_word_embeddings=False, vision_config=dict(
+                        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        out_hidden_size=64)))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tmp_path_factory):
+        return _checkpoint(tmp_path_factory.mktemp(cls.case.model_type), cls.case)
+
+    def test_the_vision_tower_is_in_the_checkpoint(self, checkpoint) -> None:
+        assert any(name.startswith("vit.") for name in load_file(checkpoint / SINGLE_FILE))
 
 
 def _raw(**overrides) -> dict:
@@ -76,3 +97,11 @@ def test_speculative_decoding_is_refused(tmp_path) -> None:
     path = make_arch_checkpoint(tmp_path, TestHYV4.case)
     with pytest.raises(ValueError, match="MTP"):
         LLM(model=str(path), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_vl_config_needs_its_text_config() -> None:
+    with pytest.raises(ValueError, match="text_config"):
+        ModelConfig.from_dict({"architectures": ["HYV4VLForConditionalGeneration"], "model_type": "hy_v4_vl"})
+    raw = TestHYV4VL.case.transformers_config().to_dict() | {"architectures": ["HYV4VLForConditionalGeneration"]}
+    config = ModelConfig.from_dict(raw)
+    assert config.model_type == "hy_v4_vl" and config.dsa.index_n_heads == 16 and config.hyper_connections

@@ -22,13 +22,15 @@ from latentserve.models.arch.base import V3_DEFAULTS, Tensors, mlp_layer_types
 from latentserve.models.arch.deepseek_v32 import DeepseekV32
 from latentserve.models.fields import Fields
 
-_RENAMES = [
-    (re.compile(r"^model\.hc_pre\.hc_head\.hc_head_(fn|base|scale)$"), r"model.hc_head.hc_\1"),
-    (re.compile(r"^(model\.layers\.\d+)\.hc_pre\.hc_attn_layer\.hc_(fn|base|scale)$"), r"\1.attn_hc.\2"),
-    (re.compile(r"^(model\.layers\.\d+)\.hc_pre\.hc_mlp_layer\.hc_(fn|base|scale)$"), r"\1.ffn_hc.\2"),
-    (re.compile(r"^(model\.layers\.\d+\.self_attn)\.learnable_sink_param$"), r"\1.attn.sinks"),
-    (re.compile(r"\.linear_gate\."), ".gate_proj."),
-]
+# In this order (transformers' own, which the two published layouts of the head's names rely on).
+_RENAMES = [(re.compile(pattern), replacement) for pattern, replacement in (
+    (r"\.hc_pre\.hc_", ".hc_"),
+    (r"\.hc_attn_layer\.hc_(fn|base|scale)$", r".attn_hc.\1"),
+    (r"\.hc_mlp_layer\.hc_(fn|base|scale)$", r".ffn_hc.\1"),
+    (r"\.hc_head_(fn|base|scale)$", r".hc_\1"),
+    (r"\.self_attn\.learnable_sink_param$", ".self_attn.attn.sinks"),  # (the sinks live in the attention core)
+    (r"\.linear_gate\.", ".gate_proj."),
+)]
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -84,3 +86,24 @@ class HYV4(DeepseekV32):
                     gate, up = weight.chunk(2)
                     yield f"{prefix}.{e}.gate_proj.weight", gate
                     yield f"{prefix}.{e}.up_proj.weight", up
+
+
+class HYV4VL(HYV4):
+    """Hunyuan V4 VL's language model, for text: the config's `text_config`, the checkpoint without its vision tower
+    (`vit.*`). Its MRoPE rotates each section of the rope dims by one of three position ids; for text all three are
+    the token's position, which is plain RoPE. Images and video are not supported."""
+
+    model_type = "hy_v4_vl"
+    architectures = ("HYV4VLForConditionalGeneration",)
+    summary = "Hunyuan V4 VL, its language model on text (no vision tower)"
+    index_n_heads = 32
+
+    def normalize(self, raw: dict[str, Any]) -> dict[str, Any]:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json: field 'text_config' must be an object, got {text!r}")
+        outer = {k: raw[k] for k in ("architectures", "tie_word_embeddings", "quantization_config") if k in raw}
+        return super().normalize({**text, **outer, "model_type": self.model_type})
+
+    def checkpoint_tensors(self, config, tensors: Tensors) -> Tensors:
+        return super().checkpoint_tensors(config, ((n, t) for n, t in tensors if not n.startswith("vit.")))
