@@ -9,11 +9,18 @@ from latentserve.cli.args import CLIError, HelpFormatter, add_engine_args, build
 from latentserve.engine.llm import default_model_dir
 from latentserve.distributed.dp_engine import launched_by_torchrun
 from latentserve.server import ServerConfig, serve
-from latentserve.server.api import DEFAULT_MAX_REQUEST_BYTES
+from latentserve.server.api import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from latentserve.server.launcher import serving_engine
 from latentserve.server.tool_parsers import tool_parser_names
 
 API_KEY_ENV = "LATENTSERVE_API_KEY"
+
+
+def positive_float(text: str) -> float:
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be > 0, got 0")
+    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--served-model-name", default=None, help="model name clients send (default: the folder name)")
     g.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
+    g.add_argument("--body-read-timeout", type=positive_float, default=DEFAULT_BODY_READ_TIMEOUT,
+                   help="seconds a request body may stall before its end (then 408)")
     g.add_argument("--drain-timeout", type=non_negative_float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     g.add_argument("--metrics-prefix", choices=["latentserve", "vllm"], default="latentserve",
@@ -45,7 +54,8 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     return ServerConfig(host=args.host, port=args.port, api_key=api_key, max_waiting=args.max_waiting,
                         served_model_name=args.served_model_name, drain_timeout=args.drain_timeout,
-                        max_request_bytes=args.max_request_bytes, metrics_prefix=args.metrics_prefix,
+                        max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
+                        metrics_prefix=args.metrics_prefix,
                         tool_call_parser=args.tool_call_parser)
 
 
@@ -57,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     name = (default_model_dir() if args.model is None else Path(args.model)).name
     try:
-        serve(serving_engine(llm), name, config)
+        return serve(serving_engine(llm), name, config)
     finally:
         llm.shutdown()
-    return 0

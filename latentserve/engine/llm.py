@@ -10,6 +10,7 @@ from latentserve.engine.detokenizer import TokenizerInfo, load_tokenizer
 from latentserve.engine.llm_engine import EngineConfig, LLMEngine, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.reasoning import make_reasoning_parser
+from latentserve.models.formats import model_folder
 from latentserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -65,7 +66,7 @@ class LLM:
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; accepted: {sorted(fields)}")
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.model_dir = model_folder(model) if model is not None else default_model_dir()
         config = EngineConfig(**kwargs)
         self.dp_engine: SpawnedDPEngine | ExternalDPEngine | None = None
         # None under torchrun: every rank runs the user's script, so only whole generate calls line up.

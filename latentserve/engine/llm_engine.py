@@ -30,6 +30,7 @@ from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
 from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
 from latentserve.models.config import ModelConfig
+from latentserve.models.formats import model_folder
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
 from latentserve.sampling_params import SamplingParams
@@ -157,7 +158,7 @@ def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) ->
 
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig) -> None:
-        model_dir = Path(model)
+        model_dir = model_folder(model)  # a GGUF file: the folder of its config and tokenizer
         if not model_dir.is_dir():
             raise FileNotFoundError(f"model directory {model_dir} does not exist")
         if torch.device(config.device).type == "cpu":

@@ -9,7 +9,8 @@ from typing import Any
 
 from latentserve.config import MLAConfig
 from latentserve.layers.hyper_connection import HyperConnectionConfig
-from latentserve.layers.quant.config import Fp8Config
+from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
+from latentserve.models.formats import checkpoint_quantization
 from latentserve.layers.moe import RoutingConfig
 from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
 from latentserve.models.arch import architecture_for
@@ -44,7 +45,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     num_nextn_predict_layers: int  # MTP layers stored after the main ones; not run
     max_position_embeddings: int
-    quantization: Fp8Config | None = None  # how the checkpoint stores its weights; None: plain fp32/bf16/fp16
+    # How the checkpoint stores its weights; None: plain fp32/bf16/fp16.
+    quantization: Fp8Config | PrequantizedConfig | None = None
     # Each main layer's MLP, "dense" or "sparse", where the config lists them (GLM, A.X); None, and for the MTP
     # layers after them: by first_k_dense_replace and moe_layer_freq.
     mlp_layer_types: tuple[str, ...] | None = None
@@ -132,7 +134,8 @@ class ModelConfig:
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
             num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, minimum=0),
             max_position_embeddings=max_positions,
-            quantization=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
+            quantization=(checkpoint_quantization(raw["quantization_config"]) if raw.get("quantization_config")
+                          else None),
         )
         return cls(**{**parsed, **adapter.fields(f, parsed)})
 

@@ -19,13 +19,15 @@ from latentserve.config import AttentionConfig
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
-from latentserve.layers.quant.config import Fp8Config, QuantConfig
+from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, concat
 from latentserve.models.arch import ARCHITECTURES
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
-from latentserve.models.safetensors_reader import read_tensors
+from latentserve.models.formats import gguf, hf_quant, model_folder
+from latentserve.models.safetensors_reader import read_header, read_tensors
 
 SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales: `{weight name}_scale_inv`
 SINGLE_FILE = "model.safetensors"
@@ -64,6 +66,32 @@ def iter_checkpoint_tensors(
     """(name, tensor) for every `wanted` tensor of the checkpoint, on the CPU, in stored dtype; the others are
     never read."""
     return read_tensors(checkpoint_files(model_dir), wanted)
+
+
+def open_checkpoint(
+    model_dir: Path, config: ModelConfig, wanted: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
+    """The `wanted` tensors of a checkpoint as the model takes them: FP8 weights dequantized, a GPTQ / AWQ /
+    compressed-tensors layer's parts unpacked into one int4 / int8 weight, a GGUF's tensors under their Hugging Face
+    names."""
+    quant = config.quantization
+    if gguf.is_gguf_folder(model_dir):
+        return gguf.read_tensors(model_dir, wanted)
+    if isinstance(quant, hf_quant.HfQuantConfig):
+        files = checkpoint_files(model_dir)
+        names = {entry.name for file in files for entry in read_header(file)}
+        tensors = read_tensors(files, lambda name: wanted(hf_quant.layer_of(name, quant)))
+        return hf_quant.unpack(tensors, quant, names)
+    tensors = iter_checkpoint_tensors(model_dir, wanted)
+    return dequantize_fp8(tensors, quant) if isinstance(quant, Fp8Config) else tensors
+
+
+def dequantized(
+    tensors: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in full precision: a quantized checkpoint loaded into another quantization than its own."""
+    for name, tensor in tensors:
+        yield name, tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
 def dequantize_fp8(
@@ -155,7 +183,7 @@ def _quantization_job(
 
 
 def _quantize(name: str, parts: list[torch.Tensor], bias, config: QuantConfig, device) -> nn.Module:
-    return quantize_linear(name, torch.cat(parts) if len(parts) > 1 else parts[0], bias, config, device)
+    return quantize_linear(name, concat(parts) if len(parts) > 1 else parts[0], bias, config, device)
 
 
 class _Quantizer:
@@ -198,7 +226,9 @@ def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None, 
         raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
     if name in loaded:
         raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-    if tensor.dtype not in STORED_DTYPES:
+    if isinstance(tensor, (Int4Weight, Int8Weight)):
+        pass  # unpacked from the checkpoint's quantized format (models/formats/)
+    elif tensor.dtype not in STORED_DTYPES:
         fp8 = " (FP8 weights need config.json's quantization_config)" if tensor.dtype.itemsize == 1 else ""
         raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16{fp8}")
     if tensor.shape != target.shape:
@@ -223,6 +253,8 @@ def load_weights(
         for name, tensor in tensors:
             _check_tensor(name, tensor, targets.get(param_name(name)), loaded)
             target = targets[param_name(name)]
+            if isinstance(tensor, (Int4Weight, Int8Weight)) and param_name(name) not in quantized:
+                tensor = tensor.dequantize()  # embeddings, kv_b_proj (decode absorbs it), layers kept unquantized
             if param_name(name) in quantized:
                 job = _quantization_job(model, quantized[param_name(name)], tensor, halves)
                 if job is not None:
@@ -284,13 +316,14 @@ def load_model(
     prepare: Callable[[DeepseekForCausalLM], None] | None = None,
     quantization: QuantConfig | None = None,
 ) -> DeepseekForCausalLM:
-    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`, an FP8
-    checkpoint's dequantized as published, linear layers quantized as `quantization` says).
+    """Read `path/config.json` and its safetensors weights (or the GGUF file `path`) into a ready model (weights
+    cast to `dtype`, an FP8 checkpoint's dequantized as published, a GPTQ / AWQ / compressed-tensors / GGUF one's
+    unpacked, linear layers quantized as `quantization` says: None keeps every weight in `dtype`).
 
     `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
     modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither
     allocated nor read from the checkpoint, nor required in it."""
-    model_dir = Path(path)
+    model_dir = model_folder(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_pretrained(model_dir)
@@ -310,9 +343,10 @@ def load_model(
     def wanted(name: str) -> bool:
         return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped
 
-    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, iter_checkpoint_tensors(model_dir, wanted))
-    if config.quantization is not None:
-        tensors = dequantize_fp8(tensors, config.quantization)
+    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, open_checkpoint(model_dir, config, wanted))
+    stored = config.quantization
+    if isinstance(stored, PrequantizedConfig) and (quantization is None or quantization.method != stored.method):
+        tensors = dequantized(tensors)
     load_weights(model, tensors, quantization, device)
     kernels = absorbed_kernels(quantization, device)
     for layer in model.static_forward_context.values():

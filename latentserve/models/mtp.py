@@ -41,8 +41,8 @@ from latentserve.models.loader import (
     _parameters_on_meta,
     checkpoint_files,
     checkpoint_name,
-    dequantize_fp8,
-    iter_checkpoint_tensors,
+    dequantized,
+    open_checkpoint,
     param_name,
 )
 
@@ -180,9 +180,8 @@ def load_mtp(
     for moe in (m for m in mtp.modules() if isinstance(m, MoE)):
         moe.stack_experts(device)  # two grouped GEMMs per step, as in the main model, instead of a loop
     _materialize(mtp, device, set())
-    tensors = iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix))
-    if config.quantization is not None:  # DeepSeek's FP8 checkpoints store the MTP layer in FP8 too
-        tensors = dequantize_fp8(tensors, config.quantization)
+    # Dequantized as the main model's weights are read (FP8, GPTQ, ...); int8/int4 leave the layer alone.
+    tensors = dequantized(open_checkpoint(model_dir, config, lambda name: name.startswith(prefix)))
     _copy_weights(mtp, prefix, tensors)
     for layer in mtp.static_forward_context.values():
         layer.process_weights_after_loading()

@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI routes, health, metrics, API key, draining, and errors in OpenAI's format."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -34,9 +35,11 @@ from latentserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 503)}
 # Largest request body by default: room for a prompt far past any context window, small enough to parse quickly.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# Seconds a request body may stall before its end.
+DEFAULT_BODY_READ_TIMEOUT = 30.0
 
 
 @dataclass
@@ -78,11 +81,14 @@ class _Gate:
 
 
 class _BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413, refused from its Content-Length or as it streams."""
+    """ASGI middleware: a request body over `max_bytes` gets 413, refused from its Content-Length or as it streams;
+    one that stops arriving for `read_timeout` seconds before its end gets 408 (else a client that sends less than its
+    Content-Length would hold the connection forever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,12 +96,19 @@ class _BodyLimit:
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_bytes:
             return await _error_response(self._error())(scope, receive, send)
-        received = 0
+        received, body_done = 0, False
 
         async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # afterwards the app waits for the disconnect, as long as the response takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408, f"the request body stopped arriving: nothing for {self.read_timeout}"
+                                                  " s before its end") from None
             received += len(message.get("body", b""))
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if received > self.max_bytes:
                 raise StarletteHTTPException(413, self._error().info.message)
             return message
@@ -159,7 +172,7 @@ def _version() -> str:
 
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve",
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT) -> FastAPI:
     """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
     lifespan starts and stops the engine thread."""
     async_engine = AsyncLLMEngine(engine, max_waiting, model_name, metrics_prefix)
@@ -174,7 +187,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     app = FastAPI(title="latentserve", summary="OpenAI-compatible server for MLA models", lifespan=lifespan)
     app.state.engine = async_engine
     app.state.server_state = state
-    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, read_timeout=body_read_timeout)
     app.add_middleware(_Gate, state=state, api_key=api_key)
     _add_error_handlers(app)
     completions = ServingCompletion(async_engine, model_name)

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from latentserve.engine.chat_template import render_chat
 from latentserve.engine.detokenizer import TokenizerInfo
-from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
@@ -238,6 +238,8 @@ class Serving:
         """Each request's final output; None (and the requests aborted) if the client went away first."""
         tasks = [asyncio.ensure_future(_last(s)) for s in streams]
         results = asyncio.ensure_future(asyncio.gather(*tasks))
+        # Once the client is gone nobody reads it: its CancelledError would be logged as never retrieved.
+        results.add_done_callback(lambda f: f.cancelled() or f.exception())
         disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
         try:
             await asyncio.wait({results, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -293,6 +295,17 @@ class Serving:
                 if not stream.finished:  # the client went away (this generator was cancelled or closed), or an error
                     self.engine.abort(stream.request_id)
         yield "data: [DONE]\n\n"
+
+    def num_listed_tokens(self, completion: CompletionOutput, skip_special_tokens: bool) -> int:
+        """How many of the completion's tokens its logprobs list: not the last ones, whose text a stop string cut
+        from the output."""
+        ids = completion.token_ids
+        if not isinstance(completion.stop_reason, str) or self.tokenizer is None:
+            return len(ids)
+        count = len(ids)
+        while count and len(self.tokenizer.decode(ids[:count - 1], skip_special_tokens)) >= len(completion.text):
+            count -= 1
+        return count
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

@@ -34,7 +34,8 @@ class ServingCompletion(Serving):
 
     def _choice(self, req: CompletionRequest, prompt_index: int, output: RequestOutput, completion: CompletionOutput,
                 hidden: int) -> CompletionChoice:
-        token_ids = completion.token_ids[: len(completion.token_ids) - hidden]
+        listed = self.num_listed_tokens(completion, req.skip_special_tokens)
+        token_ids = completion.token_ids[: min(listed, len(completion.token_ids) - hidden)]
         entries = completion.logprobs[: len(token_ids)] if completion.logprobs is not None else None
         text = "" if hidden else completion.text
         logprobs = None
@@ -87,8 +88,9 @@ class ServingCompletion(Serving):
                 delta = completion.text[chars:]
                 if not delta and not echo and not completion.finished():
                     continue
-                token_ids = completion.token_ids[tokens:]
-                entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
+                listed = self.num_listed_tokens(completion, req.skip_special_tokens)
+                token_ids = completion.token_ids[tokens:listed]
+                entries = completion.logprobs[tokens:listed] if completion.logprobs is not None else None
                 logprobs = self._logprobs(token_ids, entries, req.logprobs, chars)
                 sent[index] = (len(completion.text), len(completion.token_ids))
                 if echo:
