@@ -2,6 +2,9 @@
 first's selection, the tail-rope indexer, learned attention sinks (random, not the zero init), the output gate from
 the layer's input, four hyper-connected residual streams, routed experts clamped at a limit the tiny model reaches,
 the first layer dense. The checkpoint is transformers' native layout (stacked experts, `linear_gate`, `hc_pre.*`)."""
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -9,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from latentserve import LLM
 from latentserve.models import ModelConfig
 from latentserve.models.loader import SINGLE_FILE
-from tests.models.arch_harness import ArchCase, make_arch_checkpoint
+from tests.models.arch_harness import GREEDY, PROMPTS, ArchCase, llm, make_arch_checkpoint, prompt_logprobs
 from tests.models.dsa_suite import DSASuite
 
 
@@ -42,16 +45,12 @@ class TestHYV4(DSASuite):
     def checkpoint(cls, tmp_path_factory):
         return _checkpoint(tmp_path_factory.mktemp(cls.case.model_type), cls.case)
 
-    def test_the_clamp_binds(self, checkpoint, greedy) -> None:
-        """With the limit raised past every activation the model's output changes: the tests above exercise it."""
-        import json
-        config = json.loads((checkpoint / "config.json").read_text())
-        (checkpoint / "config.json").write_text(json.dumps(config | {"swiglu_limit": 0.0}))  # 0: no clamp
-        try:
-            from tests.models.arch_harness import GREEDY, PROMPTS, llm, prompt_logprobs
-            unclamped = llm(checkpoint).generate(PROMPTS, GREEDY)
-        finally:
-            (checkpoint / "config.json").write_text(json.dumps(config))
+    def test_the_clamp_binds(self, checkpoint, greedy, tmp_path) -> None:
+        """Without the clamp the model's output changes: the tests above exercise it."""
+        path = shutil.copytree(checkpoint, tmp_path / "unclamped")
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(config | {"swiglu_limit": 0.0}))  # 0: no clamp
+        unclamped = llm(path).generate(PROMPTS, GREEDY)
         assert any(abs(a - b) > 1e-3 for x, y in zip(greedy, unclamped)
                    for a, b in zip(prompt_logprobs(x), prompt_logprobs(y)))
 
