@@ -98,9 +98,9 @@ def make_checkpoint(
     return path
 
 
-def load_reference(path: Path, auto_class: str = "AutoModelForCausalLM"):
+def load_reference(path: Path):
     """transformers' model of a saved checkpoint: the numerical oracle, fp32 with eager attention."""
-    import transformers
+    from transformers import AutoModelForCausalLM
 
-    model = getattr(transformers, auto_class).from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()

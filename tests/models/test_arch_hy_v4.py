@@ -4,6 +4,7 @@ the layer's input, four hyper-connected residual streams, routed experts clamped
 the first layer dense. The checkpoint is transformers' native layout (stacked experts, `linear_gate`, `hc_pre.*`)."""
 import json
 import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from latentserve import LLM
 from latentserve.models import ModelConfig
 from latentserve.models.loader import SINGLE_FILE
-from tests.models.arch_harness import GREEDY, PROMPTS, ArchCase, llm, make_arch_checkpoint, prompt_logprobs
+from tests.models.arch_harness import BASE, GREEDY, PROMPTS, ArchCase, llm, make_arch_checkpoint, prompt_logprobs
 from tests.models.dsa_suite import DSASuite
 
 
@@ -55,15 +56,27 @@ class TestHYV4(DSASuite):
                    for a, b in zip(prompt_logprobs(x), prompt_logprobs(y)))
 
 
+@dataclass(frozen=True)
+class VLCase(ArchCase):
+    """The VL model's config: the text model's fields in `text_config`, a one-layer vision tower."""
+
+    def transformers_config(self):
+        from transformers import AutoConfig
+
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      out_hidden_size=64)
+        config = AutoConfig.for_model("hy_v4_vl", text_config={**BASE, **self.config}, vision_config=vision,
+                                      tie_word_embeddings=False)
+        config._attn_implementation = "eager"
+        return config
+
+
 class TestHYV4VL(DSASuite):
     """The VL model's language model on text, against transformers' whole VL model given text only (its MRoPE then
     rotates by the token positions); its checkpoint has the vision tower, which is skipped."""
-    case = ArchCase("hy_v4_vl", {**HY_V4, "rope_parameters": dict(rope_type="default", rope_theta=1e4,
-                                                                  mrope_section=[4, 2, 2])},
-                    native_attention=False, native_moe=False, auto_class="AutoModelForImageTextToText",
-                    wrapper=dict(tie_word_embeddings=False, vision_config=dict(
-                        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                        out_hidden_size=64)))
+    case = VLCase("hy_v4_vl", {**HY_V4, "rope_parameters": dict(rope_type="default", rope_theta=1e4,
+                                                                mrope_section=[4, 2, 2])},
+                  native_attention=False, native_moe=False, model_class="HYV4VLForConditionalGeneration")
 
     @pytest.fixture(scope="class")
     @classmethod
