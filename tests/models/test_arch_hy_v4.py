@@ -70,6 +70,14 @@ class VLCase(ArchCase):
         config._attn_implementation = "eager"
         return config
 
+    def test_saved_quantized_model_runs_the_same(self, checkpoint, tmp_path) -> None:
+        """Its own tensors (hyper-connections, sinks, the clamped experts' layers) survive save_quantized."""
+        engine = llm(checkpoint, quantization="int8")
+        before = engine.generate(PROMPTS, GREEDY)
+        after = llm(engine.save_quantized(tmp_path / "saved")).generate(PROMPTS, GREEDY)
+        for a, b in zip(before, after):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids and prompt_logprobs(a) == prompt_logprobs(b)
+
 
 class TestHYV4VL(DSASuite):
     """The VL model's language model on text, against transformers' whole VL model given text only (its MRoPE then
