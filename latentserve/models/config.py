@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from latentserve.config import MLAConfig
+from latentserve.layers.hyper_connection import HyperConnectionConfig
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
 from latentserve.layers.moe import RoutingConfig
@@ -61,6 +62,15 @@ class ModelConfig:
     shortcut_moe: bool = False
     zero_expert_num: int = 0
     dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
+    # A.X K2: one projection from q's LoRA gives the query and a sigmoid gate on the attention output
+    # (models/gated_attention.py), and the input norms and the MoE layers' norms are gated (layers/gated_norm.py).
+    q_output_gate: bool = False
+    gated_norm_rank: int | None = None
+    hidden_output_gate: bool = False  # Hunyuan V4: a sigmoid gate on the attention output from the layer's input
+    # Hunyuan V4: the residual stream is `hc_mult` streams, mixed into each block's input and out of its output by
+    # learned hyper-connections (layers/hyper_connection.py); None: one plain residual.
+    hyper_connections: HyperConnectionConfig | None = None
+    swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
 
     @property
     def num_attention_layers(self) -> int:
