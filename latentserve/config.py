@@ -36,6 +36,25 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The dimensions of a hybrid model's linear-attention (KDA) layers; their state is per request, not per token."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel_size: int  # the short causal convolution over q, k and v
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "conv_kernel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LinearAttentionConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Per-engine attention settings."""
 

@@ -21,6 +21,7 @@ from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
+from latentserve.engine.state_pool import StatePool
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
 from latentserve.engine.spec_decode.config import DraftingPolicy, SpeculativeConfig
@@ -74,7 +75,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30  # used when num_kv_blocks is None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None  # None: on, unless the model has linear-attention layers (hybrids)
     enable_chunked_prefill: bool = True
     enable_dbo: bool = False
     dbo_decode_token_threshold: int | None = None  # None: vLLM's 32 on CUDA, CPU_DBO_DECODE_TOKEN_THRESHOLD on CPU
@@ -103,6 +104,19 @@ class EngineConfig:
             if value is not None and not _is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+
+
+def _prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether the block manager caches prefixes: not for a hybrid model, whose linear-attention state exists only at
+    the end of what a request computed, never at an arbitrary block boundary (an explicit True is refused)."""
+    if model_config.linear_attention is None:
+        return config.enable_prefix_caching is not False
+    if config.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True: {model_config.model_type} has linear-attention layers, whose "
+                         "per-request state cannot be resumed from a cached block boundary; leave it unset or False")
+    logger.info("prefix caching is off: %s has linear-attention layers (a cached prefix has no state to resume)",
+                model_config.model_type)
+    return False
 
 
 def dbo_config(config: EngineConfig) -> DBOConfig:
@@ -214,7 +228,8 @@ class LLMEngine:
                 decode_threshold=attn_config.decode_threshold,
                 num_speculative_tokens=num_spec,
             ),
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            BlockManager(num_blocks, config.block_size, _prefix_caching(config, model_config),
+                         StatePool(config.max_num_seqs) if self.model.state_layers else None),
         )
         spec_decoder = None
         if spec is not None:
@@ -225,7 +240,8 @@ class LLMEngine:
                 logger.warning("speculative decoding: %s", policy.reason)
             spec_decoder = SpecDecoder(self.model, proposer, max_model_len, policy)
         self.runner = ModelRunner(
-            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder
+            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder,
+            config.max_num_seqs if self.model.state_layers else 0,
         )
         self._ids = itertools.count()
         self.reasoning_parser = make_reasoning_parser(config.reasoning_parser, self.tokenizer)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from latentserve.attention.decode.native import NativeMQADecodeBackend
+from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.kernels import native
 from latentserve.layers.linear import NATIVE_HEAD_TOKENS, Linear, native_rows
 from latentserve.layers.norm import RMSNorm
@@ -95,6 +96,8 @@ def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, si
     """(h, post_norm(h)) with h = hidden + attn(input_norm(hidden)) in one native call (`norms`: input, post), or
     None where the modules must run it."""
     tokens, dtype = hidden.shape[0], hidden.dtype
+    if isinstance(attn, KimiDeltaAttention):
+        return None  # a hybrid model's linear-attention layer: no MLA to fuse
     if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or tokens == 0:
         return None
     kernels = native.for_this_cpu()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentserve.config import MLAConfig
+from latentserve.config import LinearAttentionConfig, MLAConfig
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
 from latentserve.layers.moe import RoutingConfig
@@ -51,6 +51,11 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] | None = None
     moe_output_norm: bool = False  # an RMSNorm on each MoE's output, before the residual (layers/normed_moe.py)
     dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
+    # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
+    # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
+    layer_types: tuple[str, ...] | None = None
+    linear_attention: LinearAttentionConfig | None = None
+    rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
 
     @property
     def qk_head_dim(self) -> int:
@@ -65,6 +70,9 @@ class ModelConfig:
         return MLAConfig(
             self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         )
+
+    def is_linear_attention_layer(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.routing is None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from latentserve.attention.dsa.indexer import IndexerInputs
+from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
@@ -30,6 +31,10 @@ from latentserve.models.dsa import attention_core
 
 def attention_layer_name(layer_idx: int) -> str:
     return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+def linear_attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn"
 
 
 class DeepseekAttention(nn.Module):
@@ -93,7 +98,9 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention
+    ) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
@@ -133,9 +140,13 @@ class DeepseekModel(nn.Module):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        self.rope_free = c.rope_free
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(
-                c, i, DeepseekAttention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
+                c, i,
+                KimiDeltaAttention(linear_attention_layer_name(i), c.hidden_size, c.linear_attention, c.rms_norm_eps,
+                                   attn_config) if c.is_linear_attention_layer(i)
+                else DeepseekAttention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
             )
             for i in range(c.num_hidden_layers)
         )
@@ -143,7 +154,9 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
+        # and the kernels that fuse it stay as they are.
+        cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
         for layer in self.layers:
             hidden = layer(cos, sin, hidden)
         return self.norm(hidden)
@@ -176,10 +189,15 @@ class DeepseekForCausalLM(nn.Module):
         self.config = config
         self.mla_config = config.mla_config
         self.static_forward_context = StaticForwardContext()
-        self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
+        layers = range(config.num_hidden_layers)
+        self.attention_layer_names = [attention_layer_name(i) for i in layers
+                                      if not config.is_linear_attention_layer(i)]
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Hybrid models' linear-attention layers, by name: each keeps a state per request (engine/state_pool.py).
+        self.state_layers: dict[str, KimiDeltaAttention] = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, KimiDeltaAttention)}
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
