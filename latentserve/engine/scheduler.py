@@ -299,6 +299,7 @@ class Scheduler:
             block_ids=blocks,
             do_sample=start + num_real == request.num_tokens,
             spec_token_ids=list(drafts),
+            state_slot=request.state_slot,
         )
 
     def update(
