@@ -42,6 +42,11 @@ class LinearAttentionConfig:
     num_heads: int
     head_dim: int
     conv_kernel_size: int  # the short causal convolution over q, k and v
+    # The forget and output gates' projections: low-rank through head_dim (Kimi's f_a/f_b, g_a/g_b) or one each
+    # (Ling's f_proj, g_proj).
+    gate_lora: bool = True
+    # Ling's "safe gate": log decay = lower_bound * sigmoid(exp(A_log) * x) instead of -exp(A_log) * softplus(x).
+    gate_lower_bound: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "head_dim", "conv_kernel_size"):

@@ -96,8 +96,8 @@ def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, si
     """(h, post_norm(h)) with h = hidden + attn(input_norm(hidden)) in one native call (`norms`: input, post), or
     None where the modules must run it."""
     tokens, dtype = hidden.shape[0], hidden.dtype
-    if isinstance(attn, KimiDeltaAttention):
-        return None  # a hybrid model's linear-attention layer: no MLA to fuse
+    if isinstance(attn, KimiDeltaAttention) or attn.g_proj is not None:
+        return None  # a hybrid model's linear-attention layer, or an output gate the kernel does not apply
     if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or tokens == 0:
         return None
     kernels = native.for_this_cpu()

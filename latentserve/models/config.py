@@ -56,6 +56,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     linear_attention: LinearAttentionConfig | None = None
     rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
+    attention_output_gate: bool = False  # MLA's values times sigmoid(g_proj(x)) per head, before o_proj (Ling)
 
     @property
     def qk_head_dim(self) -> int:

@@ -67,6 +67,8 @@ class DeepseekAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
+        # Ling's head-wise output gate: each head's values scaled by sigmoid(g_proj(x)) before o_proj.
+        self.g_proj = Linear(c.hidden_size, c.num_attention_heads, bias=False) if c.attention_output_gate else None
         self.rotary_emb = rotary_emb  # shared by all layers
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
@@ -94,6 +96,9 @@ class DeepseekAttention(nn.Module):
             # DSA's indexer scores from the layer's input and q's LoRA residual too.
             sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
             out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
+        if self.g_proj is not None:
+            gate = torch.sigmoid(self.g_proj(hidden).float()).to(out.dtype)
+            out = (out.view(*gate.shape, -1) * gate[..., None]).flatten(1)
         return self.o_proj(out)
 
 

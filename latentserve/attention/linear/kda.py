@@ -35,13 +35,17 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv1d = _DepthwiseConv(c, cfg.conv_kernel_size)
         self.k_conv1d = _DepthwiseConv(c, cfg.conv_kernel_size)
         self.v_conv1d = _DepthwiseConv(c, cfg.conv_kernel_size)
-        self.f_a_proj = Linear(hidden_size, d, bias=False)
-        self.f_b_proj = Linear(d, c, bias=False)
+        if cfg.gate_lora:
+            self.f_a_proj = Linear(hidden_size, d, bias=False)
+            self.f_b_proj = Linear(d, c, bias=False)
+            self.g_a_proj = Linear(hidden_size, d, bias=False)
+            self.g_b_proj = Linear(d, c, bias=False)
+        else:
+            self.f_proj = Linear(hidden_size, c, bias=False)
+            self.g_proj = Linear(hidden_size, c, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(c, dtype=torch.float32))  # fp32 in the checkpoints too
         self.A_log = nn.Parameter(torch.empty(1, 1, h, 1, dtype=torch.float32))
         self.b_proj = Linear(hidden_size, h, bias=False)
-        self.g_a_proj = Linear(hidden_size, d, bias=False)
-        self.g_b_proj = Linear(d, c, bias=False)
         self.o_norm = _GatedNorm(d, eps)
         self.o_proj = Linear(c, hidden_size, bias=False)
         # This layer's slices of the state pool, bound by the model runner (`bind_states`).
@@ -77,14 +81,19 @@ class KimiDeltaAttention(nn.Module):
             out, state = delta_rule(q[None], k[None], v[None], g[None, tokens], beta[None, tokens], state0[None])
             self.recurrent_state[slot] = state[0]
             core[tokens] = out[0]
-        gate = self.g_b_proj(self.g_a_proj(hidden)).view(t, h, d)
+        gate = (self.g_b_proj(self.g_a_proj(hidden)) if self.cfg.gate_lora else self.g_proj(hidden)).view(t, h, d)
         return self.o_proj(self.o_norm(core, gate).reshape(t, -1))
 
     def _forget_gate(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The per-channel log decay `[T, H, K]` (fp32, <= 0): -exp(A_log) * softplus(f_b(f_a(x)) + dt_bias)."""
+        """The per-channel log decay `[T, H, K]` (fp32, <= 0) of x = f(hidden) + dt_bias: -exp(A_log) * softplus(x),
+        or with a lower bound b: b * sigmoid(exp(A_log) * x)."""
         h, d = self.cfg.num_heads, self.cfg.head_dim
-        f = (self.f_b_proj(self.f_a_proj(hidden)).float() + self.dt_bias.float()).view(-1, h, d)
-        return -self.A_log.float().view(h, 1).exp() * F.softplus(f, threshold=20.0)
+        f = self.f_b_proj(self.f_a_proj(hidden)) if self.cfg.gate_lora else self.f_proj(hidden)
+        x = (f.float() + self.dt_bias.float()).view(-1, h, d)
+        rate = self.A_log.float().view(h, 1).exp()
+        if self.cfg.gate_lower_bound is not None:
+            return self.cfg.gate_lower_bound * torch.sigmoid(rate * x)
+        return -rate * F.softplus(x, threshold=20.0)
 
     def _metadata(self, num_tokens: int) -> StateMetadata:
         if self.conv_state is None:

@@ -3,6 +3,7 @@ that model family (`base.Architecture`). Adding an architecture: docs/adding_an_
 from __future__ import annotations
 
 from latentserve.models.arch.axk1 import AXK1
+from latentserve.models.arch.bailing_hybrid import BailingHybrid
 from latentserve.models.arch.base import Architecture
 from latentserve.models.arch.deepseek import DeepseekV2, DeepseekV3
 from latentserve.models.arch.deepseek_v32 import DeepseekV32, GlmMoeDsa
@@ -13,7 +14,8 @@ from latentserve.models.arch.youtu import Youtu
 from latentserve.models.fields import Fields
 
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
-    DeepseekV2(), DeepseekV3(), SarvamMLA(), Glm4MoeLite(), Youtu(), AXK1(), DeepseekV32(), GlmMoeDsa(), KimiLinear())}
+    DeepseekV2(), DeepseekV3(), SarvamMLA(), Glm4MoeLite(), Youtu(), AXK1(), DeepseekV32(), GlmMoeDsa(), KimiLinear(),
+    BailingHybrid())}
 
 
 def supported() -> list[str]:

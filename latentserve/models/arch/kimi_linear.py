@@ -9,8 +9,8 @@ from latentserve.config import LinearAttentionConfig
 from latentserve.models.arch.base import Architecture, Tensors, mlp_layer_types
 from latentserve.models.fields import Fields
 
-# The checkpoints' own spellings of DeepSeek's config fields (transformers writes them so too).
-_RENAMED = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
+# The checkpoints' own spellings of DeepSeek's config fields (transformers writes them so too; Ling's as well).
+RENAMED_FIELDS = {"num_experts": "n_routed_experts", "num_experts_per_token": "num_experts_per_tok",
             "num_expert_group": "n_group", "moe_renormalize": "norm_topk_prob",
             "num_shared_experts": "n_shared_experts", "model_max_length": "max_position_embeddings"}
 _EXPERT = re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.(.*)")
@@ -27,7 +27,7 @@ class KimiLinear(Architecture):
 
     def normalize(self, raw: dict[str, Any]) -> dict[str, Any]:
         out = dict(raw)
-        for old, new in _RENAMED.items():
+        for old, new in RENAMED_FIELDS.items():
             if old in out and new not in out:
                 out[new] = out.pop(old)
         return out
@@ -74,6 +74,10 @@ def _layer_types(f: Fields, linear: dict, num_layers: int) -> tuple[str, ...]:
                 types[layer - 1] = kind
     if types is None:
         types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    return checked_layer_types(types, num_layers)
+
+
+def checked_layer_types(types: Any, num_layers: int) -> tuple[str, ...]:
     if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
         raise ValueError(f"config.json: 'layer_types' must give one of {LAYER_TYPES} for each of the {num_layers} "
                          f"layers, got {types!r}")
