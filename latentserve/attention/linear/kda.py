@@ -70,17 +70,26 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(hidden))
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
         core = hidden.new_empty(t, h, d)
-        qsl = md.query_start_loc_cpu
-        for i, slot in enumerate(md.slots):
-            tokens = slice(qsl[i], qsl[i + 1])
-            fresh = md.context_lens_cpu[i] == 0  # a new (or recomputed) request starts from zero
-            conv0 = torch.zeros_like(self.conv_state[slot]) if fresh else self.conv_state[slot]
-            state0 = torch.zeros_like(self.recurrent_state[slot]) if fresh else self.recurrent_state[slot]
-            x, self.conv_state[slot] = causal_conv(mixed[tokens], weight, conv0)
-            q, k, v = x.view(-1, 3, h, d).unbind(1)
-            out, state = delta_rule(q[None], k[None], v[None], g[None, tokens], beta[None, tokens], state0[None])
-            self.recurrent_state[slot] = state[0]
-            core[tokens] = out[0]
+        qsl, contexts = md.query_start_loc_cpu, md.context_lens_cpu
+        # Decodes (one token over some context; the batch puts them first) step together, each prefill on its own.
+        num_decodes = next((i for i in range(len(md.slots)) if qsl[i + 1] - qsl[i] != 1 or contexts[i] == 0),
+                           len(md.slots))
+        groups = ([range(num_decodes)] if num_decodes else []) + [range(i, i + 1) for i in
+                                                                  range(num_decodes, len(md.slots))]
+        for reqs in groups:
+            tokens = slice(qsl[reqs.start], qsl[reqs.stop])
+            slots = torch.tensor(md.slots[reqs.start : reqs.stop], device=hidden.device)
+            fresh = contexts[reqs.start] == 0  # a new (or recomputed) request starts from zero
+            conv0, state0 = self.conv_state[slots], self.recurrent_state[slots]
+            if fresh:  # (copies of the slots: the pool itself is written below)
+                conv0.zero_()
+                state0.zero_()
+            b = len(reqs)
+            x, self.conv_state[slots] = causal_conv(mixed[tokens].view(b, -1, mixed.shape[-1]), weight, conv0)
+            q, k, v = x.view(b, -1, 3, h, d).unbind(2)
+            out, self.recurrent_state[slots] = delta_rule(q, k, v, g[tokens].view(b, -1, h, d),
+                                                          beta[tokens].view(b, -1, h), state0)
+            core[tokens] = out.reshape(-1, h, d)
         gate = (self.g_b_proj(self.g_a_proj(hidden)) if self.cfg.gate_lora else self.g_proj(hidden)).view(t, h, d)
         return self.o_proj(self.o_norm(core, gate).reshape(t, -1))
 

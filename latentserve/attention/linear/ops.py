@@ -13,11 +13,13 @@ import torch.nn.functional as F
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of x `[T, C]` continuing after conv_state `[C, K-1]` (the previous inputs;
-    zeros at a request's start), SiLU after it. Returns (out `[T, C]`, the new conv state `[C, K-1]`)."""
-    full = torch.cat([conv_state.to(x.dtype), x.t()], dim=-1)  # [C, K-1+T]
-    out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
-    return F.silu(out).t().to(x.dtype), full[:, full.shape[-1] - conv_state.shape[-1]:]
+    """Depthwise causal convolution (weight `[C, K]`) of B sequences x `[B, T, C]`, each continuing after its
+    conv_state `[B, C, K-1]` (the previous inputs; zeros at a request's start), SiLU after it. Returns (out
+    `[B, T, C]`, the new conv states `[B, C, K-1]`)."""
+    full = torch.cat([conv_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    windows = full.unfold(-1, weight.shape[-1], 1).to(weight.dtype)  # [B, C, T, K]: token t sees inputs t-K+1..t
+    out = (windows * weight[:, None, :]).sum(-1)
+    return F.silu(out).transpose(1, 2).to(x.dtype), full[..., full.shape[-1] - conv_state.shape[-1]:]
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
