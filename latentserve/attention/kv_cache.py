@@ -2,6 +2,8 @@
 extra per-layer caches a layer asks for (`extra_cache_dims`: DSA's indexer keys), on the same block table."""
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Mapping
 
 import torch
@@ -21,13 +23,23 @@ def allocate_kv_caches(
     caches = {}
     for name, layer in static_ctx.items():
         dim = layer.mla.kv_cache_dim
-        caches[name] = torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
+        caches[name] = _zeros((num_blocks, block_size, dim), dtype, torch.device(device))
         layer.kv_cache = caches[name]
         layer.kv_cache_dtype = dtype  # builders size their workspaces from it
         for extra, extra_dim in layer.extra_cache_dims.items():
-            cache = torch.zeros(num_blocks, block_size, extra_dim, dtype=dtype, device=device)
+            cache = _zeros((num_blocks, block_size, extra_dim), dtype, torch.device(device))
             caches[f"{name}.{extra}"] = layer.extra_caches[extra] = cache
     return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in fresh anonymous pages, which the kernel zeroes as they are first written: a pool sized
+    for the worst case costs neither start-up time (torch.zeros writes every byte: ~0.3 s a GiB) nor memory until
+    its blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, max(count * dtype.itemsize, 1)), dtype=dtype, count=count).view(shape)
 
 
 def write_kv_cache(

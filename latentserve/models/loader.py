@@ -283,6 +283,9 @@ def _parameters_on_meta() -> Iterator[None]:
     checkpoint overwrites every weight, and parameters that `load_model`'s `prepare` drops never get memory.
     (A constructor's `torch.empty` still takes an untouched buffer for a moment, one parameter at a time.)"""
     register = nn.Module.register_parameter
+    # nn.Embedding's random init on a meta tensor runs through torch._refs, whose first use imports torch._dynamo
+    # (~1 s of a start): the weights are overwritten anyway.
+    embedding_init = nn.Embedding.reset_parameters
 
     def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
@@ -290,10 +293,12 @@ def _parameters_on_meta() -> Iterator[None]:
         register(self, name, param)
 
     nn.Module.register_parameter = on_meta
+    nn.Embedding.reset_parameters = lambda self: None
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        nn.Embedding.reset_parameters = embedding_init
 
 
 def _materialize(model: nn.Module, device: torch.device | str, skip: set[str]) -> None:
@@ -304,8 +309,17 @@ def _materialize(model: nn.Module, device: torch.device | str, skip: set[str]) -
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta and f"{prefix}.{name}" not in skip:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                    # Not empty_like: on a meta tensor it runs through torch._refs, which imports sympy (~1 s).
+                    empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                    made[id(param)] = nn.Parameter(empty, param.requires_grad)
                 setattr(module, name, made[id(param)])
+
+
+def empty_model(config: ModelConfig, attn_config: AttentionConfig, dtype: torch.dtype,
+                device: torch.device | str) -> DeepseekForCausalLM:
+    """The model with every parameter on meta, for the weights to be installed."""
+    with _parameters_on_meta():
+        return DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
 
 
 def load_model(
@@ -327,8 +341,7 @@ def load_model(
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_pretrained(model_dir)
-    with _parameters_on_meta():
-        model = DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
+    model = empty_model(config, attn_config, dtype, device)
     declared = set(model.state_dict())
     if prepare is not None:
         prepare(model)

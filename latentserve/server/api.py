@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -48,6 +49,16 @@ class ServerState:
 
     draining: bool = False  # set on SIGTERM: new requests get 503
     in_flight: int = 0  # HTTP requests being answered, streams included
+
+
+@dataclass(frozen=True)
+class CORS:
+    """Which browser origins may call the server (vLLM's --allowed-origins and friends)."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class _Gate:
@@ -172,9 +183,11 @@ def _version() -> str:
 
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve",
-              tool_call_parser: str | None = None, body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT) -> FastAPI:
+              tool_call_parser: str | None = None, body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT,
+              chat_template: str | None = None, cors: CORS | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
-    lifespan starts and stops the engine thread."""
+    lifespan starts and stops the engine thread. `chat_template` replaces the tokenizer's; `cors` None sends no
+    CORS headers (browsers then refuse other origins' pages)."""
     async_engine = AsyncLLMEngine(engine, max_waiting, model_name, metrics_prefix)
     state = ServerState()
 
@@ -189,11 +202,14 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     app.state.server_state = state
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, read_timeout=body_read_timeout)
     app.add_middleware(_Gate, state=state, api_key=api_key)
+    if cors is not None:  # outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     _add_error_handlers(app)
     completions = ServingCompletion(async_engine, model_name)
     tool_parser = get_tool_parser(tool_call_parser)() if tool_call_parser is not None else None
-    chat = ServingChat(async_engine, model_name, tool_parser)
-    tokens = ServingTokens(async_engine, model_name)
+    chat = ServingChat(async_engine, model_name, tool_parser, chat_template)
+    tokens = ServingTokens(async_engine, model_name, chat_template)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})

@@ -9,10 +9,11 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.llm_engine import EngineConfig
-from latentserve.server.api import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
+from latentserve.server.api import CORS, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
 from latentserve.server.async_engine import AsyncLLMEngine, Engine
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,18 @@ class ServerConfig:
     metrics_prefix: str = "latentserve"  # /metrics names are <prefix>:<vLLM's name>; "vllm" gives vLLM's exact names
     log_level: str = "info"
     tool_call_parser: str | None = None  # e.g. deepseek_v3: tool_choice "auto" finds calls in the model's format
+    chat_template: str | None = None  # replaces the tokenizer's (the template's text)
+    cors: CORS | None = None  # None: no CORS headers
+    ssl_keyfile: str | None = None  # with ssl_certfile: serve HTTPS
+    ssl_certfile: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile (--ssl-keyfile, --ssl-certfile)")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"{name} {path} does not exist")
 
 
 class DrainingServer(uvicorn.Server):
@@ -76,13 +89,24 @@ def log_config(level: str) -> dict:
     return config
 
 
+def make_app(engine: Engine, model_name: str, config: ServerConfig) -> FastAPI:
+    """The app `serve` runs: `engine` served as `model_name` (or config.served_model_name) with `config`."""
+    return build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting,
+                     config.max_request_bytes, config.metrics_prefix, config.tool_call_parser, config.body_read_timeout,
+                     config.chat_template, config.cors)
+
+
 def serve(engine: Engine, model_name: str, config: ServerConfig) -> int:
     """Serve a loaded engine as `model_name` until SIGTERM / SIGINT (status 0) or until the engine fails (1)."""
-    app = build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting,
-                    config.max_request_bytes, config.metrics_prefix, config.tool_call_parser, config.body_read_timeout)
+    return serve_app(make_app(engine, model_name, config), config)
+
+
+def serve_app(app: FastAPI, config: ServerConfig) -> int:
+    """Run an app of `make_app` on config's address until SIGTERM / SIGINT (status 0) or until the engine fails (1)."""
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                log_config=log_config(config.log_level),
-                               timeout_graceful_shutdown=max(int(config.drain_timeout), 1))
+                               timeout_graceful_shutdown=max(int(config.drain_timeout), 1),
+                               ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
     server = DrainingServer(uv_config, app.state.server_state, app.state.engine, config.drain_timeout)
     server.run()
     return server.exit_code

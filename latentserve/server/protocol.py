@@ -11,8 +11,6 @@ from pydantic_core import PydanticCustomError
 
 from latentserve.server.tool_protocol import ChatTool, NamedToolChoice, ToolCallIn, ToolChoice
 
-# Largest top-k of logprobs a request may ask for (vLLM's default cap).
-MAX_LOGPROBS = 20
 # logit_bias values beyond this magnitude are refused (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
 # Parallel samples per request at most (n and best_of): each holds its own KV blocks and decode slot.
@@ -104,7 +102,7 @@ class SamplingRequest(StrictModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0)
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object")
 
@@ -149,7 +147,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt = Field(union_mode="left_to_right",
                            description="a string, a list of token ids, or a batch of either")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
     echo: StrictBool = False
 
     @model_validator(mode="after")
@@ -224,7 +222,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")

@@ -30,8 +30,9 @@ from latentserve.server.tools import ToolPlan, plan_tools
 
 
 class ServingChat(Serving):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None) -> None:
-        super().__init__(engine, model_name)
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None,
+                 chat_template: str | None = None) -> None:
+        super().__init__(engine, model_name, chat_template)
         self.tool_parser = tool_parser
 
     @property
@@ -40,6 +41,7 @@ class ServingChat(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
         self.check_model(req.model)
+        req = self.with_defaults(req)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_new_tokens, top_k)
         plan = self._plan_tools(req)

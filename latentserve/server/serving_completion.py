@@ -15,6 +15,7 @@ from latentserve.server.serving import Serving, sampling_params, top_entries, us
 class ServingCompletion(Serving):
     async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> CompletionResponse | Response:
         self.check_model(req.model)
+        req = self.with_defaults(req)
         # echo with max_tokens=0 scores the prompt: the request generates one token, which is not returned.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         prompt_k = max(req.logprobs or 0, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
