@@ -226,6 +226,9 @@ class LLMEngine:
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
+        if spec is not None and model_config.linear_attention is not None:
+            raise ValueError(f"speculative_config: {model_config.model_type} has linear-attention layers, whose state "
+                             "cannot roll back rejected drafts; run it without speculative decoding")
         quantization = saved.quantization if saved is not None else resolve_quantization(
             config.quantization, config.quantization_group_size, model_config.quantization, config.lm_head_quantized)
         self.quantization = quantization  # what save_quantized records

@@ -27,6 +27,11 @@ class TestBailingHybrid(ArchSuite):
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
             assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
 
+    def test_speculative_decoding_is_refused(self, checkpoint) -> None:
+        """Its config declares an MTP layer, but a rejected draft would stay folded into the linear-attention state."""
+        with pytest.raises(ValueError, match="cannot roll back rejected drafts"):
+            llm(checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
     def test_chunked_prefill_and_preemption_equal_one_batch(self, checkpoint, greedy) -> None:
         engine = llm(checkpoint, max_num_batched_tokens=8, num_kv_blocks=14, max_model_len=48)
         for a, b in zip(greedy, engine.generate(PROMPTS, GREEDY)):
