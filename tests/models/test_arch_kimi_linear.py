@@ -23,6 +23,11 @@ class TestKimiLinear(ArchSuite):
         assert list(model.state_layers) == [f"model.layers.{i}.self_attn" for i in range(3)]
         assert model.attention_layer_names == ["model.layers.3.self_attn.attn"]
 
+    def test_kv_memory_holds_blocks_of_the_mla_layers_only(self, checkpoint) -> None:
+        per_block = 4 * (32 + 16) * 4  # block_size 4, one MLA layer's latent + rope key, fp32
+        engine = llm(checkpoint, num_kv_blocks=None, kv_cache_memory_bytes=100 * per_block)
+        assert engine.engine.scheduler.block_manager.num_blocks == 100
+
     def test_decode_matches_transformers_generate(self, checkpoint, greedy) -> None:
         """transformers' own cached decode (its conv and recurrent states) continues the prompts as ours does."""
         reference = load_reference(checkpoint)
