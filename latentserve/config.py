@@ -71,6 +71,8 @@ class AttentionConfig:
     decode_backend: str | None = None
     # Debug checks of DBO: per-batch state shared across ubatches, unequal yields per layer; cheap, so on by default.
     debug_ownership: bool = True
+    # A token's results independent of the rest of its batch (latentserve.batch_invariant).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

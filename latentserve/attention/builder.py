@@ -5,6 +5,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from latentserve import batch_invariant
 from latentserve.attention.dsa.metadata import DSAMetadataBuilder
 from latentserve.attention.kv_cache import slots_for_positions
 from latentserve.attention.metadata import (
@@ -93,6 +94,10 @@ class MLAMetadataBuilder:
 
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
         num_decodes = count_decodes(common, self.attn_config.decode_threshold)
+        if batch_invariant.is_enabled():
+            # Every token on the decode path: its attention then reads its cache rows in the same fixed chunks
+            # however its prompt was split into steps or shared with a prefix-cache hit.
+            num_decodes = common.num_reqs
         qsl = common.query_start_loc_cpu.tolist()
         num_decode_tokens = qsl[num_decodes]
         num_prefills = common.num_reqs - num_decodes

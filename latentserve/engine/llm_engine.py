@@ -30,7 +30,8 @@ from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
-from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
+from latentserve.kernels import native
+from latentserve.kernels.cpu import auto_dtype, cpu_features, last_level_cache_bytes
 from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
 from latentserve.models.loader import load_model, weight_bytes
@@ -96,6 +97,8 @@ class EngineConfig:
     reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
     # {"method": "mtp", "num_speculative_tokens": k}: draft with the checkpoint's MTP layer, verify exactly.
     speculative_config: SpeculativeConfig | dict | None = None
+    # A request's tokens and logprobs independent of what else its steps hold (latentserve.batch_invariant).
+    batch_invariant: bool = False
     tokenizer: str | None = None  # folder with tokenizer.json (and tokenizer_config.json); None: the model's
     max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for (vLLM's default); -1: no cap
     # Default sampling settings: "auto" from the model's generation_config.json, "vllm" none, or a folder holding one
@@ -110,6 +113,8 @@ class EngineConfig:
             if value is not None and not _is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if not _is_int_at_least(self.max_logprobs, -1):
             raise ValueError(f"max_logprobs must be an int >= -1 (-1: no cap), got {self.max_logprobs!r}")
 
@@ -134,6 +139,29 @@ def dbo_config(config: EngineConfig) -> DBOConfig:
         cuda = torch.device(config.device).type == "cuda"
         decode_threshold = DBOConfig.dbo_decode_token_threshold if cuda else CPU_DBO_DECODE_TOKEN_THRESHOLD
     return DBOConfig(config.enable_dbo, decode_threshold, config.dbo_prefill_token_threshold)
+
+
+def check_batch_invariant(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          cache_dtype: torch.dtype) -> None:
+    """Batch-invariant mode runs on latentserve's CPU kernels; a setting that would take another path fails here."""
+    problems = []
+    if torch.device(config.device).type != "cpu":
+        problems.append(f"device {config.device!r} (it needs the CPU)")
+    else:
+        kernels, why = native.native_kernels(cpu_features())
+        if kernels is None:
+            problems.append(f"latentserve's CPU kernels ({why})")
+    for name, value in (("dtype", dtype), ("kv_cache_dtype", cache_dtype)):
+        if value not in native.KERNEL_DTYPES:
+            problems.append(f"{name} {value} (it needs float32 or bfloat16)")
+    if config.decode_backend not in (None, "NATIVE"):
+        problems.append(f"decode_backend {config.decode_backend!r} (it needs NATIVE)")
+    if config.speculative_config is not None:
+        problems.append("speculative decoding (whether a step drafts depends on its batch size)")
+    if model_config.dsa is not None:
+        problems.append("DeepSeek Sparse Attention (its indexer and sparse attention batch tokens together)")
+    if problems:
+        raise ValueError(f"batch_invariant=True cannot run with: {'; '.join(problems)}")
 
 
 def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vocab_size: int) -> list[int]:
@@ -220,11 +248,14 @@ class LLMEngine:
             decode_threshold=1 + num_spec,  # a verification step is a decode with k+1 new tokens
             workspace_tokens=config.workspace_tokens,
             prefill_backend=config.prefill_backend,
-            decode_backend=config.decode_backend,
+            decode_backend="NATIVE" if config.batch_invariant else config.decode_backend,
+            batch_invariant=config.batch_invariant,
         )
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
         model_config = ModelConfig.from_pretrained(model_dir)
+        if config.batch_invariant:
+            check_batch_invariant(config, model_config, dtype, cache_dtype)
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")

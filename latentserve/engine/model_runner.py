@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from latentserve import batch_invariant
 from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.config import AttentionConfig, DBOConfig
@@ -75,6 +76,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        with batch_invariant.enabled_during(self.attn_config.batch_invariant):
+            return self._execute_model(out)
+
+    def _execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         if not out.scheduled:
             num_ubatches = 2 if self._agree_on_dbo(True) else 1
             run_empty_forward(self.model, num_ubatches, self.model.model.embed_tokens.weight.dtype)

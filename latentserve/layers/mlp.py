@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from latentserve import batch_invariant
 from latentserve.layers.linear import Linear
-from latentserve.layers.quant.experts import one_token_mlp
+from latentserve.layers.quant.experts import tokens_mlp
 
 
 class GatedMLP(nn.Module):
@@ -30,7 +31,8 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if x.shape[0] == 1 and (y := one_token_mlp(self, x)) is not None:  # batch-1 decode: one kernel call
+        # Batch-1 decode: one kernel call; in batch-invariant mode every token as it would be alone.
+        if (x.shape[0] == 1 or batch_invariant.is_enabled()) and (y := tokens_mlp(self, x)) is not None:
             return y
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
