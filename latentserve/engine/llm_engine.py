@@ -160,6 +160,9 @@ def check_batch_invariant(config: EngineConfig, model_config: ModelConfig, dtype
         problems.append("speculative decoding (whether a step drafts depends on its batch size)")
     if model_config.dsa is not None:
         problems.append("DeepSeek Sparse Attention (its indexer and sparse attention batch tokens together)")
+    if model_config.linear_attention is not None:
+        problems.append(f"{model_config.model_type}'s linear-attention layers (not yet checked to the bit: "
+                        "docs/hybrids.md)")
     if problems:
         raise ValueError(f"batch_invariant=True cannot run with: {'; '.join(problems)}")
 

@@ -82,6 +82,10 @@ class TestKimiLinear(ArchSuite):
             llm(checkpoint, enable_prefix_caching=True)
         assert not llm(checkpoint).engine.scheduler.block_manager.enable_prefix_caching
 
+    def test_batch_invariant_mode_is_refused(self, checkpoint) -> None:
+        with pytest.raises(ValueError, match="batch_invariant=True cannot run with: kimi_linear's linear-attention"):
+            llm(checkpoint, batch_invariant=True)
+
     def test_max_num_seqs_bounds_the_state_pool(self, checkpoint, greedy) -> None:
         engine = llm(checkpoint, max_num_seqs=2)
         pool = engine.engine.scheduler.block_manager.state_pool
