@@ -82,6 +82,15 @@ class TestKimiLinear(ArchSuite):
             llm(checkpoint, enable_prefix_caching=True)
         assert not llm(checkpoint).engine.scheduler.block_manager.enable_prefix_caching
 
+    def test_saved_int8_model_runs_as_quantized_at_load(self, checkpoint, tmp_path) -> None:
+        """The KDA layers' quantized projections and fp32 parameters survive save_quantized, to the bit."""
+        at_load = llm(checkpoint, quantization="int8")
+        at_load.save_quantized(tmp_path / "int8")
+        saved = llm(tmp_path / "int8", dtype="auto")  # the saved manifest names the dtype
+        for a, b in zip(at_load.generate(PROMPTS, GREEDY), saved.generate(PROMPTS, GREEDY)):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
     def test_batch_invariant_mode_is_refused(self, checkpoint) -> None:
         with pytest.raises(ValueError, match="batch_invariant=True cannot run with: kimi_linear's linear-attention"):
             llm(checkpoint, batch_invariant=True)
