@@ -86,8 +86,9 @@ class MLAMetadataBuilder:
         if len(topks) > 1:
             raise ValueError(f"the attention layers select different top-k counts {sorted(topks)}: one builder "
                              "builds one DSA selection per ubatch")
+        sinks = any(getattr(static_ctx[n], "sinks", None) is not None for n in layer_names)
         self.dsa = None if not topks else DSAMetadataBuilder(
-            topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self)
+            topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self, always_sparse=sinks)
 
     def __repr__(self) -> str:
         return f"MLAMetadataBuilder(id={self.builder_id})"

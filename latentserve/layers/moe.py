@@ -158,11 +158,15 @@ class MoE(nn.Module):
         routing: RoutingConfig,
         n_shared_experts: int,
         shared_bias: bool = False,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.gate = Router(hidden_size, routing)
+        # Clamped experts (a `swiglu_limit`) are never stacked: the stack's kernels have no clamp.
+        self.swiglu_limit = swiglu_limit
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, moe_intermediate_size) for _ in range(routing.n_routed_experts)
+            GatedMLP(hidden_size, moe_intermediate_size, swiglu_limit=swiglu_limit)
+            for _ in range(routing.n_routed_experts)
         )
         self.shared_experts = (
             GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias)
@@ -207,7 +211,7 @@ class MoE(nn.Module):
 
 
 def _is_plain(expert: nn.Module) -> bool:
-    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and all(
+    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and expert.swiglu_limit is None and all(
         type(p) is Linear and p.bias is None for p in (expert.gate_proj, expert.up_proj, expert.down_proj)
     )
 

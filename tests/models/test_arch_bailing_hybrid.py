@@ -18,7 +18,7 @@ class TestBailingHybrid(ArchSuite):
     def test_layer_pattern(self, checkpoint) -> None:
         model = llm(checkpoint).engine.runner.model
         assert model.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
-        assert model.config.linear_attention.gate_lower_bound == -5.0 and model.config.attention_output_gate
+        assert model.config.linear_attention.gate_lower_bound == -5.0 and model.config.head_output_gate
 
     def test_decode_matches_transformers_generate(self, checkpoint, greedy) -> None:
         reference = load_reference(checkpoint)

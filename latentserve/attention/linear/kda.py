@@ -20,6 +20,8 @@ from latentserve.layers.linear import Linear
 
 
 class KimiDeltaAttention(nn.Module):
+    native_block = False  # no MLA: the one-call decode attention block (models/attention_block.py) declines it
+
     def __init__(
         self, layer_name: str, hidden_size: int, cfg: LinearAttentionConfig, eps: float, attn_config: AttentionConfig
     ) -> None:

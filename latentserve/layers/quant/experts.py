@@ -77,6 +77,8 @@ TOKENS_PER_CALL = 64
 def _native_tokens(chosen: list[list[nn.Module]], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
     """Token t through its experts `chosen[t]` (one count for all) with `native.experts_tokens` where each is a fused
     gate_up and a down of latentserve's kernels, bias-free; None otherwise."""
+    if any(getattr(e, "swiglu_limit", None) is not None for row in chosen for e in row):
+        return None  # the kernel has no clamp
     layers = [[(getattr(e, "gate_up_proj", None), e.down_proj) for e in row] for row in chosen]
     flat = [pair for row in layers for pair in row]
     kind = type(flat[0][0])

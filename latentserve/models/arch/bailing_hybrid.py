@@ -48,7 +48,7 @@ class BailingHybrid(Architecture):
             "rope_style": "interleave", "mlp_bias": False, "first_k_dense_replace": first_dense,
             "mlp_layer_types": mlp_layer_types(f, num_layers, first_dense),
             "layer_types": checked_layer_types(types, num_layers),
-            "attention_output_gate": True,
+            "head_output_gate": True,
             "linear_attention": LinearAttentionConfig(
                 num_heads=f.int("linear_num_heads", None) or parsed["num_attention_heads"],
                 head_dim=head_dim,
