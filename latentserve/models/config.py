@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentserve.config import MLAConfig
+from latentserve.config import LinearAttentionConfig, MLAConfig
 from latentserve.layers.hyper_connection import HyperConnectionConfig
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
@@ -71,11 +71,19 @@ class ModelConfig:
     # learned hyper-connections (layers/hyper_connection.py); None: one plain residual.
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
+    # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
+    # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
+    layer_types: tuple[str, ...] | None = None
+    linear_attention: LinearAttentionConfig | None = None
+    rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
+    head_output_gate: bool = False  # Ling: a sigmoid gate per head on the attention output, from the layer's input
 
     @property
     def num_attention_layers(self) -> int:
-        """Attention layers (each its own KV cache) of the main model."""
-        return self.num_hidden_layers * (2 if self.shortcut_moe else 1)
+        """MLA layers (each its own KV cache) of the main model: not a hybrid's linear-attention layers, which keep a
+        state per request; LongCat-Flash's two per layer."""
+        mla = sum(not self.is_linear_attention_layer(i) for i in range(self.num_hidden_layers))
+        return mla * (2 if self.shortcut_moe else 1)
 
     @property
     def qk_head_dim(self) -> int:
@@ -90,6 +98,9 @@ class ModelConfig:
         return MLAConfig(
             self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         )
+
+    def is_linear_attention_layer(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.routing is None:

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.layers.embedding import ScaledEmbedding
@@ -27,21 +28,38 @@ from latentserve.layers.query_scaling import Llama4QueryScaling
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import ModelConfig
-from latentserve.models.gated_attention import HiddenGateAttention, QGateAttention
+from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
 
 
+def linear_attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn"
+
+
 def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, attn_config: AttentionConfig,
                     static_ctx: StaticForwardContext, dtype: torch.dtype, device: torch.device | str,
-                    name: str | None = None) -> DeepseekAttention:
-    """The layer's attention module: DeepSeek's, or one with an output gate (A.X K2's from the fused q projection,
-    Hunyuan V4's from the layer's input); `name`: its attention layer's, where the layer has several."""
-    kind = (QGateAttention if config.q_output_gate else HiddenGateAttention if config.hidden_output_gate
-            else DeepseekAttention)
-    return kind(config, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
+                    name: str | None = None) -> DeepseekAttention | KimiDeltaAttention:
+    """The layer's attention module: a hybrid's linear attention where its layer_types say so (docs/hybrids.md); else
+    DeepSeek's MLA, or MLA with an output gate (A.X K2's from the fused q projection, Hunyuan V4's from the layer's
+    input, Ling's one per head); `name`: its MLA layer's, where the layer has several (LongCat-Flash)."""
+    c = config
+    if c.is_linear_attention_layer(layer_idx):
+        return KimiDeltaAttention(linear_attention_layer_name(layer_idx), c.hidden_size, c.linear_attention,
+                                  c.rms_norm_eps, attn_config)
+    kind = (QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
+            else HeadGateAttention if c.head_output_gate else DeepseekAttention)
+    return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
+
+
+def attend(attention: nn.Module, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
+           q_scale: torch.Tensor | None) -> torch.Tensor:
+    """A layer's attention over its normed input `x`; position-scaled queries (`q_scale`, Mistral 4) only where the
+    model has them, and then MLA takes them."""
+    return attention(cos, sin, x) if q_scale is None else attention(cos, sin, x, q_scale)
+
 
 def _norm(config: ModelConfig, gated: bool) -> nn.Module:
     """A decoder layer's norm: gated where the config has gated norms (A.X K2: the input norm, the MoE's norm)."""
@@ -51,7 +69,9 @@ def _norm(config: ModelConfig, gated: bool) -> nn.Module:
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention
+    ) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
@@ -74,7 +94,7 @@ class DeepseekDecoderLayer(nn.Module):
         if fused is not None:
             hidden, normed = fused
         else:
-            hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden), q_scale)
+            hidden = hidden + attend(self.self_attn, cos, sin, self.input_layernorm(hidden), q_scale)
             normed = self.post_attention_layernorm(hidden)
         if isinstance(self.mlp, MoE) and (out := fused_moe(self.mlp, self.moe_view, normed, hidden)) is not None:
             return out  # decode: one native call
@@ -91,7 +111,7 @@ class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden), q_scale) * self.residual_scale
+        hidden = hidden + attend(self.self_attn, cos, sin, self.input_layernorm(hidden), q_scale) * self.residual_scale
         return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
 
 
@@ -107,12 +127,12 @@ class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         post, x = self.attn_hc(streams)
-        streams = add_to_streams(streams, post, self.self_attn(cos, sin, self.input_layernorm(x), q_scale))
+        streams = add_to_streams(streams, post, attend(self.self_attn, cos, sin, self.input_layernorm(x), q_scale))
         post, x = self.ffn_hc(streams)
         return add_to_streams(streams, post, self.mlp(self.post_attention_layernorm(x)))
 
 
-def _decoder_layer(c: ModelConfig, i: int, attention: Callable[..., DeepseekAttention]) -> nn.Module:
+def _decoder_layer(c: ModelConfig, i: int, attention: Callable[..., nn.Module]) -> nn.Module:
     """Layer i of the model's kind, its attention built by `attention(i, name=...)`."""
     if c.shortcut_moe:
         return ShortcutMoEDecoderLayer(c, [attention(i, name=f"model.layers.{i}.self_attn.{j}.attn") for j in (0, 1)])
@@ -142,6 +162,7 @@ class DeepseekModel(nn.Module):
         hc = c.hyper_connections
         self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rope_free = c.rope_free
         self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
             c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
 
@@ -149,7 +170,9 @@ class DeepseekModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if self.hc_head is not None:  # every stream starts as the embedding
             hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
+        # and the kernels that fuse it stay as they are.
+        cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
         q_scale = None if self.query_scaling is None else self.query_scaling(positions)
         for layer in self.layers:
             hidden = layer(cos, sin, hidden, q_scale)
@@ -188,7 +211,10 @@ class DeepseekForCausalLM(nn.Module):
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.attention_layer_names = list(self.static_forward_context)  # in layer order
+        self.attention_layer_names = list(self.static_forward_context)  # the MLA layers, in layer order
+        # Hybrid models' linear-attention layers, by name: each keeps a state per request (engine/state_pool.py).
+        self.state_layers: dict[str, KimiDeltaAttention] = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, KimiDeltaAttention)}
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
