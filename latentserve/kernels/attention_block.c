@@ -27,11 +27,11 @@ typedef struct {
     int32_t style, bf;
 } MLABlock;
 
-void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                    const int32_t *wsum, int64_t N, void *y, int io, int threads);
-void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                          const int32_t *wsum, int64_t N, void *y, int io, int threads);
-void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
+LS_API void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
                     int threads);
 
 /* y[m, h] = x[m, h] @ W[h] over H heads (H = 1: a linear layer), in and out in the block's dtype. */
@@ -51,7 +51,7 @@ static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_
 }
 
 /* Decode metadata of the step (the cache's block table, query starts and lengths per request, slots per token). */
-void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin,
+LS_API void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin,
                             void *cache, int cbf, int64_t block_size, const int32_t *block_table, int64_t bt_stride,
                             const int32_t *qsl, const int32_t *seq_lens, int64_t requests, const int64_t *slots,
                             void *y, void *y_normed, int threads) {
