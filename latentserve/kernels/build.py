@@ -44,7 +44,7 @@ FALLBACK = {"avx512_bf16": "avx512_vnni", "avx512_vnni": "avx2"}
 # No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.
 # Hidden symbols but the ls_ interface (LS_API): the library's helpers cannot clash with another library's.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-shared", "-fPIC"]
-COMPILE_TIMEOUT_S = 300  # a build takes ~20 s (more under the sanitizers); a hung compiler must not hang the engine
+COMPILE_TIMEOUT_S = 600  # a build takes ~20 s, minutes under the sanitizers; a hung compiler must not hang the engine
 NOT_OTHERS = 0o022  # group and others' write bits: a directory or library with either set is not trusted
 
 
@@ -189,8 +189,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
     lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
     lib.ls_experts_tokens.restype = None
-    lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32]
-    lib.ls_mla_decode.restype = None
+    lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32, i64,
+                                  i64]
+    lib.ls_mla_decode.restype = i32
     lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
     lib.ls_dense_linear.restype = None
     lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
@@ -199,18 +200,15 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_stacked_experts.restype = i32
     lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
     lib.ls_rms_norm.restype = None
-    lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32]
-    lib.ls_mla_prologue.restype = None
-    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, p, i32]
-    lib.ls_mla_attention_block.restype = None
+    lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32,
+                                    i64]
+    lib.ls_mla_prologue.restype = i64
+    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, p, i32, i64, i64]
+    lib.ls_mla_attention_block.restype = i32
     lib.ls_route.argtypes = [p, i64, i64, i64, i32, i64, i64, p, i32, ctypes.c_float, p, p]
     lib.ls_route.restype = None
     lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
     lib.ls_moe_block.restype = i32
-    lib.ls_decode_metadata_error.argtypes = [i64, p, p, i64, p, i64, i64, i64, i64]
-    lib.ls_decode_metadata_error.restype = i32
-    lib.ls_bad_slot.argtypes = [p, i64, i64]
-    lib.ls_bad_slot.restype = i64
     for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear"):
         getattr(lib, name).restype = None
 

@@ -196,14 +196,16 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     if rope >= width or rope > dim:
         raise ValueError(f"{fn}: {rope} rope dims do not fit kv's rows of {width} and q's heads of {dim}")
     tensor(fn, "weight", weight, (kv.dtype,), (width - rope,))
-    _slots(kernels, fn, slot_mapping, tokens, kv_cache, width)
+    capacity = _slots(fn, slot_mapping, tokens, kv_cache, width)
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
     io = int(kv.dtype == torch.bfloat16) * 0b101 | int(kv_cache.dtype == torch.bfloat16) << 1
-    _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, heads, dim, kv.data_ptr(), width - rope, rope,
-          weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
-          kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
-          torch.get_num_threads())
+    bad = _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, heads, dim, kv.data_ptr(), width - rope, rope,
+                weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
+                kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
+                torch.get_num_threads(), capacity)
+    if bad >= 0:
+        raise _slot_error(fn, slot_mapping, capacity)
     return kv_c, k_pe
 
 
@@ -216,16 +218,17 @@ def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
     return rope
 
 
-def _slots(kernels: NativeKernels, fn: str, slot_mapping: torch.Tensor, tokens: int, kv_cache: torch.Tensor,
-           width: int) -> None:
-    """A ValueError unless the cache is `[blocks, block_size, width]` (fp32 or bf16) and each of the `tokens` int64
-    slots lies in it (negative: padding)."""
+def _slots(fn: str, slot_mapping: torch.Tensor, tokens: int, kv_cache: torch.Tensor, width: int) -> int:
+    """The cache's slots, where it is `[blocks, block_size, width]` (fp32 or bf16) and the slots int64 `[tokens]`
+    (the kernel checks their values: bounds.c)."""
     blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KERNEL_DTYPES, (None, None, width))
     tensor(fn, "slot_mapping", slot_mapping, I64, (tokens,))
-    bad = kernels.lib.ls_bad_slot(slot_mapping.data_ptr(), tokens, blocks * block_size)
-    if bad >= 0:
-        raise ValueError(f"{fn}: slot_mapping[{bad}] = {slot_mapping[bad].item()} lies past the cache's "
-                         f"{blocks * block_size} slots")
+    return blocks * block_size
+
+
+def _slot_error(fn: str, slot_mapping: torch.Tensor, capacity: int) -> ValueError:
+    bad = int((slot_mapping >= capacity).nonzero()[0, 0])
+    return ValueError(f"{fn}: slot_mapping[{bad}] = {slot_mapping[bad].item()} lies past the cache's {capacity} slots")
 
 
 METADATA_ERRORS = {1: "query_start_loc must rise from >= 0 to at most the {tokens} query tokens",
@@ -234,11 +237,11 @@ METADATA_ERRORS = {1: "query_start_loc must rise from >= 0 to at most the {token
                    4: "block_table names a block outside the cache's {blocks}"}  # bounds.c's codes
 
 
-def _decode_metadata(kernels: NativeKernels, fn: str, tokens: int, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> int:
-    """The number of requests, where the metadata lets the kernel read only the cache's blocks and write only the
-    `tokens` query tokens' rows; else a ValueError saying what does not."""
-    blocks, block_size = kv_cache.shape[:2]
+def _decode_tables(fn: str, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                   seq_lens: torch.Tensor) -> tuple[int, int]:
+    """(requests, the block table's width) where the tables have the shapes and dtypes the kernel reads (it checks
+    their values: bounds.c); else a ValueError."""
+    block_size = kv_cache.shape[1]
     requests = tensor(fn, "seq_lens", seq_lens, I32, (None,))[0]
     tensor(fn, "query_start_loc", query_start_loc, I32, (requests + 1,))
     rows, width = tensor(fn, "block_table", block_table, I32, (None, None), contiguous=False)
@@ -246,14 +249,14 @@ def _decode_metadata(kernels: NativeKernels, fn: str, tokens: int, kv_cache: tor
         raise ValueError(f"{fn}: block_table must be int32 [requests={requests}, *] with unit column stride and the "
                          f"cache's blocks non-empty, got {list(block_table.shape)} strides {block_table.stride()} "
                          f"and a cache {list(kv_cache.shape)}")
-    code = kernels.lib.ls_decode_metadata_error(tokens, query_start_loc.data_ptr(), seq_lens.data_ptr(), requests,
-                                                block_table.data_ptr(), block_table.stride(0), width, blocks,
-                                                block_size)
-    if code:
-        why = METADATA_ERRORS[code].format(tokens=tokens, width=width, block_size=block_size, blocks=blocks)
-        raise ValueError(f"{fn}: {why}; got query_start_loc {query_start_loc.tolist()}, seq_lens "
-                         f"{seq_lens.tolist()}")
-    return requests
+    return requests, width
+
+
+def _metadata_error(fn: str, code: int, tokens: int, kv_cache: torch.Tensor, width: int,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> ValueError:
+    blocks, block_size = kv_cache.shape[:2]
+    why = METADATA_ERRORS[code].format(tokens=tokens, width=width, block_size=block_size, blocks=blocks)
+    return ValueError(f"{fn}: {why}; got query_start_loc {query_start_loc.tolist()}, seq_lens {seq_lens.tolist()}")
 
 
 DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # attention_block.c's kinds of weight
@@ -291,13 +294,18 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     tokens = tensor(fn, "x", x, (_block_dtype(block),), (None, block.hidden))[0]
     if _rotary(fn, cos, sin, tokens) != block.rope:
         raise ValueError(f"{fn}: cos and sin must have the block's {block.rope} rope dims, got {list(cos.shape)}")
-    _slots(kernels, fn, slot_mapping, tokens, kv_cache, block.latent + block.rope)
-    requests = _decode_metadata(kernels, fn, tokens, kv_cache, block_table, query_start_loc, seq_lens)
+    capacity = _slots(fn, slot_mapping, tokens, kv_cache, block.latent + block.rope)
+    requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
     y, normed = torch.empty_like(x), torch.empty_like(x)
-    _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), tokens, cos.data_ptr(),
-          sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
-          block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-          requests, slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads())
+    code = _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), tokens, cos.data_ptr(),
+                 sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
+                 block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                 requests, slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads(),
+                 kv_cache.shape[0], width)
+    if code == 5:
+        raise _slot_error(fn, slot_mapping, capacity)
+    if code:
+        raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     return y, normed
 
 
@@ -417,12 +425,14 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     block_size = tensor(fn, "kv_cache", kv_cache, KERNEL_DTYPES, (None, None, dim))[1]
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
-    requests = _decode_metadata(kernels, fn, tokens, kv_cache, block_table, query_start_loc, seq_lens)
+    requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
     out = torch.empty(tokens, heads, latent, dtype=q.dtype)
     io = int(q.dtype == torch.bfloat16) | int(kv_cache.dtype == torch.bfloat16) << 1 | int(q.dtype == torch.bfloat16) << 2
-    _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
-          block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-          requests, scale, out.data_ptr(), io, torch.get_num_threads())
+    code = _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
+                 block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                 requests, scale, out.data_ptr(), io, torch.get_num_threads(), kv_cache.shape[0], width)
+    if code:
+        raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     return out
 
 

@@ -196,12 +196,17 @@ LS_API void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, floa
 LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads);
 LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
                     int threads);
-LS_API void ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
-                     float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
-                     const int64_t *slots, int io, int threads);
-LS_API void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
-                   const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
-                   int64_t R, float scale, void *out, int io, int threads);
+LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
+                               const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,
+                               void *k_pe, void *cache, const int64_t *slots, int io, int threads, int64_t capacity);
+LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+                         const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                         int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
+                         int64_t bt_width);
+/* bounds.c: the checks of the indices the kernels above follow. */
+int decode_metadata_error(int64_t T, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
+                          const int32_t *block_table, int64_t bt_stride, int64_t bt_width, int64_t blocks, int64_t B);
+int64_t bad_slot(const int64_t *slots, int64_t T, int64_t capacity);
 LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
               const float *bias, int norm, float scaling, float *weights, int64_t *ids);
 LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
