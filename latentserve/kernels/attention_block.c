@@ -28,11 +28,11 @@ typedef struct {
 } MLABlock;
 
 LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                   const int32_t *wsum, int64_t N, void *y, int io, int threads);
+                          const int32_t *wsum, int64_t N, void *y, int io, int threads);
 LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                         const int32_t *wsum, int64_t N, void *y, int io, int threads);
+                                const int32_t *wsum, int64_t N, void *y, int io, int threads);
 LS_API void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
-                    int threads);
+                           int threads);
 
 /* y[m, h] = x[m, h] @ W[h] over H heads (H = 1: a linear layer), in and out in the block's dtype. */
 static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t K, int64_t N, void *y, int bf,

@@ -56,7 +56,8 @@ INLINE void dense_rows_bf16(const uint16_t *x, const uint16_t *w, int64_t K, int
 #endif
 
 /* `io`: bit 0 x is bf16, bit 1 y, bit 2 w (else fp32). */
-LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads) {
+LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io,
+                            int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4;
 #ifdef LS_BF16DOT
@@ -96,8 +97,8 @@ LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, 
  * instead summed partial sums per thread). A token's result does not depend on the others in the call either (its
  * own rows, sums in the same order). */
 LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
-                      const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
-                      int threads) {
+                             const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+                             int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4, P = T * count;
     float *xf = malloc(T * K * sizeof(float)), *h = malloc(P * 2 * I * sizeof(float));
@@ -166,8 +167,9 @@ LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int
  * (down projections transposed) in the weights' dtype (bit 2 of `io`), as are the shared experts' gate sg, up su
  * and transposed down sd `[shared * I, K]`. Returns 1, computing nothing, where an id lies outside the stack. */
 LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
-                       const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
-                       int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io, int threads) {
+                              const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
+                              int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
+                              int threads) {
     for (int64_t i = 0; i < T * topk; i++)
         if (ids[i] < first || ids[i] >= first + E) return 1;
     int64_t count = topk + shared, P = T * count, block = I * K * (((io >> 2) & 1) ? 2 : 4);
@@ -224,7 +226,7 @@ INLINE void heads_tile(const float *x, int64_t xstride, const void *w, int wbf, 
  * outputs) are shared out among the threads; each streams its tile's K weight rows once for two activation rows
  * (the tile, at most K * 512 bytes, is then read again from the cache for the next two). */
 LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
-                    int threads) {
+                           int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4, nv = N / LANES;
     int tile = nv % 8 == 0 ? 8 : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
