@@ -43,13 +43,13 @@ FORMATS = {"fp32": dict(dtype="float32"), "auto": dict(dtype="auto"), "int8": di
 def write_checkpoint(path: Path, layers: int) -> None:
     """One safetensors shard per layer (~1.2 GB for a MoE layer), each tensor generated and written on its own:
     memory stays at one tensor however large the checkpoint (27 layers: 31 GB)."""
-    from latentserve.models import DeepseekConfig, DeepseekForCausalLM
+    from latentserve.models import ModelConfig, DeepseekForCausalLM
     from latentserve.models.loader import _parameters_on_meta, checkpoint_name
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**V2_LITE, "num_hidden_layers": layers}))
     with _parameters_on_meta():
-        skeleton = DeepseekForCausalLM(DeepseekConfig.from_pretrained(path))
+        skeleton = DeepseekForCausalLM(ModelConfig.from_pretrained(path))
     shards: dict[str, dict[str, torch.Size]] = {}
     for name, t in skeleton.state_dict().items():
         name = checkpoint_name(name)

@@ -249,7 +249,8 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
                         link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1",
-                        speculative_config=None)
+                        speculative_config=None, kv_cache_dtype="auto", enable_prefix_caching=True,
+                        enable_chunked_prefill=True, tokenizer=None, max_logprobs=20)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -339,7 +340,8 @@ def test_mistake_in_a_subprocess_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "latentserve.cli", "generate", "--model", str(tmp_path / "nope")],
                           capture_output=True, text=True, cwd=REPO, timeout=120, env=SUBPROCESS_ENV)
     assert proc.returncode == 1
-    assert proc.stderr == f"latentserve: error: model directory {tmp_path / 'nope'} does not exist\n"
+    assert proc.stderr == (f"latentserve: error: model directory {tmp_path / 'nope'} does not exist (latentserve "
+                           "downloads nothing: the model is a local checkpoint directory)\n")
     assert proc.stdout == ""
 
 
@@ -376,3 +378,35 @@ def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypat
         assert f"decode MoE block: the layer's modules one by one ({why})" in weights
         assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
+
+
+def test_backends_lists_the_architectures(capsys):
+    from latentserve.models.arch import ARCHITECTURES
+
+    code, out, _ = run_cli(["backends"], capsys)
+    listed = out.split("architectures (", 1)[1].splitlines()[1:]
+    assert code == 0 and [line.split(":")[0].strip() for line in listed] == list(ARCHITECTURES)
+    assert "  deepseek_v3: DeepseekV3ForCausalLM (" in out
+
+
+def test_start_imports_neither_dynamo_nor_sympy():
+    """Building the model on meta once pulled torch._dynamo and sympy in through torch._refs (~2 s of a start)."""
+    code = ("import sys; from latentserve.cli import main; main(['generate', '--max-tokens', '1']); "
+            "print([m for m in ('torch._dynamo', 'sympy') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                          env=SUBPROCESS_ENV)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]"
+
+
+def test_generation_config_gives_the_sampling_defaults(model_dir, tmp_path, capsys):
+    folder = tmp_path / "generation"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "temperature": 0.0}))
+    base = ["generate", "--model", str(model_dir), *ENGINE_FLAGS, "--prompt", "and god said", "--json"]
+    code, out, _ = run_cli([*base, "--generation-config", str(folder)], capsys)
+    assert code == 0
+    code, flagged, _ = run_cli([*base, "--max-tokens", "3", *GREEDY], capsys)
+    assert code == 0 and json.loads(out) == json.loads(flagged)
+    code, _, err = run_cli([*base, "--generation-config", str(tmp_path)], capsys)
+    assert code == 1 and "no generation_config.json there" in err

@@ -5,6 +5,7 @@ from typing import Mapping
 
 import torch
 
+from latentserve.attention.dsa.metadata import DSAMetadataBuilder
 from latentserve.attention.kv_cache import slots_for_positions
 from latentserve.attention.metadata import (
     ChunkedContextMetadata,
@@ -75,6 +76,13 @@ class MLAMetadataBuilder:
         self.workspace = torch.empty(
             attn_config.workspace_tokens, mla.kv_cache_dim, dtype=layer.kv_cache_dtype, device=self.device
         )
+        # The DSA top-k state is per-batch state too: this builder's own, like the backend clone and workspace.
+        topks = {static_ctx[n].index_topk for n in layer_names} - {None}
+        if len(topks) > 1:
+            raise ValueError(f"the attention layers select different top-k counts {sorted(topks)}: one builder "
+                             "builds one DSA selection per ubatch")
+        self.dsa = None if not topks else DSAMetadataBuilder(
+            topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self)
 
     def __repr__(self) -> str:
         return f"MLAMetadataBuilder(id={self.builder_id})"
@@ -97,6 +105,7 @@ class MLAMetadataBuilder:
             decode=decode,
             prefill=prefill,
             builder_id=self.builder_id,
+            dsa=None if self.dsa is None else self.dsa.build(common),
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:

@@ -1,6 +1,9 @@
-"""Paged latent KV cache: one `[num_blocks, block_size, kv_lora_rank + rope_dim]` tensor per MLA layer."""
+"""Paged latent KV cache: one `[num_blocks, block_size, kv_lora_rank + rope_dim]` tensor per MLA layer, plus the
+extra per-layer caches a layer asks for (`extra_cache_dims`: DSA's indexer keys), on the same block table."""
 from __future__ import annotations
 
+import math
+import mmap
 from typing import Mapping
 
 import torch
@@ -13,24 +16,43 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Allocate a cache for every MLA layer in the static forward context and bind it to the layer."""
+    """Allocate a cache for every MLA layer in the static forward context and bind it to the layer, and its extra
+    caches (named `{layer}.{cache}` in the result) to `layer.extra_caches`."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
     caches = {}
     for name, layer in static_ctx.items():
         dim = layer.mla.kv_cache_dim
-        caches[name] = torch.zeros(num_blocks, block_size, dim, dtype=dtype, device=device)
+        caches[name] = _zeros((num_blocks, block_size, dim), dtype, torch.device(device))
         layer.kv_cache = caches[name]
         layer.kv_cache_dtype = dtype  # builders size their workspaces from it
+        for extra, extra_dim in layer.extra_cache_dims.items():
+            cache = _zeros((num_blocks, block_size, extra_dim), dtype, torch.device(device))
+            caches[f"{name}.{extra}"] = layer.extra_caches[extra] = cache
     return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on the CPU in fresh anonymous pages, which the kernel zeroes as they are first written: a pool sized
+    for the worst case costs neither start-up time (torch.zeros writes every byte: ~0.3 s a GiB) nor memory until
+    its blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    return torch.frombuffer(mmap.mmap(-1, max(count * dtype.itemsize, 1)), dtype=dtype, count=count).view(shape)
 
 
 def write_kv_cache(
     kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store each token's `[c_kv ‖ k_pe]` at its slot; slot -1 marks padding and is skipped."""
-    rows = torch.cat([kv_c, k_pe], dim=-1).to(kv_cache.dtype)
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    write_cache_rows(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
+
+
+def write_cache_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each token's row of a paged cache at its slot; slot -1 marks padding and is skipped."""
+    rows = rows.to(cache.dtype)
+    flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
     if bool(keep.all()):
         flat.index_copy_(0, slot_mapping, rows)

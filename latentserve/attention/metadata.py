@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from latentserve.attention.dsa.metadata import DSAMetadata
     from latentserve.attention.prefill.base import MLAPrefillBackend
 
 
@@ -128,3 +129,4 @@ class MLAMetadata:
     decode: MLADecodeMetadata | None
     prefill: MLAPrefillMetadata | None
     builder_id: int
+    dsa: "DSAMetadata | None" = None  # the layers' DeepSeek Sparse Attention, where they have it

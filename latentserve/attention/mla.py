@@ -59,6 +59,11 @@ class MLAAttention(nn.Module):
         )
         self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config)
         self.kv_cache: torch.Tensor | None = None
+        # Extra per-layer caches on the same block table, name -> values per token (DSA's indexer keys).
+        self.extra_cache_dims: dict[str, int] = {}
+        self.extra_caches: dict[str, torch.Tensor] = {}
+        # DSA layers attend each token's top-k positions (the builders then build `MLAMetadata.dsa`); None: dense.
+        self.index_topk: int | None = None
         self.W_UK_T: torch.Tensor | None = None
         self.W_UV: torch.Tensor | None = None
         # (q_nope -> latent, latent -> values) in int8 for few decode tokens, under int8/int4 weights.

@@ -1,17 +1,17 @@
-"""The `latentserve` command: generate | chat | bench | serve | backends."""
+"""The `latentserve` command: generate | chat | bench | serve | quantize | backends."""
 from __future__ import annotations
 
 import sys
 from typing import Sequence
 
-from latentserve.cli import backends, bench, chat, generate, serve
+from latentserve.cli import backends, bench, chat, generate, quantize, serve
 from latentserve.cli.args import ArgumentParser, CLIError
 
 
 def make_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="latentserve", description="Inference for Multi-head Latent Attention models.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (generate, chat, bench, serve, backends):
+    for command in (generate, chat, bench, serve, quantize, backends):
         command.add_parser(subparsers)
     return parser
 

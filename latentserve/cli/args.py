@@ -12,6 +12,8 @@ import torch
 from latentserve.attention.backend_registry import BackendEnum
 from latentserve.attention.decode.registry import MLADecodeBackendEnum
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
+from latentserve.cli.vllm_flags import add_vllm_flags, print_notes
+from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.llm_engine import EngineConfig, parse_dtype
 from latentserve.engine.reasoning import reasoning_parser_names
@@ -101,6 +103,29 @@ def device_name(text: str) -> str:
     return text
 
 
+def kv_cache_dtype_name(text: str) -> str:
+    if text.startswith("fp8"):
+        raise argparse.ArgumentTypeError(f"{text}: an fp8 KV cache is not implemented; use auto (the compute dtype), "
+                                         "bfloat16 or float32")
+    return dtype_name(text)
+
+
+_UNITS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_count(text: str) -> int:
+    """A positive size in bytes, as vLLM writes it: 2000000000, 2g (powers of 1000) or 2G (powers of 1024)."""
+    scale = _UNITS.get(text[-1:], 1)
+    digits = text[:-1] if text[-1:] in _UNITS else text
+    try:
+        value = float(digits) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes like 2000000000, 2g or 2G, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text}")
+    return int(value)
+
+
 def _backend_name(enum_cls: type[BackendEnum]) -> Callable[[str], str]:
     def parse(text: str) -> str:
         try:
@@ -128,6 +153,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lm-head-quantized", action=argparse.BooleanOptionalAction, default=d.lm_head_quantized,
                    help="int8 / int4: quantize lm_head too (default: yes; --no-lm-head-quantized keeps it in the "
                         "compute dtype)")
+    g.add_argument("--kv-cache-dtype", type=kv_cache_dtype_name, default=d.kv_cache_dtype,
+                   help="KV cache dtype (auto: the compute dtype)")
     g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,
@@ -135,7 +162,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=positive_int, default=d.max_model_len,
                    help="prompt plus output tokens at most (default: the model's max_position_embeddings)")
     g.add_argument("--num-kv-blocks", type=positive_int, default=d.num_kv_blocks,
-                   help=f"KV cache blocks (default: as many as {d.kv_cache_memory_bytes >> 20} MiB hold)")
+                   help="KV cache blocks (default: as many as --kv-cache-memory-bytes hold)")
+    g.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
+                   help=f"KV cache size in bytes: 2000000000, 2g or 2G (default: {d.kv_cache_memory_bytes >> 20} MiB)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse the KV blocks of a shared prompt prefix")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill,
+                   help="split long prompts over steps (--no-enable-chunked-prefill: a prompt must fit one step's "
+                        "--max-num-batched-tokens)")
     g.add_argument("--enable-dbo", action="store_true", help="dual batch overlap: split big steps in two ubatches")
     g.add_argument("--dbo-decode-token-threshold", type=_int_at_least(2), default=d.dbo_decode_token_threshold,
                    help="DBO splits decode-only steps of at least this many tokens (default: 32 on CUDA as in "
@@ -162,6 +197,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding with the checkpoint\'s MTP layer, as JSON: '
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    g.add_argument("--tokenizer", default=None,
+                   help="folder with tokenizer.json and tokenizer_config.json (default: the model's)")
+    g.add_argument("--max-logprobs", type=_int_at_least(-1), default=d.max_logprobs,
+                   help="largest logprobs / prompt_logprobs a request may ask for (-1: no cap)")
+    add_vllm_flags(parser)
 
 
 def speculative_config(text: str) -> dict:
@@ -175,25 +215,46 @@ def speculative_config(text: str) -> dict:
     return value
 
 
+def add_generation_config_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument("--generation-config", default=_ENGINE_DEFAULTS.generation_config,
+                        help="default sampling settings: auto (the model's generation_config.json), vllm (none), or "
+                             "a folder holding a generation_config.json; flags and a request's own values win")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """Sampling flags; one not given takes the generation config's value (--generation-config), else the default."""
     s = _SAMPLING_DEFAULTS
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=positive_int, default=max_tokens, help="tokens to generate at most")
-    g.add_argument("--temperature", type=non_negative_float, default=s.temperature, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=s.top_p, help="nucleus sampling mass, in (0, 1]")
-    g.add_argument("--top-k", type=int, default=s.top_k, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--max-tokens", type=positive_int, default=None,
+                   help=f"tokens to generate at most (default: the generation config's max_new_tokens, else "
+                        f"{max_tokens})")
+    g.add_argument("--temperature", type=non_negative_float, default=None,
+                   help=f"0 = greedy (default: the generation config's, else {s.temperature})")
+    g.add_argument("--top-p", type=float, default=None,
+                   help=f"nucleus sampling mass, in (0, 1] (default: the generation config's, else {s.top_p})")
+    g.add_argument("--top-k", type=int, default=None,
+                   help=f"sample among the k likeliest tokens, 0: all (default: the generation config's, else "
+                        f"{s.top_k})")
+    add_generation_config_arg(g)
+    parser.set_defaults(command_max_tokens=max_tokens)
 
 
 def sampling_params_from_args(args: argparse.Namespace, **overrides) -> SamplingParams:
     with user_errors():
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, **overrides)
+        model = default_model_dir() if args.model is None else args.model
+        defaults = {"max_tokens": args.command_max_tokens} | generation_defaults(model, args.generation_config)
+        flags = {name: getattr(args, name) for name in ("max_tokens", "temperature", "top_p", "top_k")}
+        return SamplingParams(**(defaults | {k: v for k, v in flags.items() if v is not None} | overrides))
 
 
-def build_llm(args: argparse.Namespace) -> LLM:
-    """The engine the flags of `add_engine_args` describe."""
+def build_llm(args: argparse.Namespace, **overrides) -> LLM:
+    """The engine the flags of `add_engine_args` describe (`overrides`: other `LLM` settings)."""
     if args.model is None and not default_model_dir().is_dir():
         raise CLIError(f"the embedded model is missing ({default_model_dir()}); pass --model PATH")
+    print_notes(args)
+    kv_pool = {} if args.kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_memory_bytes}
+    if kv_pool and args.num_kv_blocks is not None:
+        raise CLIError("--num-kv-blocks and --kv-cache-memory-bytes both size the KV cache: give one")
     with user_errors():
         return LLM(
             model=args.model,
@@ -220,6 +281,13 @@ def build_llm(args: argparse.Namespace) -> LLM:
             link_bandwidth_gbps=args.link_bandwidth_gbps,
             reasoning_parser=args.reasoning_parser,
             speculative_config=args.speculative_config,
+            kv_cache_dtype=args.kv_cache_dtype,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            tokenizer=args.tokenizer,
+            max_logprobs=args.max_logprobs,
+            **kv_pool,
+            **overrides,
         )
 
 

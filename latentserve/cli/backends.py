@@ -1,5 +1,5 @@
 """`latentserve backends`: every prefill and decode backend, and whether it can run here; the dtype and the
-quantized weight kernels this machine gets."""
+quantized weight kernels this machine gets; the model architectures latentserve loads."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,7 @@ from latentserve.kernels import native
 from latentserve.kernels.cpu import auto_dtype, cpu_features
 from latentserve.layers.linear import NATIVE_HEAD_TOKENS, native_rows
 from latentserve.layers.quant.linear import int4_kernel, int8_kernel
+from latentserve.models import arch
 
 # DeepSeek-V3's attention shape; the built-in checks depend only on device and dtype.
 _V3_SHAPE = dict(num_heads=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
@@ -131,4 +132,6 @@ def run(args: argparse.Namespace) -> int:
     write("weights:\n")
     for device in devices():
         write(describe_weights(device))
+    write("architectures (config.json's model_type: its architectures names):\n")
+    write("".join(f"  {line}\n" for line in arch.supported()))
     return 0

@@ -229,6 +229,11 @@ class SpawnedDPEngine:
         """`fn(engine)` on every rank (fn must be picklable: a module-level function); the results by rank."""
         return self._call([("rpc", fn)] * self.world_size)
 
+    def check_alive(self) -> None:
+        """WorkerFailure (every rank stopped) if a rank's process has exited, without waiting on any rank."""
+        with self._lock:
+            self.workers.check_alive()
+
     def shutdown(self) -> None:
         self._finalizer()
 
@@ -264,4 +269,7 @@ class ExternalDPEngine:
         return answers
 
     def shutdown(self) -> None:
+        # Every rank finishes its last collective before any rank tears its connections down: a rank still
+        # reading the final all_gather when its peer closes has been seen to abort in gloo (rare, under load).
+        dist.barrier()
         destroy_dp_group()

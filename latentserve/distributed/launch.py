@@ -174,6 +174,13 @@ class Workers:
         self.error = WorkerFailure("data-parallel engine stopped:\n  " + "\n  ".join(lines))
         raise self.error from cause
 
+    def check_alive(self) -> None:
+        """Stop every rank and raise WorkerFailure if a worker process has exited (what an idle front end checks)."""
+        self._check_alive()
+        dead = {r: self._death(r) for r, proc in enumerate(self.procs) if proc.poll() is not None}
+        if dead:
+            self._fail(dead)
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise WorkerFailure(f"the data-parallel engine has already stopped ({self.error})")

@@ -26,6 +26,21 @@ class Block:
         self.token_ids = ()
 
 
+class _Blocks(dict):
+    """Block id -> Block, each made on first use: a pool sized for the worst case (the default 1 GiB holds 100k
+    blocks of a small model) then costs no start-up time (~2.5 us a block)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__()
+        self.num_blocks = num_blocks
+
+    def __missing__(self, block_id: int) -> Block:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} is outside the pool of {self.num_blocks}")
+        block = self[block_id] = Block(block_id)
+        return block
+
+
 class BlockManager:
     """`num_blocks` KV blocks of `block_size` tokens, shared by reference count.
 
@@ -42,7 +57,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = _Blocks(num_blocks)
         # Front = next to hand out. Values unused: an ordered set.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_block_ids: dict[int, int] = {}  # block hash -> block id

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 from typing import NoReturn
 
 import jinja2
@@ -49,3 +50,20 @@ def render_chat(tokenizer: TokenizerInfo, messages: list[dict], tools: list[dict
 def chat_prompt_ids(tokenizer: TokenizerInfo, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the rendered conversation; the template writes any BOS itself."""
     return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's path, or the template itself; ValueError if it is neither or does not
+    compile."""
+    path = Path(value)
+    if path.is_file():
+        template = path.read_text(encoding="utf-8")
+    elif any(c in value for c in "{}\n"):
+        template = value
+    else:
+        raise ValueError(f"chat template {value!r} is neither a file nor a jinja2 template")
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"chat template {value!r} does not compile: {e}") from e
+    return template

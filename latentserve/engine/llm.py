@@ -6,10 +6,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine, launched_by_torchrun
-from latentserve.engine.detokenizer import TokenizerInfo, load_tokenizer
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine, tokenize_prompt
+from latentserve.engine.detokenizer import TokenizerInfo
+from latentserve.engine.generation_config import generation_defaults
+from latentserve.engine.llm_engine import EngineConfig, LLMEngine, engine_tokenizer, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.reasoning import make_reasoning_parser
+from latentserve.models.formats import model_folder
+from latentserve.models.saved import save_quantized
 from latentserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -34,9 +37,10 @@ class DPLLMEngine:
     """
 
     def __init__(self, dp_engine: SpawnedDPEngine, tokenizer: TokenizerInfo | None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, generation_defaults: dict | None = None) -> None:
         self.dp_engine = dp_engine
         self.tokenizer = tokenizer
+        self.generation_defaults = generation_defaults or {}
         self.reasoning_parser = make_reasoning_parser(reasoning_parser, tokenizer)
         self.max_model_len, self.vocab_size = dp_engine.collective_rpc(_limits)[0]
 
@@ -65,7 +69,7 @@ class LLM:
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {unknown}; accepted: {sorted(fields)}")
-        self.model_dir = Path(model) if model is not None else default_model_dir()
+        self.model_dir = model_folder(model) if model is not None else default_model_dir()
         config = EngineConfig(**kwargs)
         self.dp_engine: SpawnedDPEngine | ExternalDPEngine | None = None
         # None under torchrun: every rank runs the user's script, so only whole generate calls line up.
@@ -75,18 +79,34 @@ class LLM:
             return
         # One engine per rank, each in its own process; this object is their front end.
         if not self.model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {self.model_dir} does not exist")
+            raise FileNotFoundError(f"model directory {self.model_dir} does not exist (latentserve downloads nothing: "
+                                    "the model is a local checkpoint directory)")
         dp_engine = ExternalDPEngine if launched_by_torchrun() else SpawnedDPEngine
         self.dp_engine = dp_engine(
             functools.partial(LLMEngine, self.model_dir, config), config.data_parallel_size, config.device
         )
-        has_tokenizer = (self.model_dir / "tokenizer.json").is_file()
-        self._tokenizer = load_tokenizer(self.model_dir) if has_tokenizer else None
-        self.engine = (DPLLMEngine(self.dp_engine, self._tokenizer, config.reasoning_parser)
+        self._tokenizer = engine_tokenizer(self.model_dir, config.tokenizer)
+        self._generation_defaults = generation_defaults(self.model_dir, config.generation_config)
+        self.engine = (DPLLMEngine(self.dp_engine, self._tokenizer, config.reasoning_parser,
+                                   self._generation_defaults)
                        if dp_engine is SpawnedDPEngine else None)
 
     def get_tokenizer(self):
         return self.engine.tokenizer if self.dp_engine is None else self._tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams() with what the model's generation config (generation_config=...) sets."""
+        defaults = self.engine.generation_defaults if self.dp_engine is None else self._generation_defaults
+        return SamplingParams(**defaults)
+
+    def save_quantized(self, output_dir: str | Path) -> Path:
+        """Write the loaded int8/int4 model as it runs (packed weights included) to `output_dir`, a new folder;
+        `LLM(model=output_dir)` then maps it and runs on it without quantizing again (models/saved.py)."""
+        if self.dp_engine is not None:
+            raise ValueError("save_quantized needs a one-process LLM (data_parallel_size=1)")
+        if self.engine.quantization is None or self.engine.quantization.method not in ("int8", "int4"):
+            raise ValueError("save_quantized saves an int8 or int4 model: load it with quantization='int8' or 'int4'")
+        return save_quantized(self.engine.model, self.model_dir, Path(output_dir), self.engine.quantization)
 
     def shutdown(self) -> None:
         """Stop the data-parallel ranks (also done when the LLM is garbage-collected or at exit)."""
@@ -103,7 +123,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

@@ -16,6 +16,7 @@ from latentserve.distributed.parallel_state import DPGroup, get_dp_group
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.cpu_malloc import keep_freed_memory
 from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, load_tokenizer
+from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.engine.outputs import RequestOutput, request_outputs
@@ -29,9 +30,11 @@ from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
 from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
+from latentserve.models.formats import model_folder
 from latentserve.models.loader import load_model, weight_bytes
 from latentserve.models.mtp import load_mtp
+from latentserve.models.saved import load_saved, read_saved
 from latentserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,6 +95,10 @@ class EngineConfig:
     reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
     # {"method": "mtp", "num_speculative_tokens": k}: draft with the checkpoint's MTP layer, verify exactly.
     speculative_config: SpeculativeConfig | dict | None = None
+    tokenizer: str | None = None  # folder with tokenizer.json (and tokenizer_config.json); None: the model's
+    max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for (vLLM's default); -1: no cap
+    # Default sampling settings: "auto" from the model's generation_config.json, "vllm" none, or a folder holding one
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
@@ -102,6 +109,8 @@ class EngineConfig:
             if value is not None and not _is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+        if not _is_int_at_least(self.max_logprobs, -1):
+            raise ValueError(f"max_logprobs must be an int >= -1 (-1: no cap), got {self.max_logprobs!r}")
 
 
 def dbo_config(config: EngineConfig) -> DBOConfig:
@@ -127,9 +136,27 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vo
     return list(prompt)
 
 
-def _blocks_for_memory(config: EngineConfig, model_config: DeepseekConfig, cache_dtype: torch.dtype) -> int:
+def engine_tokenizer(model_dir: Path, tokenizer: str | None) -> TokenizerInfo | None:
+    """The tokenizer of `tokenizer` (a folder that must hold one), else the model's if it has one."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+
+
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """vLLM's cap on the top-k of logprobs (-1: none): each k costs a sort and a dict per token."""
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and max_logprobs != -1 and k > max_logprobs:
+            raise ValueError(f"{name}={k} exceeds this engine's max_logprobs={max_logprobs} (--max-logprobs)")
+
+
+def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
-    per_block = config.block_size * model_config.mla_config.kv_cache_dim * num_layers * cache_dtype.itemsize
+    values = model_config.mla_config.kv_cache_dim * num_layers
+    if model_config.dsa is not None:  # the indexers' key caches
+        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} holds no block ({per_block} bytes)")
@@ -154,16 +181,21 @@ def _check_kv_pool(config: EngineConfig, num_blocks: int, max_model_len: int) ->
 
 class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig) -> None:
-        model_dir = Path(model)
+        model_dir = model_folder(model)  # a GGUF file: the folder of its config and tokenizer
         if not model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {model_dir} does not exist")
+            raise FileNotFoundError(f"model directory {model_dir} does not exist (latentserve downloads nothing: the "
+                                    "model is a local checkpoint directory)")
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()
         if config.num_threads is not None:
             # In a data-parallel rank this overrides the front end's even share of the cores.
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = parse_dtype(config.dtype, config.device)
+        saved = read_saved(model_dir)  # None: a checkpoint to load (and maybe quantize)
+        if saved is not None:
+            saved.check_settings(config.dtype, config.quantization, config.quantization_group_size,
+                                 config.lm_head_quantized, config.device)
+        dtype = saved.dtype if saved is not None else parse_dtype(config.dtype, config.device)
         cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
@@ -176,12 +208,13 @@ class LLMEngine:
         )
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
-        model_config = DeepseekConfig.from_pretrained(model_dir)
+        model_config = ModelConfig.from_pretrained(model_dir)
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
-        quantization = resolve_quantization(config.quantization, config.quantization_group_size,
-                                            model_config.quantization, config.lm_head_quantized)
+        quantization = saved.quantization if saved is not None else resolve_quantization(
+            config.quantization, config.quantization_group_size, model_config.quantization, config.lm_head_quantized)
+        self.quantization = quantization  # what save_quantized records
         model_len = model_config.max_position_embeddings
         max_model_len = config.max_model_len or model_len
         if max_model_len > model_len:
@@ -191,16 +224,19 @@ class LLMEngine:
             else _blocks_for_memory(config, model_config, cache_dtype)
         )
         _check_kv_pool(config, num_blocks, max_model_len)
+        self.tokenizer = engine_tokenizer(model_dir, config.tokenizer)
+        self.generation_defaults = generation_defaults(model_dir, config.generation_config)
+        self.max_logprobs = config.max_logprobs
         expert_group = self._expert_parallel_group(config)
         prepare = None
         if expert_group is not None:
             # Other ranks' routed experts are dropped before loading: this rank never allocates or reads them.
             link = LinkEmulator(config.link_latency_us, config.link_bandwidth_gbps)
             prepare = functools.partial(shard_experts, group=expert_group, link=link)
-        self.model = load_model(model_dir, dtype, attn_config, config.device, prepare, quantization)
-        self.tokenizer: TokenizerInfo | None = (
-            load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-        )
+        if saved is not None and prepare is not None:
+            raise ValueError(f"{model_dir} is a saved quantized model: expert parallelism needs the original checkpoint")
+        self.model = (load_saved(saved, attn_config) if saved is not None
+                      else load_model(model_dir, dtype, attn_config, config.device, prepare, quantization))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -276,6 +312,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate_for_vocab(self.model.config.vocab_size)
+        check_logprobs(params, self.max_logprobs)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer: this checkpoint has no tokenizer.json")
         if params.structured_outputs is not None:

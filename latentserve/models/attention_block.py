@@ -100,8 +100,8 @@ def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, si
     kernels = native.for_this_cpu()
     core = attn.attn
     md = core.checked_metadata(hidden)
-    if kernels is None or md.prefill is not None or md.decode is None:
-        return None
+    if kernels is None or md.prefill is not None or md.decode is None or md.dsa is not None:
+        return None  # (DSA: the kernel attends every position and has no indexer)
     built = _cached_block(attn, norms, dtype, kernels, torch.get_num_threads())
     if built is None or tokens > built[1] or not core.decode_backend.runs_natively(core.kv_cache):
         return None

@@ -1,4 +1,5 @@
-"""`DeepseekConfig`: the DeepSeek-V2/V3 `config.json`, as transformers or the original checkpoints write it."""
+"""`ModelConfig`: an MLA model's `config.json`, as transformers or the original checkpoints write it, parsed by the
+generic fields and then by its architecture's adapter (models/arch/)."""
 from __future__ import annotations
 
 import json
@@ -7,71 +8,19 @@ from pathlib import Path
 from typing import Any
 
 from latentserve.config import MLAConfig
-from latentserve.layers.quant.config import Fp8Config
+from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
+from latentserve.models.formats import checkpoint_quantization
 from latentserve.layers.moe import RoutingConfig
 from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
-
-ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
-
-# Defaults that differ between the two generations (transformers' and DeepSeek's own).
-_VARIANT_DEFAULTS = {
-    "deepseek_v2": {"scoring_func": "softmax", "topk_method": "greedy", "norm_topk_prob": False,
-                    "max_position_embeddings": 2048},
-    "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-                    "max_position_embeddings": 4096},
-}
-
-_REQUIRED = object()
-
-
-class _Fields:
-    """Typed, named access to the raw config dict; every failure names the field."""
-
-    def __init__(self, raw: dict[str, Any], where: str = "config.json") -> None:
-        self.raw = raw
-        self.where = where
-
-    def _get(self, name: str, default: Any) -> Any:
-        if name not in self.raw or (self.raw[name] is None and default is not _REQUIRED):
-            if default is _REQUIRED:
-                raise ValueError(f"{self.where}: missing required field {name!r}")
-            return default
-        return self.raw[name]
-
-    def int(self, name: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
-        value = self._get(name, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{self.where}: field {name!r} must be an int >= {minimum}, got {value!r}")
-        return value
-
-    def float(self, name: str, default: Any = _REQUIRED, positive: bool = True) -> Any:
-        value = self._get(name, default)
-        if value is None and default is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-            kind = "a positive number" if positive else "a number"
-            raise ValueError(f"{self.where}: field {name!r} must be {kind}, got {value!r}")
-        return float(value)
-
-    def bool(self, name: str, default: Any = _REQUIRED) -> bool:
-        value = self._get(name, default)
-        if not isinstance(value, bool):
-            raise ValueError(f"{self.where}: field {name!r} must be true or false, got {value!r}")
-        return value
-
-    def str(self, name: str, default: Any = _REQUIRED) -> str:
-        value = self._get(name, default)
-        if not isinstance(value, str):
-            raise ValueError(f"{self.where}: field {name!r} must be a string, got {value!r}")
-        return value
+from latentserve.models.arch import architecture_for
+from latentserve.models.dsa import DSAConfig
+from latentserve.models.fields import Fields
 
 
 @dataclass(frozen=True)
-class DeepseekConfig:
+class ModelConfig:
     architecture: str
-    model_type: str  # "deepseek_v2" or "deepseek_v3"
+    model_type: str  # the adapter's (models/arch/)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -95,7 +44,13 @@ class DeepseekConfig:
     tie_word_embeddings: bool
     num_nextn_predict_layers: int  # MTP layers stored after the main ones; not run
     max_position_embeddings: int
-    quantization: Fp8Config | None = None  # how the checkpoint stores its weights; None: plain fp32/bf16/fp16
+    # How the checkpoint stores its weights; None: plain fp32/bf16/fp16.
+    quantization: Fp8Config | PrequantizedConfig | None = None
+    # Each main layer's MLP, "dense" or "sparse", where the config lists them (GLM, A.X); None, and for the MTP
+    # layers after them: by first_k_dense_replace and moe_layer_freq.
+    mlp_layer_types: tuple[str, ...] | None = None
+    moe_output_norm: bool = False  # an RMSNorm on each MoE's output, before the residual (layers/normed_moe.py)
+    dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
 
     @property
     def qk_head_dim(self) -> int:
@@ -112,14 +67,14 @@ class DeepseekConfig:
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            self.routing is not None
-            and layer_idx >= self.first_k_dense_replace
-            and layer_idx % self.moe_layer_freq == 0
-        )
+        if self.routing is None:
+            return False
+        if self.mlp_layer_types is not None and layer_idx < len(self.mlp_layer_types):
+            return self.mlp_layer_types[layer_idx] == "sparse"
+        return layer_idx >= self.first_k_dense_replace and layer_idx % self.moe_layer_freq == 0
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "DeepseekConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         """Parse `model_dir/config.json`."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
@@ -131,23 +86,23 @@ class DeepseekConfig:
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "DeepseekConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         if not isinstance(raw, dict):
             raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
-        f = _Fields(raw)
-        architecture, model_type = _architecture(f)
+        architecture, adapter = architecture_for(Fields(raw))
+        f = Fields(adapter.normalize(raw))
         if f.str("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
-        defaults = _VARIANT_DEFAULTS[model_type]
+            raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {f.raw['hidden_act']!r}")
+        defaults = adapter.defaults
         max_positions = f.int("max_position_embeddings", defaults["max_position_embeddings"])
         rope_dim = f.int("qk_rope_head_dim")
         if rope_dim % 2:
             raise ValueError(f"config.json: field 'qk_rope_head_dim' must be even, got {rope_dim}")
         routing = _routing(f, defaults)
         moe = routing is not None
-        return cls(
+        parsed = dict(
             architecture=architecture,
-            model_type=model_type,
+            model_type=adapter.model_type,
             vocab_size=f.int("vocab_size"),
             hidden_size=f.int("hidden_size"),
             intermediate_size=f.int("intermediate_size"),
@@ -164,35 +119,18 @@ class DeepseekConfig:
             first_k_dense_replace=f.int("first_k_dense_replace", 0, minimum=0),
             moe_layer_freq=f.int("moe_layer_freq", 1),
             rope=_rope(f, max_positions),
-            rope_style=_rope_style(f, model_type),
             rms_norm_eps=f.float("rms_norm_eps", 1e-6),
             attention_bias=f.bool("attention_bias", False),
-            # transformers' V3 MLP has no bias whatever the config says; V2's follows mlp_bias.
-            mlp_bias=f.bool("mlp_bias", False) if model_type == "deepseek_v2" else False,
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
             num_nextn_predict_layers=f.int("num_nextn_predict_layers", 0, minimum=0),
             max_position_embeddings=max_positions,
-            quantization=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
+            quantization=(checkpoint_quantization(raw["quantization_config"]) if raw.get("quantization_config")
+                          else None),
         )
+        return cls(**{**parsed, **adapter.fields(f, parsed)})
 
 
-def _architecture(f: _Fields) -> tuple[str, str]:
-    architectures = f.raw.get("architectures")
-    if not isinstance(architectures, list) or len(architectures) != 1 or not isinstance(architectures[0], str):
-        raise ValueError(f"config.json: field 'architectures' must list one architecture, got {architectures!r}")
-    architecture = architectures[0]
-    if architecture not in ARCHITECTURES:
-        raise ValueError(
-            f"config.json: field 'architectures' names {architecture!r}; supported: {sorted(ARCHITECTURES)}"
-        )
-    model_type = ARCHITECTURES[architecture]
-    declared = f.raw.get("model_type", model_type)
-    if declared != model_type:
-        raise ValueError(f"config.json: field 'model_type' is {declared!r} but {architecture} needs {model_type!r}")
-    return architecture, model_type
-
-
-def _routing(f: _Fields, defaults: dict[str, Any]) -> RoutingConfig | None:
+def _routing(f: Fields, defaults: dict[str, Any]) -> RoutingConfig | None:
     num_experts = f.int("n_routed_experts", None)
     if num_experts is None:
         return None
@@ -208,19 +146,13 @@ def _routing(f: _Fields, defaults: dict[str, Any]) -> RoutingConfig | None:
     )
 
 
-def _rope_style(f: _Fields, model_type: str) -> str:
-    if model_type == "deepseek_v2":
-        return "gptj"
-    return "interleave" if f.bool("rope_interleave", True) else "neox"
-
-
-def _rope(f: _Fields, max_positions: int) -> RopeConfig:
+def _rope(f: Fields, max_positions: int) -> RopeConfig:
     # transformers writes `rope_parameters` (theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
     name = "rope_parameters" if f.raw.get("rope_parameters") is not None else "rope_scaling"
     params = f.raw.get(name) or {}
     if not isinstance(params, dict):
         raise ValueError(f"config.json: field {name!r} must be an object, got {params!r}")
-    p = _Fields(params, where=f"config.json {name}")
+    p = Fields(params, where=f"config.json {name}")
     theta = p.float("rope_theta", f.float("rope_theta", 10000.0))
     if p.float("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"config.json {name}: 'partial_rotary_factor' other than 1.0 is not supported")

@@ -11,19 +11,21 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from latentserve.attention.mla import MLAAttention
+from latentserve.attention.dsa.indexer import IndexerInputs
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
+from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
+from latentserve.models.dsa import attention_core
 
 
 def attention_layer_name(layer_idx: int) -> str:
@@ -35,7 +37,7 @@ class DeepseekAttention(nn.Module):
 
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         attn_config: AttentionConfig,
@@ -63,15 +65,15 @@ class DeepseekAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
-        self.attn = MLAAttention(
-            attention_layer_name(layer_idx), c.mla_config, c.softmax_scale, attn_config, static_ctx,
-            kv_cache_dtype=dtype, device=device,
-        )
+        self.attn = attention_core(c, attention_layer_name(layer_idx), layer_idx, attn_config, static_ctx, dtype,
+                                   device)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
+        q_resid = None
         if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
         q = q.view(hidden.shape[0], self.num_heads, -1)
@@ -84,16 +86,20 @@ class DeepseekAttention(nn.Module):
             # k_pe rides along as one more head: one rotation instead of two.
             pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
             q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
-            out = self.attn(q, kv_c_normed, pe[:, -1])
+            # DSA's indexer scores from the layer's input and q's LoRA residual too.
+            sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
+            out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
         return self.o_proj(out)
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
-        if c.is_moe_layer(layer_idx):
+        if c.is_moe_layer(layer_idx) and c.moe_output_norm:
+            self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
+        elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
@@ -117,7 +123,7 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekModel(nn.Module):
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         attn_config: AttentionConfig,
         static_ctx: StaticForwardContext,
         dtype: torch.dtype,
@@ -159,7 +165,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def __init__(
         self,
-        config: DeepseekConfig,
+        config: ModelConfig,
         attn_config: AttentionConfig = AttentionConfig(),
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",

@@ -19,12 +19,15 @@ from latentserve.config import AttentionConfig
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
-from latentserve.layers.quant.config import Fp8Config, QuantConfig
+from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
-from latentserve.models.config import DeepseekConfig
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, concat
+from latentserve.models.arch import ARCHITECTURES
+from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
-from latentserve.models.safetensors_reader import read_tensors
+from latentserve.models.formats import gguf, hf_quant, model_folder
+from latentserve.models.safetensors_reader import read_header, read_tensors
 
 SCALE_SUFFIX = "_scale_inv"  # an FP8 weight's block scales: `{weight name}_scale_inv`
 SINGLE_FILE = "model.safetensors"
@@ -65,6 +68,32 @@ def iter_checkpoint_tensors(
     return read_tensors(checkpoint_files(model_dir), wanted)
 
 
+def open_checkpoint(
+    model_dir: Path, config: ModelConfig, wanted: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
+    """The `wanted` tensors of a checkpoint as the model takes them: FP8 weights dequantized, a GPTQ / AWQ /
+    compressed-tensors layer's parts unpacked into one int4 / int8 weight, a GGUF's tensors under their Hugging Face
+    names."""
+    quant = config.quantization
+    if gguf.is_gguf_folder(model_dir):
+        return gguf.read_tensors(model_dir, wanted)
+    if isinstance(quant, hf_quant.HfQuantConfig):
+        files = checkpoint_files(model_dir)
+        names = {entry.name for file in files for entry in read_header(file)}
+        tensors = read_tensors(files, lambda name: wanted(hf_quant.layer_of(name, quant)))
+        return hf_quant.unpack(tensors, quant, names)
+    tensors = iter_checkpoint_tensors(model_dir, wanted)
+    return dequantize_fp8(tensors, quant) if isinstance(quant, Fp8Config) else tensors
+
+
+def dequantized(
+    tensors: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in full precision: a quantized checkpoint loaded into another quantization than its own."""
+    for name, tensor in tensors:
+        yield name, tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+
+
 def dequantize_fp8(
     tensors: Iterator[tuple[str, torch.Tensor]], config: Fp8Config
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -91,17 +120,24 @@ def dequantize_fp8(
         raise ValueError(f"checkpoint has {name + SCALE_SUFFIX!r} but {name!r} is not a float8_e4m3fn tensor in it")
 
 
+_CORE_PARTS = ("kv_b_proj", "indexer")  # the checkpoint's attention modules that live in the attention core
+
+
 def param_name(checkpoint_name: str) -> str:
-    """Checkpoint tensor name -> our parameter name (kv_b_proj belongs to the attention core)."""
-    return checkpoint_name.replace(".self_attn.kv_b_proj.", ".self_attn.attn.kv_b_proj.")
+    """Checkpoint tensor name -> our parameter name (kv_b_proj and DSA's indexer belong to the attention core)."""
+    for part in _CORE_PARTS:
+        checkpoint_name = checkpoint_name.replace(f".self_attn.{part}.", f".self_attn.attn.{part}.")
+    return checkpoint_name
 
 
 def checkpoint_name(param: str) -> str:
     """The inverse of `param_name`."""
-    return param.replace(".self_attn.attn.kv_b_proj.", ".self_attn.kv_b_proj.")
+    for part in _CORE_PARTS:
+        param = param.replace(f".self_attn.attn.{part}.", f".self_attn.{part}.")
+    return param
 
 
-def _is_mtp(name: str, config: DeepseekConfig) -> bool:
+def _is_mtp(name: str, config: ModelConfig) -> bool:
     """Multi-token-prediction layers are stored as extra layers after the main ones; models/mtp.py loads them."""
     match = _LAYER_INDEX.match(name)
     if match is None:
@@ -147,7 +183,7 @@ def _quantization_job(
 
 
 def _quantize(name: str, parts: list[torch.Tensor], bias, config: QuantConfig, device) -> nn.Module:
-    return quantize_linear(name, torch.cat(parts) if len(parts) > 1 else parts[0], bias, config, device)
+    return quantize_linear(name, concat(parts) if len(parts) > 1 else parts[0], bias, config, device)
 
 
 class _Quantizer:
@@ -190,7 +226,9 @@ def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None, 
         raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
     if name in loaded:
         raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-    if tensor.dtype not in STORED_DTYPES:
+    if isinstance(tensor, (Int4Weight, Int8Weight)):
+        pass  # unpacked from the checkpoint's quantized format (models/formats/)
+    elif tensor.dtype not in STORED_DTYPES:
         fp8 = " (FP8 weights need config.json's quantization_config)" if tensor.dtype.itemsize == 1 else ""
         raise ValueError(f"tensor {name!r} is stored as {tensor.dtype}; supported: fp32, bf16, fp16{fp8}")
     if tensor.shape != target.shape:
@@ -215,6 +253,8 @@ def load_weights(
         for name, tensor in tensors:
             _check_tensor(name, tensor, targets.get(param_name(name)), loaded)
             target = targets[param_name(name)]
+            if isinstance(tensor, (Int4Weight, Int8Weight)) and param_name(name) not in quantized:
+                tensor = tensor.dequantize()  # embeddings, kv_b_proj (decode absorbs it), layers kept unquantized
             if param_name(name) in quantized:
                 job = _quantization_job(model, quantized[param_name(name)], tensor, halves)
                 if job is not None:
@@ -243,6 +283,9 @@ def _parameters_on_meta() -> Iterator[None]:
     checkpoint overwrites every weight, and parameters that `load_model`'s `prepare` drops never get memory.
     (A constructor's `torch.empty` still takes an untouched buffer for a moment, one parameter at a time.)"""
     register = nn.Module.register_parameter
+    # nn.Embedding's random init on a meta tensor runs through torch._refs, whose first use imports torch._dynamo
+    # (~1 s of a start): the weights are overwritten anyway.
+    embedding_init = nn.Embedding.reset_parameters
 
     def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
@@ -250,10 +293,12 @@ def _parameters_on_meta() -> Iterator[None]:
         register(self, name, param)
 
     nn.Module.register_parameter = on_meta
+    nn.Embedding.reset_parameters = lambda self: None
     try:
         yield
     finally:
         nn.Module.register_parameter = register
+        nn.Embedding.reset_parameters = embedding_init
 
 
 def _materialize(model: nn.Module, device: torch.device | str, skip: set[str]) -> None:
@@ -264,8 +309,17 @@ def _materialize(model: nn.Module, device: torch.device | str, skip: set[str]) -
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta and f"{prefix}.{name}" not in skip:
                 if id(param) not in made:
-                    made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+                    # Not empty_like: on a meta tensor it runs through torch._refs, which imports sympy (~1 s).
+                    empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                    made[id(param)] = nn.Parameter(empty, param.requires_grad)
                 setattr(module, name, made[id(param)])
+
+
+def empty_model(config: ModelConfig, attn_config: AttentionConfig, dtype: torch.dtype,
+                device: torch.device | str) -> DeepseekForCausalLM:
+    """The model with every parameter on meta, for the weights to be installed."""
+    with _parameters_on_meta():
+        return DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
 
 
 def load_model(
@@ -276,18 +330,18 @@ def load_model(
     prepare: Callable[[DeepseekForCausalLM], None] | None = None,
     quantization: QuantConfig | None = None,
 ) -> DeepseekForCausalLM:
-    """Read `path/config.json` and its safetensors weights into a ready model (weights cast to `dtype`, an FP8
-    checkpoint's dequantized as published, linear layers quantized as `quantization` says).
+    """Read `path/config.json` and its safetensors weights (or the GGUF file `path`) into a ready model (weights
+    cast to `dtype`, an FP8 checkpoint's dequantized as published, a GPTQ / AWQ / compressed-tensors / GGUF one's
+    unpacked, linear layers quantized as `quantization` says: None keeps every weight in `dtype`).
 
     `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
     modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither
     allocated nor read from the checkpoint, nor required in it."""
-    model_dir = Path(path)
+    model_dir = model_folder(path)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    config = DeepseekConfig.from_pretrained(model_dir)
-    with _parameters_on_meta():
-        model = DeepseekForCausalLM(config, attn_config, dtype=dtype, device=device)
+    config = ModelConfig.from_pretrained(model_dir)
+    model = empty_model(config, attn_config, dtype, device)
     declared = set(model.state_dict())
     if prepare is not None:
         prepare(model)
@@ -302,9 +356,10 @@ def load_model(
     def wanted(name: str) -> bool:
         return not _is_mtp(name, config) and param_name(name.removesuffix(SCALE_SUFFIX)) not in dropped
 
-    tensors = iter_checkpoint_tensors(model_dir, wanted)
-    if config.quantization is not None:
-        tensors = dequantize_fp8(tensors, config.quantization)
+    tensors = ARCHITECTURES[config.model_type].checkpoint_tensors(config, open_checkpoint(model_dir, config, wanted))
+    stored = config.quantization
+    if isinstance(stored, PrequantizedConfig) and (quantization is None or quantization.method != stored.method):
+        tensors = dequantized(tensors)
     load_weights(model, tensors, quantization, device)
     kernels = absorbed_kernels(quantization, device)
     for layer in model.static_forward_context.values():

@@ -21,6 +21,7 @@ from latentserve.kernels import native
 from latentserve.layers.linear import native_rows
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE, stacked_layout
+from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.quant.int4 import NativeInt4Linear
 from latentserve.layers.quant.int8 import NativeInt8Linear
 from latentserve.models.native_view import NativeView
@@ -134,7 +135,11 @@ def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Te
     built = view.get((dtype, kernels.isa, threads), lambda: build_moe_block(moe, dtype, kernels, threads))
     if built is None or tokens > built[1]:
         return None
+    # An output norm sits between the experts' sum and the residual: the block adds a zero residual (exactly the
+    # sum) and the norm and residual follow, as in the modules.
+    norm = moe.post_mlp_layernorm if isinstance(moe, NormedMoE) else None
     dbo_yield()  # where MoE.forward yields: before its experts, after them
-    y = native.moe_block(kernels, built[0], normed.contiguous(), hidden.contiguous())
+    y = native.moe_block(kernels, built[0], normed.contiguous(),
+                         hidden.contiguous() if norm is None else torch.zeros_like(hidden))
     dbo_yield()
-    return y
+    return y if norm is None else hidden + norm(y)

@@ -26,7 +26,7 @@ from latentserve.layers.linear import Linear
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.rotary import RotaryEmbedding
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import (
     DeepseekAttention,
     DeepseekDecoderLayer,
@@ -40,19 +40,19 @@ from latentserve.models.loader import (
     _parameters_on_meta,
     checkpoint_files,
     checkpoint_name,
-    dequantize_fp8,
-    iter_checkpoint_tensors,
+    dequantized,
+    open_checkpoint,
     param_name,
 )
 
 
-def mtp_prefix(config: DeepseekConfig) -> str:
+def mtp_prefix(config: ModelConfig) -> str:
     """Checkpoint name prefix of the (first) MTP layer."""
     return f"model.layers.{config.num_hidden_layers}."
 
 
 class SharedHead(nn.Module):
-    def __init__(self, config: DeepseekConfig, own_head: bool) -> None:
+    def __init__(self, config: ModelConfig, own_head: bool) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if own_head:
@@ -62,7 +62,7 @@ class SharedHead(nn.Module):
 class DeepseekMTPLayer(DeepseekDecoderLayer):
     """A decoder layer plus the MTP input projection and output norm; parameter names follow the checkpoint."""
 
-    def __init__(self, config: DeepseekConfig, attention: DeepseekAttention, own_embed: bool, own_head: bool) -> None:
+    def __init__(self, config: ModelConfig, attention: DeepseekAttention, own_embed: bool, own_head: bool) -> None:
         super().__init__(config, config.num_hidden_layers, attention)
         h = config.hidden_size
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
@@ -179,9 +179,8 @@ def load_mtp(
     for moe in (m for m in mtp.modules() if isinstance(m, MoE)):
         moe.stack_experts(device)  # two grouped GEMMs per step, as in the main model, instead of a loop
     _materialize(mtp, device, set())
-    tensors = iter_checkpoint_tensors(model_dir, lambda name: name.startswith(prefix))
-    if config.quantization is not None:  # DeepSeek's FP8 checkpoints store the MTP layer in FP8 too
-        tensors = dequantize_fp8(tensors, config.quantization)
+    # Dequantized as the main model's weights are read (FP8, GPTQ, ...); int8/int4 leave the layer alone.
+    tensors = dequantized(open_checkpoint(model_dir, config, lambda name: name.startswith(prefix)))
     _copy_weights(mtp, prefix, tensors)
     for layer in mtp.static_forward_context.values():
         layer.process_weights_after_loading()

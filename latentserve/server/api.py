@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI routes, health, metrics, API key, draining, and errors in OpenAI's format."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -34,9 +36,11 @@ from latentserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
-_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 503)}
 # Largest request body by default: room for a prompt far past any context window, small enough to parse quickly.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+# Seconds a request body may stall before its end.
+DEFAULT_BODY_READ_TIMEOUT = 30.0
 
 
 @dataclass
@@ -45,6 +49,16 @@ class ServerState:
 
     draining: bool = False  # set on SIGTERM: new requests get 503
     in_flight: int = 0  # HTTP requests being answered, streams included
+
+
+@dataclass(frozen=True)
+class CORS:
+    """Which browser origins may call the server (vLLM's --allowed-origins and friends)."""
+
+    allowed_origins: tuple[str, ...]
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class _Gate:
@@ -78,11 +92,14 @@ class _Gate:
 
 
 class _BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413, refused from its Content-Length or as it streams."""
+    """ASGI middleware: a request body over `max_bytes` gets 413, refused from its Content-Length or as it streams;
+    one that stops arriving for `read_timeout` seconds before its end gets 408 (else a client that sends less than its
+    Content-Length would hold the connection forever)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,12 +107,19 @@ class _BodyLimit:
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_bytes:
             return await _error_response(self._error())(scope, receive, send)
-        received = 0
+        received, body_done = 0, False
 
         async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # afterwards the app waits for the disconnect, as long as the response takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408, f"the request body stopped arriving: nothing for {self.read_timeout}"
+                                                  " s before its end") from None
             received += len(message.get("body", b""))
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if received > self.max_bytes:
                 raise StarletteHTTPException(413, self._error().info.message)
             return message
@@ -159,9 +183,11 @@ def _version() -> str:
 
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve",
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT,
+              chat_template: str | None = None, cors: CORS | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
-    lifespan starts and stops the engine thread."""
+    lifespan starts and stops the engine thread. `chat_template` replaces the tokenizer's; `cors` None sends no
+    CORS headers (browsers then refuse other origins' pages)."""
     async_engine = AsyncLLMEngine(engine, max_waiting, model_name, metrics_prefix)
     state = ServerState()
 
@@ -174,13 +200,16 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     app = FastAPI(title="latentserve", summary="OpenAI-compatible server for MLA models", lifespan=lifespan)
     app.state.engine = async_engine
     app.state.server_state = state
-    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(_BodyLimit, max_bytes=max_request_bytes, read_timeout=body_read_timeout)
     app.add_middleware(_Gate, state=state, api_key=api_key)
+    if cors is not None:  # outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                           allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials)
     _add_error_handlers(app)
     completions = ServingCompletion(async_engine, model_name)
     tool_parser = get_tool_parser(tool_call_parser)() if tool_call_parser is not None else None
-    chat = ServingChat(async_engine, model_name, tool_parser)
-    tokens = ServingTokens(async_engine, model_name)
+    chat = ServingChat(async_engine, model_name, tool_parser, chat_template)
+    tokens = ServingTokens(async_engine, model_name, chat_template)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})

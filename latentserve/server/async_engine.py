@@ -26,6 +26,8 @@ from latentserve.server.metrics import Metrics
 logger = logging.getLogger(__name__)
 
 Engine = LLMEngine | DPLLMEngine
+# How often an idle engine thread checks that the data-parallel ranks still live (a busy one learns it at its step).
+HEALTH_CHECK_S = 1.0
 
 
 class QueueFullError(RuntimeError):
@@ -201,8 +203,10 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._apply_ops()
                 if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait()
+                    self._wakeup.wait(HEALTH_CHECK_S)
                     self._wakeup.clear()  # before the next _apply_ops: an op queued after this wakes us again
+                    if isinstance(self.engine, DPLLMEngine):
+                        self.engine.dp_engine.check_alive()
                     continue
                 outputs = self.engine.step()
                 if self.spec_decoding_stats is not None:  # before the outputs: a client sees its step counted

@@ -6,13 +6,13 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
 from latentserve.server.tool_protocol import ChatTool, NamedToolChoice, ToolCallIn, ToolChoice
 
-# Largest top-k of logprobs a request may ask for (vLLM's default cap).
-MAX_LOGPROBS = 20
+# logit_bias values beyond this magnitude are refused (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
 # Parallel samples per request at most (n and best_of): each holds its own KV blocks and decode slot.
 MAX_SAMPLES = 16
 # OpenAI and vLLM fields latentserve knows but does not implement: refused with a 400 naming them, never ignored.
@@ -61,13 +61,14 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
 
 
 class StrictModel(BaseModel):
-    """Unknown fields are refused (400), NaN and infinities too."""
+    """Unknown fields are refused (400), NaN and infinities too. Booleans are StrictBool: OpenAI refuses "yes" or 1
+    for true, which pydantic would take."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingRequest(StrictModel):
@@ -83,25 +84,25 @@ class SamplingRequest(StrictModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted and not used (OpenAI's end-user id)")
     metadata: dict[str, str] | None = Field(None, description="accepted and not used")
-    store: bool | None = Field(None, description="accepted and not used: nothing is stored")
+    store: StrictBool | None = Field(None, description="accepted and not used: nothing is stored")
     # vLLM's extensions
     top_k: int = Field(0, ge=-1, description="0 or -1: no top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=1e6)
     min_tokens: int = Field(0, ge=0)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: StrictBool = False
     allowed_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0)
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object")
 
@@ -122,6 +123,10 @@ class SamplingRequest(StrictModel):
 
     @model_validator(mode="after")
     def _check_common(self):
+        for token, bias in (self.logit_bias or {}).items():
+            if abs(bias) > MAX_LOGIT_BIAS:
+                raise PydanticCustomError("logit_bias", "logit_bias: values must be in [-100, 100], got {bias} for "
+                                          "token {token}", {"field": "logit_bias", "bias": bias, "token": token})
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         if self.best_of is not None and self.best_of < self.n:
@@ -142,12 +147,12 @@ class CompletionRequest(SamplingRequest):
     prompt: Prompt = Field(union_mode="left_to_right",
                            description="a string, a list of token ids, or a batch of either")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    echo: StrictBool = False
 
     @model_validator(mode="after")
     def _check_completion(self):
-        if isinstance(self.prompt, list) and not self.prompt:
+        if self.prompt in ("", []) or (isinstance(self.prompt, list) and "" in self.prompt):
             raise PydanticCustomError("prompt", "prompt: the prompt is empty", {"field": "prompt"})
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError("max_tokens", "max_tokens: 0 is only allowed with echo=true",
@@ -197,7 +202,7 @@ class JsonSchemaFormat(StrictModel):
     name: str = Field(max_length=64)
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = Field(None, description="outputs always match the schema: true and false are the same here")
+    strict: StrictBool | None = Field(None, description="outputs always match the schema: true and false are the same here")
 
 
 class ResponseFormat(StrictModel):
@@ -216,12 +221,12 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictBool = False
+    top_logprobs: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
-    parallel_tool_calls: bool | None = Field(None, description="false: at most one call")
+    parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call")
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -249,9 +254,9 @@ class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="before")
     @classmethod

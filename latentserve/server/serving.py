@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import AsyncIterator, Callable, Iterable
 
 from fastapi import Request as HTTPRequest
@@ -12,7 +13,7 @@ from pydantic import BaseModel
 
 from latentserve.engine.chat_template import render_chat
 from latentserve.engine.detokenizer import TokenizerInfo
-from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
@@ -40,10 +41,14 @@ def unavailable(message: str) -> OpenAIError:
     return OpenAIError(503, message, type="service_unavailable_error")
 
 
+# The request fields engine errors name: the shared ones, and logprobs (completions'; chat's top_logprobs maps to it).
+_PARAMS = {*SamplingRequest.model_fields, "logprobs"}
+
+
 def param_named_in(message: str) -> str | None:
     """The request field a SamplingParams error message names (its messages start with or contain it)."""
     for word in message.replace("[", " ").replace("=", " ").split():
-        if word.strip(":,()") in SamplingRequest.model_fields:
+        if word.strip(":,()") in _PARAMS:
             return word.strip(":,()")
     return None
 
@@ -151,10 +156,24 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 class Serving:
     """Runs validated requests on the async engine; subclasses turn outputs into one API's bodies."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("a chat template was given, but the model has no tokenizer to render it with")
+            self.tokenizer = replace(self.tokenizer, chat_template=chat_template)
+        self.generation_defaults: dict = engine.engine.generation_defaults
+
+    def with_defaults(self, req: SamplingRequest) -> SamplingRequest:
+        """The request with the fields it leaves unset taken from the model's generation config
+        (--generation-config), as vLLM fills them."""
+        given = req.model_fields_set
+        if "max_completion_tokens" in given:  # chat's other name for max_tokens
+            given = given | {"max_tokens"}
+        update = {name: value for name, value in self.generation_defaults.items() if name not in given}
+        return req.model_copy(update=update) if update else req
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -238,6 +257,8 @@ class Serving:
         """Each request's final output; None (and the requests aborted) if the client went away first."""
         tasks = [asyncio.ensure_future(_last(s)) for s in streams]
         results = asyncio.ensure_future(asyncio.gather(*tasks))
+        # Once the client is gone nobody reads it: its CancelledError would be logged as never retrieved.
+        results.add_done_callback(lambda f: f.cancelled() or f.exception())
         disconnect = asyncio.ensure_future(_wait_disconnect(raw_request))
         try:
             await asyncio.wait({results, disconnect}, return_when=asyncio.FIRST_COMPLETED)
@@ -293,6 +314,17 @@ class Serving:
                 if not stream.finished:  # the client went away (this generator was cancelled or closed), or an error
                     self.engine.abort(stream.request_id)
         yield "data: [DONE]\n\n"
+
+    def num_listed_tokens(self, completion: CompletionOutput, skip_special_tokens: bool) -> int:
+        """How many of the completion's tokens its logprobs list: not the last ones, whose text a stop string cut
+        from the output."""
+        ids = completion.token_ids
+        if not isinstance(completion.stop_reason, str) or self.tokenizer is None:
+            return len(ids)
+        count = len(ids)
+        while count and len(self.tokenizer.decode(ids[:count - 1], skip_special_tokens)) >= len(completion.text):
+            count -= 1
+        return count
 
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:

@@ -30,8 +30,9 @@ from latentserve.server.tools import ToolPlan, plan_tools
 
 
 class ServingChat(Serving):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None) -> None:
-        super().__init__(engine, model_name)
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None,
+                 chat_template: str | None = None) -> None:
+        super().__init__(engine, model_name, chat_template)
         self.tool_parser = tool_parser
 
     @property
@@ -40,6 +41,7 @@ class ServingChat(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
         self.check_model(req.model)
+        req = self.with_defaults(req)
         top_k = (req.top_logprobs or 0) if req.logprobs else None
         params = sampling_params(req, req.max_new_tokens, top_k)
         plan = self._plan_tools(req)
@@ -61,7 +63,8 @@ class ServingChat(Serving):
                 c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                       stop_reason=c.stop_reason,
-                                      logprobs=self._logprobs(c.token_ids, c.logprobs, top_k)))
+                                      logprobs=self._logprobs(c.token_ids, c.logprobs, top_k,
+                                                              self.num_listed_tokens(c, req.skip_special_tokens))))
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs),
                                       prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs))
 
@@ -98,9 +101,10 @@ class ServingChat(Serving):
                 if delta is not None or completion.finished():
                     token_ids = completion.token_ids[tokens:]
                     entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
+                    listed = self.num_listed_tokens(completion, req.skip_special_tokens) - tokens
                     sent[completion.index] = (len(completion.text), len(completion.token_ids))
                     out.append(chunk(completion.index, delta or DeltaMessage(content=""),
-                                     self._logprobs(token_ids, entries, top_k),
+                                     self._logprobs(token_ids, entries, top_k, listed),
                                      parser.finish_reason(completion.finish_reason, parser.call_ids)))
             return out
 
@@ -114,11 +118,13 @@ class ServingChat(Serving):
         text = self.token_text(token_id)
         return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
-    def _logprobs(self, token_ids: list[int], entries: list[Logprobs] | None, k: int | None) -> ChatLogprobs | None:
+    def _logprobs(self, token_ids: list[int], entries: list[Logprobs] | None, k: int | None,
+                  listed: int) -> ChatLogprobs | None:
+        """The first `listed` tokens' logprobs in chat's shape."""
         if entries is None or k is None:
             return None
         content = []
-        for token_id, entry in zip(token_ids, entries):
+        for token_id, entry in zip(token_ids[:max(listed, 0)], entries):
             chosen = self._top(token_id, entry[token_id])
             top = [self._top(t, lp) for t, lp in top_entries(entry, k)]
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))

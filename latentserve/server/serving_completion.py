@@ -15,6 +15,7 @@ from latentserve.server.serving import Serving, sampling_params, top_entries, us
 class ServingCompletion(Serving):
     async def create(self, req: CompletionRequest, raw_request: HTTPRequest) -> CompletionResponse | Response:
         self.check_model(req.model)
+        req = self.with_defaults(req)
         # echo with max_tokens=0 scores the prompt: the request generates one token, which is not returned.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         prompt_k = max(req.logprobs or 0, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
@@ -34,7 +35,8 @@ class ServingCompletion(Serving):
 
     def _choice(self, req: CompletionRequest, prompt_index: int, output: RequestOutput, completion: CompletionOutput,
                 hidden: int) -> CompletionChoice:
-        token_ids = completion.token_ids[: len(completion.token_ids) - hidden]
+        listed = self.num_listed_tokens(completion, req.skip_special_tokens)
+        token_ids = completion.token_ids[: min(listed, len(completion.token_ids) - hidden)]
         entries = completion.logprobs[: len(token_ids)] if completion.logprobs is not None else None
         text = "" if hidden else completion.text
         logprobs = None
@@ -87,8 +89,9 @@ class ServingCompletion(Serving):
                 delta = completion.text[chars:]
                 if not delta and not echo and not completion.finished():
                     continue
-                token_ids = completion.token_ids[tokens:]
-                entries = completion.logprobs[tokens:] if completion.logprobs is not None else None
+                listed = self.num_listed_tokens(completion, req.skip_special_tokens)
+                token_ids = completion.token_ids[tokens:listed]
+                entries = completion.logprobs[tokens:listed] if completion.logprobs is not None else None
                 logprobs = self._logprobs(token_ids, entries, req.logprobs, chars)
                 sent[index] = (len(completion.text), len(completion.token_ids))
                 if echo:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Strict(BaseModel):
@@ -15,7 +15,7 @@ class FunctionDefinition(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (an object)")
-    strict: bool | None = Field(None, description="arguments always match parameters: true and false are the same")
+    strict: StrictBool | None = Field(None, description="arguments always match: true and false are the same")
 
 
 class ChatTool(_Strict):

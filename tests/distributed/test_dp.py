@@ -155,7 +155,8 @@ def test_torchrun_launch(checkpoint, reference, tmp_path):
     script = Path(__file__).with_name("torchrun_script.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(free_port()), str(script), str(checkpoint), json.dumps(PROMPTS), str(out), json.dumps(CONFIG)]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).parents[2]),
+           "PYTHONFAULTHANDLER": "1"}  # a rank that aborts prints its Python stack
     done = subprocess.run(command, env=env, timeout=120, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]  # once seen failing in a full run, passing alone: keep why
     for rank in range(2):

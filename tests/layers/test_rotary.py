@@ -7,7 +7,7 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf_v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from latentserve.layers.rotary import RopeConfig, RotaryEmbedding, rope_frequencies
-from latentserve.models.config import DeepseekConfig
+from latentserve.models.config import ModelConfig
 from tests.checkpoints import make_config
 
 YARN_CASES = {
@@ -22,10 +22,10 @@ YARN_CASES = {
 }
 
 
-def _ours(hf_config) -> tuple[DeepseekConfig, RotaryEmbedding]:
+def _ours(hf_config) -> tuple[ModelConfig, RotaryEmbedding]:
     raw = hf_config.to_dict()
     raw["architectures"] = ["DeepseekV2ForCausalLM" if raw["model_type"] == "deepseek_v2" else "DeepseekV3ForCausalLM"]
-    config = DeepseekConfig.from_dict(raw)
+    config = ModelConfig.from_dict(raw)
     return config, RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_style)
 
 

@@ -1,4 +1,4 @@
-"""`DeepseekConfig` parsing: transformers-written configs, DeepSeek's original ones, and bad input."""
+"""`ModelConfig` parsing: transformers-written configs, DeepSeek's original ones, and bad input."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_v3
 
 from latentserve.layers.quant.config import Fp8Config
 from latentserve.layers.rotary import RotaryEmbedding
-from latentserve.models import DeepseekConfig
+from latentserve.models import ModelConfig
 from tests.checkpoints import make_config
 
 # DeepSeek-V2-Lite's config.json as DeepSeek published it (remote-code era field names).
@@ -56,7 +56,7 @@ def _saved_dict(hf_config, tmp_path) -> dict:
 
 
 def test_transformers_v2_config(tmp_path) -> None:
-    config = DeepseekConfig.from_dict(_saved_dict(make_config("v2_group"), tmp_path))
+    config = ModelConfig.from_dict(_saved_dict(make_config("v2_group"), tmp_path))
     assert config.model_type == "deepseek_v2" and config.rope_style == "gptj"
     assert config.q_lora_rank == 24 and config.kv_lora_rank == 16 and config.qk_head_dim == 16
     assert config.routing.topk_method == "group_limited_greedy" and config.routing.scoring_func == "softmax"
@@ -67,7 +67,7 @@ def test_transformers_v2_config(tmp_path) -> None:
 
 
 def test_transformers_v3_config(tmp_path) -> None:
-    config = DeepseekConfig.from_dict(_saved_dict(make_config("v3_nonorm"), tmp_path))
+    config = ModelConfig.from_dict(_saved_dict(make_config("v3_nonorm"), tmp_path))
     assert config.model_type == "deepseek_v3" and config.rope_style == "neox"
     assert config.q_lora_rank is None
     assert config.routing.scoring_func == "sigmoid" and config.routing.topk_method == "noaux_tc"
@@ -80,7 +80,7 @@ def test_transformers_v3_config(tmp_path) -> None:
 ])
 def test_original_deepseek_configs_match_transformers_reading(legacy, hf_cls, hf_module) -> None:
     """transformers reads `rope_scaling` + `rope_theta` too; the rope and softmax scale must agree with it."""
-    config = DeepseekConfig.from_dict(legacy)
+    config = ModelConfig.from_dict(legacy)
     hf_config = hf_cls(**legacy)
     rotary = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_style)
     v2 = hf_cls is DeepseekV2Config
@@ -95,7 +95,7 @@ def test_original_deepseek_configs_match_transformers_reading(legacy, hf_cls, hf
 
 
 def test_legacy_v3_defaults() -> None:
-    config = DeepseekConfig.from_dict(LEGACY_V3)
+    config = ModelConfig.from_dict(LEGACY_V3)
     assert config.rope_style == "interleave"  # DeepSeek's own checkpoints store interleaved rope dims
     assert config.routing.topk_method == "noaux_tc" and config.num_nextn_predict_layers == 1
     assert config.mla_config.kv_cache_dim == 576
@@ -103,12 +103,12 @@ def test_legacy_v3_defaults() -> None:
 
 def test_yarn_factor_defaults_to_the_context_ratio() -> None:
     raw = dict(LEGACY_V2_LITE, rope_scaling={"type": "yarn", "original_max_position_embeddings": 4096})
-    assert DeepseekConfig.from_dict(raw).rope.factor == 163840 / 4096
+    assert ModelConfig.from_dict(raw).rope.factor == 163840 / 4096
 
 
 def test_dense_only_model_without_routed_experts() -> None:
     raw = {k: v for k, v in LEGACY_V2_LITE.items() if k != "n_routed_experts"}
-    config = DeepseekConfig.from_dict(raw)
+    config = ModelConfig.from_dict(raw)
     assert config.routing is None and not any(config.is_moe_layer(i) for i in range(27))
 
 
@@ -143,7 +143,8 @@ _DROP = object()
     (_bad(norm_topk_prob="yes"), "norm_topk_prob"),
     (_bad(routed_scaling_factor=0), "routed_scaling_factor"),
     (_bad(hidden_act="gelu"), "hidden_act"),
-    (_bad(quantization_config={"quant_method": "awq"}), "quantization_config: field 'quant_method' is 'awq'"),
+    (_bad(quantization_config={"quant_method": "bitsandbytes"}),
+     "quantization_config: field 'quant_method' is 'bitsandbytes'"),
     (_bad(rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type"),
     (_bad(rope_scaling="yarn"), "rope_scaling"),
     (_bad(rope_scaling={"type": "yarn", "factor": "big"}), "factor"),
@@ -151,15 +152,37 @@ _DROP = object()
 ])
 def test_bad_configs_name_the_field(raw: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        DeepseekConfig.from_dict(raw)
+        ModelConfig.from_dict(raw)
 
 
 def test_fp8_quantization_config_as_deepseek_publishes_it() -> None:
     fp8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
-    assert DeepseekConfig.from_dict({**LEGACY_V3, "quantization_config": fp8}).quantization == Fp8Config((128, 128))
-    assert DeepseekConfig.from_dict(LEGACY_V3).quantization is None
+    assert ModelConfig.from_dict({**LEGACY_V3, "quantization_config": fp8}).quantization == Fp8Config((128, 128))
+    assert ModelConfig.from_dict(LEGACY_V3).quantization is None
 
 
 def test_config_must_be_an_object() -> None:
     with pytest.raises(ValueError, match="JSON object"):
-        DeepseekConfig.from_dict([1, 2])
+        ModelConfig.from_dict([1, 2])
+
+
+def test_unknown_architecture_lists_the_registry() -> None:
+    from latentserve.models.arch import ARCHITECTURES
+
+    with pytest.raises(ValueError, match="supported") as error:
+        ModelConfig.from_dict({**LEGACY_V3, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    assert all(model_type in str(error.value) for model_type in ARCHITECTURES)
+    with pytest.raises(ValueError, match="SarvamMLAForCausalLM"):
+        ModelConfig.from_dict({k: v for k, v in LEGACY_V3.items() if k != "model_type"} | {
+            "architectures": ["LlamaForCausalLM"]})
+
+
+def test_model_type_picks_the_adapter_where_architectures_are_shared() -> None:
+    """transformers saves Sarvam as DeepseekV3ForCausalLM with model_type sarvam_mla; its first configs call YaRN
+    'deepseek_yarn'."""
+    yarn = {"type": "deepseek_yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    config = ModelConfig.from_dict({**LEGACY_V3, "model_type": "sarvam_mla", "rope_scaling": yarn})
+    assert config.model_type == "sarvam_mla" and config.architecture == "DeepseekV3ForCausalLM"
+    assert config.rope.rope_type == "yarn" and config.rope.factor == 4.0
+    with pytest.raises(ValueError, match="model_type 'deepseek_v2' needs"):
+        ModelConfig.from_dict({**LEGACY_V3, "model_type": "deepseek_v2"})

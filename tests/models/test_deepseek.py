@@ -9,7 +9,7 @@ import torch
 
 from latentserve.config import AttentionConfig
 from latentserve.layers.moe import MoE
-from latentserve.models import DeepseekConfig, DeepseekForCausalLM, load_model
+from latentserve.models import ModelConfig, DeepseekForCausalLM, load_model
 from latentserve.models.deepseek import DeepseekAttention
 from tests.checkpoints import VARIANTS, load_reference, make_checkpoint
 from tests.models.paged import PagedRunner
@@ -113,7 +113,7 @@ def test_moe_layer_freq_makes_every_other_layer_dense(tmp_path) -> None:
     path = make_checkpoint(tmp_path, "v3", num_hidden_layers=4)
     raw = json.loads((path / "config.json").read_text())
     raw["moe_layer_freq"] = 2
-    model = DeepseekForCausalLM(DeepseekConfig.from_dict(raw))
+    model = DeepseekForCausalLM(ModelConfig.from_dict(raw))
     assert [isinstance(layer.mlp, MoE) for layer in model.model.layers] == [False, False, True, False]
 
 

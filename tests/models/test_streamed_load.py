@@ -13,7 +13,7 @@ import torch
 
 from safetensors.torch import load_file, save_file
 
-from latentserve.models import DeepseekConfig, DeepseekForCausalLM, load_model
+from latentserve.models import ModelConfig, DeepseekForCausalLM, load_model
 from latentserve.models.loader import SINGLE_FILE, _parameters_on_meta, checkpoint_name
 from tests.checkpoints import make_checkpoint, make_config
 
@@ -56,7 +56,7 @@ def checkpoint(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("big")
     make_config("v3", architectures=["DeepseekV3ForCausalLM"], **SHAPES).save_pretrained(path)
     with _parameters_on_meta():
-        skeleton = DeepseekForCausalLM(DeepseekConfig.from_pretrained(path))
+        skeleton = DeepseekForCausalLM(ModelConfig.from_pretrained(path))
     g = torch.Generator().manual_seed(0)
     tensors = {checkpoint_name(name): (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16)
                for name, t in skeleton.state_dict().items()}

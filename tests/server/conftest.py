@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models
 from latentserve.engine.llm import LLM
 from latentserve.engine.llm_engine import EngineConfig, LLMEngine
 from latentserve.server import build_app
-from latentserve.server.api import DEFAULT_MAX_REQUEST_BYTES
+from latentserve.server.api import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from tests.checkpoints import make_checkpoint
 
 MODEL_NAME = "tiny-v3"
@@ -69,10 +69,10 @@ class LiveServer:
 
     def __init__(self, model_dir: Path, api_key: str | None = None, max_waiting: int | None = None,
                  engine=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
-                 **settings) -> None:
+                 body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT, **settings) -> None:
         self.engine = engine if engine is not None else LLMEngine(model_dir, EngineConfig(**{**ENGINE, **settings}))
         self.app = build_app(self.engine, MODEL_NAME, api_key, max_waiting, max_request_bytes,
-                             tool_call_parser=tool_call_parser)
+                             tool_call_parser=tool_call_parser, body_read_timeout=body_read_timeout)
         self.async_engine = self.app.state.engine
         sock = free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

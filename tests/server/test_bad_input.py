@@ -3,7 +3,9 @@ server answers /health throughout; plus the size limit, the tokenizer endpoints 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 
 import httpx
 import pytest
@@ -46,6 +48,15 @@ BATTERY = [
     ("/v1/completions", {**GOOD, "repetition_penalty": 0}, 400, "repetition_penalty"),
     ("/v1/completions", {**GOOD, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {**GOOD, "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"5": 100.5}}, 400, "logit_bias"),  # OpenAI's range: [-100, 100]
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": -101}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": ["ok", ""]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),  # booleans are JSON's true and false only
+    ("/v1/completions", {**GOOD, "echo": 1}, 400, "echo"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": "true"}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options"),
     ("/v1/completions", {**GOOD, "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {**GOOD, "stop_token_ids": [100000]}, 400, "stop_token_ids"),
     ("/v1/completions", {**GOOD, "n": 2, "best_of": 1}, 400, "best_of"),
@@ -88,11 +99,12 @@ def test_nan_temperature_says_finite(http):
 
 
 MAX_BYTES = 1 << 20
+BODY_READ_TIMEOUT = 2.0  # generous: the 1 MiB bodies below must not stall this long
 
 
 @pytest.fixture(scope="module")
 def small_body_server(model_dir):
-    live = LiveServer(model_dir, max_request_bytes=MAX_BYTES)
+    live = LiveServer(model_dir, max_request_bytes=MAX_BYTES, body_read_timeout=BODY_READ_TIMEOUT)
     yield live
     live.stop()
 
@@ -110,6 +122,20 @@ def test_oversized_bodies_are_413_by_length_or_as_they_stream(small_http):
     assert str(MAX_BYTES) in error["message"]
     half = len(body) // 2
     assert_error(small_http.post("/v1/completions", content=iter([body[:half], body[half:]]), headers=headers), 413)
+    assert small_http.post("/v1/completions", json=GOOD).status_code == 200
+
+
+def test_a_body_shorter_than_its_content_length_gets_408(small_body_server, small_http):
+    port = int(small_body_server.url.rsplit(":", 1)[1])
+    body = json.dumps(GOOD).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body) + 10}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=10 * BODY_READ_TIMEOUT) as sock:
+        sock.sendall(head + body)  # 10 bytes short
+        start = time.monotonic()
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert "stopped arriving" in answer and time.monotonic() - start < 5 * BODY_READ_TIMEOUT
     assert small_http.post("/v1/completions", json=GOOD).status_code == 200
 
 
@@ -159,5 +185,7 @@ def test_api_key_from_the_environment(monkeypatch):
     assert server_config(parser.parse_args(["serve"])).api_key == "from-env"
     assert server_config(parser.parse_args(["serve", "--api-key", "flag"])).api_key == "flag"
     monkeypatch.delenv(API_KEY_ENV)
-    config = server_config(parser.parse_args(["serve", "--drain-timeout", "2.5", "--max-request-bytes", "100"]))
-    assert (config.api_key, config.drain_timeout, config.max_request_bytes) == (None, 2.5, 100)
+    config = server_config(parser.parse_args(["serve", "--drain-timeout", "2.5", "--max-request-bytes", "100",
+                                              "--body-read-timeout", "3"]))
+    assert (config.api_key, config.drain_timeout, config.max_request_bytes, config.body_read_timeout) == (
+        None, 2.5, 100, 3.0)

@@ -4,6 +4,8 @@ rank failing every request. One pair of ranks serves the whole module; the last 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from latentserve.distributed.launch import WorkerFailure
+from latentserve.distributed.launch import GRACE_S, WorkerFailure
 from latentserve.engine.llm import LLM
 from latentserve.sampling_params import SamplingParams
+from latentserve.server.async_engine import HEALTH_CHECK_S
 from tests.distributed import rpc
 from tests.distributed.helpers import process_gone, rank_steps
 from tests.server.conftest import ENGINE, MODEL_NAME, LiveServer
@@ -217,20 +220,18 @@ def test_bad_requests_get_400_while_another_completes(dp_llm, dp_http, http):
     assert dp_http.get("/health").status_code == 200
 
 
-def test_a_dead_rank_fails_requests_with_503(dp_llm, dp_http):
-    """Last test of the module's ranks: it ends them."""
+def test_a_rank_dead_while_idle_turns_health_and_requests_to_503(dp_llm, dp_http):
+    """Last test of the module's ranks: it ends them. No request runs, yet the death is seen within seconds (a rank
+    killed under load: test_dead_rank.py)."""
     pids = dp_llm.dp_engine.workers.pids
-    dp_llm.dp_engine.collective_rpc(rpc.die_on_rank1)
-    start = time.monotonic()
-    body = {**COMPLETIONS[0], "max_tokens": 50}
-    with ThreadPoolExecutor(2) as pool:  # two requests: one lands on rank 1
-        responses = list(pool.map(lambda _: dp_http.post("/v1/completions", json=body), range(2)))
-    assert time.monotonic() - start < 30
-    for response in responses:
-        assert response.status_code == 503 and "rank 1 died" in response.json()["error"]["message"]
-    assert dp_http.get("/health").status_code == 503
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 2 + 2 * HEALTH_CHECK_S + GRACE_S
+    while dp_http.get("/health").status_code == 200:
+        assert time.monotonic() < deadline, "the dead rank went unnoticed"
+        time.sleep(0.05)
+    response = dp_http.post("/v1/completions", json=COMPLETIONS[0])
+    assert response.status_code == 503 and "rank 1 died" in response.json()["error"]["message"]
     for pid in pids:
         assert process_gone(pid)
     with pytest.raises(WorkerFailure, match="already stopped"):
         dp_llm.generate(PROMPTS[:1], GREEDY)
-

@@ -2,10 +2,14 @@
 the same SamplingParams, and differs from the plain output where the parameter should change it."""
 from __future__ import annotations
 
+import dataclasses
+
 import openai
 import pytest
 
-from latentserve.sampling_params import SamplingParams
+from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
+from latentserve.server.protocol import CompletionRequest
+from latentserve.server.serving import sampling_params
 from tests.server.conftest import API_KEY, MODEL_NAME
 
 PROMPT = "hello world"
@@ -189,3 +193,84 @@ def test_special_tokens_in_the_text_as_offline(client, offline, skip, spaces):
     ref = offline.generate(PROMPT, SamplingParams(**params))[0].outputs[0]
     assert (ref.text == "") == skip
     assert complete(client, **params).choices[0].text == ref.text
+
+
+def test_every_request_field_maps_to_its_own_sampling_param():
+    """Distinct values in every field: a field mapped to another's (or dropped) shows here."""
+    body = dict(model=MODEL_NAME, prompt=PROMPT, n=2, best_of=3, presence_penalty=0.3, frequency_penalty=0.7,
+                repetition_penalty=1.3, temperature=0.5, top_p=0.9, top_k=5, min_p=0.05, seed=11, stop=["x"],
+                stop_token_ids=[7], bad_words=["yy"], include_stop_str_in_output=True, ignore_eos=True, min_tokens=2,
+                prompt_logprobs=4, skip_special_tokens=False, spaces_between_special_tokens=False,
+                truncate_prompt_tokens=6, logit_bias={"5": 1.5}, allowed_token_ids=[5, 6, 8])
+    got = sampling_params(CompletionRequest(**body), max_tokens=9, logprobs=3)
+    expected = {**{k: v for k, v in body.items() if k not in ("model", "prompt")}, "max_tokens": 9, "logprobs": 3,
+                "logit_bias": {5: 1.5}}
+    default = SamplingParams()
+    for field in dataclasses.fields(SamplingParams):
+        if field.name == "structured_outputs":  # min_tokens excludes it: checked on its own below
+            continue
+        assert getattr(got, field.name) == expected[field.name], field.name
+        assert getattr(got, field.name) != getattr(default, field.name), f"{field.name}: choose a non-default value"
+    structured = CompletionRequest(model=MODEL_NAME, prompt=PROMPT, structured_outputs={"regex": "a+"})
+    assert sampling_params(structured, 9, None).structured_outputs == StructuredOutputsParams(regex="a+")
+
+
+def _listed(logprobs) -> list[str]:
+    return [t for lp in logprobs for t in lp.tokens]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("include", [False, True])
+def test_logprobs_list_no_token_of_a_stripped_stop_string(client, offline, stream, include):
+    full = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    stop = full[6]  # the character-level tokenizer: one token per character
+    cut = full[: full.index(stop) + include]
+    body = dict(temperature=0, max_tokens=30, stop=[stop], logprobs=1, include_stop_str_in_output=include)
+    if stream:
+        chunks = [c.choices[0] for c in complete(client, stream=True, **body)]
+        text, listed = "".join(c.text for c in chunks), _listed(c.logprobs for c in chunks if c.logprobs)
+    else:
+        choice = complete(client, **body).choices[0]
+        text, listed = choice.text, choice.logprobs.tokens
+    assert text == cut and listed == list(cut)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_list_no_token_of_a_stripped_stop_string(client, stream):
+    messages = [{"role": "user", "content": PROMPT}]
+    full = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
+                                          max_tokens=30).choices[0].message.content
+    stop = full[6]
+    body = dict(model=MODEL_NAME, messages=messages, temperature=0, max_tokens=30, stop=[stop], logprobs=True)
+    if stream:
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **body) if c.choices]
+        text = "".join(c.delta.content or "" for c in chunks)
+        listed = [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
+    else:
+        choice = client.chat.completions.create(**body).choices[0]
+        text, listed = choice.message.content, [t.token for t in choice.logprobs.content]
+    assert text == full[: full.index(stop)] and listed == list(text)
+
+
+def _streamed_usage(chunks) -> tuple[dict, list]:
+    chunks = list(chunks)
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    return chunks[-1].usage, chunks
+
+
+def test_streamed_usage_of_batched_prompts_and_n_equals_the_non_streamed(client):
+    """Every prompt of a batch and every one of the n samples counts (prompts of different lengths, ignore_eos)."""
+    body = dict(prompt=["hello", "the lazy dog", "abc"], temperature=1.0, seed=4, max_tokens=6, n=2, ignore_eos=True)
+    whole = complete(client, **body).usage
+    streamed, chunks = _streamed_usage(complete(client, stream=True, stream_options={"include_usage": True}, **body))
+    assert streamed == whole and whole.completion_tokens == 3 * 2 * 6
+    assert {c.choices[0].index for c in chunks[:-1]} == set(range(6))
+
+
+def test_streamed_chat_usage_with_n_equals_the_non_streamed(client):
+    body = dict(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPT}], temperature=1.0, seed=4,
+                max_tokens=7, n=3, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**body).usage
+    streamed, _ = _streamed_usage(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                                 **body))
+    assert streamed == whole and whole.completion_tokens == 3 * 7

@@ -1,4 +1,5 @@
-"""SIGTERM: the in-flight stream completes, new requests get 503, and the process exits 0 in bounded time."""
+"""SIGTERM: the in-flight stream completes, new requests get 503, the drain is logged, and the process exits 0 in
+bounded time."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ torch.set_num_threads(1)
 from latentserve.engine.llm_engine import EngineConfig
 from latentserve.server import ServerConfig, run_server
 run_server(sys.argv[1], EngineConfig(**{engine}),
-           ServerConfig(port=int(sys.argv[2]), served_model_name={name!r}, drain_timeout=30, log_level="warning"))
+           ServerConfig(port=int(sys.argv[2]), served_model_name={name!r}, drain_timeout=30, log_level="info"))
 """
 
 
@@ -66,6 +67,7 @@ def test_sigterm_drains_then_exits_zero(model_dir):
         assert reader.is_alive(), "the stream ended before the refusal was checked"
         reader.join(60)
         assert process.wait(30) == 0
+        assert "signal 15: draining 1 in-flight request(s)" in process.stderr.read().decode()
     finally:
         if process.poll() is None:
             process.kill()

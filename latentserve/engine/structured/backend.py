@@ -53,6 +53,24 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
 
 
+# xgrammar (0.2.9) writes the characters of a string with minLength or maxLength, and of a key under propertyNames,
+# as `[^"\\\r\n]`: raw control characters U+0000-U+001F pass, which JSON forbids unescaped (strict parsers refuse
+# them). Its JSON grammars use negated classes only for a string's characters, so each is made to exclude them too.
+_NEGATED_CLASS = re.compile(r"\[\^((?:\\.|[^\]\\])*)\]")
+_CONTROLS = r"\0-\x1f"
+
+
+def _exclude_controls(match: re.Match) -> str:
+    body = match.group(1)
+    return match.group(0) if body.startswith(_CONTROLS) else f"[^{_CONTROLS}{body}]"
+
+
+def _json_grammar(schema: str, compact: bool, strict: bool) -> xgr.Grammar:
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact,
+                                           separators=(",", ":") if compact else None, strict_mode=strict)
+    return xgr.Grammar.from_ebnf(_NEGATED_CLASS.sub(_exclude_controls, str(grammar)))
+
+
 def _choice_grammar(choices: list[str]) -> str:
     # EBNF string literals take JSON's escapes.
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -65,12 +83,10 @@ def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     try:
         if kind == "json":
             schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=not compact,
-                                                separators=(",", ":") if compact else None, strict_mode=True)
+            return _json_grammar(schema, compact, strict=True)
         if kind == "json_object":
             # Not strict: any properties are allowed.
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=not compact,
-                                                separators=(",", ":") if compact else None, strict_mode=False)
+            return _json_grammar('{"type": "object"}', compact, strict=False)
         if kind == "regex":
             return xgr.Grammar.from_regex(params.regex)
         if kind == "choice":

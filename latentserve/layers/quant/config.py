@@ -39,6 +39,16 @@ class Fp8Config:
 
 
 @dataclass(frozen=True)
+class PrequantizedConfig:
+    """A checkpoint whose linear weights are stored quantized in a format the loader unpacks into latentserve's int4
+    or int8 layout (models/formats/: GPTQ, AWQ, compressed-tensors, GGUF)."""
+
+    quant_method: str  # the checkpoint's name for its format ("gptq", "awq", "compressed-tensors", "gguf")
+    method: str  # what its weights unpack into: "int4" or "int8"
+    group_size: int | None = None  # int4: the checkpoint's group size
+
+
+@dataclass(frozen=True)
 class QuantConfig:
     """Quantization of linear weights at load: "int8" per output channel, "int4" per group of input columns."""
 
@@ -73,21 +83,31 @@ def int4_group(config: QuantConfig, name: str, in_features: int) -> int:
 
 
 def resolve_quantization(
-    requested: str | None, group_size: int | None, checkpoint: Fp8Config | None, lm_head_quantized: bool | None = None
+    requested: str | None, group_size: int | None, checkpoint: Fp8Config | PrequantizedConfig | None,
+    lm_head_quantized: bool | None = None
 ) -> QuantConfig | None:
     """The load-time quantization for a user's `quantization` on a checkpoint stored as `checkpoint` (None: plain).
 
     An FP8 checkpoint is always dequantized as published; "int8"/"int4" then re-quantize it (they win), and "fp8"
-    only confirms what config.json says. `lm_head_quantized` (None: yes) applies to int8/int4 only."""
+    only confirms what config.json says. A GPTQ/AWQ/compressed-tensors/GGUF checkpoint loads in its own int4/int8
+    (None or that method), or is dequantized and quantized to the other. `lm_head_quantized` (None: yes) applies
+    to int8/int4 only."""
     if requested is not None and requested not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {requested!r}; use one of: {', '.join(QUANTIZATIONS)} (or None)")
     if lm_head_quantized not in (None, True, False):
         raise ValueError(f"lm_head_quantized must be True, False or None, got {lm_head_quantized!r}")
-    if requested == "fp8" and checkpoint is None:
+    if requested == "fp8" and not isinstance(checkpoint, Fp8Config):
+        stored = f"stored as {checkpoint.quant_method}" if checkpoint is not None else "not quantized"
         raise ValueError(
             "quantization='fp8' needs a DeepSeek FP8 checkpoint (config.json quantization_config with quant_method "
-            "'fp8'); this checkpoint is not quantized: use 'int8' or 'int4' to quantize it at load"
+            f"'fp8'); this checkpoint is {stored}: use 'int8' or 'int4'"
         )
+    if isinstance(checkpoint, PrequantizedConfig):
+        method = requested or checkpoint.method
+        if method != checkpoint.method:
+            logger.info("%s checkpoint (%s weights) with quantization=%r: its weights are dequantized, then "
+                        "quantized to %s", checkpoint.quant_method, checkpoint.method, requested, requested)
+        return QuantConfig(method, group_size, lm_head=lm_head_quantized is not False)
     if requested in (None, "fp8"):
         if group_size is not None:
             raise ValueError("quantization_group_size applies to quantization='int4' only")

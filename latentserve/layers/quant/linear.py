@@ -14,6 +14,7 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     NATIVE_INT8_ROWS, FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
 )
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, QuantizedWeight
 from latentserve.kernels.native import NativeKernels, native_kernels
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
@@ -71,17 +72,24 @@ def absorbed_kernels(config: QuantConfig | None, device: torch.device | str) -> 
 
 
 def quantize_linear(
-    name: str, weight: torch.Tensor, bias: nn.Parameter | None, config: QuantConfig, device: torch.device | str
+    name: str, weight: torch.Tensor | QuantizedWeight, bias: nn.Parameter | None, config: QuantConfig,
+    device: torch.device | str
 ) -> nn.Module:
-    """The quantized stand-in for the linear layer `name` with this (full precision) weight. `lm_head` is int8 under
-    int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows
-    (one row per sequence here), fbgemm's barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy."""
+    """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
+    says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
+    layers). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
+    int4pack_mm's cost grows with every 4 rows (one row per sequence here), fbgemm's barely
+    (benchmarks/RESULTS.md), and the logits keep int8's accuracy."""
     device = torch.device(device)
     if name == LM_HEAD and config.method == "int4":
         config = QuantConfig("int8")
+        if isinstance(weight, Int4Weight):
+            weight = weight.dequantize()
+    if isinstance(weight, (Int4Weight, Int8Weight)):
+        config = QuantConfig(weight.method, getattr(weight, "group_size", None))
     features = cpu_features()
     if config.method == "int8":
-        q, scale = quantize_int8(weight)
+        q, scale = (weight.q, weight.scale) if isinstance(weight, Int8Weight) else quantize_int8(weight)
         kernel = int8_kernel(device, features).kernel
         # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
         out_dtype = torch.float32 if name == LM_HEAD else None
@@ -90,7 +98,8 @@ def quantize_linear(
         if kernel == FbgemmInt8Linear.kernel:
             return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
-    q, scale, minimum = quantize_int4(weight, int4_group(config, name, weight.shape[1]))
+    q, scale, minimum = ((weight.q, weight.scale, weight.minimum) if isinstance(weight, Int4Weight)
+                         else quantize_int4(weight, int4_group(config, name, weight.shape[1])))
     kernel = int4_kernel(device, features, *weight.shape).kernel
     if kernel == NativeInt4Linear.kernel:
         return NativeInt4Linear(q, scale, minimum, bias, native_kernels(features)[0])

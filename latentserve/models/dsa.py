@@ -1,0 +1,60 @@
+"""DeepSeek Sparse Attention on the model side: what config.json says of the indexers (`DSAConfig`), and the
+attention core each layer gets (attention/dsa/: `SparseMLAAttention`, with its `Indexer` where the layer runs one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from latentserve.attention.dsa.indexer import Indexer, IndexerConfig
+from latentserve.attention.dsa.layer import SparseMLAAttention
+from latentserve.attention.mla import MLAAttention
+from latentserve.config import AttentionConfig
+from latentserve.forward_context import StaticForwardContext
+
+if TYPE_CHECKING:
+    from latentserve.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    index_topk: int
+    index_n_heads: int
+    index_head_dim: int
+    interleaved_rope: bool  # the indexer's RoPE layout: GLM-5's pairs; DeepSeek-V3.2 rotates halves
+    # Per layer: runs its own indexer, or (GLM-5's "shared" layers) attends the last such layer's top-k.
+    indexer_layers: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("index_topk", "index_n_heads", "index_head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config.json: field {name!r} must be a positive int, got {value!r}")
+        if not self.indexer_layers or not self.indexer_layers[0]:
+            raise ValueError("config.json: the first layer shares the top-k of an earlier indexer layer, but there "
+                             "is none (indexer_types must start with 'full')")
+
+    def runs_indexer(self, layer_idx: int) -> bool:
+        """Whether the layer runs its own indexer. MTP layers, stored after the main ones, do (DeepSeek-V3.2's has
+        its indexer's weights)."""
+        return layer_idx >= len(self.indexer_layers) or self.indexer_layers[layer_idx]
+
+    def num_indexer_layers(self, num_layers: int) -> int:
+        """How many of the first `num_layers` layers (main, then MTP) run an indexer: one key cache each."""
+        return sum(self.runs_indexer(i) for i in range(num_layers))
+
+
+def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: AttentionConfig,
+                   static_ctx: StaticForwardContext, dtype: torch.dtype, device: torch.device | str) -> MLAAttention:
+    """The layer's MLA core: plain, or sparse with its indexer where the config has DSA."""
+    c, d = config, config.dsa
+    if d is None:
+        return MLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, kv_cache_dtype=dtype,
+                            device=device)
+    indexer = None
+    if d.runs_indexer(layer_idx):
+        indexer = Indexer(IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim,
+                                        c.qk_rope_head_dim, d.index_topk, d.interleaved_rope), c.rope)
+    return SparseMLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, d.index_topk, indexer,
+                              kv_cache_dtype=dtype, device=device)

@@ -1,0 +1,322 @@
+"""DeepSeek-2 architecture GGUF files (llama.cpp's; one file or a split `-00001-of-0000N.gguf`), read with the `gguf`
+package: `open_gguf` writes the config.json, tokenizer.json and tokenizer_config.json its metadata describes into a
+small folder of latentserve's cache, and `read_tensors` streams its tensors under the Hugging Face names, in the
+layout transformers' DeepSeek models keep them.
+
+llama.cpp's converter stacks each layer's routed experts into one tensor (`ffn_*_exps`), and its current version
+splits `kv_b_proj` into `attn_k_b` (per head, transposed: `[heads, kv_lora_rank, qk_nope]`) and `attn_v_b`; older
+files keep `attn_kv_b`. Both come back as `kv_b_proj`.
+
+Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups of 32 columns, w = q * scale +
+minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are
+repacked, not requantized. Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values,
+not per row; Q5_K and Q6_K have more bits) are dequantized with gguf's own code and quantized to int8 per output
+channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype.
+The load log counts each."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import Q4_K, dequantize
+
+from latentserve.kernels.native import CACHE_ENV
+from latentserve.layers.quant.int8 import quantize_int8
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
+from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "deepseek2"
+GGUF_INDEX = "gguf.json"  # in the folder open_gguf writes: the GGUF files it stands for
+_SPLIT = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# GGUF tensor (per layer) -> Hugging Face name under model.layers.{i}.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+_K_B, _V_B = "attn_k_b.weight", "attn_v_b.weight"
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+# The weights latentserve runs as int8/int4 layers (kv_b_proj stays in the compute dtype: decode absorbs it).
+_QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
+                              r"\.weight|^lm_head\.weight)$")
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix == ".gguf" and path.is_file()
+
+
+def gguf_files(path: Path) -> list[Path]:
+    """The file, or every part of the split it is one of (`name-00001-of-00003.gguf`), in order."""
+    match = _SPLIT.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    files = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{path.name} is part of a split GGUF of {count} files, but {file} is missing")
+    return files
+
+
+def _metadata(reader: GGUFReader) -> dict[str, Any]:
+    """The file's key-value metadata; a float32 as the shortest decimal that is that float32 (the converter wrote
+    config.json's 1e-06 as float32: this gives back 1e-06, not 9.999999974752427e-07)."""
+
+    def value(field) -> Any:
+        if field.types == [GGUFValueType.FLOAT32]:
+            return float(str(np.float32(field.contents())))
+        return field.contents()
+
+    return {name: value(field) for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def _tensor_kinds(readers: list[GGUFReader]) -> dict[str, GGMLQuantizationType]:
+    return {t.name: GGMLQuantizationType(t.tensor_type) for reader in readers for t in reader.tensors}
+
+
+def hf_config(meta: dict[str, Any], kinds: dict[str, GGMLQuantizationType]) -> dict[str, Any]:
+    """The config.json of a DeepSeek-2 GGUF's metadata (llama.cpp's keys, as its converter writes them)."""
+    arch = meta.get("general.architecture")
+    if arch != ARCHITECTURE:
+        raise ValueError(f"GGUF general.architecture is {arch!r}; latentserve reads {ARCHITECTURE!r} (DeepSeek V2/V3)")
+
+    def get(key: str, default: Any = KeyError) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is KeyError:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return value
+
+    rope_dim = get("rope.dimension_count")
+    mla = f"{arch}.attention.key_length_mla" in meta  # the k_b / v_b layout's keys; older files: key_length
+    key_length = get("attention.key_length_mla" if mla else "attention.key_length")
+    sigmoid = get("expert_gating_func", 1) == 2  # llama.cpp reads a file without it as softmax (V2)
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v3" if sigmoid else "deepseek_v2",
+        "vocab_size": get("vocab_size", len(meta.get("tokenizer.ggml.tokens", ()))),
+        "hidden_size": get("embedding_length"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"),
+        "num_attention_heads": get("attention.head_count"),
+        "q_lora_rank": get("attention.q_lora_rank", 0) or None,  # llama.cpp says 0 for none (V2-Lite)
+        "kv_lora_rank": get("attention.kv_lora_rank"),
+        "qk_nope_head_dim": key_length - rope_dim,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": get("attention.value_length_mla" if mla else "attention.value_length"),
+        "first_k_dense_replace": get("leading_dense_block_count", 0),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon"),
+        "max_position_embeddings": get("context_length"),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "output.weight" not in kinds,
+        "num_nextn_predict_layers": 0,  # llama.cpp's converter leaves DeepSeek's MTP layers out
+    }
+    if get("expert_count", 0):
+        config.update(
+            n_routed_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+            moe_intermediate_size=get("expert_feed_forward_length"), n_shared_experts=get("expert_shared_count", 0),
+            routed_scaling_factor=get("expert_weights_scale", 1.0), norm_topk_prob=get("expert_weights_norm", False),
+            scoring_func="sigmoid" if sigmoid else "softmax",
+            topk_method="noaux_tc" if sigmoid else ("group_limited_greedy" if get("expert_group_count", 1) > 1
+                                                    else "greedy"),
+        )
+        if get("expert_group_count", None) is not None:
+            config.update(n_group=get("expert_group_count"), topk_group=get("expert_group_used_count"))
+    if get("rope.scaling.type", "none") == "yarn":
+        # The converter writes yarn_log_multiplier = 0.1 * mscale_all_dim, and llama.cpp takes mscale equal to it.
+        mscale = get("rope.scaling.yarn_log_multiplier", 0.0) / 0.1
+        config["rope_scaling"] = {
+            "type": "yarn", "factor": get("rope.scaling.factor"),
+            "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0), "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+            "mscale": mscale, "mscale_all_dim": mscale,
+        }
+    linear = [kind for name, kind in kinds.items() if _runs_quantized(name)]
+    if any(kind in INT4_TYPES for kind in linear):
+        config["quantization_config"] = {"quant_method": "gguf", "method": "int4"}
+    elif any(kind not in FLOAT_TYPES for kind in linear):
+        config["quantization_config"] = {"quant_method": "gguf", "method": "int8"}
+    return config
+
+
+def _hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor that maps one to one (None: experts, k_b / v_b, unknown)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK.match(name)
+    if match is None or match[2] not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}"
+
+
+def _runs_quantized(name: str) -> bool:
+    """Whether the GGUF tensor `name` is (part of) a weight latentserve runs as an int8/int4 layer."""
+    match = _BLOCK.match(name)
+    return (match is not None and match[2] in _EXPERTS) or bool(_QUANTIZED_LAYER.search(_hf_name(name) or ""))
+
+
+def cache_root() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "latentserve")
+    return Path(root).expanduser() / "gguf"
+
+
+def open_gguf(path: Path) -> Path:
+    """A folder standing for the GGUF file `path` (and the rest of its split): config.json, the tokenizer files (where
+    its tokenizer can be rebuilt; else a warning and none: prompts then go in as token ids) and `gguf.json` naming
+    the files. It is rewritten each time, and keyed by the files' paths, sizes and times."""
+    files = [f.resolve() for f in gguf_files(path)]
+    key = hashlib.sha256(json.dumps([(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files]).encode())
+    folder = cache_root() / f"{files[0].stem}-{key.hexdigest()[:16]}"
+    readers = [GGUFReader(f) for f in files]
+    meta = _metadata(readers[0])
+    config = hf_config(meta, _tensor_kinds(readers))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    (folder / GGUF_INDEX).write_text(json.dumps({"files": [str(f) for f in files]}))
+    reason = unsupported_reason(meta)
+    if reason is None:
+        tokenizer, tokenizer_config = build_tokenizer(meta)
+        tokenizer.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).unlink(missing_ok=True)
+        logger.warning("%s: its tokenizer is not rebuilt (%s); pass prompts as token ids", path.name, reason)
+    return folder
+
+
+def is_gguf_folder(model_dir: Path) -> bool:
+    return (model_dir / GGUF_INDEX).is_file()
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _int4(data: np.ndarray, kind: GGMLQuantizationType) -> Int4Weight:
+    """Q4_0 / Q4_1 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each
+    an fp16, or one times a 6-bit integer, so exact)."""
+    rows = data.shape[0]
+    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        # Per 32: fp16 d (Q4_1: and m), 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones.
+        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
+        blocks = data.reshape(rows, -1, head + 16)
+        qs = blocks[..., head:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        scale = _fp16(blocks, 0)
+        minimum = -8 * scale if kind == GGMLQuantizationType.Q4_0 else _fp16(blocks, 2)
+    else:  # per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
+        blocks = data.reshape(rows, -1, 144)
+        d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
+        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
+        minimum = -(dmin * m.reshape(rows, -1, 8).astype(np.float32))
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3)
+    as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))  # noqa: E731
+    return Int4Weight(as_torch(q), as_torch(scale), as_torch(minimum))
+
+
+class _Stats:
+    """What the load did with each tensor, for one log line."""
+
+    def __init__(self) -> None:
+        self.repacked, self.requantized, self.dequantized = Counter(), Counter(), Counter()
+
+    def log(self, name: str) -> None:
+        fmt = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
+        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; dequantized and quantized to int8 "
+                    "per output channel: %s; dequantized to the compute dtype: %s", name, fmt(self.repacked),
+                    fmt(self.requantized), fmt(self.dequantized))
+
+
+def _convert(tensor, hf_name: str, stats: _Stats, rows: slice | int | None = None):
+    """One GGUF tensor (or one expert's rows of a stacked one) as the loader takes it."""
+    kind = GGMLQuantizationType(tensor.tensor_type)
+    data = tensor.data if rows is None else tensor.data[rows]
+    if _QUANTIZED_LAYER.search(hf_name) and kind in INT4_TYPES:
+        stats.repacked[kind.name] += 1
+        return _int4(np.asarray(data), kind)
+    values = torch.from_numpy(np.array(dequantize(np.asarray(data), kind), dtype=np.float32))
+    if _QUANTIZED_LAYER.search(hf_name) and kind not in FLOAT_TYPES:
+        stats.requantized[kind.name] += 1
+        return Int8Weight(*quantize_int8(values))
+    if kind not in FLOAT_TYPES:
+        stats.dequantized[kind.name] += 1
+    return values
+
+
+def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj `[heads * (qk_nope + v), kv_lora_rank]` from k_b `[heads, kv_lora_rank, qk_nope]` and v_b
+    `[heads, v, kv_lora_rank]`, undoing the converter's split."""
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1]).contiguous()
+
+
+def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight) for every `wanted` tensor of the GGUF `model_dir`
+    stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after: the pages
+    a mapping touched count as the process's memory until then."""
+    files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
+    # Some converter versions wrote attn_kv_b beside attn_k_b / attn_v_b: kv_b_proj is then read from attn_kv_b.
+    blocks = [_BLOCK.match(t.name) for file in files for t in GGUFReader(file).tensors]
+    whole_kv_b = {m[1] for m in blocks if m and m[2] == "attn_kv_b.weight"}
+    stats, halves = _Stats(), {}
+    for file in files:
+        for tensor in GGUFReader(file).tensors:
+            match = _BLOCK.match(tensor.name)
+            part = match[2] if match else None
+            if part in (_K_B, _V_B) and match[1] in whole_kv_b:
+                continue
+            if part in _EXPERTS:
+                for expert in range(tensor.data.shape[0]):
+                    name = f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[part]}.weight"
+                    if wanted(name):
+                        yield name, _convert(tensor, name, stats, expert)
+            elif part in (_K_B, _V_B):
+                name = f"model.layers.{match[1]}.self_attn.kv_b_proj.weight"
+                if wanted(name):
+                    halves.setdefault(name, {})[part] = _convert(tensor, name, stats)
+                    if len(halves[name]) == 2:
+                        pair = halves.pop(name)
+                        yield name, _kv_b(pair[_K_B], pair[_V_B])
+            else:
+                name = _hf_name(tensor.name)
+                if name is None:
+                    raise ValueError(f"{file.name}: tensor {tensor.name!r} has no place in a DeepSeek model")
+                if wanted(name):
+                    yield name, _convert(tensor, name, stats)
+    if halves:
+        name, pair = next(iter(halves.items()))
+        raise ValueError(f"GGUF has {sorted(pair)} but not both attn_k_b and attn_v_b for {name}")
+    if stats.repacked or stats.requantized or stats.dequantized:
+        stats.log(files[0].name)

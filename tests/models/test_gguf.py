@@ -1,0 +1,215 @@
+"""GGUF files in: config and tokenizer from the metadata, tensors under the Hugging Face names, quantized blocks
+repacked into int4 where they map exactly. The files are written with gguf's GGUFWriter as llama.cpp's converter
+writes deepseek2 (tests/models/gguf_checkpoint.py); gguf's own dequantization is the reference."""
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from latentserve import LLM, SamplingParams
+from latentserve.engine.detokenizer import load_tokenizer
+from latentserve.engine.llm import default_model_dir
+from latentserve.layers.quant.config import QuantConfig
+from latentserve.layers.quant.int4 import Int4Linear
+from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
+from latentserve.models import load_model
+from latentserve.models.config import ModelConfig
+from latentserve.models.formats import model_folder
+from latentserve.models.formats import gguf as gguf_format
+from latentserve.models.formats.gguf import read_tensors
+from tests.checkpoints import make_checkpoint
+from tests.models.gguf_checkpoint import write_gguf
+from tests.models.test_formats import ATTN, PROMPTS, _logprobs, _portable_kernels, _reference, _write_plain
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    """The folders a GGUF's config and tokenizer go to, under the test's own directory."""
+    monkeypatch.setattr(gguf_format, "cache_root", lambda: tmp_path / "gguf-cache")
+
+
+# Not v2_group (YaRN mscale != mscale_all_dim: GGUF keeps one, llama.cpp runs them equal, as DeepSeek's configs
+# have them) nor v3_nonorm (rope dims stored as halves: llama.cpp's deepseek2 rope takes them as DeepSeek stores
+# them, in pairs).
+@pytest.mark.parametrize("variant, kv_b", [("v3", "split"), ("v2_lite", "whole"), ("v3", "both")])
+def test_f32_gguf_matches_its_safetensors(tmp_path, variant, kv_b):
+    src = make_checkpoint(tmp_path, variant)
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path, kv_b=kv_b)
+    folder = model_folder(path)
+    expected = ModelConfig.from_pretrained(src)
+    config = ModelConfig.from_pretrained(folder)
+    assert config == expected.__class__(**{**expected.__dict__, "num_nextn_predict_layers": 0})  # llama.cpp: no MTP
+    model = load_model(path, dtype=torch.float32, attn_config=ATTN)
+    plain = load_model(src, dtype=torch.float32, attn_config=ATTN)
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    for ours, theirs in zip(_logprobs(model), _reference(src)):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_llm_runs_a_gguf_file_as_its_safetensors(tmp_path):
+    src = make_checkpoint(tmp_path, "v3")
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    kwargs = dict(num_kv_blocks=16, block_size=4, max_model_len=64, dtype="float32")
+    ours = LLM(model=str(path), **kwargs).generate(PROMPTS, params)
+    theirs = LLM(model=str(src), **kwargs).generate(PROMPTS, params)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for token in x:
+                assert abs(x[token] - y[token]) < 1e-4
+
+
+def test_split_gguf_loads_as_one(tmp_path):
+    src = make_checkpoint(tmp_path, "v2_lite")
+    write_gguf(src, tmp_path / "one.gguf")
+    write_gguf(src, tmp_path / "split.gguf", split_max_tensors=20)
+    parts = sorted(p.name for p in tmp_path.glob("split-*.gguf"))
+    assert len(parts) > 1 and parts[0] == f"split-00001-of-{len(parts):05d}.gguf"
+    one = load_model(tmp_path / "one.gguf", attn_config=ATTN).state_dict()
+    split = load_model(tmp_path / parts[1], attn_config=ATTN).state_dict()  # any part names the whole
+    assert one.keys() == split.keys() and all(torch.equal(one[n], split[n]) for n in one)
+    (tmp_path / parts[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=f"is part of a split GGUF of {len(parts)} files, but .* is missing"):
+        load_model(tmp_path / parts[0])
+
+
+# Big enough for K-quants (256 values a row): every type on some weight.
+SHAPES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256)
+TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q6_K), (r"attn_output", T.Q4_0),
+         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q8_0), (r"ffn_(gate|up)_shexp", T.Q4_0),
+         (r"ffn_down_shexp", T.Q4_1), (r"ffn_(gate|up)\.", T.Q4_K),
+         (r"ffn_down\.", T.Q6_K), (r"^output\.", T.Q6_K), (r"token_embd", T.Q8_0), (r"attn_k_b", T.BF16),
+         (r"attn_v_b", T.F16)]
+
+
+def _kind(name: str, tensor) -> T:
+    return next((kind for pattern, kind in TYPES if re.search(pattern, name)), T.F32)  # the router: F32
+
+
+def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
+    """Q4_0 / Q4_1 / Q4_K weights become int4 with exactly gguf's dequantized values; Q5_K, Q6_K, Q8_0 ones are
+    dequantized by gguf and quantized to int8 per row; the model runs those weights as transformers does."""
+    src = make_checkpoint(tmp_path, "v3", **SHAPES)
+    path = tmp_path / "model.gguf"
+    values = write_gguf(src, path, _kind)
+    folder = model_folder(path)
+    assert ModelConfig.from_pretrained(folder).quantization.method == "int4"
+    with caplog.at_level(logging.INFO):
+        read = dict(read_tensors(folder, lambda name: True))
+    assert re.search(r"repacked into int4 groups of 32 without requantizing: 4 Q4_0, 1 Q4_1, 20 Q4_K; dequantized and "
+                     r"quantized to int8 per output channel: 2 Q5_K, 4 Q6_K, 8 Q8_0; dequantized to the compute "
+                     r"dtype: 1 Q8_0", caplog.text)
+    experts = values["blk.1.ffn_gate_exps.weight"]
+    for name, gguf_name, expected in [
+        ("model.layers.0.self_attn.q_a_proj.weight", "blk.0.attn_q_a.weight", values["blk.0.attn_q_a.weight"]),
+        ("model.layers.1.self_attn.o_proj.weight", "blk.1.attn_output.weight", values["blk.1.attn_output.weight"]),
+        ("model.layers.1.mlp.shared_experts.down_proj.weight", None, values["blk.1.ffn_down_shexp.weight"]),
+        ("model.layers.1.mlp.experts.3.gate_proj.weight", None, experts[3]),
+    ]:
+        weight = read[name]
+        assert isinstance(weight, Int4Weight) and weight.group_size == 32, name
+        assert torch.equal(weight.dequantize(), torch.from_numpy(expected)), name
+    for name, gguf_name in [("model.layers.0.self_attn.q_b_proj.weight", "blk.0.attn_q_b.weight"),
+                            ("lm_head.weight", "output.weight")]:
+        q, scale = quantize_int8(torch.from_numpy(values[gguf_name]))
+        assert isinstance(read[name], Int8Weight)
+        assert torch.equal(read[name].q, q) and torch.equal(read[name].scale, scale)
+    assert torch.equal(read["model.embed_tokens.weight"], torch.from_numpy(values["token_embd.weight"]))
+
+    # The model: each weight as loaded, run by transformers against ours (exact fp32 kernels).
+    plain = {name: w.dequantize() if isinstance(w, (Int4Weight, Int8Weight)) else w for name, w in read.items()}
+    reference = _reference(_write_plain(src, tmp_path / "plain", plain))
+    _portable_kernels(monkeypatch)
+    model = load_model(path, dtype=torch.float32, attn_config=ATTN, quantization=QuantConfig("int4", lm_head=True))
+    assert isinstance(model.model.layers[1].mlp.experts[3].gate_up_proj, Int4Linear)
+    assert isinstance(model.model.layers[1].mlp.experts[3].down_proj, Int8Linear)
+    assert isinstance(model.lm_head, Int8Linear)
+    gate_up = model.model.layers[1].mlp.experts[3].gate_up_proj.dequantized()
+    assert torch.equal(gate_up, torch.cat([torch.from_numpy(experts[3]),
+                                           torch.from_numpy(values["blk.1.ffn_up_exps.weight"][3])]))
+    for ours, theirs in zip(_logprobs(model), reference):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_tokenizer_from_metadata_matches_the_hf_tokenizer(tmp_path):
+    src = make_checkpoint(tmp_path, "v3_nonorm")
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path, tokenizer_dir=default_model_dir())
+    ours, theirs = load_tokenizer(model_folder(path)), load_tokenizer(default_model_dir())
+    texts = ["And God said, Let there be light: and there was light.", "  leading spaces\tand\ttabs\n\nnew lines",
+             "numbers 1234567 and 3.14159, émigré naïveté, 日本語のテキスト, emoji 🙂!",
+             "<|User|>hello<|Assistant|>hi there<|end_of_text|>"]
+    for text in texts:
+        assert ours.encode(text) == theirs.encode(text), text
+        ids = theirs.encode(text)
+        assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids, skip_special_tokens=False)
+    # (BOS comes from add_bos_token here, from tokenizer.json's post-processor there: encode checked both.)
+    assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    assert ours.chat_template == theirs.chat_template
+
+
+def test_deepseek_v3_pre_tokenizer_splits_as_llama_cpp_documents(tmp_path):
+    from latentserve.models.formats.gguf_tokenizer import _pre_tokenizer
+
+    pieces = [p for p, _ in _pre_tokenizer("deepseek-v3").pre_tokenize_str("abc 12345 日本語 x!?y")]
+    # Numbers in runs of at most 3, CJK runs apart, punctuation + letters as one, bytes mapped (Ġ is a space).
+    assert pieces == ["abc", "Ġ", "123", "45", "Ġ", "æĹ¥æľ¬èªŀ", "Ġx", "!?", "y"]
+
+
+def test_gguf_errors_name_what_is_wrong(tmp_path):
+    import gguf
+
+    src = make_checkpoint(tmp_path, "v3_nonorm")
+    w = gguf.GGUFWriter(tmp_path / "llama.gguf", "llama")
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match="general.architecture is 'llama'; latentserve reads 'deepseek2'"):
+        load_model(tmp_path / "llama.gguf")
+    write_gguf(src, tmp_path / "model.gguf", skip={"blk.1.attn_v_b.weight"})
+    assert not (model_folder(tmp_path / "model.gguf") / "tokenizer.json").exists()  # none in it: ids only
+    with pytest.raises(ValueError, match=r"not both attn_k_b and attn_v_b for model.layers.1.self_attn.kv_b_proj"):
+        load_model(tmp_path / "model.gguf", attn_config=ATTN)
+
+
+def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
+    """Q4_K's groups of 32 through latentserve's int4 kernel (bf16 scale and minimum, int8 activations) where it
+    builds, int4pack_mm elsewhere: close to the exact weights."""
+    src = make_checkpoint(tmp_path, "v3", **SHAPES)
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path, _kind)
+    read = dict(read_tensors(model_folder(path), lambda name: True))
+    plain = {name: w.dequantize() if isinstance(w, (Int4Weight, Int8Weight)) else w for name, w in read.items()}
+    reference = _reference(_write_plain(src, tmp_path / "plain", plain))
+    model = load_model(path, dtype=torch.float32, attn_config=ATTN, quantization=QuantConfig("int4", lm_head=True))
+    for ours, theirs in zip(_logprobs(model), reference):
+        error = (ours - theirs).abs()
+        assert error.max() < 0.3 and error.mean() < 0.06
+
+
+def test_expert_shard_converts_only_its_experts(tmp_path, monkeypatch):
+    """Expert parallelism: a rank takes its routed experts' rows of the stacked GGUF tensors, and no others."""
+    from latentserve.distributed.expert_parallel import RemoteExpert
+    from tests.models.test_loader import _shard
+
+    src = make_checkpoint(tmp_path, "v3")
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path)
+    converted = []
+    convert = gguf_format._convert
+    monkeypatch.setattr(gguf_format, "_convert", lambda t, name, *a: converted.append(name) or convert(t, name, *a))
+    model = load_model(path, attn_config=ATTN, prepare=_shard(1, 2))
+    experts = model.model.layers[1].mlp.experts
+    assert [isinstance(e, RemoteExpert) for e in experts] == [True] * 4 + [False] * 4
+    assert not [n for n in converted if re.search(r"\.experts\.[0-3]\.", n)]
+    plain = load_model(src, attn_config=ATTN, prepare=_shard(1, 2)).state_dict()
+    assert all(torch.equal(t, plain[n]) for n, t in model.state_dict().items())
