@@ -32,7 +32,7 @@ SANITIZE_TESTS := tests/kernels tests/attention/test_native_decode.py tests/laye
 sanitize: $(VENV)/.installed
 	CC="$(SANITIZE_CC)" LATENTSERVE_CACHE_DIR="$${XDG_CACHE_HOME:-$$HOME/.cache}/latentserve-sanitize" \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
-	$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 $(SANITIZE_TESTS)  # a sanitized build takes minutes
 
 clean:
 	rm -rf $(VENV)
