@@ -47,8 +47,3 @@ def _describe(fn: str, name: str, t, dtypes: tuple[torch.dtype, ...], shape: Sha
            f"{'' if t.is_contiguous() else ' non-contiguous (strides ' + str(t.stride()) + ')'}")
     return f"{fn}: {name} must be a CPU tensor, {want}; got {got}"
 
-
-def same_dtype(fn: str, names: str, *tensors: torch.Tensor) -> None:
-    """A ValueError where `tensors` (named in `names`, comma-separated) differ in dtype."""
-    if any(t.dtype != tensors[0].dtype for t in tensors[1:]):
-        raise ValueError(f"{fn}: {names} must share one dtype, got {', '.join(str(t.dtype) for t in tensors)}")

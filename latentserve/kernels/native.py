@@ -12,7 +12,7 @@ import torch
 # The kernels are reached through this module: callers ask it for them and for their build.
 from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels, for_this_cpu,  # noqa: F401
                                        kernel_isa, load, native_kernels)
-from latentserve.kernels.checks import same_dtype, tensor
+from latentserve.kernels.checks import tensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
 F32, I8, I32, I64, U8 = (torch.float32,), (torch.int8,), (torch.int32,), (torch.int64,), (torch.uint8,)
