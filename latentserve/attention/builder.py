@@ -1,10 +1,11 @@
 """`MLAMetadataBuilder`: CommonAttentionMetadata -> MLAMetadata, one builder per ubatch."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
+from latentserve import batch_invariant
 from latentserve.attention.dsa.metadata import DSAMetadataBuilder
 from latentserve.attention.kv_cache import slots_for_positions
 from latentserve.attention.metadata import (
@@ -13,6 +14,7 @@ from latentserve.attention.metadata import (
     MLADecodeMetadata,
     MLAMetadata,
     MLAPrefillMetadata,
+    StateMetadata,
 )
 from latentserve.config import AttentionConfig, MLAConfig
 
@@ -57,6 +59,7 @@ class MLAMetadataBuilder:
         attn_config: AttentionConfig,
         device: torch.device | str = "cpu",
         builder_id: int = 0,
+        state_layer_names: Sequence[str] = (),
     ) -> None:
         if not layer_names:
             raise ValueError("MLAMetadataBuilder needs at least one attention layer name")
@@ -64,6 +67,8 @@ class MLAMetadataBuilder:
         if missing:
             raise ValueError(f"attention layers {missing} are not in the static forward context")
         self.layer_names = list(layer_names)
+        # A hybrid model's linear-attention layers read this builder's metadata too (its `states`).
+        self.state_layer_names = list(state_layer_names)
         self.mla = mla
         self.attn_config = attn_config
         self.device = torch.device(device)
@@ -81,14 +86,19 @@ class MLAMetadataBuilder:
         if len(topks) > 1:
             raise ValueError(f"the attention layers select different top-k counts {sorted(topks)}: one builder "
                              "builds one DSA selection per ubatch")
+        sinks = any(getattr(static_ctx[n], "sinks", None) is not None for n in layer_names)
         self.dsa = None if not topks else DSAMetadataBuilder(
-            topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self)
+            topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self, always_sparse=sinks)
 
     def __repr__(self) -> str:
         return f"MLAMetadataBuilder(id={self.builder_id})"
 
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
         num_decodes = count_decodes(common, self.attn_config.decode_threshold)
+        if batch_invariant.is_enabled():
+            # Every token on the decode path: its attention then reads its cache rows in the same fixed chunks
+            # however its prompt was split into steps or shared with a prefix-cache hit.
+            num_decodes = common.num_reqs
         qsl = common.query_start_loc_cpu.tolist()
         num_decode_tokens = qsl[num_decodes]
         num_prefills = common.num_reqs - num_decodes
@@ -106,6 +116,8 @@ class MLAMetadataBuilder:
             prefill=prefill,
             builder_id=self.builder_id,
             dsa=None if self.dsa is None else self.dsa.build(common),
+            states=None if common.state_slots_cpu is None else StateMetadata(
+                qsl, common.num_computed_tokens_cpu.tolist(), common.state_slots_cpu.tolist()),
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:

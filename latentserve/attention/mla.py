@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from latentserve import batch_invariant
 from latentserve.attention.backend import SelectorConfig
 from latentserve.attention.decode.selector import get_mla_decode_backend
 from latentserve.attention.kv_cache import gather_kv_cache, write_kv_cache
@@ -169,7 +170,8 @@ class MLAAttention(nn.Module):
 
     def _forward_decode(self, q: torch.Tensor, md: MLADecodeMetadata) -> torch.Tensor:
         q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
-        if self.int8_absorbed is not None and q.shape[0] <= Int8HeadProducts.max_tokens:
+        few = q.shape[0] <= Int8HeadProducts.max_tokens or batch_invariant.is_enabled()
+        if self.int8_absorbed is not None and few:
             to_latent, to_values = self.int8_absorbed
             o_latent = self.decode_backend.forward(torch.cat([to_latent(q_nope), q_pe], dim=-1), self.kv_cache, md)
             return to_values(o_latent)

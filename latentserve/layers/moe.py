@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from latentserve import batch_invariant
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
 from latentserve.layers.linear import Linear, linear
@@ -137,7 +138,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # `linear`: latentserve's kernel at a few rows, whose sums round differently from MKL's only in the last bits.
         logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
-        kernels = native.for_this_cpu() if logits.device.type == "cpu" and x.shape[0] <= NATIVE_MAX_TOKENS else None
+        few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
+        kernels = native.for_this_cpu() if logits.device.type == "cpu" and few else None
         if kernels is None:
             return select_experts(logits, self.cfg, self.e_score_correction_bias)
         cfg = self.cfg  # a few decode tokens: one native call where select_experts takes a dozen small ops
@@ -156,11 +158,15 @@ class MoE(nn.Module):
         routing: RoutingConfig,
         n_shared_experts: int,
         shared_bias: bool = False,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.gate = Router(hidden_size, routing)
+        # Clamped experts (a `swiglu_limit`) are never stacked: the stack's kernels have no clamp.
+        self.swiglu_limit = swiglu_limit
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, moe_intermediate_size) for _ in range(routing.n_routed_experts)
+            GatedMLP(hidden_size, moe_intermediate_size, swiglu_limit=swiglu_limit)
+            for _ in range(routing.n_routed_experts)
         )
         self.shared_experts = (
             GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias)
@@ -205,7 +211,7 @@ class MoE(nn.Module):
 
 
 def _is_plain(expert: nn.Module) -> bool:
-    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and all(
+    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and expert.swiglu_limit is None and all(
         type(p) is Linear and p.bias is None for p in (expert.gate_proj, expert.up_proj, expert.down_proj)
     )
 
@@ -259,7 +265,8 @@ class StackedExperts(nn.Module):
     def _kernels(self, x: torch.Tensor) -> native.NativeKernels | None:
         """latentserve's kernels where they run these tokens, else None."""
         on_cpu = x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES
-        return native.for_this_cpu() if on_cpu and 0 < x.shape[0] <= NATIVE_MAX_TOKENS else None
+        few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
+        return native.for_this_cpu() if on_cpu and 0 < x.shape[0] and few else None
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""

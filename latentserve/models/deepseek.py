@@ -11,100 +11,67 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from latentserve.attention.dsa.indexer import IndexerInputs
+from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
-from latentserve.kernels.native import MLABlock
+from latentserve.layers.gated_norm import GatedRMSNorm
+from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
-from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.norm import RMSNorm
+from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
+from latentserve.models.config import ModelConfig
+from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
+from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
-from latentserve.models.config import ModelConfig
-from latentserve.models.dsa import attention_core
 
 
-def attention_layer_name(layer_idx: int) -> str:
-    return f"model.layers.{layer_idx}.self_attn.attn"
+def linear_attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn"
 
 
-class DeepseekAttention(nn.Module):
-    """The MLA projections (q, latent kv, rope, o_proj) around the paged attention core."""
+def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, attn_config: AttentionConfig,
+                    static_ctx: StaticForwardContext, dtype: torch.dtype,
+                    device: torch.device | str) -> DeepseekAttention | KimiDeltaAttention:
+    """The layer's attention module: a hybrid's linear attention where its layer_types say so (docs/hybrids.md); else
+    DeepSeek's MLA, or MLA with an output gate (A.X K2's from the fused q projection, Hunyuan V4's from the layer's
+    input, Ling's one per head)."""
+    c = config
+    if c.is_linear_attention_layer(layer_idx):
+        return KimiDeltaAttention(linear_attention_layer_name(layer_idx), c.hidden_size, c.linear_attention,
+                                  c.rms_norm_eps, attn_config)
+    kind = (QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
+            else HeadGateAttention if c.head_output_gate else DeepseekAttention)
+    return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device)
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        layer_idx: int,
-        rotary_emb: RotaryEmbedding,
-        attn_config: AttentionConfig,
-        static_ctx: StaticForwardContext,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        super().__init__()
-        c = config
-        self.num_heads = c.num_attention_heads
-        self.qk_nope_head_dim = c.qk_nope_head_dim
-        self.qk_rope_head_dim = c.qk_rope_head_dim
-        self.kv_lora_rank = c.kv_lora_rank
-        self.q_lora = c.q_lora_rank is not None
-        q_out = c.num_attention_heads * c.qk_head_dim
-        if self.q_lora:
-            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-            self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False)
-        else:
-            self.q_proj = Linear(c.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
-        self.rotary_emb = rotary_emb  # shared by all layers
-        # the native kernel's view of the block, for the one-call decode path (`attention_block`)
-        self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
-        self.attn = attention_core(c, attention_layer_name(layer_idx), layer_idx, attn_config, static_ctx, dtype,
-                                   device)
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
-        q_resid = None
-        if self.q_lora:
-            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-            q = self.q_b_proj(q_resid)
-        else:
-            q = self.q_proj(hidden)
-        q = q.view(hidden.shape[0], self.num_heads, -1)
-        kv = self.kv_a_proj_with_mqa(hidden)
-        out = self.attn.forward_projected(q, kv, self.kv_a_layernorm, self.rotary_emb, cos, sin)
-        if out is None:
-            latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-            kv_c_normed = self.kv_a_layernorm(latent)
-            q_pe = q[..., self.qk_nope_head_dim :]
-            # k_pe rides along as one more head: one rotation instead of two.
-            pe = self.rotary_emb.rotate(torch.cat([q_pe, k_pe.unsqueeze(1)], dim=1), cos[:, None], sin[:, None])
-            q_pe.copy_(pe[:, :-1])  # q is this layer's own buffer: rotate its rope dims in place, no new q
-            # DSA's indexer scores from the layer's input and q's LoRA residual too.
-            sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
-            out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
-        return self.o_proj(out)
+def _norm(config: ModelConfig, gated: bool) -> nn.Module:
+    """A decoder layer's norm: gated where the config has gated norms (A.X K2: the input norm, the MoE's norm)."""
+    if gated and config.gated_norm_rank is not None:
+        return GatedRMSNorm(config.hidden_size, config.gated_norm_rank, eps=config.rms_norm_eps)
+    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention
+    ) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
         if c.is_moe_layer(layer_idx) and c.moe_output_norm:
             self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
         elif c.is_moe_layer(layer_idx):
-            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias)
+            self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias,
+                           c.swiglu_limit)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
-        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.input_layernorm = _norm(c, gated=True)
+        self.post_attention_layernorm = _norm(c, gated=c.is_moe_layer(layer_idx))
         self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -120,6 +87,22 @@ class DeepseekDecoderLayer(nn.Module):
         return hidden + self.mlp(normed)
 
 
+class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
+    """A decoder layer over hyper-connected residual streams `[T, n, H]` (layers/hyper_connection.py). It never
+    takes the one-call decode blocks, which add their block's output to one plain residual."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.attn_hc = HyperConnection(config.hidden_size, config.hyper_connections)
+        self.ffn_hc = HyperConnection(config.hidden_size, config.hyper_connections)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        post, x = self.attn_hc(streams)
+        streams = add_to_streams(streams, post, self.self_attn(cos, sin, self.input_layernorm(x)))
+        post, x = self.ffn_hc(streams)
+        return add_to_streams(streams, post, self.mlp(self.post_attention_layernorm(x)))
+
+
 class DeepseekModel(nn.Module):
     def __init__(
         self,
@@ -133,19 +116,27 @@ class DeepseekModel(nn.Module):
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        hc = c.hyper_connections
+        layer_kind = DeepseekDecoderLayer if hc is None else HyperConnectedDecoderLayer
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(
-                c, i, DeepseekAttention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device)
-            )
+            layer_kind(c, i, build_attention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device))
             for i in range(c.num_hidden_layers)
         )
+        self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rope_free = c.rope_free
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        if self.hc_head is not None:  # every stream starts as the embedding
+            hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
+        # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
+        # and the kernels that fuse it stay as they are.
+        cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
         for layer in self.layers:
             hidden = layer(cos, sin, hidden)
+        if self.hc_head is not None:
+            hidden = self.hc_head(hidden)
         return self.norm(hidden)
 
 
@@ -176,10 +167,15 @@ class DeepseekForCausalLM(nn.Module):
         self.config = config
         self.mla_config = config.mla_config
         self.static_forward_context = StaticForwardContext()
-        self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
+        layers = range(config.num_hidden_layers)
+        self.attention_layer_names = [attention_layer_name(i) for i in layers
+                                      if not config.is_linear_attention_layer(i)]
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Hybrid models' linear-attention layers, by name: each keeps a state per request (engine/state_pool.py).
+        self.state_layers: dict[str, KimiDeltaAttention] = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, KimiDeltaAttention)}
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -25,6 +25,11 @@ class DSAConfig:
     interleaved_rope: bool  # the indexer's RoPE layout: GLM-5's pairs; DeepSeek-V3.2 rotates halves
     # Per layer: runs its own indexer, or (GLM-5's "shared" layers) attends the last such layer's top-k.
     indexer_layers: tuple[bool, ...]
+    rope_tail: bool = False  # the indexer rotates its last rope dims (Hunyuan V4)
+    k_norm_eps: float = 1e-6
+    # A learned logit per head in every softmax's denominator (Hunyuan V4): the layers then always attend through
+    # the sparse path, which has a place for it (attention/dsa/sparse.py).
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("index_topk", "index_n_heads", "index_head_dim"):
@@ -55,6 +60,7 @@ def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: 
     indexer = None
     if d.runs_indexer(layer_idx):
         indexer = Indexer(IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim,
-                                        c.qk_rope_head_dim, d.index_topk, d.interleaved_rope), c.rope)
+                                        c.qk_rope_head_dim, d.index_topk, d.interleaved_rope, d.rope_tail,
+                                        d.k_norm_eps), c.rope)
     return SparseMLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, d.index_topk, indexer,
-                              kv_cache_dtype=dtype, device=device)
+                              sinks=d.attention_sinks, kv_cache_dtype=dtype, device=device)

@@ -126,7 +126,7 @@ def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Te
     modules must run it."""
     tokens, dtype = normed.shape[0], normed.dtype
     if (normed.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or not 0 < tokens <= NATIVE_MAX_TOKENS
-            or moe.expert_parallel is not None):
+            or moe.expert_parallel is not None or moe.swiglu_limit is not None):  # (the kernel has no clamp)
         return None
     kernels = native.for_this_cpu()
     if kernels is None:
