@@ -21,10 +21,15 @@ class HyperConnectionConfig:
     magnitude: float  # scale of the post weights' sigmoid
     eps: float  # added to every sigmoid weight
     norm_eps: float  # of the inverse RMS
+    # GLM-5 next's mHC (layers/mhc.py): the streams also mixed by a matrix this many Sinkhorn iterations make doubly
+    # stochastic, and the output their plain mean. 0: Hunyuan V4's (no mixing, a learned head).
+    sinkhorn_iters: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
             raise ValueError(f"config.json: field 'hc_mult' must be a positive int, got {self.streams!r}")
+        if isinstance(self.sinkhorn_iters, bool) or not isinstance(self.sinkhorn_iters, int) or self.sinkhorn_iters < 0:
+            raise ValueError(f"config.json: field 'hc_sinkhorn_iters' must be a positive int, got {self.sinkhorn_iters!r}")
 
 
 def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:

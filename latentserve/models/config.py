@@ -61,6 +61,7 @@ class ModelConfig:
     # learned hyper-connections (layers/hyper_connection.py); None: one plain residual.
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
+    swiglu_limit_everywhere: bool = False  # GLM-5 next: the dense layers' MLP and the shared experts clamp as well
     # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
     # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
     layer_types: tuple[str, ...] | None = None

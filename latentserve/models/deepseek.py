@@ -17,6 +17,7 @@ from latentserve.forward_context import StaticForwardContext
 from latentserve.layers.gated_norm import GatedRMSNorm
 from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
+from latentserve.layers.mhc import MHCConnection, mean_of_streams, mix_streams
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
@@ -63,13 +64,14 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.self_attn = attention
+        dense_limit = c.swiglu_limit if c.swiglu_limit_everywhere else None
         if c.is_moe_layer(layer_idx) and c.moe_output_norm:
             self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
         elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias,
-                           c.swiglu_limit)
+                           c.swiglu_limit, dense_limit)
         else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, swiglu_limit=dense_limit)
         self.input_layernorm = _norm(c, gated=True)
         self.post_attention_layernorm = _norm(c, gated=c.is_moe_layer(layer_idx))
         self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
@@ -103,6 +105,29 @@ class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
         return add_to_streams(streams, post, self.mlp(self.post_attention_layernorm(x)))
 
 
+class MHCDecoderLayer(DeepseekDecoderLayer):
+    """A decoder layer over mHC streams `[T, n, H]` (layers/mhc.py): hyper-connections whose streams are also mixed
+    with each other. Like `HyperConnectedDecoderLayer`, it never takes the one-call decode blocks."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.attn_hc = MHCConnection(config.hidden_size, config.hyper_connections)
+        self.ffn_hc = MHCConnection(config.hidden_size, config.hyper_connections)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = mix_streams(streams, post, comb, self.self_attn(cos, sin, self.input_layernorm(x)))
+        post, comb, x = self.ffn_hc(streams)
+        return mix_streams(streams, post, comb, self.mlp(self.post_attention_layernorm(x)))
+
+
+def _layer_kind(config: ModelConfig) -> type[DeepseekDecoderLayer]:
+    hc = config.hyper_connections
+    if hc is None:
+        return DeepseekDecoderLayer
+    return MHCDecoderLayer if hc.sinkhorn_iters else HyperConnectedDecoderLayer
+
+
 class DeepseekModel(nn.Module):
     def __init__(
         self,
@@ -117,19 +142,20 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
         hc = c.hyper_connections
-        layer_kind = DeepseekDecoderLayer if hc is None else HyperConnectedDecoderLayer
         self.layers = nn.ModuleList(
-            layer_kind(c, i, build_attention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device))
+            _layer_kind(c)(c, i, build_attention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device))
             for i in range(c.num_hidden_layers)
         )
-        self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
+        # The streams' number (None: one plain residual) and how they become one hidden state at the end.
+        self.streams = None if hc is None else hc.streams
+        self.hc_head = None if hc is None else mean_of_streams if hc.sinkhorn_iters else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rope_free = c.rope_free
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.hc_head is not None:  # every stream starts as the embedding
-            hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
+        if self.streams is not None:  # every stream starts as the embedding
+            hidden = hidden.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
         # and the kernels that fuse it stay as they are.
         cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
