@@ -201,8 +201,8 @@ def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dt
     num_layers = sum(not model_config.is_linear_attention_layer(i) for i in range(model_config.num_hidden_layers))
     num_layers += config.speculative_config is not None
     values = model_config.mla_config.kv_cache_dim * num_layers
-    if model_config.dsa is not None:  # the indexers' key caches
-        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    if model_config.dsa is not None:  # the indexers' caches
+        values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:

@@ -115,7 +115,7 @@ class ModelConfig:
             raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {f.raw['hidden_act']!r}")
         defaults = adapter.defaults
         max_positions = f.int("max_position_embeddings", defaults["max_position_embeddings"])
-        rope_dim = f.int("qk_rope_head_dim")
+        rope_dim = f.int("qk_rope_head_dim", minimum=0)  # 0: no positions (GLM-5 next)
         if rope_dim % 2:
             raise ValueError(f"config.json: field 'qk_rope_head_dim' must be even, got {rope_dim}")
         routing = _routing(f, defaults)
