@@ -1,14 +1,18 @@
 """GLM-5 next (glm5_next), its language model on text, against transformers' whole model given text only: KDA layers
 and NoPE sparse-MLA layers with the k-pool indexer, mHC streams, clamped SwiGLU everywhere; its checkpoint has the
 vision tower, which is skipped."""
+import json
+import shutil
 from dataclasses import dataclass
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from latentserve.models import ModelConfig
-from tests.models.arch_harness import BASE, MAX_TOKENS, PROMPTS, ArchCase, llm
+from latentserve.models.loader import SINGLE_FILE
+from tests.models.arch_harness import (BASE, GREEDY, MAX_TOKENS, PROMPTS, ArchCase, llm, make_arch_checkpoint,
+                                       prompt_logprobs)
 from tests.models.dsa_suite import DSASuite
 
 # The real model's pattern (three KDA layers to one MLA layer, the first three layers dense) on 8 layers; the
@@ -38,6 +42,34 @@ class TestGlm5Next(DSASuite):
     case = VLCase("glm5_next", GLM5_NEXT, native_attention=False, native_moe=False,
                   model_class="Glm5NextForConditionalGeneration", int4_error=0.6)
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tmp_path_factory):
+        """transformers initializes the mHC biases to 0 and scales to 1, the pools' position bias to 0 and their gate
+        to 1: randomize them, so that a model ignoring them would not match."""
+        path = make_arch_checkpoint(tmp_path_factory.mktemp(cls.case.model_type), cls.case)
+        tensors = load_file(path / SINGLE_FILE)
+        g = torch.Generator().manual_seed(5)
+        for name, tensor in tensors.items():
+            if name.endswith(("_base", "index_kpool_compress_ape")):
+                tensor.copy_(torch.randn(tensor.shape, generator=g))
+            elif name.endswith("_scale"):
+                tensor.copy_(torch.rand(tensor.shape, generator=g) + 0.5)
+            elif name.endswith("index_kpool_compress_gate"):
+                tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.5)
+        save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
+        return path
+
+    def test_the_clamp_binds(self, checkpoint, greedy, tmp_path) -> None:
+        """Without the clamp the model's output changes: the tests above exercise it."""
+        path = shutil.copytree(checkpoint, tmp_path / "unclamped")
+        config = json.loads((path / "config.json").read_text())
+        config["text_config"]["swiglu_limit"] = 0.0  # 0: no clamp
+        (path / "config.json").write_text(json.dumps(config))
+        unclamped = llm(path).generate(PROMPTS, GREEDY)
+        assert any(abs(a - b) > 1e-3 for x, y in zip(greedy, unclamped)
+                   for a, b in zip(prompt_logprobs(x), prompt_logprobs(y)))
+
     def test_layer_pattern(self, checkpoint) -> None:
         model = llm(checkpoint).engine.runner.model
         assert model.config.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
@@ -59,7 +91,7 @@ class TestGlm5Next(DSASuite):
             assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
 
     def test_the_vision_tower_is_in_the_checkpoint(self, checkpoint) -> None:
-        assert any(name.startswith("model.visual.") for name in load_file(checkpoint / "model.safetensors"))
+        assert any(name.startswith("model.visual.") for name in load_file(checkpoint / SINGLE_FILE))
 
 
 def _raw(**overrides) -> dict:
