@@ -90,6 +90,14 @@ class TestGlm5Next(DSASuite):
             expected = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
             assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
 
+    def test_saved_int8_model_runs_the_same(self, checkpoint, tmp_path) -> None:
+        """Its own tensors (mHC, the pools' parameters, the KDA layers' fp32 ones) survive save_quantized."""
+        engine = llm(checkpoint, quantization="int8")
+        before = engine.generate(PROMPTS, GREEDY)
+        after = llm(engine.save_quantized(tmp_path / "saved")).generate(PROMPTS, GREEDY)
+        for a, b in zip(before, after):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids and prompt_logprobs(a) == prompt_logprobs(b)
+
     def test_the_vision_tower_is_in_the_checkpoint(self, checkpoint) -> None:
         assert any(name.startswith("model.visual.") for name in load_file(checkpoint / SINGLE_FILE))
 
