@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from latentserve.layers.hyper_connection import HyperConnectionConfig, _mixes
+from latentserve.layers.hyper_connection import HyperConnectionConfig, stream_mixes
 
 
 class MHCConnection(nn.Module):
@@ -28,7 +28,7 @@ class MHCConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams `[T, n, H]` -> (post `[T, n]`, comb `[T, n, n]`, both fp32; the block's input `[T, H]`)."""
         c, n = self.config, self.config.streams
-        mixes = _mixes(streams.flatten(1).float(), self.fn, c.norm_eps)
+        mixes = stream_mixes(streams.flatten(1).float(), self.fn, c.norm_eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + c.eps

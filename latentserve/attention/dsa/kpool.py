@@ -51,7 +51,8 @@ class PooledIndexer(Indexer):
                 md: DSAMetadata) -> torch.Tensor | None:
         c = self.config
         k = self.k_norm(self.wk(x.hidden))
-        write_cache_rows(cache, torch.cat([k, F.linear(x.hidden, self.index_kpool_compress_gate)], dim=-1), slot_mapping)
+        gates = F.linear(x.hidden, self.index_kpool_compress_gate)
+        write_cache_rows(cache, torch.cat([k, gates], dim=-1), slot_mapping)
         if md.dense:
             return None
         q = self.wq_b(x.q_resid).view(-1, c.n_heads, c.head_dim).float()
@@ -96,7 +97,8 @@ class PooledIndexer(Indexer):
             pool_end = torch.arange(pool_keys.shape[0], device=device) * p + p - 1
             index.masked_fill_(pool_end[None, :] > positions[:, None], float("-inf"))
             values, pools = index.topk(min(self.num_pools, pool_keys.shape[0]), dim=-1)
-            chosen = (pools[..., None] * p + offsets).masked_fill_((values == float("-inf"))[..., None], -1).flatten(1)
+            none = (values == float("-inf"))[..., None]  # fewer visible pools than asked for
+            chosen = (pools[..., None] * p + offsets).masked_fill_(none, -1).flatten(1)
         selected = torch.cat([chosen, tail], dim=-1)
         selected = torch.where(selected >= 0, slots[selected.clamp(min=0)], -1)
         return F.pad(selected, (0, width - selected.shape[1]), value=-1)
