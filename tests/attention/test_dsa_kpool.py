@@ -34,7 +34,8 @@ def _select(ours: PooledIndexer, hidden, q_resid, cache, start: int, end: int, s
     return ours(IndexerInputs(hidden[start:end], q_resid[start:end], none, none), cache, slots[start:end], md)
 
 
-@pytest.mark.parametrize("chunks", [(LENGTH,), (5, 14, LENGTH)])
+# Whole; in chunks; a prefill then one token a step (decode).
+@pytest.mark.parametrize("chunks", [(LENGTH,), (5, 14, LENGTH), tuple(range(29, LENGTH + 1))])
 def test_pooled_selection_matches_transformers(chunks: tuple[int, ...]) -> None:
     ref, ours = _pair()
     hidden, q_resid = torch.randn(LENGTH, HIDDEN), torch.randn(LENGTH, Q_LORA)
