@@ -20,10 +20,13 @@ class MLAConfig:
     v_head_dim: int
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
+        # 0 rope dims: attention without positions (GLM-5 next's NoPE layers).
+        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be an int >= 0, got {self.qk_rope_head_dim!r}")
 
     @property
     def qk_head_dim(self) -> int:

@@ -200,8 +200,8 @@ def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dt
     # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
     num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
     values = model_config.mla_config.kv_cache_dim * num_layers
-    if model_config.dsa is not None:  # the indexers' key caches
-        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    if model_config.dsa is not None:  # the indexers' caches
+        values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:

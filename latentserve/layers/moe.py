@@ -181,6 +181,7 @@ class MoE(nn.Module):
         n_shared_experts: int,
         shared_bias: bool = False,
         swiglu_limit: float | None = None,
+        shared_swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.gate = Router(hidden_size, routing)
@@ -191,7 +192,8 @@ class MoE(nn.Module):
             for _ in range(routing.n_routed_experts)
         )
         self.shared_experts = (
-            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias)
+            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias,
+                     swiglu_limit=shared_swiglu_limit)
             if n_shared_experts
             else None
         )

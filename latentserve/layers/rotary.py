@@ -130,8 +130,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope_dim: int, rope: RopeConfig, style: str) -> None:
         super().__init__()
-        if rope_dim <= 0 or rope_dim % 2:
-            raise ValueError(f"rope dim must be a positive even number, got {rope_dim}")
+        if rope_dim < 0 or rope_dim % 2:  # (0: no rope dims, every rotation empty)
+            raise ValueError(f"rope dim must be an even number >= 0, got {rope_dim}")
         if style not in ROPE_STYLES:
             raise ValueError(f"rope style must be one of {ROPE_STYLES}, got {style!r}")
         self.rope_dim = rope_dim

@@ -71,6 +71,7 @@ class ModelConfig:
     # learned hyper-connections (layers/hyper_connection.py); None: one plain residual.
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
+    swiglu_limit_everywhere: bool = False  # GLM-5 next: the dense layers' MLP and the shared experts clamp as well
     # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
     # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
     layer_types: tuple[str, ...] | None = None
@@ -131,7 +132,7 @@ class ModelConfig:
             raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {f.raw['hidden_act']!r}")
         defaults = adapter.defaults
         max_positions = f.int("max_position_embeddings", defaults["max_position_embeddings"])
-        rope_dim = f.int("qk_rope_head_dim")
+        rope_dim = f.int("qk_rope_head_dim", minimum=0)  # 0: no positions (GLM-5 next)
         if rope_dim % 2:
             raise ValueError(f"config.json: field 'qk_rope_head_dim' must be even, got {rope_dim}")
         routing = _routing(f, defaults)

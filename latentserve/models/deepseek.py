@@ -20,6 +20,7 @@ from latentserve.layers.embedding import ScaledEmbedding
 from latentserve.layers.gated_norm import GatedRMSNorm
 from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
+from latentserve.layers.mhc import MHCConnection, mean_of_streams, mix_streams
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
@@ -75,13 +76,14 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.self_attn = attention
+        dense_limit = c.swiglu_limit if c.swiglu_limit_everywhere else None
         if c.is_moe_layer(layer_idx) and c.moe_output_norm:
             self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
         elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias,
-                           c.swiglu_limit)
+                           c.swiglu_limit, dense_limit)
         else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, swiglu_limit=dense_limit)
         self.input_layernorm = _norm(c, gated=True)
         self.post_attention_layernorm = _norm(c, gated=c.is_moe_layer(layer_idx))
         self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
@@ -132,12 +134,30 @@ class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
         return add_to_streams(streams, post, self.mlp(self.post_attention_layernorm(x)))
 
 
+class MHCDecoderLayer(DeepseekDecoderLayer):
+    """A decoder layer over mHC streams `[T, n, H]` (layers/mhc.py): hyper-connections whose streams are also mixed
+    with each other. Like `HyperConnectedDecoderLayer`, it never takes the one-call decode blocks."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.attn_hc = MHCConnection(config.hidden_size, config.hyper_connections)
+        self.ffn_hc = MHCConnection(config.hidden_size, config.hyper_connections)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = mix_streams(streams, post, comb, attend(self.self_attn, cos, sin, self.input_layernorm(x), q_scale))
+        post, comb, x = self.ffn_hc(streams)
+        return mix_streams(streams, post, comb, self.mlp(self.post_attention_layernorm(x)))
+
+
 def _decoder_layer(c: ModelConfig, i: int, attention: Callable[..., nn.Module]) -> nn.Module:
     """Layer i of the model's kind, its attention built by `attention(i, name=...)`."""
     if c.shortcut_moe:
         return ShortcutMoEDecoderLayer(c, [attention(i, name=f"model.layers.{i}.self_attn.{j}.attn") for j in (0, 1)])
     if c.hyper_connections is not None:
-        return HyperConnectedDecoderLayer(c, i, attention(i))
+        kind = MHCDecoderLayer if c.hyper_connections.sinkhorn_iters else HyperConnectedDecoderLayer
+        return kind(c, i, attention(i))
     layer_cls = DeepseekDecoderLayer if c.residual_scale == 1.0 else ScaledResidualDecoderLayer
     return layer_cls(c, i, attention(i))
 
@@ -160,7 +180,9 @@ class DeepseekModel(nn.Module):
                             static_ctx=static_ctx, dtype=dtype, device=device)
         self.layers = nn.ModuleList(_decoder_layer(c, i, attention) for i in range(c.num_hidden_layers))
         hc = c.hyper_connections
-        self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
+        # The streams' number (None: one plain residual) and how they become one hidden state at the end.
+        self.streams = None if hc is None else hc.streams
+        self.hc_head = None if hc is None else mean_of_streams if hc.sinkhorn_iters else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rope_free = c.rope_free
         self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
@@ -168,8 +190,8 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.hc_head is not None:  # every stream starts as the embedding
-            hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
+        if self.streams is not None:  # every stream starts as the embedding
+            hidden = hidden.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
         # and the kernels that fuse it stay as they are.
         cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
