@@ -154,7 +154,7 @@ class MLAAttention(nn.Module):
     def _forward_prefill(
         self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, md: MLAPrefillMetadata
     ) -> torch.Tensor:
-        backend = md.backend
+        backend = md.backends[self.layer_name]
         backend.check_prepared_for(md)
         k, v = self._expand_keys(kv_c, k_pe)
         chunked = md.chunked_context

@@ -53,6 +53,11 @@ class MLAPrefillBackend(BackendCapabilities, ABC):
         args, kwargs = self._init_args
         return type(self)(*args, **kwargs)
 
+    def settings_key(self) -> tuple:
+        """Equal for instances built with equal settings: their clones are interchangeable."""
+        args, kwargs = self._init_args
+        return type(self), args, tuple(sorted(kwargs.items()))
+
     @property
     def debug(self) -> bool:
         return bool(getattr(self.config, "debug_ownership", False))
