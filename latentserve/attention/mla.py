@@ -38,8 +38,11 @@ class MLAAttention(nn.Module):
         static_ctx: StaticForwardContext,
         kv_cache_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError(f"{layer_name}: sliding_window must be a positive int or None, got {sliding_window!r}")
         self.layer_name = layer_name
         self.mla = mla
         self.scale = scale
@@ -48,17 +51,20 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = Linear(
             mla.kv_lora_rank, mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False, device=device
         )
+        self.sliding_window = sliding_window
         selector_config = SelectorConfig(
-            kv_cache_dtype, mla.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+            kv_cache_dtype, mla.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+            sliding_window,
         )
         prefill_cls = get_mla_prefill_backend(device, selector_config, attn_config.prefill_backend)
         decode_cls = get_mla_decode_backend(device, selector_config, attn_config.decode_backend)
         # A prototype only: metadata builders run clones of it, never this instance.
         self.prefill_backend = prefill_cls(
             mla.num_heads, scale, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
-            attn_config,
+            attn_config, sliding_window=sliding_window,
         )
-        self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config)
+        self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config,
+                                         sliding_window=sliding_window)
         self.kv_cache: torch.Tensor | None = None
         # Extra per-layer caches on the same block table, name -> values per token (DSA's indexer keys).
         self.extra_cache_dims: dict[str, int] = {}

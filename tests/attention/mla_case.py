@@ -46,9 +46,11 @@ class Batch:
 def make_layer(
     attn_config: AttentionConfig, kv_cache_dtype: torch.dtype = torch.float32, name: str = "layer.0",
     static_ctx: StaticForwardContext | None = None, seed: int = 0, mla: MLAConfig = MLA, scale: float = SCALE,
+    sliding_window: int | None = None,
 ) -> MLAAttention:
     static_ctx = StaticForwardContext() if static_ctx is None else static_ctx
-    layer = MLAAttention(name, mla, scale, attn_config, static_ctx, kv_cache_dtype=kv_cache_dtype)
+    layer = MLAAttention(name, mla, scale, attn_config, static_ctx, kv_cache_dtype=kv_cache_dtype,
+                         sliding_window=sliding_window)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=g) / mla.kv_lora_rank**0.5)
@@ -101,7 +103,8 @@ def fill_batch(
 
 
 def naive_mla(layer: MLAAttention, batch: Batch, cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per request: decompress every position, attend with mask [ones(context) | tril(new)], in fp32."""
+    """Per request: decompress every position, attend with mask [ones(context) | tril(new)], in fp32; with the
+    layer's sliding window W, query position p sees key positions p-W+1..p only."""
     m = layer.mla
     w = layer.kv_b_proj.weight.detach().float().view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
     outs = []
@@ -115,6 +118,9 @@ def naive_mla(layer: MLAAttention, batch: Batch, cache_dtype: torch.dtype = torc
         mask = torch.cat(
             [torch.ones(r.query_len, r.context_len), torch.ones(r.query_len, r.query_len).tril()], dim=1
         ).bool()
+        if layer.sliding_window is not None:
+            behind = torch.arange(r.context_len, r.seq_len)[:, None] - torch.arange(r.seq_len)[None, :]
+            mask &= behind < layer.sliding_window
         scores = torch.einsum("qnd,snd->nqs", q.float(), k) * layer.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         outs.append(torch.einsum("nqs,snv->qnv", scores.softmax(-1), v).flatten(1))

@@ -1,4 +1,4 @@
-"""Layers of different MLA shapes (heads, ranks, head dims, scale) under one metadata builder, against the naive
+"""Layers of different MLA shapes (heads, ranks, head dims, scale, sliding window) under one metadata builder, against the naive
 fp32 reference per layer, with and without DBO."""
 import pytest
 import torch
@@ -14,7 +14,9 @@ from tests.attention.mla_case import MLA, Request, fill_batch, make_batch, make_
 BLOCK = 4
 # Another shape than MLA in every dimension, and a cache row narrower than MLA's (the shared workspace's width).
 OTHER = MLAConfig(num_heads=2, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=10)
-SHAPES = [(MLA, MLA.qk_head_dim**-0.5), (OTHER, 0.3), (MLA, MLA.qk_head_dim**-0.5)]
+# (shape, scale, sliding window): the last layer has MLA's shape but a window, so a backend clone of its own.
+SHAPES = [(MLA, MLA.qk_head_dim**-0.5, None), (OTHER, 0.3, None), (MLA, MLA.qk_head_dim**-0.5, None),
+          (MLA, MLA.qk_head_dim**-0.5, 5)]
 # Decodes, a fresh prefill, and prefills over context longer than the workspace (several chunks).
 REQUESTS = [Request(5, 1), Request(9, 1), Request(0, 7), Request(13, 6), Request(11, 7)]
 
@@ -22,8 +24,8 @@ REQUESTS = [Request(5, 1), Request(9, 1), Request(0, 7), Request(13, 6), Request
 def _setup(workspace_tokens: int = 8):
     config = AttentionConfig(block_size=BLOCK, workspace_tokens=workspace_tokens)
     static_ctx = StaticForwardContext()
-    layers = [make_layer(config, name=f"layers.{i}", static_ctx=static_ctx, seed=i, mla=mla, scale=scale)
-              for i, (mla, scale) in enumerate(SHAPES)]
+    layers = [make_layer(config, name=f"layers.{i}", static_ctx=static_ctx, seed=i, mla=mla, scale=scale,
+                         sliding_window=window) for i, (mla, scale, window) in enumerate(SHAPES)]
     caches = allocate_kv_caches(static_ctx, 24, BLOCK, torch.float32)
     # One block table for every layer; the latents and queries are each layer's own.
     first = make_batch(REQUESTS, caches[layers[0].layer_name], BLOCK, seed=3, mla=layers[0].mla)
@@ -57,8 +59,9 @@ def test_each_layer_matches_the_naive_reference():
 def test_layers_of_one_shape_share_a_clone_and_shapes_do_not():
     config, static_ctx, layers, _, _ = _setup()
     b0, b1 = _builders(layers, static_ctx, config, 2)
-    a, other, a_again = (b0.prefill_backends[l.layer_name] for l in layers)
-    assert a is a_again and a is not other
+    a, other, a_again, windowed = (b0.prefill_backends[l.layer_name] for l in layers)
+    assert a is a_again and len({id(a), id(other), id(windowed)}) == 3
+    assert windowed.sliding_window == 5
     assert other.num_heads == OTHER.num_heads and other.scale == 0.3
     assert not {id(x) for x in b0.prefill_backends.values()} & {id(x) for x in b1.prefill_backends.values()}
     assert not {id(l.prefill_backend) for l in layers} & {id(x) for x in b0.prefill_backends.values()}

@@ -36,7 +36,7 @@ class TorchSDPAPrefillBackend(VarlenPrefillBackend):
     def get_name(cls) -> str:
         return "TORCH_SDPA"
 
-    def _attend(self, q, k, v, causal):
+    def _attend(self, q, k, v, causal, distance):
         if causal and q.shape[0] != k.shape[0]:
             raise ValueError(f"causal prefill needs as many keys as queries, got {q.shape[0]} and {k.shape[0]}")
         v, first = _widen(v, q.shape[-1])

@@ -1,0 +1,63 @@
+"""Sliding-window layers against a naive masked attention: new tokens, context chunks and decodes."""
+import pytest
+import torch
+
+from latentserve.attention.builder import MLAMetadataBuilder
+from latentserve.attention.decode.reference import ReferenceDecodeBackend
+from latentserve.attention.kv_cache import allocate_kv_caches
+from latentserve.attention.prefill.reference import ReferencePrefillBackend
+from latentserve.config import AttentionConfig
+from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context
+from tests.attention.mla_case import Request, make_batch, make_layer, naive_mla
+
+BLOCK = 4
+# Decodes (one and several new tokens), a fresh prefill longer than the window, prefills over context that spans
+# several workspace chunks, some wholly outside the window.
+REQUESTS = [Request(5, 1), Request(14, 2), Request(0, 11), Request(13, 4), Request(21, 3)]
+
+
+def _run(window: int | None, requests=REQUESTS, workspace_tokens: int = 10, decode_threshold: int = 2):
+    config = AttentionConfig(block_size=BLOCK, workspace_tokens=workspace_tokens, decode_threshold=decode_threshold)
+    static_ctx = StaticForwardContext()
+    layer = make_layer(config, static_ctx=static_ctx, sliding_window=window)
+    cache = allocate_kv_caches(static_ctx, 32, BLOCK, torch.float32)[layer.layer_name]
+    batch = make_batch(requests, cache, BLOCK, seed=7)
+    md = MLAMetadataBuilder([layer.layer_name], static_ctx, config).build(batch.common)
+    with set_forward_context(ForwardContext({layer.layer_name: md})):
+        out = layer(*batch.new_token_inputs())
+    return layer, batch, md, out
+
+
+@pytest.mark.parametrize("window", [1, 3, 6, 17, 1000])
+def test_sliding_window_matches_naive_masked_attention(window):
+    layer, batch, md, out = _run(window)
+    assert md.num_decodes == 2 and md.prefill.chunked_context is not None
+    assert len(md.prefill.chunked_context.slots) >= 2
+    assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
+
+
+def test_a_window_changes_the_output():
+    windowed = _run(3)[3]
+    full_layer, full_batch, _, full = _run(None)
+    assert (full - naive_mla(full_layer, full_batch)).abs().max().item() <= 1e-5
+    assert (windowed - full).abs().max().item() > 1e-2
+
+
+def test_windowed_layers_get_backends_that_honour_the_window():
+    layer = _run(4)[0]
+    assert isinstance(layer.prefill_backend, ReferencePrefillBackend) and layer.prefill_backend.sliding_window == 4
+    assert isinstance(layer.decode_backend, ReferenceDecodeBackend) and layer.decode_backend.sliding_window == 4
+
+
+@pytest.mark.parametrize("kind", ["prefill_backend", "decode_backend"])
+def test_a_backend_without_windows_is_refused_by_name(kind):
+    name = {"prefill_backend": "TORCH_SDPA", "decode_backend": "TORCH"}[kind]
+    config = AttentionConfig(block_size=BLOCK, **{kind: name})
+    with pytest.raises(ValueError, match=f"{name} cannot be used: .*does not support sliding-window attention"):
+        make_layer(config, sliding_window=4)
+
+
+@pytest.mark.parametrize("window", [0, -2, 2.5])
+def test_a_bad_window_is_refused(window):
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        make_layer(AttentionConfig(block_size=BLOCK), sliding_window=window)
