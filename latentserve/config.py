@@ -36,6 +36,30 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The dimensions of a hybrid model's linear-attention (KDA) layers; their state is per request, not per token."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel_size: int  # the short causal convolution over q, k and v
+    # The forget and output gates' projections: low-rank through head_dim (Kimi's f_a/f_b, g_a/g_b) or one each
+    # (Ling's f_proj, g_proj).
+    gate_lora: bool = True
+    # Ling's "safe gate": log decay = lower_bound * sigmoid(exp(A_log) * x) instead of -exp(A_log) * softplus(x).
+    gate_lower_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "conv_kernel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LinearAttentionConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Per-engine attention settings."""
 

@@ -1,7 +1,7 @@
 """`MLAMetadataBuilder`: CommonAttentionMetadata -> MLAMetadata, one builder per ubatch."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -14,6 +14,7 @@ from latentserve.attention.metadata import (
     MLADecodeMetadata,
     MLAMetadata,
     MLAPrefillMetadata,
+    StateMetadata,
 )
 from latentserve.attention.prefill.base import MLAPrefillBackend
 from latentserve.config import AttentionConfig
@@ -59,6 +60,7 @@ class MLAMetadataBuilder:
         attn_config: AttentionConfig,
         device: torch.device | str = "cpu",
         builder_id: int = 0,
+        state_layer_names: Sequence[str] = (),
     ) -> None:
         if not layer_names:
             raise ValueError("MLAMetadataBuilder needs at least one attention layer name")
@@ -66,6 +68,8 @@ class MLAMetadataBuilder:
         if missing:
             raise ValueError(f"attention layers {missing} are not in the static forward context")
         self.layer_names = list(layer_names)
+        # A hybrid model's linear-attention layers read this builder's metadata too (its `states`).
+        self.state_layer_names = list(state_layer_names)
         self.attn_config = attn_config
         self.device = torch.device(device)
         self.builder_id = builder_id
@@ -124,6 +128,8 @@ class MLAMetadataBuilder:
             prefill=prefill,
             builder_id=self.builder_id,
             dsa=None if self.dsa is None else self.dsa.build(common),
+            states=None if common.state_slots_cpu is None else StateMetadata(
+                qsl, common.num_computed_tokens_cpu.tolist(), common.state_slots_cpu.tolist()),
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentserve.config import MLAConfig
+from latentserve.config import LinearAttentionConfig, MLAConfig
 from latentserve.layers.hyper_connection import HyperConnectionConfig
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
@@ -61,6 +61,12 @@ class ModelConfig:
     # learned hyper-connections (layers/hyper_connection.py); None: one plain residual.
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
+    # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
+    # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
+    layer_types: tuple[str, ...] | None = None
+    linear_attention: LinearAttentionConfig | None = None
+    rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
+    head_output_gate: bool = False  # Ling: a sigmoid gate per head on the attention output, from the layer's input
 
     @property
     def qk_head_dim(self) -> int:
@@ -75,6 +81,9 @@ class ModelConfig:
         return MLAConfig(
             self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         )
+
+    def is_linear_attention_layer(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.routing is None:

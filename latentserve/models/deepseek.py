@@ -11,6 +11,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
 from latentserve.layers.gated_norm import GatedRMSNorm
@@ -23,20 +24,29 @@ from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import ModelConfig
-from latentserve.models.gated_attention import HiddenGateAttention, QGateAttention
+from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
 
 
+def linear_attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn"
+
+
 def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, attn_config: AttentionConfig,
                     static_ctx: StaticForwardContext, dtype: torch.dtype,
-                    device: torch.device | str) -> DeepseekAttention:
-    """The layer's attention module: DeepSeek's, or one with an output gate (A.X K2's from the fused q projection,
-    Hunyuan V4's from the layer's input)."""
-    kind = (QGateAttention if config.q_output_gate else HiddenGateAttention if config.hidden_output_gate
-            else DeepseekAttention)
-    return kind(config, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device)
+                    device: torch.device | str) -> DeepseekAttention | KimiDeltaAttention:
+    """The layer's attention module: a hybrid's linear attention where its layer_types say so (docs/hybrids.md); else
+    DeepSeek's MLA, or MLA with an output gate (A.X K2's from the fused q projection, Hunyuan V4's from the layer's
+    input, Ling's one per head)."""
+    c = config
+    if c.is_linear_attention_layer(layer_idx):
+        return KimiDeltaAttention(linear_attention_layer_name(layer_idx), c.hidden_size, c.linear_attention,
+                                  c.rms_norm_eps, attn_config)
+    kind = (QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
+            else HeadGateAttention if c.head_output_gate else DeepseekAttention)
+    return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device)
 
 
 def _norm(config: ModelConfig, gated: bool) -> nn.Module:
@@ -47,7 +57,9 @@ def _norm(config: ModelConfig, gated: bool) -> nn.Module:
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention
+    ) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
@@ -112,12 +124,15 @@ class DeepseekModel(nn.Module):
         )
         self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rope_free = c.rope_free
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if self.hc_head is not None:  # every stream starts as the embedding
             hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
+        # and the kernels that fuse it stay as they are.
+        cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
         for layer in self.layers:
             hidden = layer(cos, sin, hidden)
         if self.hc_head is not None:
@@ -152,10 +167,15 @@ class DeepseekForCausalLM(nn.Module):
         self.config = config
         self.mla_config = config.mla_config
         self.static_forward_context = StaticForwardContext()
-        self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
+        layers = range(config.num_hidden_layers)
+        self.attention_layer_names = [attention_layer_name(i) for i in layers
+                                      if not config.is_linear_attention_layer(i)]
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Hybrid models' linear-attention layers, by name: each keeps a state per request (engine/state_pool.py).
+        self.state_layers: dict[str, KimiDeltaAttention] = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, KimiDeltaAttention)}
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

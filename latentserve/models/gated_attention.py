@@ -4,7 +4,10 @@
 the query `[qk_head_dim]` then a gate `[v_head_dim]`; the attention output is multiplied by the gate's sigmoid before
 o_proj. The checkpoints keep the projection fused (its FP8 block scales span both halves), and so does the model.
 
-`HiddenGateAttention` (Hunyuan V4): the gate is its own projection of the layer's input, `gate_proj`."""
+`HiddenGateAttention` (Hunyuan V4): the gate is its own projection of the layer's input, `gate_proj`.
+
+`HeadGateAttention` (Ling hybrids): one gate value per head, `g_proj` of the layer's input, shared by the head's value
+dims."""
 from __future__ import annotations
 
 import torch
@@ -44,3 +47,16 @@ class HiddenGateAttention(DeepseekAttention):
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         out = self.attend(cos, sin, hidden, *self.project_q(hidden))
         return self.o_proj(out * torch.sigmoid(self.gate_proj(hidden)))
+
+
+class HeadGateAttention(DeepseekAttention):
+    native_block = False  # the one-call decode block has no gate
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        self.g_proj = Linear(config.hidden_size, config.num_attention_heads, bias=False)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.attend(cos, sin, hidden, *self.project_q(hidden))
+        gate = torch.sigmoid(self.g_proj(hidden).float()).to(out.dtype)
+        return self.o_proj((out.view(*gate.shape, -1) * gate[..., None]).flatten(1))
