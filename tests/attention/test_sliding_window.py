@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from latentserve.attention.builder import MLAMetadataBuilder
-from latentserve.attention.decode.reference import ReferenceDecodeBackend
+from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.attention.prefill.reference import ReferencePrefillBackend
 from latentserve.config import AttentionConfig
@@ -16,8 +16,8 @@ BLOCK = 4
 REQUESTS = [Request(5, 1), Request(14, 2), Request(0, 11), Request(13, 4), Request(21, 3)]
 
 
-def _run(window: int | None, requests=REQUESTS, workspace_tokens: int = 10, decode_threshold: int = 2):
-    config = AttentionConfig(block_size=BLOCK, workspace_tokens=workspace_tokens, decode_threshold=decode_threshold)
+def _run(window: int | None, decode_backend: str | None = None, requests=REQUESTS):
+    config = AttentionConfig(block_size=BLOCK, workspace_tokens=10, decode_threshold=2, decode_backend=decode_backend)
     static_ctx = StaticForwardContext()
     layer = make_layer(config, static_ctx=static_ctx, sliding_window=window)
     cache = allocate_kv_caches(static_ctx, 32, BLOCK, torch.float32)[layer.layer_name]
@@ -28,11 +28,19 @@ def _run(window: int | None, requests=REQUESTS, workspace_tokens: int = 10, deco
     return layer, batch, md, out
 
 
+@pytest.mark.parametrize("decode_backend", ["TORCH", "REFERENCE"])
 @pytest.mark.parametrize("window", [1, 3, 6, 17, 1000])
-def test_sliding_window_matches_naive_masked_attention(window):
-    layer, batch, md, out = _run(window)
+def test_sliding_window_matches_naive_masked_attention(window, decode_backend):
+    layer, batch, md, out = _run(window, decode_backend=decode_backend)
     assert md.num_decodes == 2 and md.prefill.chunked_context is not None
     assert len(md.prefill.chunked_context.slots) >= 2
+    assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 4, 9])
+def test_one_token_decodes_match_naive_masked_attention(window):
+    layer, batch, md, out = _run(window, "TORCH", [Request(5, 1), Request(14, 1), Request(9, 1)])
+    assert md.num_decodes == 3 and md.prefill is None
     assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
 
 
@@ -46,12 +54,12 @@ def test_a_window_changes_the_output():
 def test_windowed_layers_get_backends_that_honour_the_window():
     layer = _run(4)[0]
     assert isinstance(layer.prefill_backend, ReferencePrefillBackend) and layer.prefill_backend.sliding_window == 4
-    assert isinstance(layer.decode_backend, ReferenceDecodeBackend) and layer.decode_backend.sliding_window == 4
+    assert isinstance(layer.decode_backend, TorchMQADecodeBackend) and layer.decode_backend.sliding_window == 4
 
 
 @pytest.mark.parametrize("kind", ["prefill_backend", "decode_backend"])
 def test_a_backend_without_windows_is_refused_by_name(kind):
-    name = {"prefill_backend": "TORCH_SDPA", "decode_backend": "TORCH"}[kind]
+    name = {"prefill_backend": "TORCH_SDPA", "decode_backend": "PAGED"}[kind]
     config = AttentionConfig(block_size=BLOCK, **{kind: name})
     with pytest.raises(ValueError, match=f"{name} cannot be used: .*does not support sliding-window attention"):
         make_layer(config, sliding_window=4)
