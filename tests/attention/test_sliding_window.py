@@ -5,7 +5,8 @@ import torch
 from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend
 from latentserve.attention.kv_cache import allocate_kv_caches
-from latentserve.attention.prefill.reference import ReferencePrefillBackend
+from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context
 from tests.attention.mla_case import Request, make_batch, make_layer, naive_mla
@@ -16,8 +17,9 @@ BLOCK = 4
 REQUESTS = [Request(5, 1), Request(14, 2), Request(0, 11), Request(13, 4), Request(21, 3)]
 
 
-def _run(window: int | None, decode_backend: str | None = None, requests=REQUESTS):
-    config = AttentionConfig(block_size=BLOCK, workspace_tokens=10, decode_threshold=2, decode_backend=decode_backend)
+def _run(window: int | None, decode_backend: str | None = None, requests=REQUESTS, prefill_backend: str | None = None):
+    config = AttentionConfig(block_size=BLOCK, workspace_tokens=10, decode_threshold=2, decode_backend=decode_backend,
+                             prefill_backend=prefill_backend)
     static_ctx = StaticForwardContext()
     layer = make_layer(config, static_ctx=static_ctx, sliding_window=window)
     cache = allocate_kv_caches(static_ctx, 32, BLOCK, torch.float32)[layer.layer_name]
@@ -28,10 +30,10 @@ def _run(window: int | None, decode_backend: str | None = None, requests=REQUEST
     return layer, batch, md, out
 
 
-@pytest.mark.parametrize("decode_backend", ["TORCH", "REFERENCE"])
+@pytest.mark.parametrize("backends", [("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
 @pytest.mark.parametrize("window", [1, 3, 6, 17, 1000])
-def test_sliding_window_matches_naive_masked_attention(window, decode_backend):
-    layer, batch, md, out = _run(window, decode_backend=decode_backend)
+def test_sliding_window_matches_naive_masked_attention(window, backends):
+    layer, batch, md, out = _run(window, decode_backend=backends[1], prefill_backend=backends[0])
     assert md.num_decodes == 2 and md.prefill.chunked_context is not None
     assert len(md.prefill.chunked_context.slots) >= 2
     assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
@@ -53,16 +55,24 @@ def test_a_window_changes_the_output():
 
 def test_windowed_layers_get_backends_that_honour_the_window():
     layer = _run(4)[0]
-    assert isinstance(layer.prefill_backend, ReferencePrefillBackend) and layer.prefill_backend.sliding_window == 4
+    assert isinstance(layer.prefill_backend, TorchSDPAPrefillBackend) and layer.prefill_backend.sliding_window == 4
     assert isinstance(layer.decode_backend, TorchMQADecodeBackend) and layer.decode_backend.sliding_window == 4
 
 
-@pytest.mark.parametrize("kind", ["prefill_backend", "decode_backend"])
-def test_a_backend_without_windows_is_refused_by_name(kind):
-    name = {"prefill_backend": "TORCH_SDPA", "decode_backend": "PAGED"}[kind]
-    config = AttentionConfig(block_size=BLOCK, **{kind: name})
+@pytest.mark.parametrize("name", ["PAGED", "NATIVE"])
+def test_a_backend_without_windows_is_refused_by_name(name):
+    config = AttentionConfig(block_size=BLOCK, decode_backend=name)
     with pytest.raises(ValueError, match=f"{name} cannot be used: .*does not support sliding-window attention"):
         make_layer(config, sliding_window=4)
+
+
+def test_torch_sdpa_takes_windows_on_the_cpu_only():
+    shape = dict(dtype=torch.float32, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                 v_head_dim=8)
+    assert TorchSDPAPrefillBackend.validate_configuration("cpu", SelectorConfig(**shape, sliding_window=4)) == []
+    assert TorchSDPAPrefillBackend.validate_configuration("cuda", SelectorConfig(**shape)) == []
+    reasons = TorchSDPAPrefillBackend.validate_configuration("cuda", SelectorConfig(**shape, sliding_window=4))
+    assert reasons and "CPU only" in reasons[-1]
 
 
 @pytest.mark.parametrize("window", [0, -2, 2.5])

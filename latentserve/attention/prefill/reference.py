@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from latentserve.attention.prefill.varlen import VarlenPrefillBackend
+from latentserve.attention.prefill.varlen import VarlenPrefillBackend, hidden_keys
 
 
 class ReferencePrefillBackend(VarlenPrefillBackend):
@@ -15,12 +15,7 @@ class ReferencePrefillBackend(VarlenPrefillBackend):
 
     def _attend(self, q, k, v, causal, distance):
         scores = torch.einsum("qnd,knd->nqk", q.float(), k.float()) * self.scale
-        n, m = q.shape[0], k.shape[0]
-        # How many positions query i sits after key j.
-        behind = distance + torch.arange(n, device=q.device)[:, None] - torch.arange(m, device=q.device)[None, :]
-        hidden = behind < 0 if causal else torch.zeros_like(behind, dtype=torch.bool)
-        if self.sliding_window is not None:
-            hidden |= behind >= self.sliding_window
+        hidden = hidden_keys(q.shape[0], k.shape[0], distance, causal, self.sliding_window, q.device)
         scores = scores.masked_fill(hidden, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         # A query whose window misses every key of a context chunk: output 0 and lse -inf (merge ignores it).

@@ -8,6 +8,17 @@ import torch
 from latentserve.attention.prefill.base import MLAPrefillBackend
 
 
+def hidden_keys(n: int, m: int, distance: int, causal: bool, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """`[n, m]` bool, True where query i may not see key j: query 0 sits `distance` positions after key 0; a causal
+    query sees no later key, a windowed one none `window` or more positions back."""
+    behind = distance + torch.arange(n, device=device)[:, None] - torch.arange(m, device=device)[None, :]
+    hidden = behind < 0 if causal else torch.zeros(n, m, dtype=torch.bool, device=device)
+    if window is not None:
+        hidden |= behind >= window
+    return hidden
+
+
 class VarlenPrefillBackend(MLAPrefillBackend):
     """Implements both prefill calls with one per-request kernel, `_attend`."""
 
