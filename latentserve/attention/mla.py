@@ -168,11 +168,22 @@ class MLAAttention(nn.Module):
             return backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=False)
         out, lse = backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
         for i, slots in enumerate(chunked.slots):
+            if not self._chunk_in_window(i, md):
+                continue  # no query sees it: its merge would change nothing, its gather and up-projection cost
             rows = gather_kv_cache(self.kv_cache, slots, out=chunked.workspace).to(q.dtype)
             ctx_k, ctx_v = self._expand_keys(*rows.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1))
             ctx_out, ctx_lse = backend.run_prefill_context_chunk(i, q, ctx_k, ctx_v)
             out, lse = merge_attn_states(ctx_out, ctx_lse, out, lse)
         return out
+
+    def _chunk_in_window(self, chunk_idx: int, md: MLAPrefillMetadata) -> bool:
+        """Whether some prefill query sees a key of context chunk `chunk_idx` (always, without a sliding window)."""
+        if self.sliding_window is None:
+            return True
+        start = chunk_idx * md.chunked_context.chunk_size
+        # A request's first query, at position ctx, sees keys from ctx - W + 1 on; its chunk keys end at `end` - 1.
+        return any(min(start + md.chunked_context.chunk_size, ctx) - 1 >= ctx - self.sliding_window + 1
+                   for ctx in md.context_lens_cpu if ctx > start)
 
     def _forward_decode(self, q: torch.Tensor, md: MLADecodeMetadata) -> torch.Tensor:
         q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)

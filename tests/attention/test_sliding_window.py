@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import latentserve.attention.mla as mla_module
 from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend
 from latentserve.attention.kv_cache import allocate_kv_caches
@@ -43,6 +44,23 @@ def test_sliding_window_matches_naive_masked_attention(window, backends):
 def test_one_token_decodes_match_naive_masked_attention(window):
     layer, batch, md, out = _run(window, "TORCH", [Request(5, 1), Request(14, 1), Request(9, 1)])
     assert md.num_decodes == 3 and md.prefill is None
+    assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [1, 3, 5])
+def test_chunks_outside_every_window_are_not_read(monkeypatch, window):
+    gathered = []
+    gather = mla_module.gather_kv_cache
+    monkeypatch.setattr(mla_module, "gather_kv_cache", lambda cache, slots, out: gathered.append(slots) or gather(
+        cache, slots, out=out))
+    layer, batch, md, out = _run(window)
+    chunked = md.prefill.chunked_context
+    # Contexts 13 and 21 in chunks of 3 (10 workspace rows over 3 prefills): only the last W - 1 positions count.
+    assert chunked.chunk_size == 3 and len(chunked.slots) == 7
+    # The first queries (positions 13 and 21) see back to 14 - W and 22 - W: W=3 needs chunks 3, 4 (positions
+    # 9..14) and 6 (18..20); W=5 also chunk 5 (15..17).
+    expected = {1: 0, 3: 3, 5: 4}[window]
+    assert len(gathered) == expected
     assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
 
 
