@@ -197,9 +197,8 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
-    # MLA layers only (a hybrid's linear-attention layers keep a state per request instead), and the MTP layer's.
-    num_layers = sum(not model_config.is_linear_attention_layer(i) for i in range(model_config.num_hidden_layers))
-    num_layers += config.speculative_config is not None
+    # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
+    num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
     values = model_config.mla_config.kv_cache_dim * num_layers
     if model_config.dsa is not None:  # the indexers' key caches
         values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)

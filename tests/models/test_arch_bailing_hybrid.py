@@ -15,6 +15,11 @@ class TestBailingHybrid(ArchSuite):
                     # int4: three recurrent layers carry each token's rounding into every later one (0.50 measured)
                     drop=("n_routed_experts",), native_attention=False, int4_error=0.6)
 
+    def test_batch_invariant_mode(self, checkpoint) -> None:
+        """Not yet checked to the bit: batch-invariant mode refuses the linear-attention layers, naming them."""
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            llm(checkpoint, batch_invariant=True)
+
     def test_layer_pattern(self, checkpoint) -> None:
         model = llm(checkpoint).engine.runner.model
         assert model.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)

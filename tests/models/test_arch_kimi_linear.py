@@ -17,6 +17,11 @@ class TestKimiLinear(ArchSuite):
                                         num_local_experts=8, n_group=1, topk_group=1, first_k_dense_replace=1),
                     drop=("n_routed_experts",))
 
+    def test_batch_invariant_mode(self, checkpoint) -> None:
+        """Not yet checked to the bit: batch-invariant mode refuses the linear-attention layers, naming them."""
+        with pytest.raises(ValueError, match="linear-attention layers"):
+            llm(checkpoint, batch_invariant=True)
+
     def test_layer_pattern(self, checkpoint) -> None:
         model = llm(checkpoint).engine.runner.model
         assert model.config.layer_types == ("linear_attention",) * 3 + ("full_attention",)
