@@ -89,6 +89,22 @@ def test_dbo_equals_no_dbo_across_shapes():
         assert torch.equal(caches[name].nan_to_num(0.0), ref_caches[name].nan_to_num(0.0)), name
 
 
+def test_values_wider_than_queries_run_on_a_backend_that_takes_them():
+    config = AttentionConfig(block_size=BLOCK, workspace_tokens=8)
+    wide = MLAConfig(num_heads=2, kv_lora_rank=20, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=16)
+    static_ctx = StaticForwardContext()
+    layer = make_layer(config, static_ctx=static_ctx, mla=wide, scale=0.3)
+    assert layer.prefill_backend.get_name() == "REFERENCE"  # TORCH_SDPA widens v to q's head dim, not the reverse
+    cache = allocate_kv_caches(static_ctx, 24, BLOCK, torch.float32)[layer.layer_name]
+    batch = make_batch(REQUESTS, cache, BLOCK, seed=4, mla=wide)
+    md = MLAMetadataBuilder([layer.layer_name], static_ctx, config).build(batch.common)
+    with set_forward_context(ForwardContext({layer.layer_name: md})):
+        out = layer(*batch.new_token_inputs())
+    assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match=r"TORCH_SDPA cannot be used: .*v_head_dim \(16\) <= the query head dim \(12\)"):
+        make_layer(AttentionConfig(block_size=BLOCK, prefill_backend="TORCH_SDPA"), mla=wide)
+
+
 def test_a_workspace_narrower_than_a_row_is_refused():
     from latentserve.attention.kv_cache import gather_kv_cache
 

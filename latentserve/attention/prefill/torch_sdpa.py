@@ -47,6 +47,11 @@ class TorchSDPAPrefillBackend(VarlenPrefillBackend):
         reasons = super().validate_configuration(device, selector_config)
         if selector_config.sliding_window is not None and torch.device(device).type != "cpu":
             reasons.append("TORCH_SDPA masks a sliding window on the CPU only (the CUDA flash kernel takes no mask)")
+        c = selector_config
+        if c.v_head_dim > c.qk_nope_head_dim + c.qk_rope_head_dim:
+            # The kernel takes one head dim: v is widened to q's, never q narrowed to v's.
+            reasons.append(f"TORCH_SDPA needs v_head_dim ({c.v_head_dim}) <= the query head dim "
+                           f"({c.qk_nope_head_dim + c.qk_rope_head_dim})")
         return reasons
 
     @classmethod
