@@ -1,5 +1,5 @@
-"""Layers of different MLA shapes (heads, ranks, head dims, scale, sliding window) under one metadata builder, against the naive
-fp32 reference per layer, with and without DBO."""
+"""Layers of different MLA shapes (heads, ranks, head dims, scale, sliding window) under one metadata builder,
+against the naive fp32 reference per layer, with and without DBO."""
 import pytest
 import torch
 
@@ -101,7 +101,8 @@ def test_values_wider_than_queries_run_on_a_backend_that_takes_them():
     with set_forward_context(ForwardContext({layer.layer_name: md})):
         out = layer(*batch.new_token_inputs())
     assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
-    with pytest.raises(ValueError, match=r"TORCH_SDPA cannot be used: .*v_head_dim \(16\) <= the query head dim \(12\)"):
+    refused = r"TORCH_SDPA cannot be used: .*v_head_dim \(16\) <= the query head dim \(12\)"
+    with pytest.raises(ValueError, match=refused):
         make_layer(AttentionConfig(block_size=BLOCK, prefill_backend="TORCH_SDPA"), mla=wide)
 
 
