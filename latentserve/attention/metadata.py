@@ -108,7 +108,7 @@ class ChunkedContextMetadata:
     slots: list[torch.Tensor]  # per chunk: flat cache slots to gather, [chunk_tokens]
     cu_seq_lens: list[torch.Tensor]  # per chunk: [num_prefills + 1] offsets into the gathered rows
     cu_seq_lens_cpu: list[list[int]]
-    workspace: torch.Tensor  # [workspace_tokens, kv_cache_dim], owned by one builder
+    workspace: torch.Tensor  # [workspace_tokens, widest kv_cache_dim], owned by one builder
 
 
 @dataclass
@@ -120,8 +120,9 @@ class MLAPrefillMetadata:
     context_lens_cpu: list[int]
     max_query_len: int
     chunked_context: ChunkedContextMetadata | None
-    # The builder's own backend instance, prepared with this metadata (the seed's fix).
-    backend: "MLAPrefillBackend"
+    # Layer name -> the builder's own backend instance for that layer's shape, prepared with this metadata (the
+    # seed's fix).
+    backends: "dict[str, MLAPrefillBackend]"
 
 
 @dataclass

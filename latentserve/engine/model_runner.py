@@ -66,7 +66,7 @@ class ModelRunner:
         num_builders = 2 if dbo_config.enable_dbo else 1
         self.builders = [
             MLAMetadataBuilder(
-                model.attention_layer_names, model.static_forward_context, model.mla_config, attn_config, device, i,
+                model.attention_layer_names, model.static_forward_context, attn_config, device, i,
                 list(model.state_layers),
             )
             for i in range(num_builders)
