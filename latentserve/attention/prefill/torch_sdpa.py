@@ -30,7 +30,6 @@ def _widen(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
 
 
 class TorchSDPAPrefillBackend(VarlenPrefillBackend):
-    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
 
     @classmethod
     def get_name(cls) -> str:
