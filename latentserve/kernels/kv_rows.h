@@ -67,3 +67,20 @@ INLINE vfloat vload_kv(const void *x, int format, int64_t i) {
     return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
 #endif
 }
+
+#ifdef LS_BF16DOT
+/* bf16 bits of k * 2^-9, e4m3's subnormals k = 0 .. 7 (the rest of the 32 entries unused). */
+static const uint16_t FP8_SUBNORMAL_BF16[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+
+/* 32 columns of a cache row from column i as bf16 bits, for vdpbf16ps: e4m3 converts exactly (bf16 has its range
+ * and more mantissa), by integer operations and a table for the subnormals. */
+INLINE __m512i load_bf16x32(const char *row, int format, int64_t i) {
+    if (format != KV_FP8) return _mm512_loadu_si512((const uint16_t *)row + i);
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)((const uint8_t *)row + i)));
+    __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+    __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    __m512i sub = _mm512_permutexvar_epi16(mag, _mm512_loadu_si512(FP8_SUBNORMAL_BF16));
+    __m512i v = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)), normal, sub);
+    return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+#endif

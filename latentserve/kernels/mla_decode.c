@@ -91,19 +91,19 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cf, int64_t 
 
 /* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. Two rows
  * a pass, so that each load of q feeds two products. */
-INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
-                            int nh, float scale, float *scores) {
+INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int cf, int64_t p0, int64_t p1,
+                            int64_t n, int nh, float scale, float *scores) {
     for (int64_t p = p0; p < p1; p += 2) {
-        prefetch_row(rows, p + PREFETCH_ROWS, n, D * 2);
-        prefetch_row(rows, p + PREFETCH_ROWS + 1, n, D * 2);
+        prefetch_row(rows, p + PREFETCH_ROWS, n, D * kv_size(cf));
+        prefetch_row(rows, p + PREFETCH_ROWS + 1, n, D * kv_size(cf));
         int two = p + 1 < p1;
-        const uint16_t *row[2] = {(const uint16_t *)rows[p], (const uint16_t *)rows[two ? p + 1 : p]};
+        const char *row[2] = {rows[p], rows[two ? p + 1 : p]};
         __m512 acc[2][HEADS];
         float sums[2][HEADS];
         for (int h = 0; h < HEADS; h++) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512(row[0] + d), k1 = (__m512bh)_mm512_loadu_si512(row[1] + d);
+            __m512bh k0 = (__m512bh)load_bf16x32(row[0], cf, d), k1 = (__m512bh)load_bf16x32(row[1], cf, d);
             for (int h = 0; h < nh; h++) {
                 __m512bh qh = (__m512bh)_mm512_loadu_si512(q + h * D + d);
                 acc[0][h] = _mm512_dpbf16_ps(acc[0][h], qh, k0);
@@ -114,7 +114,7 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
             reduce_heads(acc[i], nh, sums[i]);
             for (int h = 0; h < nh; h++) {
                 float s = sums[i][h];
-                for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * bf16_to_float(row[i][e]);
+                for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * load_kv(row[i], cf, e);
                 scores[h * ROW_TILE + p + i - p0] = scale * s;
             }
         }
@@ -130,7 +130,8 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
 
 /* weigh_rows over bf16 rows, two positions a vdpbf16ps: the weights rounded to bf16, rows 2i and 2i + 1 in one int
  * (low half first), the rows interleaved column by column. Columns past the last multiple of 32 take the fp32 loop. */
-INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt, int64_t L, int nh, float *acc) {
+INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int cf, int64_t nt, int64_t L, int nh,
+                            float *acc) {
     int32_t pairs[HEADS * ROW_TILE / 2];
     for (int h = 0; h < nh; h++)
         for (int64_t j = 0; j < nt; j += 2) {
@@ -147,8 +148,8 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt,
             hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
         }
         for (int64_t j = 0; j < nt; j += 2) {
-            __m512i r0 = _mm512_loadu_si512((const uint16_t *)rows[j] + l);
-            __m512i r1 = j + 1 < nt ? _mm512_loadu_si512((const uint16_t *)rows[j + 1] + l) : _mm512_setzero_si512();
+            __m512i r0 = load_bf16x32(rows[j], cf, l);
+            __m512i r1 = j + 1 < nt ? load_bf16x32(rows[j + 1], cf, l) : _mm512_setzero_si512();
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
             for (int h = 0; h < nh; h++) {
                 __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ROW_TILE / 2 + j / 2]);
@@ -163,7 +164,7 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt,
     }
     for (; l < L; l++)
         for (int64_t j = 0; j < nt; j++)
-            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_act(rows[j], 1, l);
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_kv(rows[j], cf, l);
 }
 #endif
 
@@ -205,7 +206,7 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
     for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
     for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
 #ifdef LS_BF16DOT
-    int dot = qbf && cf == KV_BF16; /* bf16 products through vdpbf16ps */
+    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps (fp8 rows converted to bf16) */
 #else
     int dot = 0;
 #endif
@@ -215,9 +216,9 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
         int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
 #ifdef LS_BF16DOT
         if (dot) {
-            score_rows_bf16(q, D, rows, p0, p1, p_end, nh, scale, scores);
+            score_rows_bf16(q, D, rows, cf, p0, p1, p_end, nh, scale, scores);
             online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-            weigh_rows_bf16(scores, rows + p0, p1 - p0, L, nh, acc);
+            weigh_rows_bf16(scores, rows + p0, cf, p1 - p0, L, nh, acc);
             continue;
         }
 #endif
