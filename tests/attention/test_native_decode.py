@@ -188,6 +188,22 @@ def test_fp8_cache_read_in_place_against_naive_fp32_over_the_dequantized_cache(i
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_code_dequantizes_exactly(isa, dtype):
+    """A one-position context: the output is that row's latent itself (weight 1), so each of e4m3's 254 finite
+    codes (subnormals, both signs; the rows' 256 latent columns) must come out as torch's dequantized value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7f == 0x7f] = 0  # the NaN codes, which the cache never holds
+    cache = torch.cat([codes, torch.zeros(64, dtype=torch.uint8)]).view(torch.float8_e4m3fn).expand(2, 1, -1)
+    q = torch.randn(2, 3, 320, generator=torch.Generator().manual_seed(0)).to(dtype)
+    backend = NativeMQADecodeBackend(3, 0.1, 256, 64)
+    backend.kernels = kernels(isa)
+    out = backend.forward(q, cache.contiguous(), _decode_metadata([1, 1], [1, 1], torch.tensor([[0], [1]],
+                                                                                             dtype=torch.int32)))
+    assert torch.equal(out.float(), cache[:, 0, :256].float()[:, None].expand(2, 3, 256))
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_long_contexts_split_in_chunks_give_each_token_the_same_result_in_any_batch(isa):
     """A token's positions go to work items of 256 (partial softmaxes combined after): fixed by the token alone, so
     its output is the same, bit for bit, over 1-3 threads and beside other requests; and matches the reference."""
