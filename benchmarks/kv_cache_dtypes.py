@@ -64,7 +64,7 @@ def time_decode(args) -> None:
     print(f"decode attention, {args.context} positions, {torch.get_num_threads()} threads, ms per call "
           f"(fastest of {args.repeats})")
     print("| heads x requests | bf16 cache | fp8 cache | fp8 / bf16 |\n|---|---|---|---|")
-    for heads, batch in ((16, 1), (16, 8), (128, 1)):
+    for heads, batch in ((16, 1), (16, 8), (16, 32), (128, 1)):
         cases = {name: decode_case(dtype, heads, batch, args.context) for name, dtype in DTYPES.items()}
         best = {name: math.inf for name in cases}
         for _ in range(args.repeats):
