@@ -241,7 +241,7 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
          "--max-num-batched-tokens", "99", "--max-model-len", "77", "--num-kv-blocks", "5", *DBO_FLAGS[:3],
          "--dbo-prefill-token-threshold", "6", "--prefill-backend", "reference", "--decode-backend", "Torch",
          "--seed", "9", "--num-threads", "3", "--reasoning-parser", "deepseek_r1", "--quantization", "int4",
-         "--quantization-group-size", "64"], capsys)
+         "--quantization-group-size", "64", "--batch-invariant"], capsys)
     assert (code, err) == (1, "latentserve: error: recorded\n")
     assert seen == dict(model="m", dtype="bf16", device="cpu", quantization="int4", quantization_group_size=64,
                         lm_head_quantized=None, block_size=8, max_num_seqs=3,
@@ -249,8 +249,8 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
                         dbo_decode_token_threshold=2, dbo_prefill_token_threshold=6, prefill_backend="REFERENCE",
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
                         link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1",
-                        speculative_config=None, kv_cache_dtype="auto", enable_prefix_caching=True,
-                        enable_chunked_prefill=True, tokenizer=None, max_logprobs=20)
+                        speculative_config=None, kv_cache_dtype="auto", enable_prefix_caching=None,
+                        enable_chunked_prefill=True, tokenizer=None, max_logprobs=20, batch_invariant=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

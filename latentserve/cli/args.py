@@ -167,7 +167,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
                    help=f"KV cache size in bytes: 2000000000, 2g or 2G (default: {d.kv_cache_memory_bytes >> 20} MiB)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
-                   help="reuse the KV blocks of a shared prompt prefix")
+                   help="reuse the KV blocks of a shared prompt prefix (default: on, but off for hybrid models, "
+                        "which refuse it: docs/hybrids.md)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill,
                    help="split long prompts over steps (--no-enable-chunked-prefill: a prompt must fit one step's "
@@ -198,6 +199,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-config", type=speculative_config, default=None,
                    help='speculative decoding with the checkpoint\'s MTP layer, as JSON: '
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs independent of the requests batched with it (slower)")
     g.add_argument("--tokenizer", default=None,
                    help="folder with tokenizer.json and tokenizer_config.json (default: the model's)")
     g.add_argument("--max-logprobs", type=_int_at_least(-1), default=d.max_logprobs,
@@ -282,6 +285,7 @@ def build_llm(args: argparse.Namespace, **overrides) -> LLM:
             link_bandwidth_gbps=args.link_bandwidth_gbps,
             reasoning_parser=args.reasoning_parser,
             speculative_config=args.speculative_config,
+            batch_invariant=args.batch_invariant,
             kv_cache_dtype=args.kv_cache_dtype,
             enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill,

@@ -22,6 +22,7 @@ from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
+from latentserve.engine.state_pool import StatePool
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
 from latentserve.engine.spec_decode.config import DraftingPolicy, SpeculativeConfig
@@ -29,7 +30,8 @@ from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
-from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
+from latentserve.kernels import native
+from latentserve.kernels.cpu import auto_dtype, cpu_features, last_level_cache_bytes
 from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
 from latentserve.models.loader import load_model, weight_bytes
@@ -85,7 +87,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30  # used when num_kv_blocks is None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None  # None: on, unless the model has linear-attention layers (hybrids)
     enable_chunked_prefill: bool = True
     enable_dbo: bool = False
     dbo_decode_token_threshold: int | None = None  # None: vLLM's 32 on CUDA, CPU_DBO_DECODE_TOKEN_THRESHOLD on CPU
@@ -104,6 +106,8 @@ class EngineConfig:
     reasoning_parser: str | None = None  # e.g. deepseek_r1: structured outputs constrain only the answer after it
     # {"method": "mtp", "num_speculative_tokens": k}: draft with the checkpoint's MTP layer, verify exactly.
     speculative_config: SpeculativeConfig | dict | None = None
+    # A request's tokens and logprobs independent of what else its steps hold (latentserve.batch_invariant).
+    batch_invariant: bool = False
     tokenizer: str | None = None  # folder with tokenizer.json (and tokenizer_config.json); None: the model's
     max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for (vLLM's default); -1: no cap
     # Default sampling settings: "auto" from the model's generation_config.json, "vllm" none, or a folder holding one
@@ -118,8 +122,23 @@ class EngineConfig:
             if value is not None and not _is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if not _is_int_at_least(self.max_logprobs, -1):
             raise ValueError(f"max_logprobs must be an int >= -1 (-1: no cap), got {self.max_logprobs!r}")
+
+
+def _prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether the block manager caches prefixes: not for a hybrid model, whose linear-attention state exists only at
+    the end of what a request computed, never at an arbitrary block boundary (an explicit True is refused)."""
+    if model_config.linear_attention is None:
+        return config.enable_prefix_caching is not False
+    if config.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True: {model_config.model_type} has linear-attention layers, whose "
+                         "per-request state cannot be resumed from a cached block boundary; leave it unset or False")
+    logger.info("prefix caching is off: %s has linear-attention layers (a cached prefix has no state to resume)",
+                model_config.model_type)
+    return False
 
 
 def dbo_config(config: EngineConfig) -> DBOConfig:
@@ -129,6 +148,32 @@ def dbo_config(config: EngineConfig) -> DBOConfig:
         cuda = torch.device(config.device).type == "cuda"
         decode_threshold = DBOConfig.dbo_decode_token_threshold if cuda else CPU_DBO_DECODE_TOKEN_THRESHOLD
     return DBOConfig(config.enable_dbo, decode_threshold, config.dbo_prefill_token_threshold)
+
+
+def check_batch_invariant(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                          cache_dtype: torch.dtype) -> None:
+    """Batch-invariant mode runs on latentserve's CPU kernels; a setting that would take another path fails here."""
+    problems = []
+    if torch.device(config.device).type != "cpu":
+        problems.append(f"device {config.device!r} (it needs the CPU)")
+    else:
+        kernels, why = native.native_kernels(cpu_features())
+        if kernels is None:
+            problems.append(f"latentserve's CPU kernels ({why})")
+    for name, value in (("dtype", dtype), ("kv_cache_dtype", cache_dtype)):
+        if value not in native.KERNEL_DTYPES:
+            problems.append(f"{name} {value} (it needs float32 or bfloat16)")
+    if config.decode_backend not in (None, "NATIVE"):
+        problems.append(f"decode_backend {config.decode_backend!r} (it needs NATIVE)")
+    if config.speculative_config is not None:
+        problems.append("speculative decoding (whether a step drafts depends on its batch size)")
+    if model_config.dsa is not None:
+        problems.append("DeepSeek Sparse Attention (its indexer and sparse attention batch tokens together)")
+    if model_config.linear_attention is not None:
+        problems.append(f"{model_config.model_type}'s linear-attention layers (not yet checked to the bit: "
+                        "docs/hybrids.md)")
+    if problems:
+        raise ValueError(f"batch_invariant=True cannot run with: {'; '.join(problems)}")
 
 
 def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vocab_size: int) -> list[int]:
@@ -161,10 +206,11 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
-    num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
+    # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
+    num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
     values = model_config.mla_config.kv_cache_dim * num_layers
-    if model_config.dsa is not None:  # the indexers' key caches
-        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    if model_config.dsa is not None:  # the indexers' caches
+        values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:
@@ -213,14 +259,20 @@ class LLMEngine:
             decode_threshold=1 + num_spec,  # a verification step is a decode with k+1 new tokens
             workspace_tokens=config.workspace_tokens,
             prefill_backend=config.prefill_backend,
-            decode_backend=config.decode_backend,
+            decode_backend="NATIVE" if config.batch_invariant else config.decode_backend,
+            batch_invariant=config.batch_invariant,
         )
         dbo = dbo_config(config)
         # Settings that cannot work fail here, before any weight is read.
         model_config = ModelConfig.from_pretrained(model_dir)
+        if config.batch_invariant:
+            check_batch_invariant(config, model_config, dtype, cache_dtype)
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
+        if spec is not None and model_config.linear_attention is not None:
+            raise ValueError(f"speculative_config: {model_config.model_type} has linear-attention layers, whose state "
+                             "cannot roll back rejected drafts; run it without speculative decoding")
         quantization = saved.quantization if saved is not None else resolve_quantization(
             config.quantization, config.quantization_group_size, model_config.quantization, config.lm_head_quantized)
         self.quantization = quantization  # what save_quantized records
@@ -255,7 +307,8 @@ class LLMEngine:
                 decode_threshold=attn_config.decode_threshold,
                 num_speculative_tokens=num_spec,
             ),
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            BlockManager(num_blocks, config.block_size, _prefix_caching(config, model_config),
+                         StatePool(config.max_num_seqs) if self.model.state_layers else None),
         )
         spec_decoder = None
         if spec is not None:
@@ -266,7 +319,8 @@ class LLMEngine:
                 logger.warning("speculative decoding: %s", policy.reason)
             spec_decoder = SpecDecoder(self.model, proposer, max_model_len, policy)
         self.runner = ModelRunner(
-            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder
+            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder,
+            config.max_num_seqs if self.model.state_layers else 0,
         )
         self._ids = itertools.count()
         self.reasoning_parser = make_reasoning_parser(config.reasoning_parser, self.tokenizer)

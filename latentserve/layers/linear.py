@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from latentserve import batch_invariant
 from latentserve.kernels import native
 
 # Layouts by row count with several threads (benchmarks/RESULTS.md, "Skinny products by dtype"). fp32: MKL runs a
@@ -50,6 +51,9 @@ def _split_gemm(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tens
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x `[T, in]`; contiguous `[T, out]`."""
+    if batch_invariant.is_enabled():
+        out = _row_wise_linear(x, weight)
+        return out if bias is None else out.add_(bias)
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in SKINNY_ROWS:
         return F.linear(x, weight, bias)
     threads, rows = torch.get_num_threads(), x.shape[0]
@@ -69,9 +73,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out if bias is None else out.add_(bias)
 
 
+def _row_wise_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ Wᵀ through latentserve's kernel at any row count: each row's sums in one order, whatever the others."""
+    kernels = native.for_this_cpu() if x.device.type == "cpu" else None
+    if kernels is None or x.dim() != 2 or x.dtype != weight.dtype or x.dtype not in native.KERNEL_DTYPES:
+        raise RuntimeError(f"batch-invariant mode runs linears on latentserve's CPU kernels, which do not take "
+                           f"{x.dtype} x {tuple(x.shape)} @ {weight.dtype} weight on {x.device}")
+    return native.dense_linear(kernels, x.contiguous(), weight.contiguous(), x.dtype)
+
+
 def head_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y[t, h] = x[t, h] @ w[h] for x `[T, H, K]` and w `[H, K, N]`: `[T, H, N]`."""
-    if (x.device.type == "cpu" and x.shape[0] <= NATIVE_HEAD_TOKENS and x.dtype == w.dtype
+    few = x.shape[0] <= NATIVE_HEAD_TOKENS or batch_invariant.is_enabled()
+    if (x.device.type == "cpu" and few and x.dtype == w.dtype
             and w.dtype in native.KERNEL_DTYPES and w.shape[2] % 16 == 0 and w.is_contiguous()):
         kernels = native.for_this_cpu()
         if kernels is not None:

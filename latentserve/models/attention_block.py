@@ -19,7 +19,7 @@ from latentserve.layers.quant.int4 import NativeInt4Linear
 from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear
 
 if TYPE_CHECKING:
-    from latentserve.models.deepseek import DeepseekAttention
+    from latentserve.models.mla_attention import DeepseekAttention
 
 Norms = tuple[RMSNorm, RMSNorm]  # a layer's input and post-attention norms
 Built = tuple[native.MLABlock, int]  # the kernel's view of a layer, and up to how many tokens it runs it
@@ -97,6 +97,8 @@ def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, si
     tokens, dtype = hidden.shape[0], hidden.dtype
     if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or tokens == 0:
         return None
+    if not attn.native_block or not all(type(n) is RMSNorm for n in norms):
+        return None  # a module variant the kernel does not compute (an output gate, a gated norm)
     kernels = native.for_this_cpu()
     core = attn.attn
     md = core.checked_metadata(hidden)

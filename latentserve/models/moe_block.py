@@ -100,7 +100,7 @@ def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
     tensor it reads by address)."""
     router, cfg = moe.gate, moe.gate.cfg
     bias = router.e_score_correction_bias
-    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous():
+    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous() or not cfg.native_routing:
         return None, []
     block = native.MoEBlock(
         hidden=router.weight.shape[1], experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok,
@@ -126,7 +126,7 @@ def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Te
     modules must run it."""
     tokens, dtype = normed.shape[0], normed.dtype
     if (normed.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or not 0 < tokens <= NATIVE_MAX_TOKENS
-            or moe.expert_parallel is not None):
+            or moe.expert_parallel is not None or moe.swiglu_limit is not None):  # (the kernel has no clamp)
         return None
     kernels = native.for_this_cpu()
     if kernels is None:

@@ -33,6 +33,7 @@ from latentserve.models.deepseek import (
     DeepseekForCausalLM,
     _default_dtype,
     attention_layer_name,
+    build_attention,
 )
 from latentserve.models.loader import (
     STORED_DTYPES,
@@ -96,7 +97,7 @@ class DeepseekMTP(nn.Module):
         self.attention_layer_names = [attention_layer_name(idx)]
         with torch.device(device), _default_dtype(dtype):
             self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope, config.rope_style)
-            attention = DeepseekAttention(
+            attention = build_attention(
                 config, idx, self.rotary_emb, attn_config, self.static_forward_context, dtype, device
             )
             self.layer = DeepseekMTPLayer(config, attention, own_embed, own_head)

@@ -18,7 +18,6 @@ import torch
 from latentserve import LLM, SamplingParams
 from latentserve.kernels import native
 from latentserve.models import deepseek
-from tests.checkpoints import load_reference
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 60], [3, 88], list(range(10, 40)), [70, 71, 72, 73, 74]]
 MAX_TOKENS = 12
@@ -44,6 +43,7 @@ class ArchCase:
     native_attention: bool = True  # a decode layer's attention runs attention_block.c
     native_moe: bool = True  # a decode layer's MoE runs moe_block.c
     int4_error: float = 0.5  # mean |prompt log-prob error| of int4 weights against fp32 (int8: a quarter)
+    model_class: str = "AutoModelForCausalLM"  # transformers' class, where the auto class does not map the type
 
     def transformers_config(self):
         from transformers import AutoConfig
@@ -53,14 +53,23 @@ class ArchCase:
         config._attn_implementation = "eager"
         return config
 
+    def model_cls(self):
+        import transformers
+
+        return getattr(transformers, self.model_class)
+
+    def reference(self, path: Path):
+        """transformers' model of a saved checkpoint: the numerical oracle, fp32 with eager attention."""
+        return self.model_cls().from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
 
 def make_arch_checkpoint(root: Path, case: ArchCase, seed: int = 0) -> Path:
     """A random tiny model of the case, saved by transformers; norms, biases and the correction bias randomized too
     (transformers initializes them to constants)."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(case.transformers_config()).float().eval()
+    config = case.transformers_config()
+    model = (case.model_cls().from_config(config) if case.model_class == "AutoModelForCausalLM"
+             else case.model_cls()(config)).float().eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -110,7 +119,7 @@ class ArchSuite:
         assert model.config.model_type == self.case.model_type
 
     def test_prompt_logprobs_match_transformers(self, checkpoint, greedy) -> None:
-        reference = load_reference(checkpoint)
+        reference = self.case.reference(checkpoint)
         for prompt, out in zip(PROMPTS, greedy):
             with torch.no_grad():
                 expected = reference(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
@@ -120,7 +129,7 @@ class ArchSuite:
 
     def test_greedy_tokens_and_logprobs_teacher_forced(self, checkpoint, greedy) -> None:
         """transformers over prompt + our output picks each of our tokens and gives it our log-prob."""
-        reference = load_reference(checkpoint)
+        reference = self.case.reference(checkpoint)
         for prompt, out in zip(PROMPTS, greedy):
             tokens = out.outputs[0].token_ids
             assert len(tokens) == MAX_TOKENS
@@ -139,15 +148,26 @@ class ArchSuite:
             torch.testing.assert_close(torch.tensor(prompt_logprobs(b)), torch.tensor(prompt_logprobs(a)),
                                        rtol=0, atol=1e-5)
 
-    @pytest.mark.parametrize("method", ["int8", "int4"])
+    @pytest.mark.skipif(native.for_this_cpu() is None, reason="batch-invariant mode runs latentserve's kernels")
+    def test_batch_invariant_mode(self, checkpoint) -> None:
+        """batch_invariant=True: a request alone and among others (its prefill chunked beside theirs) gives the same
+        tokens and log-probs, to the bit."""
+        engine = llm(checkpoint, batch_invariant=True, max_num_batched_tokens=48, num_kv_blocks=256)
+        alone = engine.generate(PROMPTS[:1], GREEDY)[0]
+        batched = engine.generate(PROMPTS + [list(range(50, 90))], GREEDY)[0]
+        assert alone.outputs[0].token_ids == batched.outputs[0].token_ids
+        assert torch.equal(output_logprobs(alone), output_logprobs(batched))
+
+    @pytest.mark.parametrize("method", ["int8", "int4", "bfloat16"])
     def test_quantized_loading_stays_close(self, checkpoint, greedy, method: str) -> None:
-        """Quantized weights move the prompt log-probs, a little on average (int4 more than int8)."""
+        """Quantized weights, or bf16 compute, move the prompt log-probs a little on average (int4 the most)."""
         params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0)
-        outputs = llm(checkpoint, quantization=method).generate(PROMPTS, params)
+        settings = dict(dtype="bfloat16") if method == "bfloat16" else dict(quantization=method)
+        outputs = llm(checkpoint, **settings).generate(PROMPTS, params)
         full = torch.tensor([lp for out in greedy for lp in prompt_logprobs(out)])
         quantized = torch.tensor([lp for out in outputs for lp in prompt_logprobs(out)])
         error = (quantized - full).abs().mean().item()
-        assert 0 < error <= self.case.int4_error / (4 if method == "int8" else 1), error
+        assert 0 < error <= self.case.int4_error / (1 if method == "int4" else 4), error
 
     @pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
     def test_decode_fast_path(self, checkpoint, greedy, monkeypatch) -> None:

@@ -2,7 +2,8 @@
 
 Per token t and cached position s: `score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] / sqrt(D))`, with
 `q = wq_b(q_resid)` (H heads of D), one key head `k = LayerNorm(wk(x))` cached per layer in its own paged cache,
-RoPE on the first `rope_dim` dims of both (half-split in DeepSeek-V3.2, interleaved pairs in GLM-5), and per-head
+RoPE on the first `rope_dim` dims of both (half-split in DeepSeek-V3.2, interleaved pairs in GLM-5; Hunyuan V4 rotates
+the last `rope_dim` in pairs), and per-head
 weights `w = weights_proj(x) / sqrt(H)` kept in fp32. Scores are computed in fp32.
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ class IndexerConfig:
     rope_dim: int
     topk: int
     interleaved_rope: bool  # GLM-5's pairs; DeepSeek-V3.2 rotates halves
+    rope_tail: bool = False  # RoPE on the last rope_dim dims (Hunyuan V4), not the first
+    k_norm_eps: float = 1e-6
 
 
 @dataclass
@@ -54,11 +57,18 @@ class Indexer(nn.Module):
         self.config = c
         self.wq_b = Linear(c.q_lora_rank, c.n_heads * c.head_dim, bias=False)
         self.wk = Linear(c.hidden_size, c.head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(c.head_dim, eps=1e-6)
+        self.k_norm = nn.LayerNorm(c.head_dim, eps=c.k_norm_eps)
         # fp32 whatever the model dtype, as the checkpoints keep it (its weights decide the ranking).
         self.weights_proj = Linear(c.hidden_size, c.n_heads, bias=False, dtype=torch.float32)
         # Only its rotate() is used, on the model's cos/sin: the indexer's layout, the model's angles.
-        self.rotary = RotaryEmbedding(c.rope_dim, rope, "interleave" if c.interleaved_rope else "neox")
+        # None: no RoPE (GLM-5 next's NoPE layers).
+        self.rotary = RotaryEmbedding(c.rope_dim, rope, "interleave" if c.interleaved_rope else "neox") if c.rope_dim \
+            else None
+
+    @property
+    def cache_dim(self) -> int:
+        """Its cache row per position: the key."""
+        return self.config.head_dim
 
     def forward(self, x: IndexerInputs, cache: torch.Tensor, slot_mapping: torch.Tensor,
                 md: DSAMetadata) -> torch.Tensor | None:
@@ -85,7 +95,13 @@ class Indexer(nn.Module):
         return out
 
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = t.split([self.config.rope_dim, self.config.head_dim - self.config.rope_dim], dim=-1)
+        c = self.config
+        if self.rotary is None:
+            return t
+        if c.rope_tail:
+            rest, rot = t.split([c.head_dim - c.rope_dim, c.rope_dim], dim=-1)
+            return torch.cat([rest, self.rotary.rotate(rot, cos, sin)], dim=-1)
+        rot, rest = t.split([c.rope_dim, c.head_dim - c.rope_dim], dim=-1)
         return torch.cat([self.rotary.rotate(rot, cos, sin), rest], dim=-1)
 
     def _select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,

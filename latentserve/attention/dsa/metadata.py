@@ -29,20 +29,22 @@ class DSAMetadata:
 class DSAMetadataBuilder:
     """The DSA part of one ubatch's metadata; owns the ubatch's top-k state (see `TopKState`)."""
 
-    def __init__(self, topk: int, block_size: int, workspace: torch.Tensor, debug: bool, owner: object) -> None:
+    def __init__(self, topk: int, block_size: int, workspace: torch.Tensor, debug: bool, owner: object,
+                 always_sparse: bool = False) -> None:
         if topk <= 0:
             raise ValueError(f"index_topk must be positive, got {topk}")
         if workspace.shape[0] < topk:
             raise ValueError(f"workspace_tokens={workspace.shape[0]} must hold one token's top-k rows ({topk})")
         self.topk = topk
         self.block_size = block_size
+        self.always_sparse = always_sparse  # a layer has attention sinks, which only the sparse path computes
         self.workspace = workspace
         self.state = TopKState(debug)
         self.state.claim(owner)
 
     def build(self, common: CommonAttentionMetadata) -> DSAMetadata:
         seq_lens = common.seq_lens_cpu.tolist()
-        dense = max(seq_lens, default=0) <= self.topk
+        dense = not self.always_sparse and max(seq_lens, default=0) <= self.topk
         bt_cpu = common.block_table.cpu()
         req_slots = [] if dense else [  # (a dense ubatch selects nothing)
             slots_for_positions(bt_cpu[r], torch.arange(n), self.block_size).to(common.block_table.device)

@@ -7,8 +7,9 @@ from latentserve.attention.kv_cache import gather_kv_cache
 
 
 def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, scale: float,
-                         kv_lora_rank: int, workspace: torch.Tensor) -> torch.Tensor:
+                         kv_lora_rank: int, workspace: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed queries `[T, N, L+R]` attend the cache rows at their `slots` `[T, K]` (-1: none) -> `[T, N, L]`.
+    `sinks` `[N]`: a learned logit per head that joins each softmax's denominator and contributes no value.
 
     Keys are whole `[c_kv ‖ k_pe]` rows, values their first L values, as in the decode path; the work and the
     rows read are T * K whatever the context length. Rows are gathered into `workspace` a few tokens at a time.
@@ -25,6 +26,8 @@ def sparse_mla_attention(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.T
         rows = rows.view(sel.shape[0], k, -1).float()
         scores = torch.einsum("tnd,tkd->tnk", q[s : s + step].float(), rows) * scale
         scores.masked_fill_((sel < 0)[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :k]
         out[s : s + step] = torch.einsum("tnk,tkl->tnl", probs, rows[..., :kv_lora_rank]).to(out.dtype)
     return out

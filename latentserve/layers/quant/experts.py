@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from latentserve import batch_invariant
 from latentserve.kernels import native
 from latentserve.layers.quant.int4 import NativeInt4Linear
 from latentserve.layers.quant.int8 import NativeInt8Linear
@@ -22,8 +23,8 @@ def run_expert_loop(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tens
     if x.shape[0] == 0:
         return torch.zeros_like(x)  # an expert-parallel rank may receive no tokens
     xa = x.to(activation_dtype(experts[int(ids[0, 0])], x.dtype))
-    if x.shape[0] == 1:
-        return _one_token(experts, x, xa, weights, ids)
+    if x.shape[0] == 1 or batch_invariant.is_enabled():
+        return _each_token(experts, x, xa, weights, ids)
     out = torch.zeros_like(x)
     top_k = ids.shape[1]
     flat_ids = ids.flatten()
@@ -43,50 +44,65 @@ def run_expert_loop(experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tens
     return out
 
 
-def _one_token(experts: nn.ModuleList, x: torch.Tensor, xa: torch.Tensor, weights: torch.Tensor,
-               ids: torch.Tensor) -> torch.Tensor:
-    """Batch-1 decode: the token's top-k experts straight from its ids, without the sort, gathers and scatters; with
-    latentserve's kernels, all of them in one call."""
-    ids_sorted, order = ids[0].sort()
-    chosen = ids_sorted.tolist()
-    native_out = _native_one_token([experts[e] for e in chosen], xa, weights[0][order])
+def _each_token(experts: nn.ModuleList, x: torch.Tensor, xa: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor) -> torch.Tensor:
+    """Batch-1 decode, or every token in batch-invariant mode: each token's top-k experts straight from its ids,
+    without the sort, gathers and scatters; with latentserve's kernels, all of them in one call, each token's result
+    as it would be alone."""
+    ids_sorted, order = ids.sort(dim=-1)
+    chosen = [[experts[e] for e in row] for row in ids_sorted.tolist()]
+    native_out = _native_tokens(chosen, xa, weights.gather(1, order))
     if native_out is not None:
         return native_out.view_as(x).to(x.dtype)
+    if x.shape[0] > 1:
+        raise RuntimeError("batch-invariant mode runs quantized experts on latentserve's kernels, which do not take "
+                           f"these ({type(experts[0]).__name__})")
     out = torch.zeros_like(x)
-    for expert, weight in zip(chosen, weights[0][order]):
-        out.add_((experts[expert](xa) * weight).to(x.dtype))
+    for expert, weight in zip(chosen[0], weights[0][order[0]]):
+        out.add_((expert(xa) * weight).to(x.dtype))
     return out
 
 
-def one_token_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """A gated MLP (dense or shared experts) over one token in one native call, or None where its layers are not
-    latentserve's kernels."""
-    if x.numel() != x.shape[-1]:
-        return None
-    out = _native_one_token([mlp], x, _ONE)
+def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A gated MLP (dense or shared experts) over the tokens x `[T, K]` in native calls, each token's result as it
+    would be alone, or None where its layers are not latentserve's kernels."""
+    out = _native_tokens([[mlp]] * x.shape[0], x, torch.ones(x.shape[0], 1))
     return None if out is None else out.view_as(x).to(x.dtype)
 
 
-_ONE = torch.ones(1)
+# Tokens per `experts_tokens` call: each thread keeps 64 bytes per (token, expert) pair on its stack.
+TOKENS_PER_CALL = 64
 
 
-def _native_one_token(chosen: list[nn.Module], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
-    """The chosen experts through `native.experts_tokens` where each is a fused gate_up and a down of latentserve's
-    kernels, bias-free; None otherwise."""
-    layers = [(getattr(e, "gate_up_proj", None), e.down_proj) for e in chosen]
-    kind = type(layers[0][0])
+def _native_tokens(chosen: list[list[nn.Module]], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
+    """Token t through its experts `chosen[t]` (one count for all) with `native.experts_tokens` where each is a fused
+    gate_up and a down of latentserve's kernels, bias-free; None otherwise."""
+    if any(getattr(e, "swiglu_limit", None) is not None for row in chosen for e in row):
+        return None  # the kernel has no clamp
+    layers = [[(getattr(e, "gate_up_proj", None), e.down_proj) for e in row] for row in chosen]
+    flat = [pair for row in layers for pair in row]
+    kind = type(flat[0][0])
     if kind not in (NativeInt8Linear, NativeInt4Linear) or any(
-        type(gu) is not kind or type(d) is not kind or gu.bias is not None or d.bias is not None for gu, d in layers
+        type(gu) is not kind or type(d) is not kind or gu.bias is not None or d.bias is not None for gu, d in flat
     ):
         return None
-    if kind is NativeInt8Linear:
-        weights = [t for gu, d in layers for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
-        bits, groups = 8, (0, 0)
-    else:
-        weights = [t for gu, d in layers for t in (gu.packed, d.packed)]
-        bits, groups = 4, (layers[0][0].group_size, layers[0][1].group_size)
-        if any((gu.group_size, d.group_size) != groups for gu, d in layers):
-            return None
-    gate_up = layers[0][0]
-    return native.experts_tokens(gate_up.kernels, native.activations(xa, xa.shape[-1]), weights,
-                                 gates.float().reshape(1, -1).contiguous(), gate_up.out_features // 2, bits, groups)
+    groups = (0, 0) if kind is NativeInt8Linear else (flat[0][0].group_size, flat[0][1].group_size)
+    if kind is NativeInt4Linear and any((gu.group_size, d.group_size) != groups for gu, d in flat):
+        return None
+    gate_up = flat[0][0]
+    bits = 8 if kind is NativeInt8Linear else 4
+    x = native.activations(xa, xa.shape[-1])
+    gates = gates.float().contiguous()
+    outs = [native.experts_tokens(gate_up.kernels, x[t : t + TOKENS_PER_CALL].contiguous(),
+                                  _pointers(layers[t : t + TOKENS_PER_CALL], bits), gates[t : t + TOKENS_PER_CALL],
+                                  gate_up.out_features // 2, bits, groups)
+            for t in range(0, len(chosen), TOKENS_PER_CALL)]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _pointers(layers: list[list[tuple[nn.Module, nn.Module]]], bits: int) -> list[torch.Tensor]:
+    """The weights `experts_tokens` reads per (token, expert), in its order."""
+    pairs = [pair for row in layers for pair in row]
+    if bits == 8:
+        return [t for gu, d in pairs for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
+    return [t for gu, d in pairs for t in (gu.packed, d.packed)]
