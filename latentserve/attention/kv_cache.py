@@ -23,8 +23,9 @@ def allocate_kv_caches(
     caches = {}
     for name, layer in static_ctx.items():
         if dtype == torch.float8_e4m3fn and layer.extra_cache_dims:
-            raise ValueError(f"{name}: an fp8 KV cache is not supported with the extra caches {sorted(layer.extra_cache_dims)}"
-                             " (DSA's indexer keys); use kv_cache_dtype auto, bfloat16 or float32")
+            raise ValueError(f"{name}: an fp8 KV cache is not supported with the extra caches "
+                             f"{sorted(layer.extra_cache_dims)} (DSA's indexer keys); use kv_cache_dtype auto, "
+                             "bfloat16 or float32")
         dim = layer.mla.kv_cache_dim
         caches[name] = _zeros((num_blocks, block_size, dim), dtype, torch.device(device))
         layer.kv_cache = caches[name]
