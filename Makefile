@@ -6,7 +6,7 @@ TORCH_SPEC := torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench sanitize clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -22,6 +22,17 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py
+
+# The kernels built with AddressSanitizer and UBSan (own cache dir), then the tests that run them: python is not
+# instrumented, so libasan is preloaded; python's own allocations are never freed by design (no leak checks).
+SANITIZE_CC := gcc -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+SANITIZE_TESTS := tests/kernels tests/attention/test_native_decode.py tests/layers/test_quant_native.py \
+	tests/layers/test_linear.py tests/layers/test_moe.py tests/models/test_attention_block.py \
+	tests/models/test_moe_block.py
+sanitize: $(VENV)/.installed
+	CC="$(SANITIZE_CC)" LATENTSERVE_CACHE_DIR="$${XDG_CACHE_HOME:-$$HOME/.cache}/latentserve-sanitize" \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=1800 $(SANITIZE_TESTS)  # a sanitized build takes minutes
 
 clean:
 	rm -rf $(VENV)

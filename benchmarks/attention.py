@@ -49,7 +49,7 @@ def make_runner(prefill: str, decode: str, query_lens: list[int], seq_lens: list
         slots_for_positions(table[r], torch.arange(s - q, s), BLOCK) for r, (q, s) in enumerate(zip(query_lens, seq_lens))
     ])
     common = CommonAttentionMetadata.from_lists(query_lens, seq_lens, table, slots)
-    md = MLAMetadataBuilder(["bench"], static_ctx, MLA, config).build(common)
+    md = MLAMetadataBuilder(["bench"], static_ctx, config).build(common)
     t = common.num_actual_tokens
     q = torch.randn(t, MLA.num_heads, MLA.qk_head_dim)
     kv_c, k_pe = torch.randn(t, MLA.kv_lora_rank), torch.randn(t, MLA.qk_rope_head_dim)

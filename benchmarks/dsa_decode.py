@@ -54,7 +54,7 @@ def make_case(batch: int, context: int, topk: int):
     table = torch.randperm(batch * blocks).view(batch, blocks).int()
     slots = torch.cat([slots_for_positions(table[r], torch.tensor([context]), BLOCK) for r in range(batch)])
     common = CommonAttentionMetadata.from_lists([1] * batch, [seq] * batch, table, slots)
-    builder = MLAMetadataBuilder(["dense", "dsa"], static_ctx, MLA, config)
+    builder = MLAMetadataBuilder(["dense", "dsa"], static_ctx, config)
     q = torch.randn(batch, MLA.num_heads, MLA.qk_head_dim)
     kv_c, k_pe = torch.randn(batch, MLA.kv_lora_rank), torch.randn(batch, MLA.qk_rope_head_dim)
     cos, sin = RotaryEmbedding(MLA.qk_rope_head_dim, RopeConfig(), "neox").cos_sin(torch.full((batch,), context))

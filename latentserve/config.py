@@ -20,10 +20,13 @@ class MLAConfig:
     v_head_dim: int
 
     def __post_init__(self) -> None:
-        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"MLAConfig.{name} must be a positive int, got {value!r}")
+        # 0 rope dims: attention without positions (GLM-5 next's NoPE layers).
+        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be an int >= 0, got {self.qk_rope_head_dim!r}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -33,6 +36,30 @@ class MLAConfig:
     def kv_cache_dim(self) -> int:
         """Values cached per token per layer: the latent plus the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The dimensions of a hybrid model's linear-attention (KDA) layers; their state is per request, not per token."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel_size: int  # the short causal convolution over q, k and v
+    # The forget and output gates' projections: low-rank through head_dim (Kimi's f_a/f_b, g_a/g_b) or one each
+    # (Ling's f_proj, g_proj).
+    gate_lora: bool = True
+    # Ling's "safe gate": log decay = lower_bound * sigmoid(exp(A_log) * x) instead of -exp(A_log) * softplus(x).
+    gate_lower_bound: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "head_dim", "conv_kernel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"LinearAttentionConfig.{name} must be a positive int, got {value!r}")
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ class SelectorConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    sliding_window: int | None = None  # each query attends its last `sliding_window` positions only
 
 
 class BackendCapabilities:
@@ -26,6 +27,7 @@ class BackendCapabilities:
 
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     supported_device_types: tuple[str, ...] = ("cpu", "cuda")
+    supports_sliding_window: bool = False
 
     @classmethod
     def get_name(cls) -> str:
@@ -53,6 +55,8 @@ class BackendCapabilities:
             reasons.append(f"{cls.get_name()} does not support device {torch.device(device).type!r}")
         if not cls.supports_dtype(selector_config.dtype):
             reasons.append(f"{cls.get_name()} does not support dtype {selector_config.dtype}")
+        if selector_config.sliding_window is not None and not cls.supports_sliding_window:
+            reasons.append(f"{cls.get_name()} does not support sliding-window attention")
         return reasons
 
 

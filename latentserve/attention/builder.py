@@ -1,7 +1,7 @@
 """`MLAMetadataBuilder`: CommonAttentionMetadata -> MLAMetadata, one builder per ubatch."""
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -14,8 +14,10 @@ from latentserve.attention.metadata import (
     MLADecodeMetadata,
     MLAMetadata,
     MLAPrefillMetadata,
+    StateMetadata,
 )
-from latentserve.config import AttentionConfig, MLAConfig
+from latentserve.attention.prefill.base import MLAPrefillBackend
+from latentserve.config import AttentionConfig
 
 
 def is_decode(query_len: int, context_len: int, decode_threshold: int) -> bool:
@@ -48,16 +50,17 @@ def count_decodes(common: CommonAttentionMetadata, decode_threshold: int) -> int
 
 
 class MLAMetadataBuilder:
-    """Builds the MLA metadata of one ubatch and owns the prefill backend instance it prepares."""
+    """Builds the MLA metadata of one ubatch and owns the prefill backend instances it prepares (one per distinct
+    layer shape)."""
 
     def __init__(
         self,
         layer_names: list[str],
         static_ctx: Mapping[str, object],
-        mla: MLAConfig,
         attn_config: AttentionConfig,
         device: torch.device | str = "cpu",
         builder_id: int = 0,
+        state_layer_names: Sequence[str] = (),
     ) -> None:
         if not layer_names:
             raise ValueError("MLAMetadataBuilder needs at least one attention layer name")
@@ -65,24 +68,36 @@ class MLAMetadataBuilder:
         if missing:
             raise ValueError(f"attention layers {missing} are not in the static forward context")
         self.layer_names = list(layer_names)
-        self.mla = mla
+        # A hybrid model's linear-attention layers read this builder's metadata too (its `states`).
+        self.state_layer_names = list(state_layer_names)
         self.attn_config = attn_config
         self.device = torch.device(device)
         self.builder_id = builder_id
-        layer = static_ctx[layer_names[0]]
-        # The seed's fix: prepare_metadata() stores per-batch state on the backend, so each
-        # builder (one per ubatch) prepares and runs its own instance, never the layer's shared one.
-        self.prefill_backend = layer.prefill_backend.clone()
-        self.prefill_backend.claim(self)
-        self.workspace = torch.empty(
-            attn_config.workspace_tokens, mla.kv_cache_dim, dtype=layer.kv_cache_dtype, device=self.device
-        )
+        layers = [static_ctx[n] for n in layer_names]
+        # The seed's fix: prepare_metadata() stores per-batch state on the backend, so each builder (one per
+        # ubatch) prepares and runs its own instances, never the layers' shared ones. Layers may differ in shape
+        # (heads, ranks, head dims, scale): each distinct backend setting gets its own clone.
+        clones: dict[tuple, MLAPrefillBackend] = {}
+        self.prefill_backends: dict[str, MLAPrefillBackend] = {}
+        for name, layer in zip(layer_names, layers):
+            key = layer.prefill_backend.settings_key()
+            if key not in clones:
+                clones[key] = layer.prefill_backend.clone()
+                clones[key].claim(self)
+            self.prefill_backends[name] = clones[key]
+        dtypes = {layer.kv_cache_dtype for layer in layers}
+        if len(dtypes) > 1:
+            raise ValueError(f"the attention layers cache in different dtypes {sorted(map(str, dtypes))}: one "
+                             "builder's context workspace holds one dtype")
+        # One workspace for every layer: each gathers into it as rows of its own cache width (gather_kv_cache).
+        width = max(layer.mla.kv_cache_dim for layer in layers)
+        self.workspace = torch.empty(attn_config.workspace_tokens, width, dtype=dtypes.pop(), device=self.device)
         # The DSA top-k state is per-batch state too: this builder's own, like the backend clone and workspace.
-        topks = {static_ctx[n].index_topk for n in layer_names} - {None}
+        topks = {layer.index_topk for layer in layers} - {None}
         if len(topks) > 1:
             raise ValueError(f"the attention layers select different top-k counts {sorted(topks)}: one builder "
                              "builds one DSA selection per ubatch")
-        sinks = any(getattr(static_ctx[n], "sinks", None) is not None for n in layer_names)
+        sinks = any(getattr(layer, "sinks", None) is not None for layer in layers)
         self.dsa = None if not topks else DSAMetadataBuilder(
             topks.pop(), attn_config.block_size, self.workspace, attn_config.debug_ownership, self, always_sparse=sinks)
 
@@ -101,7 +116,8 @@ class MLAMetadataBuilder:
         decode = self._build_decode(common, num_decodes) if num_decodes else None
         prefill = self._build_prefill(common, num_decodes) if num_prefills else None
         if prefill is not None:
-            self.prefill_backend.prepare_metadata(prefill)
+            for backend in set(self.prefill_backends.values()):
+                backend.prepare_metadata(prefill)
         return MLAMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping,
@@ -112,6 +128,8 @@ class MLAMetadataBuilder:
             prefill=prefill,
             builder_id=self.builder_id,
             dsa=None if self.dsa is None else self.dsa.build(common),
+            states=None if common.state_slots_cpu is None else StateMetadata(
+                qsl, common.num_computed_tokens_cpu.tolist(), common.state_slots_cpu.tolist()),
         )
 
     def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
@@ -144,7 +162,7 @@ class MLAMetadataBuilder:
             context_lens_cpu=context_lens,
             max_query_len=max(query_lens),
             chunked_context=chunked,
-            backend=self.prefill_backend,
+            backends=self.prefill_backends,
         )
 
     def _plan_context_chunks(self, block_table: torch.Tensor, context_lens: list[int]) -> ChunkedContextMetadata:

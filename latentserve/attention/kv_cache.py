@@ -66,8 +66,13 @@ def slots_for_positions(block_table_row: torch.Tensor, positions: torch.Tensor, 
 
 
 def gather_kv_cache(kv_cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows of the cache at flat `slots`, into `out` when given (a bounded workspace)."""
-    flat = kv_cache.view(-1, kv_cache.shape[-1])
+    """Rows of the cache at flat `slots`, into `out` when given (a bounded workspace, at least as wide as a row: a
+    workspace serves layers of different cache widths, each viewing it as rows of its own)."""
+    width = kv_cache.shape[-1]
+    flat = kv_cache.view(-1, width)
     if out is None:
         return flat.index_select(0, slots)
-    return torch.index_select(flat, 0, slots, out=out[: slots.numel()])
+    if out.shape[-1] < width:
+        raise ValueError(f"a workspace of {out.shape[-1]}-wide rows cannot hold cache rows of {width}")
+    rows = out.view(-1)[: slots.numel() * width].view(-1, width)
+    return torch.index_select(flat, 0, slots, out=rows)

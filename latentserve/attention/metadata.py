@@ -28,6 +28,9 @@ class CommonAttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # Hybrid models: each request's slot in the linear-attention state pool (engine/state_pool.py); None: no such
+    # layers.
+    state_slots_cpu: torch.Tensor | None = None
 
     @classmethod
     def from_lists(
@@ -37,6 +40,7 @@ class CommonAttentionMetadata:
         block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         device: torch.device | str = "cpu",
+        state_slots: list[int] | None = None,
     ) -> "CommonAttentionMetadata":
         """Build from per-request lengths, validating them."""
         if len(query_lens) != len(seq_lens):
@@ -52,6 +56,8 @@ class CommonAttentionMetadata:
         if slot_mapping.shape != (num_tokens,):
             raise ValueError(f"slot_mapping must have {num_tokens} entries, got {tuple(slot_mapping.shape)}")
         sl = torch.tensor(seq_lens, dtype=torch.int32)
+        if state_slots is not None and len(state_slots) != len(seq_lens):
+            raise ValueError(f"{len(state_slots)} state slots for {len(seq_lens)} requests")
         return cls(
             query_start_loc=qsl.to(device),
             seq_lens=sl.to(device),
@@ -63,6 +69,7 @@ class CommonAttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
             query_start_loc_cpu=qsl,
             seq_lens_cpu=sl,
+            state_slots_cpu=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64),
         )
 
     @property
@@ -101,7 +108,7 @@ class ChunkedContextMetadata:
     slots: list[torch.Tensor]  # per chunk: flat cache slots to gather, [chunk_tokens]
     cu_seq_lens: list[torch.Tensor]  # per chunk: [num_prefills + 1] offsets into the gathered rows
     cu_seq_lens_cpu: list[list[int]]
-    workspace: torch.Tensor  # [workspace_tokens, kv_cache_dim], owned by one builder
+    workspace: torch.Tensor  # [workspace_tokens, widest kv_cache_dim], owned by one builder
 
 
 @dataclass
@@ -113,8 +120,18 @@ class MLAPrefillMetadata:
     context_lens_cpu: list[int]
     max_query_len: int
     chunked_context: ChunkedContextMetadata | None
-    # The builder's own backend instance, prepared with this metadata (the seed's fix).
-    backend: "MLAPrefillBackend"
+    # Layer name -> the builder's own backend instance for that layer's shape, prepared with this metadata (the
+    # seed's fix).
+    backends: "dict[str, MLAPrefillBackend]"
+
+
+@dataclass
+class StateMetadata:
+    """What a linear-attention layer reads in one forward of one ubatch: each request's tokens and state slot."""
+
+    query_start_loc_cpu: list[int]  # [num_reqs + 1]
+    context_lens_cpu: list[int]  # 0: the request starts here, from a zero state
+    slots: list[int]  # each request's slot in the state pool
 
 
 @dataclass
@@ -130,3 +147,4 @@ class MLAMetadata:
     prefill: MLAPrefillMetadata | None
     builder_id: int
     dsa: "DSAMetadata | None" = None  # the layers' DeepSeek Sparse Attention, where they have it
+    states: StateMetadata | None = None  # a hybrid model's linear-attention layers, where it has them

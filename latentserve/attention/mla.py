@@ -38,8 +38,11 @@ class MLAAttention(nn.Module):
         static_ctx: StaticForwardContext,
         kv_cache_dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError(f"{layer_name}: sliding_window must be a positive int or None, got {sliding_window!r}")
         self.layer_name = layer_name
         self.mla = mla
         self.scale = scale
@@ -48,17 +51,20 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = Linear(
             mla.kv_lora_rank, mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False, device=device
         )
+        self.sliding_window = sliding_window
         selector_config = SelectorConfig(
-            kv_cache_dtype, mla.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+            kv_cache_dtype, mla.num_heads, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
+            sliding_window,
         )
         prefill_cls = get_mla_prefill_backend(device, selector_config, attn_config.prefill_backend)
         decode_cls = get_mla_decode_backend(device, selector_config, attn_config.decode_backend)
         # A prototype only: metadata builders run clones of it, never this instance.
         self.prefill_backend = prefill_cls(
             mla.num_heads, scale, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim,
-            attn_config,
+            attn_config, sliding_window=sliding_window,
         )
-        self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config)
+        self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config,
+                                         sliding_window=sliding_window)
         self.kv_cache: torch.Tensor | None = None
         # Extra per-layer caches on the same block table, name -> values per token (DSA's indexer keys).
         self.extra_cache_dims: dict[str, int] = {}
@@ -154,7 +160,7 @@ class MLAAttention(nn.Module):
     def _forward_prefill(
         self, q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, md: MLAPrefillMetadata
     ) -> torch.Tensor:
-        backend = md.backend
+        backend = md.backends[self.layer_name]
         backend.check_prepared_for(md)
         k, v = self._expand_keys(kv_c, k_pe)
         chunked = md.chunked_context
@@ -162,11 +168,22 @@ class MLAAttention(nn.Module):
             return backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=False)
         out, lse = backend.run_prefill_new_tokens(q, k, v, return_softmax_lse=True)
         for i, slots in enumerate(chunked.slots):
+            if not self._chunk_in_window(i, md):
+                continue  # no query sees it: its merge would change nothing, its gather and up-projection cost
             rows = gather_kv_cache(self.kv_cache, slots, out=chunked.workspace).to(q.dtype)
             ctx_k, ctx_v = self._expand_keys(*rows.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1))
             ctx_out, ctx_lse = backend.run_prefill_context_chunk(i, q, ctx_k, ctx_v)
             out, lse = merge_attn_states(ctx_out, ctx_lse, out, lse)
         return out
+
+    def _chunk_in_window(self, chunk_idx: int, md: MLAPrefillMetadata) -> bool:
+        """Whether some prefill query sees a key of context chunk `chunk_idx` (always, without a sliding window)."""
+        if self.sliding_window is None:
+            return True
+        start = chunk_idx * md.chunked_context.chunk_size
+        # A request's first query, at position ctx, sees keys from ctx - W + 1 on; its chunk keys end at `end` - 1.
+        return any(min(start + md.chunked_context.chunk_size, ctx) - 1 >= ctx - self.sliding_window + 1
+                   for ctx in md.context_lens_cpu if ctx > start)
 
     def _forward_decode(self, q: torch.Tensor, md: MLADecodeMetadata) -> torch.Tensor:
         q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)

@@ -166,7 +166,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=byte_count, default=None,
                    help=f"KV cache size in bytes: 2000000000, 2g or 2G (default: {d.kv_cache_memory_bytes >> 20} MiB)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
-                   help="reuse the KV blocks of a shared prompt prefix")
+                   help="reuse the KV blocks of a shared prompt prefix (default: on, but off for hybrid models, "
+                        "which refuse it: docs/hybrids.md)")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=d.enable_chunked_prefill,
                    help="split long prompts over steps (--no-enable-chunked-prefill: a prompt must fit one step's "

@@ -52,8 +52,9 @@ def instrumented(engine) -> Iterator[None]:
     for layer in engine.model.static_forward_context.values():
         targets.append((layer.decode_backend, "forward", ATTENTION))
     for builder in runner.builders:
-        for method in ("run_prefill_new_tokens", "run_prefill_context_chunk"):
-            targets.append((builder.prefill_backend, method, ATTENTION))
+        for backend in builder.prefill_backends.values():
+            for method in ("run_prefill_new_tokens", "run_prefill_context_chunk"):
+                targets.append((backend, method, ATTENTION))
     targets += [(m, "forward", MOE) for m in engine.model.modules() if isinstance(m, MoE)]
     targets = list({(id(obj), attr): (obj, attr, name) for obj, attr, name in targets}.values())
     for obj, attr, name in targets:

@@ -5,6 +5,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from latentserve.engine.request import Request
+from latentserve.engine.state_pool import StatePool
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -49,14 +50,21 @@ class BlockManager:
     blocks are handed out uncached ones first, then least recently freed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_pool: StatePool | None = None
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        if state_pool is not None and enable_prefix_caching:
+            raise ValueError("prefix caching cannot resume a linear-attention state at a block boundary: a hybrid "
+                             "model's block manager needs enable_prefix_caching=False")
         self.enable_prefix_caching = enable_prefix_caching
+        # Hybrid models: a request holds a state slot while it holds blocks (taken and given back with them).
+        self.state_pool = state_pool
         self.blocks = _Blocks(num_blocks)
         # Front = next to hand out. Values unused: an ordered set.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -133,6 +141,8 @@ class BlockManager:
             request.block_ids.append(block_id)
         for _ in range(num_new_blocks):
             request.block_ids.append(self._take_free_block())
+        if self.state_pool is not None:
+            self.state_pool.allocate(request)
 
     def fork(self, parent: Request, child: Request, num_blocks: int) -> None:
         """Start a fresh child on the parent's first `num_blocks` blocks (shared: one more reference each)."""
@@ -218,3 +228,5 @@ class BlockManager:
                     self.free_block_ids.move_to_end(block_id, last=False)
         request.block_ids = []
         self._num_hashed_blocks.pop(request.request_id, None)
+        if self.state_pool is not None:
+            self.state_pool.free(request)

@@ -97,6 +97,8 @@ class InputBuffers:
             max_seq_len=int(seq_lens[:num_reqs].max()),
             query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
             seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+            state_slots_cpu=(None if scheduled[0].state_slot is None
+                             else torch.tensor([s.state_slot for s in scheduled], dtype=torch.int64)),
         )
         return StepInputs(
             self.input_ids.to_device(num_tokens), self.positions.to_device(num_tokens),

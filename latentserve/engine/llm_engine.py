@@ -22,6 +22,7 @@ from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
+from latentserve.engine.state_pool import StatePool
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
 from latentserve.engine.spec_decode.config import DraftingPolicy, SpeculativeConfig
@@ -77,7 +78,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30  # used when num_kv_blocks is None
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None  # None: on, unless the model has linear-attention layers (hybrids)
     enable_chunked_prefill: bool = True
     enable_dbo: bool = False
     dbo_decode_token_threshold: int | None = None  # None: vLLM's 32 on CUDA, CPU_DBO_DECODE_TOKEN_THRESHOLD on CPU
@@ -118,6 +119,19 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be an int >= -1 (-1: no cap), got {self.max_logprobs!r}")
 
 
+def _prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Whether the block manager caches prefixes: not for a hybrid model, whose linear-attention state exists only at
+    the end of what a request computed, never at an arbitrary block boundary (an explicit True is refused)."""
+    if model_config.linear_attention is None:
+        return config.enable_prefix_caching is not False
+    if config.enable_prefix_caching:
+        raise ValueError(f"enable_prefix_caching=True: {model_config.model_type} has linear-attention layers, whose "
+                         "per-request state cannot be resumed from a cached block boundary; leave it unset or False")
+    logger.info("prefix caching is off: %s has linear-attention layers (a cached prefix has no state to resume)",
+                model_config.model_type)
+    return False
+
+
 def dbo_config(config: EngineConfig) -> DBOConfig:
     """The DBO settings of `config`, with the decode threshold's default for its device."""
     decode_threshold = config.dbo_decode_token_threshold
@@ -146,6 +160,9 @@ def check_batch_invariant(config: EngineConfig, model_config: ModelConfig, dtype
         problems.append("speculative decoding (whether a step drafts depends on its batch size)")
     if model_config.dsa is not None:
         problems.append("DeepSeek Sparse Attention (its indexer and sparse attention batch tokens together)")
+    if model_config.linear_attention is not None:
+        problems.append(f"{model_config.model_type}'s linear-attention layers (not yet checked to the bit: "
+                        "docs/hybrids.md)")
     if problems:
         raise ValueError(f"batch_invariant=True cannot run with: {'; '.join(problems)}")
 
@@ -180,10 +197,11 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
-    num_layers = model_config.num_hidden_layers + (config.speculative_config is not None)  # the MTP layer's cache
+    # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
+    num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
     values = model_config.mla_config.kv_cache_dim * num_layers
-    if model_config.dsa is not None:  # the indexers' key caches
-        values += model_config.dsa.index_head_dim * model_config.dsa.num_indexer_layers(num_layers)
+    if model_config.dsa is not None:  # the indexers' caches
+        values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize
     blocks = config.kv_cache_memory_bytes // per_block
     if blocks < 1:
@@ -243,6 +261,9 @@ class LLMEngine:
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
+        if spec is not None and model_config.linear_attention is not None:
+            raise ValueError(f"speculative_config: {model_config.model_type} has linear-attention layers, whose state "
+                             "cannot roll back rejected drafts; run it without speculative decoding")
         quantization = saved.quantization if saved is not None else resolve_quantization(
             config.quantization, config.quantization_group_size, model_config.quantization, config.lm_head_quantized)
         self.quantization = quantization  # what save_quantized records
@@ -277,7 +298,8 @@ class LLMEngine:
                 decode_threshold=attn_config.decode_threshold,
                 num_speculative_tokens=num_spec,
             ),
-            BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            BlockManager(num_blocks, config.block_size, _prefix_caching(config, model_config),
+                         StatePool(config.max_num_seqs) if self.model.state_layers else None),
         )
         spec_decoder = None
         if spec is not None:
@@ -288,7 +310,8 @@ class LLMEngine:
                 logger.warning("speculative decoding: %s", policy.reason)
             spec_decoder = SpecDecoder(self.model, proposer, max_model_len, policy)
         self.runner = ModelRunner(
-            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder
+            self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder,
+            config.max_num_seqs if self.model.state_layers else 0,
         )
         self._ids = itertools.count()
         self.reasoning_parser = make_reasoning_parser(config.reasoning_parser, self.tokenizer)

@@ -13,6 +13,7 @@ from latentserve.distributed.expert_parallel import run_empty_forward
 from latentserve.distributed.parallel_state import DPGroup
 from latentserve.engine.input_buffers import InputBuffers
 from latentserve.engine.request import Logprobs
+from latentserve.engine.state_pool import allocate_state_caches
 from latentserve.engine.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from latentserve.engine.scheduler_output import SchedulerOutput
 from latentserve.engine.spec_decode.decoder import SpecDecoder
@@ -46,6 +47,7 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         lockstep_group: DPGroup | None = None,
         spec_decoder: SpecDecoder | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.model = model
         self.spec_decoder = spec_decoder
@@ -57,10 +59,15 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             model.static_forward_context, num_blocks, attn_config.block_size, kv_cache_dtype, device
         )
+        # A hybrid model's linear-attention states, one slot per schedulable request (`num_state_slots`).
+        if model.state_layers and num_state_slots < 1:
+            raise ValueError("a model with linear-attention layers needs num_state_slots >= 1 (max_num_seqs)")
+        self.state_caches = allocate_state_caches(model.state_layers, num_state_slots, kv_cache_dtype, device)
         num_builders = 2 if dbo_config.enable_dbo else 1
         self.builders = [
             MLAMetadataBuilder(
-                model.attention_layer_names, model.static_forward_context, model.mla_config, attn_config, device, i
+                model.attention_layer_names, model.static_forward_context, attn_config, device, i,
+                list(model.state_layers),
             )
             for i in range(num_builders)
         ]
@@ -110,10 +117,13 @@ class ModelRunner:
     def _ubatch_slices(self, common):
         dbo = self.dbo_config
         threshold = self.attn_config.decode_threshold
-        wants = dbo.enable_dbo and should_ubatch(
+        slices = None
+        if dbo.enable_dbo and should_ubatch(
             common, threshold, dbo.dbo_decode_token_threshold, dbo.dbo_prefill_token_threshold
-        )
-        return split_ubatches(common, threshold) if self._agree_on_dbo(wants) else None
+        ):
+            # A linear-attention state has one owner per step: hybrid models split between requests only.
+            slices = split_ubatches(common, threshold, whole_requests=bool(self.model.state_layers))
+        return slices if self._agree_on_dbo(slices is not None) else None
 
     def _agree_on_dbo(self, wants: bool) -> bool:
         """Split this step iff DBO is on and every rank wants to (an idle rank does not object)."""

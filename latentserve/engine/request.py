@@ -79,6 +79,7 @@ class Request:
         self.spec_token_ids: list[int] = []  # draft tokens to verify in the next step (speculative decoding)
 
         self.block_ids: list[int] = []  # the block table
+        self.state_slot: int | None = None  # hybrid models: its linear-attention state (engine/state_pool.py)
         self.block_hashes: list[int] = []  # hash chain of the full blocks, filled lazily
 
         self.logprobs: list[Logprobs] | None = [] if sampling_params.logprobs is not None else None

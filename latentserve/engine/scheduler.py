@@ -111,8 +111,9 @@ class Scheduler:
         """The leader's prompt is computed: the other samples take its full prompt blocks and queue first."""
         leader = group.leader
         bs = self.block_manager.block_size
-        # The last prompt token is not shared: each sample computes it, for its own logits.
-        num_blocks = (leader.num_prompt_tokens - 1) // bs
+        # The last prompt token is not shared: each sample computes it, for its own logits. A hybrid model's samples
+        # share nothing: a linear-attention state is the whole prefix's, not the shared blocks'.
+        num_blocks = 0 if self.block_manager.state_pool is not None else (leader.num_prompt_tokens - 1) // bs
         for sample in group.samples[1:]:
             self.block_manager.fork(leader, sample, num_blocks)
             sample.num_computed_tokens = num_blocks * bs
@@ -298,6 +299,7 @@ class Scheduler:
             block_ids=blocks,
             do_sample=start + num_real == request.num_tokens,
             spec_token_ids=list(drafts),
+            state_slot=request.state_slot,
         )
 
     def update(

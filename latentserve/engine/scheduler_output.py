@@ -21,6 +21,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the block table for this step
     do_sample: bool  # False for a prefill chunk that leaves part of the prompt for later
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify: the last num_drafts tokens fed
+    state_slot: int | None = None  # hybrid models: the request's linear-attention state slot (engine/state_pool.py)
 
     @property
     def num_drafts(self) -> int:

@@ -27,12 +27,12 @@ typedef struct {
     int32_t style, bf;
 } MLABlock;
 
-void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                   const int32_t *wsum, int64_t N, void *y, int io, int threads);
-void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                         const int32_t *wsum, int64_t N, void *y, int io, int threads);
-void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
-                    int threads);
+LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                          const int32_t *wsum, int64_t N, void *y, int io, int threads);
+LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                                const int32_t *wsum, int64_t N, void *y, int io, int threads);
+LS_API void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
+                           int threads);
 
 /* y[m, h] = x[m, h] @ W[h] over H heads (H = 1: a linear layer), in and out in the block's dtype. */
 static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t K, int64_t N, void *y, int bf,
@@ -50,11 +50,16 @@ static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_
         ls_dense_heads(x, M, H, K, w->w, N, y, io | bf << 2, threads);
 }
 
-/* Decode metadata of the step (the cache's block table, query starts and lengths per request, slots per token). */
-void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin,
-                            void *cache, int cbf, int64_t block_size, const int32_t *block_table, int64_t bt_stride,
-                            const int32_t *qsl, const int32_t *seq_lens, int64_t requests, const int64_t *slots,
-                            void *y, void *y_normed, int threads) {
+/* Decode metadata of the step (the cache's block table, query starts and lengths per request, slots per token).
+ * Returns decode_metadata_error's code, or 5 where a slot lies past the cache, computing nothing; else 0. */
+LS_API int ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin,
+                                  void *cache, int cbf, int64_t block_size, const int32_t *block_table,
+                                  int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t requests,
+                                  const int64_t *slots, void *y, void *y_normed, int threads, int64_t blocks,
+                                  int64_t bt_width) {
+    int bad = decode_metadata_error(T, qsl, seq_lens, requests, block_table, bt_stride, bt_width, blocks, block_size);
+    if (bad) return bad;
+    if (bad_slot(slots, T, blocks * block_size) >= 0) return 5;
     int64_t size = w->bf ? 2 : 4, H = w->heads, D = w->nope + w->rope, L = w->latent;
     int bf = w->bf, norm_io = bf ? 0b101 : 0;
     char *xn = malloc(T * w->hidden * size), *q = malloc(T * H * D * size), *kv = malloc(T * (L + w->rope) * size);
@@ -74,7 +79,7 @@ void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const f
     }
     product(&w->kv_a, xn, T, 1, w->hidden, L + w->rope, kv, bf, threads);
     ls_mla_prologue(q, T, H, D, kv, L, w->rope, w->kv_a_norm, w->kv_a_eps, cos, sin, w->style, kv_c, k_pe, cache,
-                    slots, norm_io | cbf << 1, threads);
+                    slots, norm_io | cbf << 1, threads, blocks * block_size);
     for (int64_t r = 0; r < T * H; r++) /* q_nope, contiguous: the per-head products read it so */
         memcpy(qn + r * w->nope * size, q + r * D * size, w->nope * size);
     product(&w->uk, qn, T, H, w->nope, L, ql, bf, threads);
@@ -83,7 +88,7 @@ void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const f
         memcpy(qcat + (r * (L + w->rope) + L) * size, q + (r * D + w->nope) * size, w->rope * size);
     }
     ls_mla_decode(qcat, T, H, L + w->rope, L, cache, block_size, block_table, bt_stride, qsl, seq_lens, requests,
-                  w->scale, ol, bf | cbf << 1 | bf << 2, threads);
+                  w->scale, ol, bf | cbf << 1 | bf << 2, threads, blocks, bt_width);
     product(&w->uv, ol, T, H, L, w->v_dim, heads, bf, threads);
     product(&w->o_proj, heads, T, 1, H * w->v_dim, w->hidden, attn, bf, threads);
     for (int64_t i = 0; i < T * w->hidden; i++) /* the residual, rounded as torch's add rounds it */
@@ -91,4 +96,5 @@ void ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const f
     ls_rms_norm(y, T, w->hidden, w->post_norm, w->post_eps, y_normed, norm_io, threads);
     free(xn), free(q), free(kv), free(kv_c), free(k_pe), free(qn), free(ql), free(qcat), free(ol), free(heads);
     free(attn);
+    return 0;
 }

@@ -56,7 +56,8 @@ INLINE void dense_rows_bf16(const uint16_t *x, const uint16_t *w, int64_t K, int
 #endif
 
 /* `io`: bit 0 x is bf16, bit 1 y, bit 2 w (else fp32). */
-void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads) {
+LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io,
+                            int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4;
 #ifdef LS_BF16DOT
@@ -85,20 +86,23 @@ void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t
     free(xf);
 }
 
+#define DOWN_UNIT 32 /* output columns of the down projections a thread takes at a time: whole cache lines */
+
 /* T tokens, each through `count` gated MLPs of intermediate size I with fp32 or bf16 weights (bit 2 of `io`):
  * y[t] = sum_c gates[t * count + c] * down_c(silu(gate_c(x[t])) * up_c(x[t])) in the order given, in one parallel
  * region. Pair p = t * count + c reads its gate rows at gate[p], its up rows at up[p] (`[I, K]` each) and its down
  * projection stored transposed at down_t[p] (`[I, K]`). All pairs' gate and up rows are shared out among the
- * threads, then each pair's down rows: each thread streams its share into partial sums of its own, added up at the
- * end. A token's result does not depend on the others in the call (its own rows, sums in the same order). */
-void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
-                      const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
-                      int threads) {
+ * threads, then the down projections' output columns, in units of DOWN_UNIT: each thread streams its columns of
+ * every down row, summing rows in order, so that a result does not depend on the thread count (splitting the rows
+ * instead summed partial sums per thread). A token's result does not depend on the others in the call either (its
+ * own rows, sums in the same order). */
+LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
+                             const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+                             int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4, P = T * count;
     float *xf = malloc(T * K * sizeof(float)), *h = malloc(P * 2 * I * sizeof(float));
-    float *a = malloc(P * I * sizeof(float)), *partial = malloc(threads * P * K * sizeof(float));
-    int used = 1;
+    float *a = malloc(P * I * sizeof(float)), *down = malloc(P * K * sizeof(float));
 #ifdef LS_BF16DOT
     int dot = wbf && (io & 1); /* bf16 x and weights: gate and up through vdpbf16ps, x read as it is */
 #else
@@ -106,6 +110,7 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
 #endif
     if (!dot)
         for (int64_t i = 0; i < T * K; i++) xf[i] = load_act(x, io & 1, i);
+    int64_t units = (K + DOWN_UNIT - 1) / DOWN_UNIT;
 #pragma omp parallel num_threads(threads)
     {
         int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), rows = P * 2 * I;
@@ -123,24 +128,21 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
         }
 #pragma omp barrier
 #pragma omp single
-        {
-            used = (int)parts;
-            for (int64_t p = 0; p < P; p++) silu_mul(h + p * 2 * I, I, a + p * I);
-        }
-        for (int64_t p = 0; p < P; p++) {
-            float *o = partial + (part * P + p) * K;
-            int64_t first = I * part / parts, last = I * (part + 1) / parts;
-            if (first == last) memset(o, 0, K * sizeof(float));
-            for (int64_t i = first; i < last; i++) {
+        for (int64_t p = 0; p < P; p++) silu_mul(h + p * 2 * I, I, a + p * I);
+        int64_t c0 = units * part / parts * DOWN_UNIT, c1 = units * (part + 1) / parts * DOWN_UNIT;
+        c1 = c1 < K ? c1 : K;
+        for (int64_t p = 0; p < P && c0 < c1; p++) {
+            float *o = down + p * K;
+            for (int64_t i = 0; i < I; i++) {
                 const char *row = (const char *)down_t[p] + i * K * wsize;
                 vfloat ai = vset1(a[p * I + i]);
-                int64_t c = 0;
-                if (i == first) { /* the first row sets the sums: no zeroing pass */
-                    for (; c + LANES <= K; c += LANES) vstore(o + c, vmul(ai, vload(row, wbf, c)));
-                    for (; c < K; c++) o[c] = a[p * I + i] * load_act(row, wbf, c);
+                int64_t c = c0;
+                if (i == 0) { /* the first row sets the sums: no zeroing pass */
+                    for (; c + LANES <= c1; c += LANES) vstore(o + c, vmul(ai, vload(row, wbf, c)));
+                    for (; c < c1; c++) o[c] = a[p * I + i] * load_act(row, wbf, c);
                 } else {
-                    for (; c + LANES <= K; c += LANES) vstore(o + c, vfma(ai, vload(row, wbf, c), vload(o, 0, c)));
-                    for (; c < K; c++) o[c] += a[p * I + i] * load_act(row, wbf, c);
+                    for (; c + LANES <= c1; c += LANES) vstore(o + c, vfma(ai, vload(row, wbf, c), vload(o, 0, c)));
+                    for (; c < c1; c++) o[c] += a[p * I + i] * load_act(row, wbf, c);
                 }
             }
         }
@@ -149,18 +151,14 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
         for (int64_t tk = 0; tk < T * K; tk++) {
             int64_t t = tk / K, k = tk - t * K;
             float sum = 0.f;
-            for (int64_t p = t * count; p < (t + 1) * count; p++) {
-                float down = 0.f;
-                for (int u = 0; u < used; u++) down += partial[(u * P + p) * K + k];
-                sum += gates[p] * down;
-            }
+            for (int64_t p = t * count; p < (t + 1) * count; p++) sum += gates[p] * down[p * K + k];
             store_out(y, io & 2, tk, sum);
         }
     }
     free(xf);
     free(h);
     free(a);
-    free(partial);
+    free(down);
 }
 
 /* A MoE layer's stacked experts for T tokens through `ls_dense_experts`: token t's top-k experts ids[t] (global
@@ -168,9 +166,10 @@ void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t co
  * I-wide chunks of the shared experts with gate 1. w13 `[E, 2I, K]` (gate rows, then up rows) and w2t `[E, I, K]`
  * (down projections transposed) in the weights' dtype (bit 2 of `io`), as are the shared experts' gate sg, up su
  * and transposed down sd `[shared * I, K]`. Returns 1, computing nothing, where an id lies outside the stack. */
-int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
-                       const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
-                       int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io, int threads) {
+LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
+                              const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
+                              int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
+                              int threads) {
     for (int64_t i = 0; i < T * topk; i++)
         if (ids[i] < first || ids[i] >= first + E) return 1;
     int64_t count = topk + shared, P = T * count, block = I * K * (((io >> 2) & 1) ? 2 : 4);
@@ -226,8 +225,8 @@ INLINE void heads_tile(const float *x, int64_t xstride, const void *w, int wbf, 
  * or bf16 (bit 2 of `io`) as bmm takes it, N a multiple of LANES. Tasks of (head, tile of up to 8 vectors of
  * outputs) are shared out among the threads; each streams its tile's K weight rows once for two activation rows
  * (the tile, at most K * 512 bytes, is then read again from the cache for the next two). */
-void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
-                    int threads) {
+LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
+                           int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4, nv = N / LANES;
     int tile = nv % 8 == 0 ? 8 : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;

@@ -258,17 +258,23 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 }
 
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
- * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j. `io`:
- * bit 0 q is bf16, bit 1 the cache, bit 2 out (else fp32). */
-void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
-                   const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
-                   int64_t R, float scale, void *out, int io, int threads) {
+ * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
+ * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache, bit 2 out (else
+ * fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the metadata would lead outside
+ * the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T tokens; else 0. */
+LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+                         const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                         int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
+                         int64_t bt_width) {
+    int bad = decode_metadata_error(T, qsl, seq_lens, R, block_table, bt_stride, bt_width, cache_blocks, B);
+    if (bad) return bad;
     int qbf = io & 1, cbf = (io >> 1) & 1, obf = (io >> 2) & 1;
     int64_t esize = cbf ? 2 : 4, max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* Every request's row addresses once (the items of its tokens share them). */
     const char **rows = malloc((R * max_len + 1) * sizeof(char *));
     int64_t *request = malloc((T + 1) * sizeof(int64_t));
+    for (int64_t t = 0; t < T; t++) request[t] = -1; /* a token of no request sees nothing */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t b = 0, p = 0; p < seq_lens[r]; b++) {
             const char *block = (const char *)cache + (int64_t)block_table[r * bt_stride + b] * B * D * esize;
@@ -280,7 +286,10 @@ void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, co
      * in blocks. */
     int64_t *first = malloc((T + 1) * sizeof(int64_t));
     first[0] = 0;
-    for (int64_t t = 0; t < T; t++) first[t + 1] = first[t] + (visible(t, request[t], qsl, seq_lens) + CHUNK - 1) / CHUNK;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t n = request[t] < 0 ? 0 : visible(t, request[t], qsl, seq_lens);
+        first[t + 1] = first[t] + (n > 0 ? (n + CHUNK - 1) / CHUNK : 0);
+    }
     int64_t chunks = first[T], per = (chunks * H + threads - 1) / threads;
     int64_t *token = malloc(chunks * sizeof(int64_t));
     for (int64_t t = 0; t < T; t++)
@@ -316,7 +325,9 @@ void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, co
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * H; th++) {
             int64_t t = th / H, h = th - t * H;
-            if (first[t + 1] - first[t] > 1)
+            if (first[t + 1] == first[t]) /* no position to attend: zeros, not whatever the memory held */
+                for (int64_t l = 0; l < L; l++) store_out((char *)out + th * L * (obf ? 2 : 4), obf, l, 0.f);
+            else if (first[t + 1] - first[t] > 1)
                 combine_chunks(partial + (first[t] * H + h) * (L + 2), first[t + 1] - first[t], H, L,
                                (char *)out + th * L * (obf ? 2 : 4), obf);
         }
@@ -326,4 +337,5 @@ void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, co
     free(first);
     free(token);
     free(partial);
+    return 0;
 }

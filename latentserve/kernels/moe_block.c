@@ -64,7 +64,7 @@ static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const 
 }
 
 /* Returns 1 (nothing written) where the stacked experts' kernel refuses the chosen ids. */
-int ls_moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T, void *y, int threads) {
+LS_API int ls_moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T, void *y, int threads) {
     int64_t E = b->experts, k = b->topk, K = b->hidden, size = b->bf ? 2 : 4;
     float *logits = malloc(T * E * sizeof(float)), *weights = malloc(T * k * sizeof(float));
     int64_t *ids = malloc(T * k * sizeof(int64_t));

@@ -1,171 +1,21 @@
-"""latentserve's own CPU kernels (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for few rows; mla_decode.c:
-decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write;
-attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing; moe_block.c: a decode step's
-whole MoE block):
-built with the system C compiler on first use, per instruction set, cached, and loaded through ctypes. Where they
-cannot be built the callers keep PyTorch's kernels."""
+"""latentserve's own CPU kernels, called through ctypes (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for
+few rows; mla_decode.c: decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE
+and cache write; attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing; moe_block.c: a
+decode step's whole MoE block). Built and loaded by build.py; every wrapper here checks what it passes first
+(checks.py's boundary rule)."""
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from latentserve.kernels.cpu import CpuFeatures
-
-KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "gemv.c", "mla_decode.c", "norm.c",
-                                               "prologue.c", "attention_block.c", "route.c", "moe_block.c"))
-HEADERS = (KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h")
-# "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
-NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
-CACHE_ENV = "LATENTSERVE_CACHE_DIR"
-ISA_FLAGS = {
-    "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
-    "avx2": ["-mavx2", "-mfma"],
-}
-# The same with AVX512-BF16: bf16 products (decode attention, few-row linears, experts' gate and up) through
-# vdpbf16ps.
-ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512_vnni"] + ["-mavx512bf16", "-DLS_BF16DOT"]
-FALLBACK = {"avx512_bf16": "avx512_vnni"}  # where a compiler cannot build the first, the second still runs
-# No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.
-CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC"]
-
-
-@dataclass(frozen=True)
-class NativeKernels:
-    isa: str
-    lib: ctypes.CDLL
-
-    @property
-    def bf16_dot(self) -> bool:
-        """Whether bf16 products multiply through vdpbf16ps (the avx512_bf16 build)."""
-        return self.isa == "avx512_bf16"
-
-
-def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
-    """(instruction set to build for, why) from what torch dispatches on: `ATEN_CPU_CAPABILITY=avx2` picks the AVX2
-    build on an AVX-512 machine, as it does torch's own kernels."""
-    setting = os.environ.get(NATIVE_ENV, "1")
-    if setting not in ("0", "1"):
-        raise ValueError(f"{NATIVE_ENV}={setting!r}: use 1 (latentserve's kernels where they build) or 0 (PyTorch's)")
-    if setting == "0":
-        return None, f"{NATIVE_ENV}=0"
-    if features.capability.startswith("AVX512") and features.vnni:
-        if features.avx512_bf16:
-            return "avx512_bf16", "AVX-512 with VNNI and BF16"
-        return "avx512_vnni", "AVX-512 with VNNI"
-    if features.capability.startswith(("AVX512", "AVX2")):
-        return "avx2", f"{features.capability} without VNNI" if features.capability != "AVX2" else "AVX2"
-    return None, f"capability {features.capability}: no vector build"
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "latentserve")
-    return Path(root).expanduser() / "kernels"
-
-
-def _build(isa: str) -> Path:
-    """The shared library for `isa`, compiled unless a build of this source with these flags is cached."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    flags = CFLAGS + ISA_FLAGS[isa]
-    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
-    key = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"qgemm-{isa}-{key}.so"
-    if target.is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: processes that build at once never load a partial file.
-    fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", partial], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ls_int8_heads.argtypes = lib.ls_int8_heads_lanes.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
-    lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
-    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
-    lib.ls_experts_tokens.restype = None
-    lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32]
-    lib.ls_mla_decode.restype = None
-    lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
-    lib.ls_dense_linear.restype = None
-    lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
-    lib.ls_dense_heads.restype = None
-    lib.ls_stacked_experts.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, p, p, p, p, i32, i32]
-    lib.ls_stacked_experts.restype = i32
-    lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
-    lib.ls_rms_norm.restype = None
-    lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32]
-    lib.ls_mla_prologue.restype = None
-    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, p, i32]
-    lib.ls_mla_attention_block.restype = None
-    lib.ls_route.argtypes = [p, i64, i64, i64, i32, i64, i64, p, i32, ctypes.c_float, p, p]
-    lib.ls_route.restype = None
-    lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
-    lib.ls_moe_block.restype = i32
-    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear"):
-        getattr(lib, name).restype = None
-
-
-@functools.cache
-def load(isa: str) -> NativeKernels | str:
-    """The kernels for `isa`, built (or found cached) and loaded; or why they cannot be (remembered: one try)."""
-    try:
-        lib = ctypes.CDLL(str(_build(isa)))  # ctypes releases the GIL during calls: DBO's ubatch threads overlap
-    except (OSError, RuntimeError) as e:
-        return str(e)
-    _declare(lib)
-    return NativeKernels(isa, lib)
-
-
-def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
-    """(the kernels for this CPU or None, why)."""
-    isa, why = kernel_isa(features)
-    if isa is None:
-        return None, why
-    kernels = load(isa)
-    if isinstance(kernels, str) and isa in FALLBACK:
-        why = f"{why}; {isa} build unavailable ({kernels})"
-        isa = FALLBACK[isa]
-        kernels = load(isa)
-    if isinstance(kernels, str):
-        return None, f"{isa} build unavailable: {kernels}"
-    return kernels, why
-
-
-@functools.cache
-def _for(setting: str | None, capability: str) -> NativeKernels | None:
-    from latentserve.kernels.cpu import cpu_features
-
-    return native_kernels(cpu_features())[0]
-
-
-def for_this_cpu() -> NativeKernels | None:
-    """The kernels for this CPU as torch dispatches on it and `LATENTSERVE_NATIVE_KERNELS` says, or None; looked up
-    once per setting (cheap enough to ask on every call)."""
-    return _for(os.environ.get(NATIVE_ENV), torch.backends.cpu.get_cpu_capability())
-
+# The kernels are reached through this module: callers ask it for them and for their build.
+from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels, for_this_cpu,  # noqa: F401
+                                       kernel_isa, load, native_kernels)
+from latentserve.kernels.checks import tensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
+F32, I8, I32, I64, U8 = (torch.float32,), (torch.int8,), (torch.int32,), (torch.int64,), (torch.uint8,)
 PROFILE_PREFIX = "latentserve::"  # the profiler range each call gets while a torch profiler runs
 
 
@@ -196,19 +46,36 @@ def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale:
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, N]` = x `[M, K]` (`activations`) times the int8 weight q `[N, K]` with per-row `scale`, `qsum` =
     q.sum(1) (int32); in `out_dtype` where the kernels write it, else fp32."""
-    return int8_heads(kernels, x[:, None], q[None], scale, qsum, out_dtype)[:, 0]
+    m, k = tensor("int8_linear", "x", x, KERNEL_DTYPES, (None, None))
+    n, _ = tensor("int8_linear", "q", q, I8, (None, k))
+    _int8_scales("int8_linear", scale, qsum, n)
+    return _int8(kernels, "ls_int8_heads", x, (m, 1, k), q, scale, qsum, n, out_dtype)[:, 0]
+
+
+def _int8_scales(fn: str, scale: torch.Tensor, qsum: torch.Tensor, rows: int) -> None:
+    tensor(fn, "scale", scale, F32, numel=rows)
+    tensor(fn, "qsum", qsum, I32, numel=rows)
+
+
+def _int8(kernels: NativeKernels, name: str, x: torch.Tensor, mhk: tuple[int, int, int], q: torch.Tensor,
+          scale: torch.Tensor, qsum: torch.Tensor, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """`[M, H, N]` from kernel `name` (ls_int8_heads or its lanes form), the arguments checked."""
+    m, h, k = mhk
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(m, h, n, dtype=dtype)
+    _call(kernels, name, x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n, y.data_ptr(), io,
+          torch.get_num_threads())
+    return y
 
 
 def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, H, N]`: y[m, h] = x[m, h] @ w[h]^T for x `[M, H, K]` (contiguous, fp32 or bf16), the int8 weights q
     `[H, N, K]` with per-row `scale` and `qsum` (q.sum(-1), int32) `[H, N]`."""
-    (m, h, k), n = x.shape, q.shape[1]
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, h, n, dtype=dtype)
-    _call(kernels, "ls_int8_heads", x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n,
-          y.data_ptr(), io, torch.get_num_threads())
-    return y
+    m, h, k = tensor("int8_heads", "x", x, KERNEL_DTYPES, (None, None, None))
+    _, n, _ = tensor("int8_heads", "q", q, I8, (h, None, k))
+    _int8_scales("int8_heads", scale, qsum, h * n)
+    return _int8(kernels, "ls_int8_heads", x, (m, h, k), q, scale, qsum, n, out_dtype)
 
 
 def int8_lanes(q: torch.Tensor) -> torch.Tensor:
@@ -223,21 +90,20 @@ def int8_lanes(q: torch.Tensor) -> torch.Tensor:
 def int8_heads_lanes(kernels: NativeKernels, x: torch.Tensor, lanes: torch.Tensor, scale: torch.Tensor,
                      qsum: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`int8_heads` with the weight in `int8_lanes`' layout: the same outputs, short rows read as one stream."""
-    (m, h, k), n = x.shape, lanes.shape[1] * 16
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, h, n, dtype=dtype)
-    _call(kernels, "ls_int8_heads_lanes", x.data_ptr(), m, h, k, lanes.data_ptr(), scale.data_ptr(), qsum.data_ptr(),
-          n, y.data_ptr(), io, torch.get_num_threads())
-    return y
+    m, h, k = tensor("int8_heads_lanes", "x", x, KERNEL_DTYPES, (None, None, None))
+    if k % 4:
+        raise ValueError(f"int8_heads_lanes: x's rows of {k} are not a multiple of 4 columns (int8_lanes' layout)")
+    n = tensor("int8_heads_lanes", "lanes", lanes, I8, (h, None, k // 4, 16, 4))[1] * 16
+    _int8_scales("int8_heads_lanes", scale, qsum, h * n)
+    return _int8(kernels, "ls_int8_heads_lanes", x, (m, h, k), lanes, scale, qsum, n, out_dtype)
 
 
 def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
                  out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, N]` = x `[M, K]` (`activations`) @ weight`[N, K]`ᵀ for a contiguous fp32 or bf16 weight, fp32 sums; in
     `out_dtype` where the kernels write it, else fp32."""
-    if weight.dtype not in KERNEL_DTYPES or not weight.is_contiguous():
-        raise ValueError(f"dense_linear reads a contiguous float32 or bfloat16 weight, not {weight.dtype}")
-    (m, k), n = x.shape, weight.shape[0]
+    m, k = tensor("dense_linear", "x", x, KERNEL_DTYPES, (None, None))
+    n, _ = tensor("dense_linear", "weight", weight, KERNEL_DTYPES, (None, k))
     dtype, io = _io(x, out_dtype)
     y = torch.empty(m, n, dtype=dtype)
     _call(kernels, "ls_dense_linear", x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(),
@@ -249,10 +115,10 @@ def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, H, N]`: y[m, h] = x[m, h] @ w[h] for x `[M, H, K]` (contiguous, fp32 or bf16) and a contiguous fp32 or
     bf16 w `[H, K, N]` (bmm's layout) with N a multiple of 16; fp32 sums."""
-    if w.dtype not in KERNEL_DTYPES or not w.is_contiguous() or w.shape[2] % 16:
-        raise ValueError(f"dense_heads reads a contiguous float32 or bfloat16 [H, K, N] weight with N % 16 == 0, "
-                         f"not {w.dtype} {tuple(w.shape)}")
-    (m, h, k), n = x.shape, w.shape[2]
+    m, h, k = tensor("dense_heads", "x", x, KERNEL_DTYPES, (None, None, None))
+    n = tensor("dense_heads", "w", w, KERNEL_DTYPES, (h, k, None))[2]
+    if n % 16:
+        raise ValueError(f"dense_heads: w [H, K, N] must have N % 16 == 0, got {list(w.shape)}")
     dtype, io = _io(x, out_dtype)
     y = torch.empty(m, h, n, dtype=dtype)
     _call(kernels, "ls_dense_heads", x.data_ptr(), m, h, k, w.data_ptr(), n, y.data_ptr(),
@@ -267,23 +133,29 @@ def stacked_experts(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, 
     stack holds experts first..) in expert order, summed in fp32 with weights `[T, k]` (fp32), then through the shared
     experts (gate, up, transposed down `[S, K]`, S a multiple of I) with gate 1. w13 `[E, 2I, K]` (gate rows, then up
     rows), w2t `[E, I, K]`. x and every weight contiguous, of one dtype, fp32 or bf16."""
-    tensors = (x, w13, w2t, *(shared or ()))
-    if x.dtype not in KERNEL_DTYPES or any(t.dtype != x.dtype or not t.is_contiguous() for t in tensors):
-        raise ValueError(f"stacked_experts reads contiguous x and weights of one dtype, float32 or bfloat16; got "
-                         f"{[str(t.dtype) for t in tensors]}")
-    if ids.dtype != torch.int64 or weights.dtype != torch.float32 or ids.shape != weights.shape:
-        raise ValueError(f"stacked_experts reads int64 ids and float32 weights of one shape, got {ids.dtype} "
-                         f"{tuple(ids.shape)} and {weights.dtype} {tuple(weights.shape)}")
-    (tokens, k), inter = x.shape, w2t.shape[1]
-    chunks = shared[0].shape[0] // inter if shared else 0
+    fn = "stacked_experts"
+    tokens, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
+    dtype = (x.dtype,)
+    experts, inter, _ = tensor(fn, "w2t", w2t, dtype, (None, None, k))
+    tensor(fn, "w13", w13, dtype, (experts, 2 * inter, k))
+    chunks = 0
+    if shared is not None:
+        rows = tensor(fn, "shared gate", shared[0], dtype, (None, k))[0]
+        chunks = rows // inter if inter else 0
+        if chunks * inter != rows:
+            raise ValueError(f"{fn}: the shared experts' {rows} rows are not a multiple of the experts' {inter}")
+        for name, t in zip(("shared up", "shared down"), shared[1:]):
+            tensor(fn, name, t, dtype, (rows, k))
+    ids, weights = ids.contiguous(), weights.contiguous()  # held here: a temporary's memory goes with its last use
+    topk = tensor(fn, "ids", ids, I64, (tokens, None))[1]
+    tensor(fn, "weights", weights, F32, (tokens, topk))
     sg, su, sd = (t.data_ptr() for t in shared) if shared else (None, None, None)
     y = torch.empty(tokens, k, dtype=x.dtype)
-    ids, weights = ids.contiguous(), weights.contiguous()  # held here: a temporary's memory goes with its last use
-    bad = _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, ids.shape[1], ids.data_ptr(),
-                weights.data_ptr(), first, w13.shape[0], w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd,
+    bad = _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, topk, ids.data_ptr(),
+                weights.data_ptr(), first, experts, w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd,
                 y.data_ptr(), int(x.dtype == torch.bfloat16) * 0b111, torch.get_num_threads())
     if bad:
-        raise ValueError(f"stacked_experts: the stack holds experts {first}..{first + w13.shape[0] - 1}, got ids "
+        raise ValueError(f"stacked_experts: the stack holds experts {first}..{first + experts - 1}, got ids "
                          f"{ids.tolist()}")
     return y
 
@@ -291,12 +163,13 @@ def stacked_experts(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, 
 def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dimension in fp32, x and `weight` both fp32 or both bf16 (bf16: the normalized x
     rounds to bf16 before the weight multiplies it); in x's dtype and shape."""
-    if x.dtype not in KERNEL_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"rms_norm reads x and weight of one dtype, float32 or bfloat16; got {x.dtype}, {weight.dtype}")
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    shape = tensor("rms_norm", "x", x, KERNEL_DTYPES, contiguous=False)
+    if not shape:
+        raise ValueError("rms_norm: x must have at least one dimension, got a scalar")
+    tensor("rms_norm", "weight", weight, (x.dtype,), (shape[-1],))
+    rows = x.reshape(-1, shape[-1]).contiguous()
     y = torch.empty_like(rows)
     io = int(x.dtype == torch.bfloat16) * 0b101
-    weight = weight.contiguous()
     _call(kernels, "ls_rms_norm", rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), eps,
           y.data_ptr(), io, torch.get_num_threads())
     return y.view(x.shape)
@@ -313,28 +186,77 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     token's [kv_c ‖ k_pe] goes to the cache `[blocks, block_size, L + R]` at its slot (int64, -1 = padding). cos,
     sin `[T, R]` fp32 as `RotaryEmbedding.cos_sin` makes them, for rope `style`. q, kv, weight of one dtype, fp32 or
     bf16; the cache fp32 or bf16."""
-    tokens, width = kv.shape
-    rope = cos.shape[-1]
-    for name, t in (("q", q), ("weight", weight)):
-        if t.dtype != kv.dtype:
-            raise ValueError(f"mla_prologue reads {name} in kv's dtype {kv.dtype}, got {t.dtype}")
-    if kv.dtype not in KERNEL_DTYPES or kv_cache.dtype not in KERNEL_DTYPES:
-        raise ValueError(f"mla_prologue reads float32 or bfloat16 kv and cache, got {kv.dtype}, {kv_cache.dtype}")
-    if not all(t.is_contiguous() for t in (q, kv, weight, kv_cache)) or kv_cache.shape[-1] != width:
-        raise ValueError(f"mla_prologue reads contiguous q, kv, weight and a cache of rows of {width}")
-    if slot_mapping.dtype != torch.int64 or cos.dtype != torch.float32 or rope > 1024 or q.shape[-1] < rope:
-        raise ValueError("mla_prologue reads int64 slots, fp32 cos/sin and at most 1024 rope dims")
+    fn = "mla_prologue"
     if style not in ROPE_STYLES:
-        raise ValueError(f"mla_prologue: rope style must be one of {ROPE_STYLES}, got {style!r}")
+        raise ValueError(f"{fn}: rope style must be one of {ROPE_STYLES}, got {style!r}")
+    tokens, width = tensor(fn, "kv", kv, KERNEL_DTYPES, (None, None))
+    heads, dim = tensor(fn, "q", q, (kv.dtype,), (tokens, None, None))[1:]
+    cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
+    rope = _rotary(fn, cos, sin, tokens)
+    if rope >= width or rope > dim:
+        raise ValueError(f"{fn}: {rope} rope dims do not fit kv's rows of {width} and q's heads of {dim}")
+    tensor(fn, "weight", weight, (kv.dtype,), (width - rope,))
+    capacity = _slots(fn, slot_mapping, tokens, kv_cache, width)
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
-    cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
     io = int(kv.dtype == torch.bfloat16) * 0b101 | int(kv_cache.dtype == torch.bfloat16) << 1
-    _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, q.shape[1], q.shape[2], kv.data_ptr(), width - rope, rope,
-          weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
-          kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
-          torch.get_num_threads())
+    bad = _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, heads, dim, kv.data_ptr(), width - rope, rope,
+                weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
+                kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
+                torch.get_num_threads(), capacity)
+    if bad >= 0:
+        raise _slot_error(fn, slot_mapping, capacity)
     return kv_c, k_pe
+
+
+def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
+    """The rope dims R of fp32 cos and sin `[T, R]` (prologue.c rotates up to 1024, in pairs)."""
+    rope = tensor(fn, "cos", cos, F32, (tokens, None))[1]
+    tensor(fn, "sin", sin, F32, (tokens, rope))
+    if rope % 2 or not 0 < rope <= 1024:
+        raise ValueError(f"{fn}: cos and sin must have an even number of rope dims up to 1024, got {rope}")
+    return rope
+
+
+def _slots(fn: str, slot_mapping: torch.Tensor, tokens: int, kv_cache: torch.Tensor, width: int) -> int:
+    """The cache's slots, where it is `[blocks, block_size, width]` (fp32 or bf16) and the slots int64 `[tokens]`
+    (the kernel checks their values: bounds.c)."""
+    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KERNEL_DTYPES, (None, None, width))
+    tensor(fn, "slot_mapping", slot_mapping, I64, (tokens,))
+    return blocks * block_size
+
+
+def _slot_error(fn: str, slot_mapping: torch.Tensor, capacity: int) -> ValueError:
+    bad = int((slot_mapping >= capacity).nonzero()[0, 0])
+    return ValueError(f"{fn}: slot_mapping[{bad}] = {slot_mapping[bad].item()} lies past the cache's {capacity} slots")
+
+
+METADATA_ERRORS = {1: "query_start_loc must rise from >= 0 to at most the {tokens} query tokens",
+                   2: "seq_lens must not be negative",
+                   3: "a sequence is longer than its row of the block table ({width} blocks of {block_size})",
+                   4: "block_table names a block outside the cache's {blocks}"}  # bounds.c's codes
+
+
+def _decode_tables(fn: str, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+                   seq_lens: torch.Tensor) -> tuple[int, int]:
+    """(requests, the block table's width) where the tables have the shapes and dtypes the kernel reads (it checks
+    their values: bounds.c); else a ValueError."""
+    block_size = kv_cache.shape[1]
+    requests = tensor(fn, "seq_lens", seq_lens, I32, (None,))[0]
+    tensor(fn, "query_start_loc", query_start_loc, I32, (requests + 1,))
+    rows, width = tensor(fn, "block_table", block_table, I32, (None, None), contiguous=False)
+    if rows < requests or block_table.stride(1) != 1 or block_size < 1:
+        raise ValueError(f"{fn}: block_table must be int32 [requests={requests}, *] with unit column stride and the "
+                         f"cache's blocks non-empty, got {list(block_table.shape)} strides {block_table.stride()} "
+                         f"and a cache {list(kv_cache.shape)}")
+    return requests, width
+
+
+def _metadata_error(fn: str, code: int, tokens: int, kv_cache: torch.Tensor, width: int,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> ValueError:
+    blocks, block_size = kv_cache.shape[:2]
+    why = METADATA_ERRORS[code].format(tokens=tokens, width=width, block_size=block_size, blocks=blocks)
+    return ValueError(f"{fn}: {why}; got query_start_loc {query_start_loc.tolist()}, seq_lens {seq_lens.tolist()}")
 
 
 DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # attention_block.c's kinds of weight
@@ -368,12 +290,27 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     """(y, post_norm(y)) with y = x + o_proj(MLA attention(input_norm(x))), for decode tokens x `[T, hidden]`
     (contiguous, the block's dtype), their latents written to the cache; metadata as `mla_decode` and
     `mla_prologue` read it."""
+    fn = "mla_attention_block"
+    tokens = tensor(fn, "x", x, (_block_dtype(block),), (None, block.hidden))[0]
+    if _rotary(fn, cos, sin, tokens) != block.rope:
+        raise ValueError(f"{fn}: cos and sin must have the block's {block.rope} rope dims, got {list(cos.shape)}")
+    capacity = _slots(fn, slot_mapping, tokens, kv_cache, block.latent + block.rope)
+    requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
     y, normed = torch.empty_like(x), torch.empty_like(x)
-    _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), x.shape[0], cos.data_ptr(),
-          sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
-          block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-          seq_lens.shape[0], slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads())
+    code = _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), tokens, cos.data_ptr(),
+                 sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
+                 block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                 requests, slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads(),
+                 kv_cache.shape[0], width)
+    if code == 5:
+        raise _slot_error(fn, slot_mapping, capacity)
+    if code:
+        raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     return y, normed
+
+
+def _block_dtype(block: MLABlock | MoEBlock) -> torch.dtype:
+    return torch.bfloat16 if block.bf else torch.float32
 
 
 class MoEBlock(ctypes.Structure):
@@ -395,8 +332,11 @@ class MoEBlock(ctypes.Structure):
 def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """residual + moe(x) for a few tokens x `[T, hidden]` and the residual stream (both contiguous, the block's
     dtype)."""
+    dtype = (_block_dtype(block),)
+    tokens = tensor("moe_block", "x", x, dtype, (None, block.hidden))[0]
+    tensor("moe_block", "residual", residual, dtype, (tokens, block.hidden))
     y = torch.empty_like(residual)
-    bad = _call(kernels, "ls_moe_block", ctypes.byref(block), x.data_ptr(), residual.data_ptr(), x.shape[0],
+    bad = _call(kernels, "ls_moe_block", ctypes.byref(block), x.data_ptr(), residual.data_ptr(), tokens,
                 y.data_ptr(), torch.get_num_threads())
     if bad:
         raise ValueError(f"moe_block: the routing chose an expert outside the {block.experts} the block holds")
@@ -408,15 +348,15 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
     """(weights `[T, k]` fp32, expert ids `[T, k]` int64) from fp32 router logits `[T, E]`: softmax or sigmoid scores
     (+ bias `[E]` to choose, not to weigh), the best `topk_groups` of `groups` equal groups kept (softmax: a group's
     best score; sigmoid: its best two), the top k, weights divided by their sum (`norm`) and scaled."""
-    if logits.dtype != torch.float32 or logits.dim() != 2 or (bias is not None and bias.dtype != torch.float32):
-        raise ValueError(f"route reads fp32 logits [T, E] and an fp32 bias, got {logits.dtype} {tuple(logits.shape)}")
-    tokens, experts = logits.shape
+    logits = logits.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    tokens, experts = tensor("route", "logits", logits, F32, (None, None))
     if (not 0 < topk_groups <= groups or experts % groups or not 0 < k <= topk_groups * (experts // groups)
             or (bias is not None and bias.shape != (experts,))):
         raise ValueError(f"route: {k} of {experts} experts from the best {topk_groups} of {groups} groups cannot be "
                          f"chosen (bias {None if bias is None else tuple(bias.shape)})")
-    logits = logits.contiguous()
-    bias = bias.contiguous() if bias is not None else None
+    if bias is not None:
+        tensor("route", "bias", bias, F32, (experts,))
     weights, ids = torch.empty(tokens, k), torch.empty(tokens, k, dtype=torch.int64)
     _call(kernels, "ls_route", logits.data_ptr(), tokens, experts, k, int(sigmoid), groups, topk_groups,
           None if bias is None else bias.data_ptr(), int(norm), scaling, weights.data_ptr(), ids.data_ptr())
@@ -427,8 +367,8 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, out_features]` = x `[M, K]` (`activations`) times the int4 weight `packed` by `pack_int4`; in `out_dtype`
     where the kernels write it, else fp32."""
-    m, k = x.shape
-    _check_int4(packed, out_features, k, group_size)
+    m, k = tensor("int4_linear", "x", x, KERNEL_DTYPES, (None, None))
+    _check_int4("int4_linear", "packed", packed, out_features, k, group_size)
     dtype, io = _io(x, out_dtype)
     y = torch.empty(m, out_features, dtype=dtype)
     _call(kernels, "ls_int4_linear", x.data_ptr(), m, k, packed.data_ptr(), group_size, out_features, y.data_ptr(),
@@ -442,17 +382,36 @@ def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.
     experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
     alone. `weights` per (token, expert): int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
     weights, of group sizes `groups` (gate_up's, down's)."""
-    tokens, count = gates.shape
+    fn = "experts_tokens"
+    tokens, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
+    count = tensor(fn, "gates", gates, F32, (tokens, None))[1]
     per = {8: 6, 4: 2}.get(bits)
-    if per is None or len(weights) != tokens * count * per or x.shape[0] != tokens:
+    if per is None or len(weights) != tokens * count * per:
         raise ValueError(f"experts_tokens takes bits 8 or 4 and 6 or 2 weights per (token, expert), gates "
-                         f"{tuple(gates.shape)} over {x.shape[0]} tokens; got bits {bits}, {len(weights)} weights")
+                         f"{tuple(gates.shape)} over {tokens} tokens; got bits {bits}, {len(weights)} weights")
+    _expert_weights(weights, bits, k, intermediate, groups)
     dtype, io = _io(x, x.dtype)
-    y = torch.empty(tokens, x.shape[-1], dtype=dtype)
+    y = torch.empty(tokens, k, dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
-    _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, x.shape[-1], intermediate, count, pointers,
+    _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
           gates.data_ptr(), bits, *groups, y.data_ptr(), io, torch.get_num_threads())
     return y
+
+
+def _expert_weights(weights: list[torch.Tensor], bits: int, k: int, inter: int, groups: tuple[int, int]) -> None:
+    """Each expert's weights as `experts_tokens` reads them (int8: gate_up q `[2I, K]`, scale, qsum, down's `[K, I]`;
+    int4: the two in pack_int4's layout), or a ValueError naming the first that is not."""
+    fn = "experts_tokens"
+    if bits == 4:
+        for i in range(0, len(weights), 2):
+            _check_int4(fn, f"weights[{i}]", weights[i], 2 * inter, k, groups[0])
+            _check_int4(fn, f"weights[{i + 1}]", weights[i + 1], k, inter, groups[1])
+        return
+    for i in range(0, len(weights), 3):
+        n, columns = (2 * inter, k) if i % 6 == 0 else (k, inter)
+        tensor(fn, f"weights[{i}]", weights[i], I8, (n, columns))
+        tensor(fn, f"weights[{i + 1}]", weights[i + 1], F32, numel=n)
+        tensor(fn, f"weights[{i + 2}]", weights[i + 2], I32, numel=n)
 
 
 def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -460,21 +419,20 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     """`[T, N, latent]` in q's dtype: absorbed MQA of q `[T, N, D]` over the paged cache `[blocks, block_size, D]`
     (fp32 or bf16 each), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
     query_start_loc[r] .. query_start_loc[r + 1] (int32), its length seq_lens[r] (int32)."""
-    for name, t in (("q", q), ("kv_cache", kv_cache)):
-        if t.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"mla_decode reads float32 or bfloat16 {name}, not {t.dtype}")
-    for name, t in (("block_table", block_table), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32 or t.stride(-1) != 1:
-            raise ValueError(f"mla_decode reads {name} as int32 with unit stride, got {t.dtype} {tuple(t.stride())}")
+    fn = "mla_decode"
     q = q.contiguous()
-    (tokens, heads, dim), block_size = q.shape, kv_cache.shape[1]
-    if not kv_cache.is_contiguous() or kv_cache.shape[-1] != dim:
-        raise ValueError(f"mla_decode reads a contiguous cache of rows of {dim}, got {tuple(kv_cache.shape)}")
+    tokens, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None))
+    block_size = tensor(fn, "kv_cache", kv_cache, KERNEL_DTYPES, (None, None, dim))[1]
+    if not 0 < latent <= dim:
+        raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
+    requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
     out = torch.empty(tokens, heads, latent, dtype=q.dtype)
     io = int(q.dtype == torch.bfloat16) | int(kv_cache.dtype == torch.bfloat16) << 1 | int(q.dtype == torch.bfloat16) << 2
-    _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
-          block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-          seq_lens.shape[0], scale, out.data_ptr(), io, torch.get_num_threads())
+    code = _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
+                 block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                 requests, scale, out.data_ptr(), io, torch.get_num_threads(), kv_cache.shape[0], width)
+    if code:
+        raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     return out
 
 
@@ -497,12 +455,11 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> to
     return torch.cat([pairs, nibbles], dim=2).view(blocks, -1)
 
 
-def _check_int4(packed: torch.Tensor, n: int, k: int, group_size: int) -> None:
+def _check_int4(fn: str, name: str, packed: torch.Tensor, n: int, k: int, group_size: int) -> None:
     """A weight in `pack_int4`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
     if group_size not in (32, 64, 128) or k % 64 or k % group_size:
-        raise ValueError(f"int4 kernels take group size 32, 64 or 128 dividing K, K a multiple of 64; got group size "
-                         f"{group_size}, K {k}")
+        raise ValueError(f"{fn}: int4 kernels take group size 32, 64 or 128 dividing K, K a multiple of 64; got group "
+                         f"size {group_size}, K {k}")
     expected = (-(-n // INT4_BLOCK), k // group_size * (64 + 8 * group_size))
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != expected or not packed.is_contiguous():
-        raise ValueError(f"int4 weight of {n} outputs, {k} inputs, group size {group_size} is contiguous uint8 "
-                         f"{expected} in pack_int4's layout; got {packed.dtype} {tuple(packed.shape)}")
+    tensor(fn, f"{name} (int4 weight of {n} outputs, {k} inputs, group size {group_size} in pack_int4's layout)",
+           packed, U8, expected)

@@ -25,10 +25,13 @@ static void rotate(const void *x, int xbf, int64_t R, const float *cos, const fl
 }
 
 /* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is, bit 2 w is (else fp32). cos and sin `[T, R]`
- * fp32; slots int64, < 0 = padding (not stored); R at most 1024. */
-void ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
-                     float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
-                     const int64_t *slots, int io, int threads) {
+ * fp32; slots int64, < 0 = padding (not stored); R at most 1024. Returns -1, or (nothing computed) the first token
+ * whose slot lies past the cache's `capacity` slots. */
+LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
+                               const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,
+                               void *k_pe, void *cache, const int64_t *slots, int io, int threads, int64_t capacity) {
+    int64_t bad = bad_slot(slots, T, capacity);
+    if (bad >= 0) return bad;
     int bf = io & 1, cbf = (io >> 1) & 1, wbf = (io >> 2) & 1;
     int64_t size = bf ? 2 : 4, csize = cbf ? 2 : 4;
 #pragma omp parallel for num_threads(threads) if (T >= 16) schedule(static)
@@ -46,4 +49,5 @@ void ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, i
         for (int64_t j = 0; j < L; j++) store_out(dst, cbf, j, load_act(c, bf, j));
         for (int64_t j = 0; j < R; j++) store_out(dst, cbf, L + j, load_act(p, bf, j));
     }
+    return -1;
 }

@@ -41,18 +41,18 @@ INLINE int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* dot[i] = sum_k xq[i * xstride + k] * w[k]: |x| times w with x's sign, so that pairs of products (at most
- * 2 * 127 * 127) fit vpmaddubsw's int16. */
+/* dot[i] = sum_k xq[i * xstride + k] * w[k]: |w| (unsigned) times x with w's sign, so that pairs of products (at
+ * most 2 * 128 * 127) fit vpmaddubsw's int16. Not |x| times w with x's sign: negating a weight of -128 overflows. */
 INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[MB];
     for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_si256();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), aw = _mm256_abs_epi8(wv);
         for (int i = 0; i < mb; i++) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * xstride + k));
-            __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(wv, xv));
+            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
             acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, ones));
         }
     }
@@ -66,8 +66,8 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
  * (m, h) row. */
-void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                   const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                          const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
 #pragma omp parallel num_threads(threads)
     {
@@ -109,16 +109,18 @@ INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots
     _mm512_storeu_si512(dots, _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[1]), _mm512_add_epi32(acc[2], acc[3])));
 }
 #else
-/* As the AVX-512 version with x signed (vpmaddubsw's |x| times w with x's sign, as int8_rows does). */
+/* As the AVX-512 version with x signed (vpmaddubsw's |w| times x with w's sign, as int8_rows does). */
 INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots[16]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
     for (int64_t c = 0; c < K / 4; c++) {
-        __m256i xv = _mm256_set1_epi32(four_bytes(xq + 4 * c)), ax = _mm256_abs_epi8(xv);
+        __m256i xv = _mm256_set1_epi32(four_bytes(xq + 4 * c));
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
-        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xv)), ones));
-        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xv)), ones));
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(xv, w0)),
+                                                    ones));
+        hi = _mm256_add_epi32(hi, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(xv, w1)),
+                                                    ones));
     }
     _mm256_storeu_si256((__m256i *)dots, lo);
     _mm256_storeu_si256((__m256i *)(dots + 8), hi);
@@ -129,8 +131,8 @@ INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots
  * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
  * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
  * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
-void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                         const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
     int64_t per_head = N / 16, blocks = H * per_head;
 #pragma omp parallel num_threads(threads)
@@ -199,8 +201,8 @@ static void expert_layer(ExpertGroups e, int which, QuantActs a, int64_t rows, i
  * (token, expert) pairs are grouped by expert, so an expert that several tokens chose is read once for all of them;
  * every pair's arithmetic is the same as for its token alone, so each token's result does not depend on the batch
  * around it. */
-void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                       const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads) {
+LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                              const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads) {
     int per = bits == 8 ? 6 : 2;
     int64_t P = T * count, groups = 0;
     int64_t *order = malloc(P * sizeof(int64_t)), *slot = malloc(P * sizeof(int64_t));

@@ -2,23 +2,32 @@
 #include "quant.h"
 
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
- * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). */
+ * [-127, 127], s = max(max |x| over the block, 1e-12) / 127 per block (rounding half to even, as torch does). A
+ * block holding a NaN or an infinity gets s = NaN (and xq 0), so that its products come out NaN as torch's do:
+ * vmax and fmaxf would drop the NaN. */
 static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64_t block, int offset, int8_t *xq,
                             float *s) {
     float r[block];
     for (int64_t b = 0; b < M * K / block; b++) {
         int8_t *q = xq + b * block;
-        vfloat m = vset1(0.f);
+        vfloat m = vset1(0.f), finite = vset1(0.f); /* finite: sums of v - v, NaN once a v is not finite */
         int64_t k = 0;
         for (; k + LANES <= block; k += LANES) {
             vfloat v = vload(x, bf16, b * block + k);
             vstore(r + k, v);
             m = vmax(m, vabs(v));
+            finite = vadd(finite, vsub(v, v));
         }
-        float amax = fmaxf(1e-12f, vmax_reduce(m));
+        float amax = fmaxf(1e-12f, vmax_reduce(m)), check = vreduce_add(finite);
         for (; k < block; k++) {
             r[k] = load_act(x, bf16, b * block + k);
             amax = fmaxf(amax, fabsf(r[k]));
+            check += r[k] - r[k];
+        }
+        if (check != 0.f) {
+            memset(q, 0, block);
+            s[b] = NAN;
+            continue;
         }
         float sb = amax / 127.f;
         vfloat sv = vset1(sb);

@@ -13,8 +13,8 @@ static int64_t best_free(const float *v, int64_t n, const uint8_t *taken) {
 }
 
 /* logits [T, E]; weights [T, k] fp32 and ids [T, k] int64 out, in order of choice. bias: E values or NULL. */
-void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
-              const float *bias, int norm, float scaling, float *weights, int64_t *ids) {
+LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups,
+                     int64_t topk_groups, const float *bias, int norm, float scaling, float *weights, int64_t *ids) {
     float *scores = malloc(E * sizeof(float)), *choice = malloc(E * sizeof(float));
     float *group_score = malloc(groups * sizeof(float));
     uint8_t *taken = malloc(E + groups), *group_taken = taken + E;

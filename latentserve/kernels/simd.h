@@ -10,14 +10,19 @@
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
+/* The library's interface: the build hides every other symbol (-fvisibility=hidden), so that helpers such as
+ * quantize_acts cannot collide with a same-named symbol of another library in the process. */
+#define LS_API __attribute__((visibility("default")))
 
 INLINE float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } c = { .u = (uint32_t)v << 16 };
     return c.f;
 }
 
-INLINE uint16_t float_to_bf16(float f) { /* rounded to nearest even */
+INLINE uint16_t float_to_bf16(float f) { /* rounded to nearest even; a NaN stays a (quiet) NaN */
     union { float f; uint32_t u; } v = { .f = f };
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) /* rounding carries a NaN's payload into the sign: 0x7fffffff -> -0 */
+        return (uint16_t)((v.u >> 16) | 0x40);
     return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
 }
 
@@ -187,20 +192,27 @@ INLINE void sort_ids(const int64_t *e, int64_t k, int64_t *order) {
 /* Kernels of the other files that attention_block.c, moe_block.c and prologue.c chain (see each file for what they
  * compute). */
 void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, float eps, void *y, int ybf);
-void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads);
-void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads);
-void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
-                    int threads);
-void ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
-                     float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
-                     const int64_t *slots, int io, int threads);
-void ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
-                   const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
-                   int64_t R, float scale, void *out, int io, int threads);
-void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
-              const float *bias, int norm, float scaling, float *weights, int64_t *ids);
-void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                       const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads);
-int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
-                       const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
-                       int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io, int threads);
+LS_API void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads);
+LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io,
+                            int threads);
+LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
+                           int threads);
+LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
+                               const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,
+                               void *k_pe, void *cache, const int64_t *slots, int io, int threads, int64_t capacity);
+LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+                         const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
+                         int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
+                         int64_t bt_width);
+/* bounds.c: the checks of the indices the kernels above follow. */
+int decode_metadata_error(int64_t T, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
+                          const int32_t *block_table, int64_t bt_stride, int64_t bt_width, int64_t blocks, int64_t B);
+int64_t bad_slot(const int64_t *slots, int64_t T, int64_t capacity);
+LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups,
+                     int64_t topk_groups, const float *bias, int norm, float scaling, float *weights, int64_t *ids);
+LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                              const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads);
+LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
+                              const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
+                              int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
+                              int threads);

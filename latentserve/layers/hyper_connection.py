@@ -21,13 +21,19 @@ class HyperConnectionConfig:
     magnitude: float  # scale of the post weights' sigmoid
     eps: float  # added to every sigmoid weight
     norm_eps: float  # of the inverse RMS
+    # GLM-5 next's mHC (layers/mhc.py): the streams also mixed by a matrix this many Sinkhorn iterations make doubly
+    # stochastic, and the output their plain mean. 0: Hunyuan V4's (no mixing, a learned head).
+    sinkhorn_iters: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1:
             raise ValueError(f"config.json: field 'hc_mult' must be a positive int, got {self.streams!r}")
+        iters = self.sinkhorn_iters
+        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+            raise ValueError(f"config.json: field 'hc_sinkhorn_iters' must be a positive int, got {iters!r}")
 
 
-def _mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+def stream_mixes(flat: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """The streams' projection, scaled by their inverse RMS: `[T, n * H]` fp32 -> `[T, rows of fn]`."""
     return F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
 
@@ -44,7 +50,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """streams `[T, n, H]` -> (post weights `[T, n]` fp32, the block's input `[T, H]`)."""
         c = self.config
-        pre_logits, post_logits = _mixes(streams.flatten(1).float(), self.fn, c.norm_eps).split(c.streams, dim=-1)
+        pre_logits, post_logits = stream_mixes(streams.flatten(1).float(), self.fn, c.norm_eps).split(c.streams, dim=-1)
         pre_base, post_base = self.base.split(c.streams)
         pre = torch.sigmoid(pre_logits * self.scale[0] + pre_base) + c.eps
         post = c.magnitude * torch.sigmoid(post_logits * self.scale[1] + post_base) + c.eps
@@ -69,6 +75,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         c = self.config
-        mixes = _mixes(streams.flatten(1).float(), self.hc_fn, c.norm_eps)
+        mixes = stream_mixes(streams.flatten(1).float(), self.hc_fn, c.norm_eps)
         pre = torch.sigmoid(mixes * self.hc_scale + self.hc_base) + c.eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -23,8 +23,11 @@ PER_EXPERT_MAX_PAIRS = 4
 # experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
 # paths win, reading each expert once.
 NATIVE_MAX_TOKENS = 8
-# scoring function -> the top-k methods DeepSeek pairs with it
-TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy"), "sigmoid": ("noaux_tc",)}
+# scoring function -> the top-k methods paired with it: DeepSeek's, Mistral 4's group_limited_top2 (softmax scores, a
+# group scored by its best two experts as noaux_tc does) and LongCat-Flash's softmax noaux_tc (the correction bias
+# steers the choice, over one group)
+TOPK_METHODS = {"softmax": ("greedy", "group_limited_greedy", "group_limited_top2", "noaux_tc"),
+                "sigmoid": ("noaux_tc",)}
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,17 @@ class RoutingConfig:
             )
         if self.topk_method != "greedy":
             self._check_groups()
+        if self.scoring_func == "softmax" and self.topk_method == "noaux_tc" and self.kept_groups != self.num_groups:
+            raise ValueError("softmax noaux_tc routing takes every group: topk_group must equal n_group, got "
+                             f"{self.topk_group} of {self.n_group}")
+
+    @property
+    def native_routing(self) -> bool:
+        """Whether latentserve's routing kernel (route.c) computes this routing: under softmax it scores a group by its
+        best expert and has no correction bias."""
+        if self.scoring_func == "softmax" and self.topk_method == "noaux_tc":
+            return False
+        return self.topk_method != "group_limited_top2" or self.kept_groups == self.num_groups
 
     @property
     def num_groups(self) -> int:
@@ -75,8 +89,9 @@ class RoutingConfig:
         if not isinstance(topk_group, int) or not 0 < topk_group <= n_group:
             raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group!r}")
         group_size = self.n_routed_experts // n_group
-        if self.topk_method == "noaux_tc" and group_size < 2:
-            raise ValueError(f"noaux_tc scores a group by its top 2 experts; n_group={n_group} leaves {group_size}")
+        if self.topk_method in ("noaux_tc", "group_limited_top2") and group_size < 2:
+            raise ValueError(f"{self.topk_method} scores a group by its top 2 experts; n_group={n_group} leaves "
+                             f"{group_size}")
         if self.num_experts_per_tok > topk_group * group_size:
             raise ValueError(
                 f"num_experts_per_tok={self.num_experts_per_tok} exceeds the {topk_group * group_size} experts "
@@ -102,10 +117,16 @@ def select_experts(
     if cfg.scoring_func == "softmax":
         scores = router_logits.softmax(dim=-1)
         if limit_groups:
-            group_scores = scores.view(num_tokens, -1, group_size).amax(dim=-1)
+            grouped = scores.view(num_tokens, -1, group_size)
+            group_scores = (grouped.topk(2, dim=-1).values.sum(dim=-1) if cfg.topk_method == "group_limited_top2"
+                            else grouped.amax(dim=-1))
             # Softmax scores are positive, so a zero never outranks an expert of a kept group.
             scores = scores.masked_fill(~_group_mask(group_scores, cfg.topk_group, group_size), 0.0)
-        weights, ids = scores.topk(k, dim=-1)
+        if correction_bias is None:
+            weights, ids = scores.topk(k, dim=-1)
+        else:  # softmax noaux_tc, over one group
+            ids = (scores + correction_bias).topk(k, dim=-1).indices
+            weights = scores.gather(1, ids)
     else:
         scores = router_logits.sigmoid()
         # noaux_tc: the learned bias steers which experts are chosen, not how much they weigh.
@@ -139,7 +160,8 @@ class Router(nn.Module):
         # `linear`: latentserve's kernel at a few rows, whose sums round differently from MKL's only in the last bits.
         logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
         few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
-        kernels = native.for_this_cpu() if logits.device.type == "cpu" and few else None
+        native_here = logits.device.type == "cpu" and few and self.cfg.native_routing
+        kernels = native.for_this_cpu() if native_here else None
         if kernels is None:
             return select_experts(logits, self.cfg, self.e_score_correction_bias)
         cfg = self.cfg  # a few decode tokens: one native call where select_experts takes a dozen small ops
@@ -159,6 +181,7 @@ class MoE(nn.Module):
         n_shared_experts: int,
         shared_bias: bool = False,
         swiglu_limit: float | None = None,
+        shared_swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.gate = Router(hidden_size, routing)
@@ -169,7 +192,8 @@ class MoE(nn.Module):
             for _ in range(routing.n_routed_experts)
         )
         self.shared_experts = (
-            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias)
+            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias,
+                     swiglu_limit=shared_swiglu_limit)
             if n_shared_experts
             else None
         )

@@ -1,4 +1,4 @@
-"""Rotary position embedding with DeepSeek's YaRN scaling.
+"""Rotary position embedding with DeepSeek's YaRN scaling, or LongRoPE (MiniCPM3).
 
 DeepSeek checkpoints store each head's rope dims as interleaved pairs (x0, x1), (x2, x3), ..., pair i
 rotating at frequency i. Three layouts reach the engine:
@@ -27,7 +27,7 @@ class RopeConfig:
     """RoPE parameters, already validated and defaulted by the model config."""
 
     theta: float = 10000.0
-    rope_type: str = "default"  # "default" or "yarn"
+    rope_type: str = "default"  # "default", "yarn" or "longrope"
     factor: float = 1.0
     original_max_position_embeddings: int = 4096
     beta_fast: float = 32.0
@@ -36,10 +36,15 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # LongRoPE: per frequency divisors, short ones for positions within the original context, long ones past it
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "yarn"):
-            raise ValueError(f"rope_type must be 'default' or 'yarn', got {self.rope_type!r}")
+        if self.rope_type not in ("default", "yarn", "longrope"):
+            raise ValueError(f"rope_type must be 'default', 'yarn' or 'longrope', got {self.rope_type!r}")
+        if (self.rope_type == "longrope") != (self.short_factor is not None and self.long_factor is not None):
+            raise ValueError("short_factor and long_factor go with rope_type 'longrope', and only with it")
 
 
 def yarn_get_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -79,11 +84,25 @@ def _yarn_correction_range(rope: RopeConfig, dim: int) -> tuple[float, float]:
     return max(low, 0), min(high, dim - 1)
 
 
-def rope_frequencies(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [dim // 2] fp32, factor on cos/sin) for a `dim`-wide rotary embedding."""
+def _longrope_attention_factor(rope: RopeConfig) -> float:
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
+
+
+def rope_frequencies(dim: int, rope: RopeConfig, long: bool = False) -> tuple[torch.Tensor, float]:
+    """(inv_freq [dim // 2] fp32, factor on cos/sin) for a `dim`-wide rotary embedding (LongRoPE's: at positions
+    within the original context, or past it if `long`)."""
     pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if rope.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        if len(factors) != dim // 2:
+            raise ValueError(f"LongRoPE needs {dim // 2} factors for {dim} rope dims, got {len(factors)}")
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * pos_freqs), _longrope_attention_factor(rope)
     extrapolated = 1.0 / pos_freqs
     interpolated = 1.0 / (rope.factor * pos_freqs)
     low, high = _yarn_correction_range(rope, dim)
@@ -111,20 +130,28 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, rope_dim: int, rope: RopeConfig, style: str) -> None:
         super().__init__()
-        if rope_dim <= 0 or rope_dim % 2:
-            raise ValueError(f"rope dim must be a positive even number, got {rope_dim}")
+        if rope_dim < 0 or rope_dim % 2:  # (0: no rope dims, every rotation empty)
+            raise ValueError(f"rope dim must be an even number >= 0, got {rope_dim}")
         if style not in ROPE_STYLES:
             raise ValueError(f"rope style must be one of {ROPE_STYLES}, got {style!r}")
         self.rope_dim = rope_dim
         self.style = style
         inv_freq, self.attention_scaling = rope_frequencies(rope_dim, rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # LongRoPE: a token past the original context takes the long factors. (transformers picks one set per
+        # forward, by its longest sequence; per token, a request's result does not depend on its batch.)
+        self.long_from = rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+        self.register_buffer("long_inv_freq", rope_frequencies(rope_dim, rope, long=True)[0]
+                             if self.long_from is not None else None, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, R] in fp32 in the output layout, with YaRN's attention factor folded in:
         `rotate` is then x * cos + partner(x) * sin, three elementwise ops per call for every layer."""
         # fp32 whatever the model dtype: angles at large positions need the precision.
-        freqs = positions.float()[:, None] * self.inv_freq.float()
+        inv_freq = self.inv_freq.float()
+        if self.long_from is not None:
+            inv_freq = torch.where(positions[:, None] >= self.long_from, self.long_inv_freq.float(), inv_freq)
+        freqs = positions.float()[:, None] * inv_freq
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         if self.style == "gptj":  # (c0, c0, c1, c1, ...), (-s0, s0, -s1, s1, ...)
             return cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)

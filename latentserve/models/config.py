@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from latentserve.config import MLAConfig
+from latentserve.config import LinearAttentionConfig, MLAConfig
 from latentserve.layers.hyper_connection import HyperConnectionConfig
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
@@ -51,6 +51,16 @@ class ModelConfig:
     # layers after them: by first_k_dense_replace and moe_layer_freq.
     mlp_layer_types: tuple[str, ...] | None = None
     moe_output_norm: bool = False  # an RMSNorm on each MoE's output, before the residual (layers/normed_moe.py)
+    embedding_scale: float = 1.0  # the embeddings' multiplier (MiniCPM3's scale_emb)
+    residual_scale: float = 1.0  # each sublayer's output multiplier before its residual add (MiniCPM3)
+    logits_scaling: float = 1.0  # the final hidden states' divisor before the head (transformers' name, MiniCPM3)
+    # Mistral 4: queries times 1 + beta * log(1 + floor(position / rope.original_max_position_embeddings))
+    llama4_scaling_beta: float | None = None
+    # LongCat-Flash: each layer two attention + dense MLP sublayers, and an MoE on the first's normed input whose
+    # output joins the second's residual (models/shortcut_layer.py); routed experts past n_routed_experts -
+    # zero_expert_num are identities (layers/zero_expert_moe.py)
+    shortcut_moe: bool = False
+    zero_expert_num: int = 0
     dsa: DSAConfig | None = None  # DeepSeek Sparse Attention's indexers (models/dsa.py); None: dense MLA
     # A.X K2: one projection from q's LoRA gives the query and a sigmoid gate on the attention output
     # (models/gated_attention.py), and the input norms and the MoE layers' norms are gated (layers/gated_norm.py).
@@ -61,6 +71,20 @@ class ModelConfig:
     # learned hyper-connections (layers/hyper_connection.py); None: one plain residual.
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
+    swiglu_limit_everywhere: bool = False  # GLM-5 next: the dense layers' MLP and the shared experts clamp as well
+    # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
+    # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
+    layer_types: tuple[str, ...] | None = None
+    linear_attention: LinearAttentionConfig | None = None
+    rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
+    head_output_gate: bool = False  # Ling: a sigmoid gate per head on the attention output, from the layer's input
+
+    @property
+    def num_attention_layers(self) -> int:
+        """MLA layers (each its own KV cache) of the main model: not a hybrid's linear-attention layers, which keep a
+        state per request; LongCat-Flash's two per layer."""
+        mla = sum(not self.is_linear_attention_layer(i) for i in range(self.num_hidden_layers))
+        return mla * (2 if self.shortcut_moe else 1)
 
     @property
     def qk_head_dim(self) -> int:
@@ -75,6 +99,9 @@ class ModelConfig:
         return MLAConfig(
             self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         )
+
+    def is_linear_attention_layer(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         if self.routing is None:
@@ -105,7 +132,7 @@ class ModelConfig:
             raise ValueError(f"config.json: field 'hidden_act' must be 'silu', got {f.raw['hidden_act']!r}")
         defaults = adapter.defaults
         max_positions = f.int("max_position_embeddings", defaults["max_position_embeddings"])
-        rope_dim = f.int("qk_rope_head_dim")
+        rope_dim = f.int("qk_rope_head_dim", minimum=0)  # 0: no positions (GLM-5 next)
         if rope_dim % 2:
             raise ValueError(f"config.json: field 'qk_rope_head_dim' must be even, got {rope_dim}")
         routing = _routing(f, defaults)
@@ -128,7 +155,7 @@ class ModelConfig:
             n_shared_experts=f.int("n_shared_experts", 0, minimum=0) if moe else 0,
             first_k_dense_replace=f.int("first_k_dense_replace", 0, minimum=0),
             moe_layer_freq=f.int("moe_layer_freq", 1),
-            rope=_rope(f, max_positions),
+            rope=_rope(f, max_positions, rope_dim),
             rms_norm_eps=f.float("rms_norm_eps", 1e-6),
             attention_bias=f.bool("attention_bias", False),
             tie_word_embeddings=f.bool("tie_word_embeddings", False),
@@ -156,7 +183,7 @@ def _routing(f: Fields, defaults: dict[str, Any]) -> RoutingConfig | None:
     )
 
 
-def _rope(f: Fields, max_positions: int) -> RopeConfig:
+def _rope(f: Fields, max_positions: int, rope_dim: int) -> RopeConfig:
     # transformers writes `rope_parameters` (theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
     name = "rope_parameters" if f.raw.get("rope_parameters") is not None else "rope_scaling"
     params = f.raw.get(name) or {}
@@ -169,11 +196,17 @@ def _rope(f: Fields, max_positions: int) -> RopeConfig:
     rope_type = p.str("rope_type", p.str("type", "default"))
     if rope_type == "default":
         return RopeConfig(theta=theta)
-    if rope_type != "yarn":
-        raise ValueError(f"config.json {name}: 'rope_type' must be 'default' or 'yarn', got {rope_type!r}")
+    if rope_type not in ("yarn", "longrope"):
+        raise ValueError(f"config.json {name}: 'rope_type' must be 'default', 'yarn' or 'longrope', got {rope_type!r}")
     # A top-level original_max_position_embeddings wins over the nested one, as in transformers.
     original = f.int("original_max_position_embeddings", None)
     original = original or p.int("original_max_position_embeddings", max_positions)
+    if rope_type == "longrope":
+        return RopeConfig(
+            theta=theta, rope_type="longrope", factor=p.float("factor", max_positions / original),
+            original_max_position_embeddings=original, attention_factor=p.float("attention_factor", None),
+            short_factor=_rope_factors(p, "short_factor", rope_dim),
+            long_factor=_rope_factors(p, "long_factor", rope_dim))
     return RopeConfig(
         theta=theta,
         rope_type="yarn",
@@ -187,3 +220,13 @@ def _rope(f: Fields, max_positions: int) -> RopeConfig:
         attention_factor=p.float("attention_factor", None),
         truncate=p.bool("truncate", True),
     )
+
+
+def _rope_factors(p: Fields, name: str, rope_dim: int) -> tuple[float, ...]:
+    """LongRoPE's per-frequency divisors: one positive number per pair of rope dims."""
+    value = p.raw.get(name)
+    if (not isinstance(value, list) or len(value) != rope_dim // 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"{p.where}: field {name!r} must list {rope_dim // 2} positive numbers (one per pair of "
+                         f"the {rope_dim} rope dims), got {value!r}")
+    return tuple(float(v) for v in value)

@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V2-Lite / V3 on latentserve's paged MLA attention.
+"""The DeepSeek-shaped MLA model on latentserve's paged attention, which every architecture (models/arch/) runs:
+its layers' variants are chosen by `ModelConfig` fields.
 
 Module and parameter names follow the checkpoints (`model.layers.{i}.self_attn.q_a_proj`, ...), except
 `kv_b_proj`, which lives in the attention core: `model.layers.{i}.self_attn.attn.kv_b_proj`.
@@ -6,37 +7,59 @@ Module and parameter names follow the checkpoints (`model.layers.{i}.self_attn.q
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from functools import partial
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
+from latentserve.layers.embedding import ScaledEmbedding
 from latentserve.layers.gated_norm import GatedRMSNorm
 from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
+from latentserve.layers.mhc import MHCConnection, mean_of_streams, mix_streams
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.normed_moe import NormedMoE
+from latentserve.layers.query_scaling import Llama4QueryScaling
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import ModelConfig
-from latentserve.models.gated_attention import HiddenGateAttention, QGateAttention
+from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.moe_block import fused_moe
 from latentserve.models.native_view import NativeView
+from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
+
+
+def linear_attention_layer_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn"
 
 
 def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbedding, attn_config: AttentionConfig,
-                    static_ctx: StaticForwardContext, dtype: torch.dtype,
-                    device: torch.device | str) -> DeepseekAttention:
-    """The layer's attention module: DeepSeek's, or one with an output gate (A.X K2's from the fused q projection,
-    Hunyuan V4's from the layer's input)."""
-    kind = (QGateAttention if config.q_output_gate else HiddenGateAttention if config.hidden_output_gate
-            else DeepseekAttention)
-    return kind(config, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device)
+                    static_ctx: StaticForwardContext, dtype: torch.dtype, device: torch.device | str,
+                    name: str | None = None) -> DeepseekAttention | KimiDeltaAttention:
+    """The layer's attention module: a hybrid's linear attention where its layer_types say so (docs/hybrids.md); else
+    DeepSeek's MLA, or MLA with an output gate (A.X K2's from the fused q projection, Hunyuan V4's from the layer's
+    input, Ling's one per head); `name`: its MLA layer's, where the layer has several (LongCat-Flash)."""
+    c = config
+    if c.is_linear_attention_layer(layer_idx):
+        return KimiDeltaAttention(linear_attention_layer_name(layer_idx), c.hidden_size, c.linear_attention,
+                                  c.rms_norm_eps, attn_config)
+    kind = (QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
+            else HeadGateAttention if c.head_output_gate else DeepseekAttention)
+    return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
+
+
+def attend(attention: nn.Module, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,
+           q_scale: torch.Tensor | None) -> torch.Tensor:
+    """A layer's attention over its normed input `x`; position-scaled queries (`q_scale`, Mistral 4) only where the
+    model has them, and then MLA takes them."""
+    return attention(cos, sin, x) if q_scale is None else attention(cos, sin, x, q_scale)
 
 
 def _norm(config: ModelConfig, gated: bool) -> nn.Module:
@@ -47,32 +70,51 @@ def _norm(config: ModelConfig, gated: bool) -> nn.Module:
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention
+    ) -> None:
         super().__init__()
         c = config
         self.self_attn = attention
+        dense_limit = c.swiglu_limit if c.swiglu_limit_everywhere else None
         if c.is_moe_layer(layer_idx) and c.moe_output_norm:
             self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
         elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias,
-                           c.swiglu_limit)
+                           c.swiglu_limit, dense_limit)
         else:
-            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, swiglu_limit=dense_limit)
         self.input_layernorm = _norm(c, gated=True)
         self.post_attention_layernorm = _norm(c, gated=c.is_moe_layer(layer_idx))
         self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        fused = fused_attention(self.self_attn, norms, cos, sin, hidden)  # decode: one native call
+        # decode: one native call, which has no query scaling
+        fused = fused_attention(self.self_attn, norms, cos, sin, hidden) if q_scale is None else None
         if fused is not None:
             hidden, normed = fused
         else:
-            hidden = hidden + self.self_attn(cos, sin, self.input_layernorm(hidden))
+            hidden = hidden + attend(self.self_attn, cos, sin, self.input_layernorm(hidden), q_scale)
             normed = self.post_attention_layernorm(hidden)
         if isinstance(self.mlp, MoE) and (out := fused_moe(self.mlp, self.moe_view, normed, hidden)) is not None:
             return out  # decode: one native call
         return hidden + self.mlp(normed)
+
+
+class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
+    """MiniCPM3's layer: each sublayer's output scaled before its residual add. The one-call decode blocks add it
+    unscaled, so this layer runs its modules."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.residual_scale = config.residual_scale
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = hidden + attend(self.self_attn, cos, sin, self.input_layernorm(hidden), q_scale) * self.residual_scale
+        return hidden + self.mlp(self.post_attention_layernorm(hidden)) * self.residual_scale
 
 
 class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
@@ -84,11 +126,40 @@ class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
         self.attn_hc = HyperConnection(config.hidden_size, config.hyper_connections)
         self.ffn_hc = HyperConnection(config.hidden_size, config.hyper_connections)
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
         post, x = self.attn_hc(streams)
-        streams = add_to_streams(streams, post, self.self_attn(cos, sin, self.input_layernorm(x)))
+        streams = add_to_streams(streams, post, attend(self.self_attn, cos, sin, self.input_layernorm(x), q_scale))
         post, x = self.ffn_hc(streams)
         return add_to_streams(streams, post, self.mlp(self.post_attention_layernorm(x)))
+
+
+class MHCDecoderLayer(DeepseekDecoderLayer):
+    """A decoder layer over mHC streams `[T, n, H]` (layers/mhc.py): hyper-connections whose streams are also mixed
+    with each other. Like `HyperConnectedDecoderLayer`, it never takes the one-call decode blocks."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention) -> None:
+        super().__init__(config, layer_idx, attention)
+        self.attn_hc = MHCConnection(config.hidden_size, config.hyper_connections)
+        self.ffn_hc = MHCConnection(config.hidden_size, config.hyper_connections)
+
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, streams: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = mix_streams(streams, post, comb, attend(self.self_attn, cos, sin, self.input_layernorm(x), q_scale))
+        post, comb, x = self.ffn_hc(streams)
+        return mix_streams(streams, post, comb, self.mlp(self.post_attention_layernorm(x)))
+
+
+def _decoder_layer(c: ModelConfig, i: int, attention: Callable[..., nn.Module]) -> nn.Module:
+    """Layer i of the model's kind, its attention built by `attention(i, name=...)`."""
+    if c.shortcut_moe:
+        return ShortcutMoEDecoderLayer(c, [attention(i, name=f"model.layers.{i}.self_attn.{j}.attn") for j in (0, 1)])
+    if c.hyper_connections is not None:
+        kind = MHCDecoderLayer if c.hyper_connections.sinkhorn_iters else HyperConnectedDecoderLayer
+        return kind(c, i, attention(i))
+    layer_cls = DeepseekDecoderLayer if c.residual_scale == 1.0 else ScaledResidualDecoderLayer
+    return layer_cls(c, i, attention(i))
 
 
 class DeepseekModel(nn.Module):
@@ -102,24 +173,31 @@ class DeepseekModel(nn.Module):
     ) -> None:
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size) if c.embedding_scale == 1.0
+                             else ScaledEmbedding(c.vocab_size, c.hidden_size, c.embedding_scale))
         self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        attention = partial(build_attention, c, rotary_emb=self.rotary_emb, attn_config=attn_config,
+                            static_ctx=static_ctx, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(_decoder_layer(c, i, attention) for i in range(c.num_hidden_layers))
         hc = c.hyper_connections
-        layer_kind = DeepseekDecoderLayer if hc is None else HyperConnectedDecoderLayer
-        self.layers = nn.ModuleList(
-            layer_kind(c, i, build_attention(c, i, self.rotary_emb, attn_config, static_ctx, dtype, device))
-            for i in range(c.num_hidden_layers)
-        )
-        self.hc_head = None if hc is None else HyperHead(c.hidden_size, hc)
+        # The streams' number (None: one plain residual) and how they become one hidden state at the end.
+        self.streams = None if hc is None else hc.streams
+        self.hc_head = None if hc is None else mean_of_streams if hc.sinkhorn_iters else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rope_free = c.rope_free
+        self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
+            c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        if self.hc_head is not None:  # every stream starts as the embedding
-            hidden = hidden.unsqueeze(1).expand(-1, self.hc_head.config.streams, -1).contiguous()
-        cos, sin = self.rotary_emb.cos_sin(positions)
+        if self.streams is not None:  # every stream starts as the embedding
+            hidden = hidden.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
+        # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
+        # and the kernels that fuse it stay as they are.
+        cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
+        q_scale = None if self.query_scaling is None else self.query_scaling(positions)
         for layer in self.layers:
-            hidden = layer(cos, sin, hidden)
+            hidden = layer(cos, sin, hidden, q_scale)
         if self.hc_head is not None:
             hidden = self.hc_head(hidden)
         return self.norm(hidden)
@@ -152,10 +230,13 @@ class DeepseekForCausalLM(nn.Module):
         self.config = config
         self.mla_config = config.mla_config
         self.static_forward_context = StaticForwardContext()
-        self.attention_layer_names = [attention_layer_name(i) for i in range(config.num_hidden_layers)]
         with torch.device(device), _default_dtype(dtype):
             self.model = DeepseekModel(config, attn_config, self.static_forward_context, dtype, device)
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.attention_layer_names = list(self.static_forward_context)  # the MLA layers, in layer order
+        # Hybrid models' linear-attention layers, by name: each keeps a state per request (engine/state_pool.py).
+        self.state_layers: dict[str, KimiDeltaAttention] = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, KimiDeltaAttention)}
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -172,4 +253,6 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[T, vocab_size]`."""
+        if self.config.logits_scaling != 1.0:
+            hidden = hidden / self.config.logits_scaling
         return self.lm_head(hidden).float()

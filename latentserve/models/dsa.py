@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from latentserve.attention.dsa.indexer import Indexer, IndexerConfig
+from latentserve.attention.dsa.kpool import PooledIndexer, kpool_width
 from latentserve.attention.dsa.layer import SparseMLAAttention
 from latentserve.attention.mla import MLAAttention
 from latentserve.config import AttentionConfig
@@ -30,6 +31,8 @@ class DSAConfig:
     # A learned logit per head in every softmax's denominator (Hunyuan V4): the layers then always attend through
     # the sparse path, which has a place for it (attention/dsa/sparse.py).
     attention_sinks: bool = False
+    # GLM-5 next: the indexers score pools of this many positions (attention/dsa/kpool.py); None: single positions.
+    index_kpool: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("index_topk", "index_n_heads", "index_head_dim"):
@@ -39,6 +42,18 @@ class DSAConfig:
         if not self.indexer_layers or not self.indexer_layers[0]:
             raise ValueError("config.json: the first layer shares the top-k of an earlier indexer layer, but there "
                              "is none (indexer_types must start with 'full')")
+        if self.index_kpool is not None:
+            kpool_width(self.index_topk, self.index_kpool)  # (checks them)
+
+    @property
+    def cache_dim(self) -> int:
+        """An indexer layer's cache row per position: its key, and with pools its gate scores."""
+        return self.index_head_dim * (1 if self.index_kpool is None else 2)
+
+    @property
+    def width(self) -> int:
+        """The most positions a token attends: top-k, or with pools top-k plus a tail."""
+        return self.index_topk if self.index_kpool is None else kpool_width(self.index_topk, self.index_kpool)
 
     def runs_indexer(self, layer_idx: int) -> bool:
         """Whether the layer runs its own indexer. MTP layers, stored after the main ones, do (DeepSeek-V3.2's has
@@ -59,8 +74,8 @@ def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: 
                             device=device)
     indexer = None
     if d.runs_indexer(layer_idx):
-        indexer = Indexer(IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim,
-                                        c.qk_rope_head_dim, d.index_topk, d.interleaved_rope, d.rope_tail,
-                                        d.k_norm_eps), c.rope)
-    return SparseMLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, d.index_topk, indexer,
+        ic = IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim, c.qk_rope_head_dim,
+                           d.width, d.interleaved_rope, d.rope_tail, d.k_norm_eps)
+        indexer = Indexer(ic, c.rope) if d.index_kpool is None else PooledIndexer(ic, c.rope, d.index_kpool)
+    return SparseMLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, d.width, indexer,
                               sinks=d.attention_sinks, kv_cache_dtype=dtype, device=device)

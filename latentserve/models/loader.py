@@ -360,6 +360,8 @@ def load_model(
     stored = config.quantization
     if isinstance(stored, PrequantizedConfig) and (quantization is None or quantization.method != stored.method):
         tensors = dequantized(tensors)
+    if dropped:  # a converted tensor may hold dropped parameters too (Mistral 4's experts, stored as one)
+        tensors = ((name, tensor) for name, tensor in tensors if param_name(name) not in dropped)
     load_weights(model, tensors, quantization, device)
     kernels = absorbed_kernels(quantization, device)
     for layer in model.static_forward_context.values():

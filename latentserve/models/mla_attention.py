@@ -21,6 +21,12 @@ def attention_layer_name(layer_idx: int) -> str:
     return f"model.layers.{layer_idx}.self_attn.attn"
 
 
+def scale_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
+    """q `[T, N, D]` times each token's multiplier (None: as it is). Before the rotation rather than after, as
+    transformers does: the rotation is linear."""
+    return q if q_scale is None else q * q_scale.to(q.dtype)[:, None, None]
+
+
 class DeepseekAttention(nn.Module):
     """The MLA projections (q, latent kv, rope, o_proj) around the paged attention core."""
 
@@ -33,6 +39,7 @@ class DeepseekAttention(nn.Module):
         static_ctx: StaticForwardContext,
         dtype: torch.dtype,
         device: torch.device | str,
+        name: str | None = None,  # its attention layer's (metadata and KV cache key); None: attention_layer_name
     ) -> None:
         super().__init__()
         c = config
@@ -54,14 +61,17 @@ class DeepseekAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
-        self.attn = attention_core(c, attention_layer_name(layer_idx), layer_idx, attn_config, static_ctx, dtype,
-                                   device)
+        self.attn = attention_core(c, attention_layer_name(layer_idx) if name is None else name, layer_idx,
+                                   attn_config, static_ctx, dtype, device)
 
     native_block = True  # the one-call decode block (attention_block.py) computes this module
 
-    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers."""
-        return self.o_proj(self.attend(cos, sin, hidden, *self.project_q(hidden)))
+    def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+                q_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers; q_scale `[T]`:
+        each token's query multiplier, where the model scales queries by position (Mistral 4)."""
+        q, q_resid = self.project_q(hidden)
+        return self.o_proj(self.attend(cos, sin, hidden, scale_queries(q, q_scale), q_resid))
 
     def project_q(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(queries `[T, N, qk_head_dim]`, q's LoRA residual or None)."""

@@ -100,7 +100,7 @@ def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
     tensor it reads by address)."""
     router, cfg = moe.gate, moe.gate.cfg
     bias = router.e_score_correction_bias
-    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous():
+    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous() or not cfg.native_routing:
         return None, []
     block = native.MoEBlock(
         hidden=router.weight.shape[1], experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok,

@@ -57,5 +57,5 @@ class _LayerMetadata(dict):
 
 
 def _context(builder: MLAMetadataBuilder, metadata, ubatch_id: int | None) -> ForwardContext:
-    layers = {name: metadata for name in builder.layer_names}
+    layers = {name: metadata for name in (*builder.layer_names, *builder.state_layer_names)}
     return ForwardContext(attn_metadata=layers if ubatch_id is None else _LayerMetadata(layers), ubatch_id=ubatch_id)

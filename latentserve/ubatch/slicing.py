@@ -35,11 +35,15 @@ def should_ubatch(
     return common.num_actual_tokens >= threshold
 
 
-def split_ubatches(common: CommonAttentionMetadata, decode_threshold: int) -> list[UBatchSlice]:
+def split_ubatches(
+    common: CommonAttentionMetadata, decode_threshold: int, whole_requests: bool = False
+) -> list[UBatchSlice] | None:
     """Two slices at the token midpoint; a request across it is in both, its tail continuing over its head.
 
     When the head part of that request would look like a decode behind prefills (breaking the
-    decodes-first order), the split moves to the request's start instead.
+    decodes-first order), the split moves to the request's start instead. With `whole_requests` (a hybrid model:
+    a request's linear-attention state must have one owner in a step) the split always falls between requests,
+    at the boundary nearest the midpoint; None where there is none (a single request).
     """
     num_tokens = common.num_actual_tokens
     if num_tokens < 2:
@@ -47,6 +51,12 @@ def split_ubatches(common: CommonAttentionMetadata, decode_threshold: int) -> li
     qsl = common.query_start_loc_cpu.tolist()
     context_lens = common.num_computed_tokens_cpu.tolist()
     mid = num_tokens // 2
+    if whole_requests:
+        if common.num_reqs < 2:
+            return None
+        r = min(range(1, common.num_reqs), key=lambda i: abs(qsl[i] - mid))
+        return [UBatchSlice(slice(0, r), slice(0, qsl[r])),
+                UBatchSlice(slice(r, common.num_reqs), slice(qsl[r], num_tokens))]
     r = next(i for i in range(common.num_reqs) if qsl[i] <= mid < qsl[i + 1])
     if qsl[r] < mid:
         head = mid - qsl[r]
@@ -80,5 +90,6 @@ def slice_common_metadata(common: CommonAttentionMetadata, ubatch_slice: UBatchS
         common.block_table[r0:r1],
         common.slot_mapping[t0:t1],
         device=common.query_start_loc.device,
+        state_slots=None if common.state_slots_cpu is None else common.state_slots_cpu[r0:r1].tolist(),
     )
 

@@ -61,7 +61,7 @@ def make_layers(attn_config: AttentionConfig, topk: int, indexers: list[Indexer 
 
 
 def builders(layers, static_ctx, attn_config: AttentionConfig, n: int = 1) -> list[MLAMetadataBuilder]:
-    return [MLAMetadataBuilder([l.layer_name for l in layers], static_ctx, MLA, attn_config, "cpu", i) for i in range(n)]
+    return [MLAMetadataBuilder([l.layer_name for l in layers], static_ctx, attn_config, "cpu", i) for i in range(n)]
 
 
 @dataclass

@@ -45,19 +45,21 @@ class Batch:
 
 def make_layer(
     attn_config: AttentionConfig, kv_cache_dtype: torch.dtype = torch.float32, name: str = "layer.0",
-    static_ctx: StaticForwardContext | None = None, seed: int = 0,
+    static_ctx: StaticForwardContext | None = None, seed: int = 0, mla: MLAConfig = MLA, scale: float = SCALE,
+    sliding_window: int | None = None,
 ) -> MLAAttention:
     static_ctx = StaticForwardContext() if static_ctx is None else static_ctx
-    layer = MLAAttention(name, MLA, SCALE, attn_config, static_ctx, kv_cache_dtype=kv_cache_dtype)
+    layer = MLAAttention(name, mla, scale, attn_config, static_ctx, kv_cache_dtype=kv_cache_dtype,
+                         sliding_window=sliding_window)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=g) / MLA.kv_lora_rank**0.5)
+        layer.kv_b_proj.weight.copy_(torch.randn(layer.kv_b_proj.weight.shape, generator=g) / mla.kv_lora_rank**0.5)
     layer.process_weights_after_loading()
     return layer
 
 
 def make_batch(
-    requests: list[Request], cache: torch.Tensor, block_size: int, seed: int = 0
+    requests: list[Request], cache: torch.Tensor, block_size: int, seed: int = 0, mla: MLAConfig = MLA
 ) -> Batch:
     """Fill the cache (NaN everywhere unused) with each request's context in randomly permuted blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -71,12 +73,12 @@ def make_batch(
     for i, nb in enumerate(blocks_needed):
         block_table[i, :nb] = perm[offset : offset + nb]
         offset += nb
-    return fill_batch(requests, cache, block_table, block_size, g)
+    return fill_batch(requests, cache, block_table, block_size, g, mla=mla)
 
 
 def fill_batch(
     requests: list[Request], cache: torch.Tensor, block_table: torch.Tensor, block_size: int, g: torch.Generator,
-    write_new: bool = False,
+    write_new: bool = False, mla: MLAConfig = MLA,
 ) -> Batch:
     """Random latents, rope keys and queries for each request, its context stored at the slots `block_table` gives
     (NaN everywhere else); `write_new` also stores the new tokens' rows, as the layer does before a decode backend."""
@@ -84,8 +86,8 @@ def fill_batch(
     flat = cache.view(-1, cache.shape[-1])
     c_all, pe_all, q_all, slots = [], [], [], []
     for i, r in enumerate(requests):
-        c = torch.randn(r.seq_len, MLA.kv_lora_rank, generator=g)
-        k_pe = torch.randn(r.seq_len, MLA.qk_rope_head_dim, generator=g)
+        c = torch.randn(r.seq_len, mla.kv_lora_rank, generator=g)
+        k_pe = torch.randn(r.seq_len, mla.qk_rope_head_dim, generator=g)
         positions = torch.arange(r.seq_len)
         req_slots = block_table[i, positions // block_size].long() * block_size + positions % block_size
         written = r.seq_len if write_new else r.context_len
@@ -93,7 +95,7 @@ def fill_batch(
         slots.append(req_slots[r.context_len :])
         c_all.append(c)
         pe_all.append(k_pe)
-        q_all.append(torch.randn(r.query_len, MLA.num_heads, MLA.qk_head_dim, generator=g))
+        q_all.append(torch.randn(r.query_len, mla.num_heads, mla.qk_head_dim, generator=g))
     common = CommonAttentionMetadata.from_lists(
         [r.query_len for r in requests], [r.seq_len for r in requests], block_table, torch.cat(slots)
     )
@@ -101,20 +103,25 @@ def fill_batch(
 
 
 def naive_mla(layer: MLAAttention, batch: Batch, cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per request: decompress every position, attend with mask [ones(context) | tril(new)], in fp32."""
-    w = layer.kv_b_proj.weight.detach().float().view(MLA.num_heads, MLA.qk_nope_head_dim + MLA.v_head_dim, -1)
+    """Per request: decompress every position, attend with mask [ones(context) | tril(new)], in fp32; with the
+    layer's sliding window W, query position p sees key positions p-W+1..p only."""
+    m = layer.mla
+    w = layer.kv_b_proj.weight.detach().float().view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, -1)
     outs = []
     for r, c, k_pe, q in zip(batch.requests, batch.c, batch.k_pe, batch.q):
         # What the cache holds is what attention sees: round through the cache dtype.
         c = c.to(cache_dtype).float()
         k_pe = k_pe.to(cache_dtype).float()
         kv = torch.einsum("sl,nhl->snh", c, w)
-        k = torch.cat([kv[..., : MLA.qk_nope_head_dim], k_pe[:, None, :].expand(-1, MLA.num_heads, -1)], -1)
-        v = kv[..., MLA.qk_nope_head_dim :]
+        k = torch.cat([kv[..., : m.qk_nope_head_dim], k_pe[:, None, :].expand(-1, m.num_heads, -1)], -1)
+        v = kv[..., m.qk_nope_head_dim :]
         mask = torch.cat(
             [torch.ones(r.query_len, r.context_len), torch.ones(r.query_len, r.query_len).tril()], dim=1
         ).bool()
-        scores = torch.einsum("qnd,snd->nqs", q.float(), k) * SCALE
+        if layer.sliding_window is not None:
+            behind = torch.arange(r.context_len, r.seq_len)[:, None] - torch.arange(r.seq_len)[None, :]
+            mask &= behind < layer.sliding_window
+        scores = torch.einsum("qnd,snd->nqs", q.float(), k) * layer.scale
         scores = scores.masked_fill(~mask, float("-inf"))
         outs.append(torch.einsum("nqs,snv->qnv", scores.softmax(-1), v).flatten(1))
     return torch.cat(outs)
@@ -132,5 +139,5 @@ def setup(
     static_ctx = StaticForwardContext()
     layer = make_layer(attn_config, kv_cache_dtype, static_ctx=static_ctx)
     caches = allocate_kv_caches(static_ctx, num_blocks, attn_config.block_size, kv_cache_dtype)
-    builder = MLAMetadataBuilder([layer.layer_name], static_ctx, MLA, attn_config)
+    builder = MLAMetadataBuilder([layer.layer_name], static_ctx, attn_config)
     return layer, builder, caches[layer.layer_name]

@@ -87,6 +87,6 @@ def test_sdpa_widens_v_over_its_row_without_reading_it():
     row[..., :24] = float("nan")  # whatever lies left of v stays out of the kept columns
     backend = TorchSDPAPrefillBackend(3, 24**-0.5, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                       v_head_dim=16)
-    out, lse = backend._attend(q, k, v, causal=True)
+    out, lse = backend._attend(q, k, v, causal=True, distance=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(lse).all()

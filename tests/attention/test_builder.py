@@ -18,7 +18,7 @@ def test_split_and_rebased_prefill_metadata():
     assert md.prefill.query_start_loc_cpu == [0, 4, 7]
     assert md.prefill.context_lens_cpu == [0, 6]
     assert md.decode.seq_lens.tolist() == [6, 4]
-    assert md.prefill.backend is builder.prefill_backend
+    assert md.prefill.backends is builder.prefill_backends
 
 
 def test_unordered_batch_is_a_clear_error_and_reorder_fixes_it():

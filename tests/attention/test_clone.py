@@ -43,15 +43,16 @@ def test_clone_does_not_copy_prepared_state_or_owner():
     config = AttentionConfig(block_size=4)
     layer, builder, cache = setup(config, 16)
     builder.build(make_batch([Request(0, 5)], cache, 4).common)
-    clone = builder.prefill_backend.clone()
+    clone = builder.prefill_backends[layer.layer_name].clone()
     assert clone._prefill_metadata is None and clone._owner is None
 
 
 def test_each_builder_owns_its_own_backend():
     config = AttentionConfig(block_size=4)
     layer, builder0, _ = setup(config, 16)
-    builder1 = MLAMetadataBuilder([layer.layer_name], {layer.layer_name: layer}, MLA, config, builder_id=1)
-    backends = {id(layer.prefill_backend), id(builder0.prefill_backend), id(builder1.prefill_backend)}
+    builder1 = MLAMetadataBuilder([layer.layer_name], {layer.layer_name: layer}, config, builder_id=1)
+    name = layer.layer_name
+    backends = {id(layer.prefill_backend), id(builder0.prefill_backends[name]), id(builder1.prefill_backends[name])}
     assert len(backends) == 3
 
 
@@ -61,7 +62,7 @@ def test_second_owner_is_refused_in_debug_mode(monkeypatch):
     config = AttentionConfig(block_size=4)
     layer, _, _ = setup(config, 16)
     with pytest.raises(OwnershipError, match="already owned"):
-        MLAMetadataBuilder([layer.layer_name], {layer.layer_name: layer}, MLA, config, builder_id=1)
+        MLAMetadataBuilder([layer.layer_name], {layer.layer_name: layer}, config, builder_id=1)
 
 
 def test_forward_with_metadata_prepared_for_another_batch_raises():
@@ -70,5 +71,5 @@ def test_forward_with_metadata_prepared_for_another_batch_raises():
     first = builder.build(make_batch([Request(0, 5)], cache, 4, seed=1).common)
     builder.build(make_batch([Request(0, 3), Request(0, 2)], cache, 4, seed=2).common)
     with pytest.raises(OwnershipError, match="prepared for another batch"):
-        first.prefill.backend.check_prepared_for(first.prefill)
+        first.prefill.backends[layer.layer_name].check_prepared_for(first.prefill)
     assert torch.is_tensor(first.slot_mapping)

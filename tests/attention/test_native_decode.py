@@ -120,9 +120,9 @@ def test_selector_prefers_native_on_cpu_and_falls_back_without_the_kernels(monke
 def test_refuses_what_it_cannot_read():
     backend = NativeMQADecodeBackend(4, 0.1, 32, 8)
     md = _decode_metadata([1], [5], torch.zeros(1, 1, dtype=torch.int32))
-    with pytest.raises(ValueError, match="float32 or bfloat16 q"):
+    with pytest.raises(ValueError, match=r"q must be a CPU tensor, contiguous float32 or bfloat16"):
         backend.forward(torch.zeros(1, 4, 40, dtype=torch.float16), torch.zeros(2, 16, 40), md)
-    with pytest.raises(ValueError, match="rows of 40"):
+    with pytest.raises(ValueError, match=r"kv_cache must be a CPU tensor, contiguous float32 or bfloat16 \[\*, \*, 40\]"):
         backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
 
 

@@ -45,9 +45,9 @@ def test_prologue_refuses_what_it_cannot_read():
     q, kv, w = torch.randn(1, 2, 48), torch.randn(1, 72), torch.randn(40)
     cos = sin = torch.ones(1, 32)
     cache = torch.zeros(2, 4, 72)
-    with pytest.raises(ValueError, match="in kv's dtype"):
+    with pytest.raises(ValueError, match="q must be a CPU tensor, contiguous float32 "):
         native.mla_prologue(kernels(ISAS[0]), q.bfloat16(), kv, w, 1e-6, cos, sin, "neox", cache, torch.zeros(1).long())
     with pytest.raises(ValueError, match="rope style must be one of"):
         native.mla_prologue(kernels(ISAS[0]), q, kv, w, 1e-6, cos, sin, "yarn", cache, torch.zeros(1).long())
-    with pytest.raises(ValueError, match="int64 slots"):
+    with pytest.raises(ValueError, match="slot_mapping must be a CPU tensor, contiguous int64"):
         native.mla_prologue(kernels(ISAS[0]), q, kv, w, 1e-6, cos, sin, "neox", cache, torch.zeros(1).int())

@@ -2,6 +2,7 @@
 survive chunked prefill and prefix caching (keys read back from the indexer cache), and bf16 stays close."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from latentserve import SamplingParams
@@ -9,6 +10,11 @@ from tests.models.arch_harness import GREEDY, PROMPTS, ArchSuite, llm, prompt_lo
 
 
 class DSASuite(ArchSuite):
+    def test_batch_invariant_mode(self, checkpoint) -> None:
+        """The indexer and sparse attention batch tokens together: batch-invariant mode refuses DSA, naming it."""
+        with pytest.raises(ValueError, match="DeepSeek Sparse Attention"):
+            llm(checkpoint, batch_invariant=True)
+
     def test_topk_is_below_the_prompts(self) -> None:
         assert self.case.config["index_topk"] < max(len(p) for p in PROMPTS)
 

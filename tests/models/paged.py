@@ -22,7 +22,7 @@ class PagedRunner:
         for cache in caches.values():
             cache.fill_(float("nan"))  # a read of a slot nobody wrote poisons the output
         self.builder = MLAMetadataBuilder(
-            model.attention_layer_names, model.static_forward_context, model.mla_config, attn_config
+            model.attention_layer_names, model.static_forward_context, attn_config
         )
         # Hand out blocks in a scrambled order so that no request's blocks are contiguous.
         self.free_blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()

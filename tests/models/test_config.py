@@ -186,3 +186,9 @@ def test_model_type_picks_the_adapter_where_architectures_are_shared() -> None:
     assert config.rope.rope_type == "yarn" and config.rope.factor == 4.0
     with pytest.raises(ValueError, match="model_type 'deepseek_v2' needs"):
         ModelConfig.from_dict({**LEGACY_V3, "model_type": "deepseek_v2"})
+
+
+def test_kimi_k2_is_deepseek_v3_under_its_own_model_type() -> None:
+    config = ModelConfig.from_dict({**LEGACY_V3, "model_type": "kimi_k2"})
+    v3 = ModelConfig.from_dict(LEGACY_V3)
+    assert config.model_type == "kimi_k2" and config.routing == v3.routing and config.rope_style == v3.rope_style

@@ -60,7 +60,7 @@ class Stack(nn.Module):
 
     def builders(self, n: int) -> list[MLAMetadataBuilder]:
         return [
-            MLAMetadataBuilder(self.layer_names, self.static_ctx, MLA, self.attn_config, builder_id=i) for i in range(n)
+            MLAMetadataBuilder(self.layer_names, self.static_ctx, self.attn_config, builder_id=i) for i in range(n)
         ]
 
 

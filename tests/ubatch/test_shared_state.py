@@ -34,11 +34,12 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 def shared_per_batch_state(builders, metadata) -> list[str]:
     """What two ubatches' builders (and the metadata they built) share that belongs to one batch."""
     (b0, b1), (m0, m1) = builders, metadata
+    p0, p1 = (next(iter(b.prefill_backends.values())) for b in builders)  # the stack's layers share one shape
     shared = [
         what
         for what, x, y in [
-            ("prefill backend", b0.prefill_backend, b1.prefill_backend),
-            ("prepared metadata", b0.prefill_backend._prefill_metadata, b1.prefill_backend._prefill_metadata),
+            ("prefill backend", p0, p1),
+            ("prepared metadata", p0._prefill_metadata, p1._prefill_metadata),
             ("prefill metadata", m0.prefill, m1.prefill),
             ("context plan", m0.prefill.chunked_context, m1.prefill.chunked_context),
         ]
@@ -46,7 +47,7 @@ def shared_per_batch_state(builders, metadata) -> list[str]:
     ]
     # Every tensor a builder, its backend, its metadata or its plan holds, by the memory it spans: two views of
     # one buffer count if they overlap (the ubatches' disjoint views of the step's inputs do not).
-    owners = [(b0, b1), (b0.prefill_backend, b1.prefill_backend), (m0, m1), (m0.prefill, m1.prefill),
+    owners = [(b0, b1), (p0, p1), (m0, m1), (m0.prefill, m1.prefill),
               (m0.prefill.chunked_context, m1.prefill.chunked_context)]
     spans1 = [_span(t) for _, o1 in owners for t in _tensors(o1).values() if t.numel()]
     for o0, _ in owners:

@@ -55,3 +55,15 @@ def test_bad_slices_are_refused():
         slice_common_metadata(common, UBatchSlice(slice(1, 2), slice(0, 6)))
     with pytest.raises(ValueError, match="cannot split"):
         split_ubatches(_common([1], [1]), 1)
+
+
+def test_whole_requests_split_between_requests_nearest_the_midpoint():
+    """Hybrid models: a request's linear-attention state has one owner per step, so no request is in both."""
+    common = _common([3, 10, 2, 5], [3, 10, 2, 5])  # 20 tokens, midpoint 10, boundaries at 3, 13, 15
+    common.state_slots_cpu = torch.tensor([7, 2, 5, 0])
+    s0, s1 = split_ubatches(common, 1, whole_requests=True)
+    assert (s0.request_slice, s0.token_slice) == (slice(0, 2), slice(0, 13))
+    assert (s1.request_slice, s1.token_slice) == (slice(2, 4), slice(13, 20))
+    assert slice_common_metadata(common, s0).state_slots_cpu.tolist() == [7, 2]
+    assert slice_common_metadata(common, s1).state_slots_cpu.tolist() == [5, 0]
+    assert split_ubatches(_common([9], [9]), 1, whole_requests=True) is None  # one request: nothing to split

@@ -31,8 +31,9 @@ class NativeMQADecodeBackend(MLADecodeBackend):
     def is_available(cls) -> bool:
         return native.native_kernels(cpu_features())[0] is not None
 
-    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None):
-        super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None,
+                 sliding_window: int | None = None):
+        super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config, sliding_window)
         self.kernels = native.native_kernels(cpu_features())[0]
         self.paged = PagedMQADecodeBackend(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
 

@@ -87,8 +87,9 @@ class PagedMQADecodeBackend(MLADecodeBackend):
     # (bf16 and fp32, 16 heads x (256 + 32)); the copy saved in place wins only for a lone request.
     max_in_place_requests: int = 1
 
-    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None):
-        super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
+    def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None,
+                 sliding_window: int | None = None):
+        super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config, sliding_window)
         # For the requests with nothing to read in place.
         self.batched = TorchMQADecodeBackend(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
 

@@ -9,6 +9,8 @@ from latentserve.attention.metadata import MLADecodeMetadata
 
 
 class ReferenceDecodeBackend(MLADecodeBackend):
+    supports_sliding_window = True
+
     @classmethod
     def get_name(cls) -> str:
         return "REFERENCE"
@@ -21,7 +23,8 @@ class ReferenceDecodeBackend(MLADecodeBackend):
             q_len = qsl[r + 1] - qsl[r]
             for j in range(q_len):
                 visible = seq_len - q_len + j + 1
-                positions = torch.arange(visible, device=q.device)
+                first = 0 if self.sliding_window is None else max(0, visible - self.sliding_window)
+                positions = torch.arange(first, visible, device=q.device)
                 rows = flat[slots_for_positions(metadata.block_table[r], positions, kv_cache.shape[1])].float()
                 scores = q[qsl[r] + j].float() @ rows.T * self.scale
                 out[qsl[r] + j] = (torch.softmax(scores, dim=-1) @ rows[:, : self.kv_lora_rank]).to(q.dtype)

@@ -32,6 +32,8 @@ class TorchPlan:
 
 
 class TorchMQADecodeBackend(MLADecodeBackend):
+    supports_sliding_window = True
+
     @classmethod
     def get_name(cls) -> str:
         return "TORCH"
@@ -66,6 +68,10 @@ class TorchMQADecodeBackend(MLADecodeBackend):
             return self._forward_multi_token(q, kv, values, group, metadata)
         scores = torch.bmm(q * self.scale, kv.transpose(1, 2))  # [R, N, S]; scaling q costs less than the scores
         scores[:, :, group.first :].masked_fill_(group.past_end[:, None, :], float("-inf"))
+        if self.sliding_window is not None:
+            positions = torch.arange(kv.shape[1], device=q.device)
+            behind = positions[None, :] <= group.seq_lens[:, None] - 1 - self.sliding_window
+            scores.masked_fill_(behind[:, None, :], float("-inf"))
         return torch.bmm(torch.softmax(scores, dim=-1), values)[..., : self.kv_lora_rank]
 
     def _forward_multi_token(
@@ -83,6 +89,9 @@ class TorchMQADecodeBackend(MLADecodeBackend):
         last_key = (group.seq_lens - query_lens)[:, None] + torch.arange(metadata.max_query_len, device=q.device)[None, :]
         positions = torch.arange(kv.shape[1], device=q.device)
         scores.masked_fill_(positions[None, None, None, :] > last_key[:, :, None, None], float("-inf"))
+        if self.sliding_window is not None:
+            behind = positions[None, None, None, :] <= last_key[:, :, None, None] - self.sliding_window
+            scores.masked_fill_(behind, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(num_reqs, width, -1)
         out = torch.bmm(probs, values)[..., : self.kv_lora_rank]
         return out.reshape(num_reqs, metadata.max_query_len, q.shape[1], -1)[req_idx, col_idx]

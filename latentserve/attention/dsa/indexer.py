@@ -61,7 +61,14 @@ class Indexer(nn.Module):
         # fp32 whatever the model dtype, as the checkpoints keep it (its weights decide the ranking).
         self.weights_proj = Linear(c.hidden_size, c.n_heads, bias=False, dtype=torch.float32)
         # Only its rotate() is used, on the model's cos/sin: the indexer's layout, the model's angles.
-        self.rotary = RotaryEmbedding(c.rope_dim, rope, "interleave" if c.interleaved_rope else "neox")
+        # None: no RoPE (GLM-5 next's NoPE layers).
+        self.rotary = RotaryEmbedding(c.rope_dim, rope, "interleave" if c.interleaved_rope else "neox") if c.rope_dim \
+            else None
+
+    @property
+    def cache_dim(self) -> int:
+        """Its cache row per position: the key."""
+        return self.config.head_dim
 
     def forward(self, x: IndexerInputs, cache: torch.Tensor, slot_mapping: torch.Tensor,
                 md: DSAMetadata) -> torch.Tensor | None:
@@ -89,6 +96,8 @@ class Indexer(nn.Module):
 
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c = self.config
+        if self.rotary is None:
+            return t
         if c.rope_tail:
             rest, rot = t.split([c.head_dim - c.rope_dim, c.rope_dim], dim=-1)
             return torch.cat([rest, self.rotary.rotate(rot, cos, sin)], dim=-1)

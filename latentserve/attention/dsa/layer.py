@@ -33,7 +33,7 @@ class SparseMLAAttention(MLAAttention):
         self.index_topk = index_topk
         self.indexer = indexer
         if indexer is not None:
-            self.extra_cache_dims = {INDEXER_CACHE: indexer.config.head_dim}
+            self.extra_cache_dims = {INDEXER_CACHE: indexer.cache_dim}
         # Learned per-head sink logits (fp32, as the checkpoints keep them); None: none.
         self.sinks = nn.Parameter(torch.zeros(mla.num_heads, dtype=torch.float32, device=device)) if sinks else None
 

@@ -37,7 +37,10 @@ class MLAPrefillBackend(BackendCapabilities, ABC):
         qk_rope_head_dim: int,
         v_head_dim: int,
         config: Any = None,
+        sliding_window: int | None = None,
     ) -> None:
+        if sliding_window is not None and not self.supports_sliding_window:
+            raise ValueError(f"{self.get_name()} does not support sliding-window attention")
         self.num_heads = num_heads
         self.scale = scale
         self.kv_lora_rank = kv_lora_rank
@@ -45,6 +48,7 @@ class MLAPrefillBackend(BackendCapabilities, ABC):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
         self.config = config
+        self.sliding_window = sliding_window
         self._prefill_metadata: MLAPrefillMetadata | None = None
         self._owner: object | None = None
 
@@ -52,6 +56,11 @@ class MLAPrefillBackend(BackendCapabilities, ABC):
         """A fresh instance of the same class and settings, sharing no per-batch state."""
         args, kwargs = self._init_args
         return type(self)(*args, **kwargs)
+
+    def settings_key(self) -> tuple:
+        """Equal for instances built with equal settings: their clones are interchangeable."""
+        args, kwargs = self._init_args
+        return type(self), args, tuple(sorted(kwargs.items()))
 
     @property
     def debug(self) -> bool:

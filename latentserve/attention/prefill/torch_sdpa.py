@@ -4,15 +4,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from latentserve.attention.prefill.varlen import VarlenPrefillBackend
+from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.prefill.varlen import VarlenPrefillBackend, hidden_keys
 
 
-def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
-    """q, k, v `[1, N, S, D]` with one head dim -> out `[1, N, Sq, D]`, lse `[1, N, Sq]`."""
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                    hidden: torch.Tensor | None = None):
+    """q, k, v `[1, N, S, D]` with one head dim -> out `[1, N, Sq, D]`, lse `[1, N, Sq]`; `hidden` `[Sq, Sk]`: keys
+    masked out (CPU only)."""
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if hidden is None:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                            scale=scale)
+    # The kernel gives a query that sees no key output 0 but lse 0; the merge needs -inf there.
+    return out, lse.masked_fill(hidden.all(-1), float("-inf"))
 
 
 def _widen(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
@@ -31,15 +40,31 @@ def _widen(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
 
 class TorchSDPAPrefillBackend(VarlenPrefillBackend):
     supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supports_sliding_window = True
+
+    @classmethod
+    def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:
+        reasons = super().validate_configuration(device, selector_config)
+        if selector_config.sliding_window is not None and torch.device(device).type != "cpu":
+            reasons.append("TORCH_SDPA masks a sliding window on the CPU only (the CUDA flash kernel takes no mask)")
+        c = selector_config
+        if c.v_head_dim > c.qk_nope_head_dim + c.qk_rope_head_dim:
+            # The kernel takes one head dim: v is widened to q's, never q narrowed to v's.
+            reasons.append(f"TORCH_SDPA needs v_head_dim ({c.v_head_dim}) <= the query head dim "
+                           f"({c.qk_nope_head_dim + c.qk_rope_head_dim})")
+        return reasons
 
     @classmethod
     def get_name(cls) -> str:
         return "TORCH_SDPA"
 
-    def _attend(self, q, k, v, causal):
+    def _attend(self, q, k, v, causal, distance):
         if causal and q.shape[0] != k.shape[0]:
             raise ValueError(f"causal prefill needs as many keys as queries, got {q.shape[0]} and {k.shape[0]}")
         v, first = _widen(v, q.shape[-1])
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        out, lse = _flash_with_lse(qh, kh, vh, causal, self.scale)
+        hidden = None
+        if self.sliding_window is not None:
+            hidden = hidden_keys(q.shape[0], k.shape[0], distance, causal, self.sliding_window, q.device)
+        out, lse = _flash_with_lse(qh, kh, vh, causal, self.scale, hidden)
         return out[0].transpose(0, 1)[..., first:], lse[0].transpose(0, 1).float()

@@ -59,7 +59,7 @@ class MTPProposer:
             mtp.static_forward_context, num_blocks, attn_config.block_size, kv_cache_dtype, device
         )
         self.builder = MLAMetadataBuilder(
-            mtp.attention_layer_names, mtp.static_forward_context, mtp.mla_config, attn_config, device
+            mtp.attention_layer_names, mtp.static_forward_context, attn_config, device
         )
 
     @torch.no_grad()

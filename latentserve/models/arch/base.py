@@ -34,7 +34,8 @@ class Architecture:
     defaults: Mapping[str, Any] = V3_DEFAULTS
 
     def normalize(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """config.json as the generic parser reads it: this family's legacy spellings rewritten."""
+        """config.json as the generic parser reads it: this family's own field names, legacy spellings or wrapper
+        (Kimi-K2.5's text_config) mapped onto DeepSeek's fields, and fields it does not have dropped."""
         return raw
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:

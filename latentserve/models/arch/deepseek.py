@@ -21,5 +21,12 @@ class DeepseekV2(Architecture):
 class DeepseekV3(Architecture):
     model_type = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
-    summary = "DeepSeek-V3, R1, Kimi-K2: sigmoid routing with correction bias and groups, FP8 checkpoints, MTP"
+    summary = "DeepSeek-V3, R1: sigmoid routing with correction bias and groups, FP8 checkpoints, MTP"
     # transformers' V3 MLP has no bias whatever the config says: the base adapter's `fields`.
+
+
+class KimiK2(DeepseekV3):
+    """Kimi-K2 as published: DeepSeek-V3 under its own model_type."""
+
+    model_type = "kimi_k2"
+    summary = "Kimi-K2: DeepSeek-V3 under its own model_type"

@@ -14,5 +14,5 @@ class Glm4MoeLite(Architecture):
     summary = "GLM-4.7-Flash: DeepSeek-V3 with listed dense/sparse layers, v_head_dim > qk_nope_head_dim"
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
-        return {**super().fields(f, parsed),
+        return {**super().fields(f, parsed), "rms_norm_eps": f.float("rms_norm_eps", 1e-5),
                 "mlp_layer_types": mlp_layer_types(f, parsed["num_hidden_layers"], first_dense=1)}

@@ -1,0 +1,91 @@
+"""Numerics the kernels owe their callers, for each build this machine runs: NaNs stay NaNs (int8 activations, bf16
+rounding), int8 weights of -128 multiply right on AVX2, and stacked experts do not depend on the thread count."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from latentserve.kernels import native
+from latentserve.layers.quant.int4 import quantize_int4
+from latentserve.layers.quant.int8 import int8_gemm, quantize_int8
+from tests.kernels.builds import ISAS, kernels, needs_a_build
+
+pytestmark = needs_a_build
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_int8_activations_keep_a_nan_row_nan(isa, bad):
+    """vmax and fmaxf drop NaN: the row's scale came out finite and NaN quantized to 0, a finite result where
+    torch's int8 path gives NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, scale = quantize_int8(torch.randn(24, 100, generator=g))
+    x = torch.randn(3, 100, generator=g)
+    x[1, 37] = bad  # column 37: in a vector; 99: in the scalar tail
+    x[2, 99] = bad
+    got = native.int8_linear(kernels(isa), x, q, scale, q.sum(dim=1, dtype=torch.int32))
+    assert torch.equal(got.isnan(), int8_gemm(x, q, scale).isnan())
+    assert got[1:].isnan().all() and not got[0].isnan().any()
+    torch.testing.assert_close(got[0], int8_gemm(x[:1], q, scale)[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_activations_keep_a_nan_row_nan(isa):
+    g = torch.Generator().manual_seed(1)
+    q, scale, minimum = quantize_int4(torch.randn(16, 128, generator=g), 64)
+    x = torch.randn(2, 128, generator=g)
+    x[1, 5] = float("nan")
+    got = native.int4_linear(kernels(isa), x, native.pack_int4(q, scale, minimum), 64, 16)
+    assert got[1].isnan().all() and not got[0].isnan().any()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_weights_of_minus_128_multiply_right(isa):
+    """AVX2's vpsignb negated a -128 weight to -128 (off by 256 |x| a product); the quantizer here never writes
+    -128, a checkpoint's int8 weights may."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-128, 128, (32, 96), dtype=torch.int8, generator=g)
+    q[:, :40] = -128
+    scale = torch.rand(32, generator=g) + 0.5
+    qsum = q.sum(dim=1, dtype=torch.int32)
+    x = torch.randn(3, 96, generator=g)
+    xs = x.abs().amax(dim=1, keepdim=True) / 127
+    expected = (torch.div(x, xs).round().double() @ q.double().t()) * xs.double() * scale.double()
+    got = native.int8_linear(kernels(isa), x, q, scale, qsum)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
+    lanes = native.int8_heads_lanes(kernels(isa), x[:, None], native.int8_lanes(q[None]), scale, qsum)[:, 0]
+    torch.testing.assert_close(lanes.double(), expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rounding_keeps_nan_a_nan(isa):
+    """0x7fffffff rounded to nearest even carried into the sign bit: -0.0."""
+    x = torch.ones(1, 32)
+    x[0, 3] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    got = native.dense_linear(kernels(isa), x, torch.ones(4, 32), torch.bfloat16)
+    assert got.isnan().all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_stacked_experts_do_not_depend_on_the_thread_count(isa, dtype, tokens):
+    """The down projections were split by rows among the threads and each thread's partial sums added: the result
+    moved with the thread count (~1e-3). Columns are split now; every sum runs in the same order."""
+    g = torch.Generator().manual_seed(tokens)
+    inter, k = 160, 96  # a tail of columns past the last unit of 32, rows enough for three threads' shares
+    w13 = (torch.randn(4, 2 * inter, k, generator=g) * 0.2).to(dtype)
+    w2t = (torch.randn(4, inter, k, generator=g) * 0.2).to(dtype)
+    shared = tuple((torch.randn(inter, k, generator=g) * 0.2).to(dtype) for _ in range(3))
+    x = (torch.randn(tokens, k, generator=g) * 2).to(dtype)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(native.stacked_experts(kernels(isa), x, w13, w2t, 0, ids, weights, shared))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
