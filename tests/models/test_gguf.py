@@ -83,6 +83,28 @@ def test_split_gguf_loads_as_one(tmp_path):
         load_model(tmp_path / parts[0])
 
 
+def test_read_tensors_parses_each_file_once(tmp_path, monkeypatch):
+    """Parsing a GGUF reads all its metadata (a real vocabulary's 100k strings: seconds), so each part once."""
+    from gguf import GGUFReader
+
+    src = make_checkpoint(tmp_path, "v2_lite")
+    write_gguf(src, tmp_path / "one.gguf")
+    write_gguf(src, tmp_path / "split.gguf", split_max_tensors=20)
+    parts = sorted(p.name for p in tmp_path.glob("split-*.gguf"))
+    expected = dict(read_tensors(model_folder(tmp_path / "one.gguf"), lambda name: True))
+    folder = model_folder(tmp_path / parts[0])
+    parsed = []
+
+    def counting_reader(path):
+        parsed.append(path.name)
+        return GGUFReader(path)
+
+    monkeypatch.setattr(gguf_format, "GGUFReader", counting_reader)
+    read = dict(read_tensors(folder, lambda name: True))
+    assert sorted(parsed) == parts
+    assert read.keys() == expected.keys() and all(torch.equal(read[n], expected[n]) for n in read)
+
+
 # Big enough for K-quants (256 values a row): every type on some weight.
 SHAPES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256)
 TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q6_K), (r"attn_output", T.Q4_0),
