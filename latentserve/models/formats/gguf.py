@@ -15,6 +15,7 @@ channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are 
 The load log counts each."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -296,6 +297,7 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     for file in files:
         reader = readers.pop(0)  # this file's reader dropped once its tensors are read: unmapped
         for tensor in reader.tensors:
+            release_freed_heap()  # what unpacking the last tensor freed
             match = _BLOCK.match(tensor.name)
             part = match[2] if match else None
             if part in (_K_B, _V_B) and match[1] in whole_kv_b:
@@ -321,5 +323,15 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     if halves:
         name, pair = next(iter(halves.items()))
         raise ValueError(f"GGUF has {sorted(pair)} but not both attn_k_b and attn_v_b for {name}")
+    release_freed_heap()
     if stats.repacked or stats.requantized or stats.dequantized:
         stats.log(files[0].name)
+
+
+def release_freed_heap() -> None:
+    """Hand glibc's freed heap pages back to the system. Unpacking a GGUF tensor makes numpy temporaries of a few MiB
+    each, which glibc frees into its heap and keeps: on a 1.4 GiB Q4_K_M file, 3.3 GiB of the process's RSS after
+    the load. Elsewhere than glibc (no malloc_trim) nothing is done."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
