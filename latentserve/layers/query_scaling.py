@@ -15,3 +15,19 @@ class Llama4QueryScaling(nn.Module):
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions `[T]` -> fp32 multipliers `[T]`, computed as transformers does."""
         return 1 + self.beta * torch.log(1 + torch.floor(positions / self.original))
+
+
+class LogPositionQueryScaling(nn.Module):
+    """Mistral Large 4's learned query scaling: head h's query at position p times scale[h] * log(p + 1) + bias[h],
+    one pair of learned numbers per head and layer (checkpoint: `self_attn.softmax_scaling.{scale,bias}`)."""
+
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(num_heads))
+        self.bias = nn.Parameter(torch.zeros(num_heads))
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions `[T]` -> multipliers `[T, num_heads]` in the parameters' dtype, as transformers computes them
+        (the log in fp32 so that large positions do not overflow, then the query's dtype)."""
+        log_pos = (positions + 1).float().log().to(self.scale.dtype)
+        return self.scale * log_pos[:, None] + self.bias

@@ -9,6 +9,7 @@ from typing import Any
 
 from latentserve.config import LinearAttentionConfig, MLAConfig
 from latentserve.layers.hyper_connection import HyperConnectionConfig
+from latentserve.layers.logit_softcap import check_softcap
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
 from latentserve.layers.moe import RoutingConfig
@@ -78,6 +79,11 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
     head_output_gate: bool = False  # Ling: a sigmoid gate per head on the attention output, from the layer's input
+    # Mistral Large 4: logits become cap * tanh(logits / cap) (layers/logit_softcap.py); None: not capped
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        check_softcap(self.final_logit_softcapping)
 
     @property
     def num_attention_layers(self) -> int:

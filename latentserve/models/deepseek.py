@@ -20,6 +20,7 @@ from latentserve.layers.embedding import ScaledEmbedding
 from latentserve.layers.gated_norm import GatedRMSNorm
 from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
+from latentserve.layers.logit_softcap import softcap
 from latentserve.layers.mhc import MHCConnection, mean_of_streams, mix_streams
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
@@ -255,4 +256,4 @@ class DeepseekForCausalLM(nn.Module):
         """fp32 logits `[T, vocab_size]`."""
         if self.config.logits_scaling != 1.0:
             hidden = hidden / self.config.logits_scaling
-        return self.lm_head(hidden).float()
+        return softcap(self.lm_head(hidden).float(), self.config.final_logit_softcapping)

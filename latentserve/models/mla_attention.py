@@ -22,9 +22,9 @@ def attention_layer_name(layer_idx: int) -> str:
 
 
 def scale_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
-    """q `[T, N, D]` times each token's multiplier (None: as it is). Before the rotation rather than after, as
-    transformers does: the rotation is linear."""
-    return q if q_scale is None else q * q_scale.to(q.dtype)[:, None, None]
+    """q `[T, N, D]` times each token's multiplier `[T]`, or each token's and head's `[T, N]` (None: as it is).
+    Before the rotation rather than after, as transformers does: the rotation is linear."""
+    return q if q_scale is None else q * q_scale.to(q.dtype).view(q.shape[0], -1, 1)
 
 
 class DeepseekAttention(nn.Module):
