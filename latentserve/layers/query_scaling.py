@@ -26,8 +26,13 @@ class LogPositionQueryScaling(nn.Module):
         self.scale = nn.Parameter(torch.ones(num_heads))
         self.bias = nn.Parameter(torch.zeros(num_heads))
 
-    def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions `[T]` -> multipliers `[T, num_heads]` in the parameters' dtype, as transformers computes them
-        (the log in fp32 so that large positions do not overflow, then the query's dtype)."""
-        log_pos = (positions + 1).float().log().to(self.scale.dtype)
-        return self.scale * log_pos[:, None] + self.bias
+    def forward(self, log_pos: torch.Tensor) -> torch.Tensor:
+        """`log_positions` `[T]` -> multipliers `[T, num_heads]` in the parameters' dtype, as transformers computes
+        them."""
+        return self.scale * log_pos.to(self.scale.dtype)[:, None] + self.bias
+
+
+def log_positions(positions: torch.Tensor) -> torch.Tensor:
+    """positions `[T]` -> log(position + 1) `[T]`, in fp32 so that large positions keep their precision: computed
+    once per forward, each layer's `LogPositionQueryScaling` turns it into its heads' multipliers."""
+    return (positions + 1).float().log()

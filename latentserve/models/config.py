@@ -79,6 +79,10 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
     head_output_gate: bool = False  # Ling: a sigmoid gate per head on the attention output, from the layer's input
+    # Mistral Large 4: rope frequencies times exp of a learned `alpha` each (layers/rotary.py), and each layer's
+    # queries times a learned per-head scale * log(position + 1) + bias (layers/query_scaling.py)
+    learned_rope_freq_scale: bool = False
+    log_position_query_scaling: bool = False
     # Mistral Large 4: logits become cap * tanh(logits / cap) (layers/logit_softcap.py); None: not capped
     final_logit_softcapping: float | None = None
 

@@ -26,7 +26,7 @@ from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.normed_moe import NormedMoE
-from latentserve.layers.query_scaling import Llama4QueryScaling
+from latentserve.layers.query_scaling import Llama4QueryScaling, log_positions
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import ModelConfig
@@ -176,7 +176,7 @@ class DeepseekModel(nn.Module):
         c = config
         self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size) if c.embedding_scale == 1.0
                              else ScaledEmbedding(c.vocab_size, c.hidden_size, c.embedding_scale))
-        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
+        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style, c.learned_rope_freq_scale)
         attention = partial(build_attention, c, rotary_emb=self.rotary_emb, attn_config=attn_config,
                             static_ctx=static_ctx, dtype=dtype, device=device)
         self.layers = nn.ModuleList(_decoder_layer(c, i, attention) for i in range(c.num_hidden_layers))
@@ -186,8 +186,8 @@ class DeepseekModel(nn.Module):
         self.hc_head = None if hc is None else mean_of_streams if hc.sinkhorn_iters else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rope_free = c.rope_free
-        self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
-            c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
+        self.query_scaling = log_positions if c.log_position_query_scaling else None if c.llama4_scaling_beta is None \
+            else Llama4QueryScaling(c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)

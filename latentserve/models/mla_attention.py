@@ -11,6 +11,7 @@ from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
 from latentserve.layers.linear import Linear
 from latentserve.layers.norm import RMSNorm
+from latentserve.layers.query_scaling import LogPositionQueryScaling
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.config import ModelConfig
 from latentserve.models.dsa import attention_core
@@ -59,6 +60,9 @@ class DeepseekAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
+        # Mistral Large 4: this layer's learned per-head query scaling, from the model's log positions
+        self.softmax_scaling = LogPositionQueryScaling(c.num_attention_heads) if c.log_position_query_scaling \
+            else None
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
         self.attn = attention_core(c, attention_layer_name(layer_idx) if name is None else name, layer_idx,
@@ -69,8 +73,11 @@ class DeepseekAttention(nn.Module):
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers; q_scale `[T]`:
-        each token's query multiplier, where the model scales queries by position (Mistral 4)."""
+        each token's query multiplier, where the model scales queries by position (Mistral 4), or with this
+        layer's own scaling (Mistral Large 4) each token's log(position + 1), which it turns into per-head ones."""
         q, q_resid = self.project_q(hidden)
+        if self.softmax_scaling is not None:
+            q_scale = self.softmax_scaling(q_scale)
         return self.o_proj(self.attend(cos, sin, hidden, scale_queries(q, q_scale), q_resid))
 
     def project_q(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

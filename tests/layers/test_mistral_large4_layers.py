@@ -10,7 +10,7 @@ from transformers.models.mistral_large4 import modeling_mistral_large4 as hf
 from transformers.models.mistral_large4.configuration_mistral_large4 import MistralLarge4TextConfig
 
 from latentserve.layers.logit_softcap import check_softcap, softcap
-from latentserve.layers.query_scaling import LogPositionQueryScaling
+from latentserve.layers.query_scaling import LogPositionQueryScaling, log_positions
 from latentserve.layers.rotary import RopeConfig, RotaryEmbedding
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
@@ -60,7 +60,7 @@ def test_log_position_query_scaling_matches_transformers():
     positions = torch.randint(0, 100000, (7,), generator=g)
     q = torch.randn(7, 4, 16, generator=g)
     expected = reference(q[None], positions[None], head_dim_first=False)[0]
-    torch.testing.assert_close(scale_queries(q, ours(positions)), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scale_queries(q, ours(log_positions(positions))), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_softcap_caps_the_model_logits():

@@ -1,0 +1,93 @@
+"""Mistral Large 3/4 (mistral_large4), its language model on text (the config's `text_config`; the vision tower,
+its projector and patch merger are not loaded). DeepSeek-V3's MLA without q LoRA and Mistral 4's routing, under
+DeepSeek Sparse Attention whose indexers query from the layer's input (attention/dsa/hidden_query.py), plus:
+
+- a learned scale per rope frequency (`rotary_emb.alpha`: each frequency times exp(alpha));
+- per layer and head, queries (the attention's and the indexer's) times a learned scale * log(position + 1) + bias;
+- logits soft-capped at `final_logit_softcapping`;
+- Mistral's native tensor names (`layers.{i}.attention.wq`, `tok_embeddings`, `output`, ...), as the checkpoints and
+  transformers' `save_pretrained` write them.
+
+Not yet supported, refused by name: NoPE layers (`no_rope_layers` with a 0) and layers reading another layer's
+latent cache (`kv_source_layers`).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+from latentserve.models.arch.base import Tensors, mlp_layer_types
+from latentserve.models.arch.deepseek_v32 import GlmMoeDsa
+from latentserve.models.fields import Fields
+
+# Mistral's native names -> the core's, applied in order to each tensor's name.
+_RENAMES = [(re.compile(p), r) for p, r in (
+    (r"^tok_embeddings\.", "model.embed_tokens."),
+    (r"^lerope\.alpha$", "model.rotary_emb.alpha"),
+    (r"^norm\.", "model.norm."),
+    (r"^output\.", "lm_head."),
+    (r"^layers\.", "model.layers."),
+    (r"\.attention_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.attention\.", ".self_attn."),
+    (r"\.wq\.", ".q_proj."),
+    (r"\.wkv_a_with_mqa\.", ".kv_a_proj_with_mqa."),
+    (r"\.kv_a_norm\.", ".kv_a_layernorm."),
+    (r"\.wkv_b\.", ".kv_b_proj."),
+    (r"\.wo\.", ".o_proj."),
+    (r"\.ssmax_scaling\.s$", ".softmax_scaling.scale"),
+    (r"\.ssmax_scaling\.b$", ".softmax_scaling.bias"),
+    (r"\.feed_forward\.", ".mlp."),
+    (r"\.gate\.weight$", ".mlp.gate.weight"),
+    (r"\.(experts\.\d+|shared_experts)\.", r".mlp.\1."),
+    (r"\.w1\.", ".gate_proj."),
+    (r"\.w2\.", ".down_proj."),
+    (r"\.w3\.", ".up_proj."),
+)]
+_TEXT_ONLY = re.compile(r"^(vision_encoder|patch_merger|pre_mm_projector_norm|vision_language_adapter)\.")
+
+
+class MistralLarge4(GlmMoeDsa):
+    model_type = "mistral_large4"
+    architectures = ("MistralLarge4ForConditionalGeneration",)
+    summary = ("Mistral Large 3/4, text only: DSA with hidden-state indexer queries, learned rope frequency and "
+               "log-position query scales, logit soft-cap, Mistral-native tensor names")
+    defaults = {"scoring_func": "softmax", "topk_method": "group_limited_top2", "norm_topk_prob": True,
+                "max_position_embeddings": 1048576}
+
+    def normalize(self, raw: dict[str, Any]) -> dict[str, Any]:
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError(f"config.json: field 'text_config' must be an object, got {text!r}")
+        outer = {k: raw[k] for k in ("architectures", "tie_word_embeddings", "quantization_config") if k in raw}
+        # transformers' router always renormalizes its top-k weights; no q LoRA
+        return {**text, **outer, "model_type": self.model_type, "norm_topk_prob": True, "q_lora_rank": None}
+
+    def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
+        num_layers = parsed["num_hidden_layers"]
+        _check_not_yet(f, "no_rope_layers", [1] * num_layers,
+                       "NoPE layers (a 0) are not supported yet")
+        _check_not_yet(f, "kv_source_layers", list(range(num_layers)),
+                       "layers reading another layer's latent cache are not supported yet")
+        fields = super().fields(f, {**parsed, "q_lora_rank": 0})  # (the base refuses DSA without q LoRA)
+        cap = f.raw.get("final_logit_softcapping", 30.0)
+        return {**fields, "dsa": replace(fields["dsa"], hidden_queries=True),
+                "mlp_layer_types": mlp_layer_types(f, num_layers, first_dense=f.int("first_k_dense_replace", 1,
+                                                                                    minimum=0)),
+                "rms_norm_eps": f.float("rms_norm_eps", 1e-5), "learned_rope_freq_scale": True,
+                "log_position_query_scaling": True, "final_logit_softcapping": cap, "num_nextn_predict_layers": 0}
+
+    def checkpoint_tensors(self, config, tensors: Tensors) -> Tensors:
+        for name, tensor in tensors:
+            if _TEXT_ONLY.match(name):
+                continue
+            for pattern, repl in _RENAMES:
+                name = pattern.sub(repl, name)
+            yield name, tensor
+
+
+def _check_not_yet(f: Fields, name: str, supported: list[int], why: str) -> None:
+    value = f.raw.get(name)
+    if value is not None and value != supported:
+        raise ValueError(f"{f.where}: field {name!r} is {value!r}: {why} (only {supported!r})")
