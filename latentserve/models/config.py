@@ -3,7 +3,7 @@ generic fields and then by its architecture's adapter (models/arch/)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,9 @@ class ModelConfig:
     # queries times a learned per-head scale * log(position + 1) + bias (layers/query_scaling.py)
     learned_rope_freq_scale: bool = False
     log_position_query_scaling: bool = False
+    # Mistral Large 4: per main layer, whether it has rope dims; a NoPE layer's (False) queries and keys are all
+    # nope dims, qk_nope_head_dim + qk_rope_head_dim wide (`layer_config`); None: every layer has them
+    rope_layers: tuple[bool, ...] | None = None
     # Mistral Large 4: logits become cap * tanh(logits / cap) (layers/logit_softcap.py); None: not capped
     final_logit_softcapping: float | None = None
 
@@ -97,6 +100,13 @@ class ModelConfig:
         return mla * (2 if self.shortcut_moe else 1)
 
     @property
+    def latent_cache_values(self) -> int:
+        """Values per position of the main model's MLA latent caches together (NoPE layers' rows are narrower)."""
+        per_layer = sum(self.layer_config(i).mla_config.kv_cache_dim for i in range(self.num_hidden_layers)
+                        if not self.is_linear_attention_layer(i))
+        return per_layer * (2 if self.shortcut_moe else 1)
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
@@ -109,6 +119,13 @@ class ModelConfig:
         return MLAConfig(
             self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         )
+
+    def layer_config(self, layer_idx: int) -> "ModelConfig":
+        """The config layer `layer_idx`'s attention is built from: a NoPE layer's has no rope dims, its nope dims
+        that many wider (the softmax scale, of the whole head, stays)."""
+        if self.rope_layers is None or layer_idx >= len(self.rope_layers) or self.rope_layers[layer_idx]:
+            return self
+        return replace(self, qk_nope_head_dim=self.qk_head_dim, qk_rope_head_dim=0, rope_layers=None)
 
     def is_linear_attention_layer(self, layer_idx: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"

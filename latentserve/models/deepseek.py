@@ -53,7 +53,7 @@ def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbed
                                   c.rms_norm_eps, attn_config)
     kind = (QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
             else HeadGateAttention if c.head_output_gate else DeepseekAttention)
-    return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
+    return kind(c.layer_config(layer_idx), layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
 
 
 def attend(attention: nn.Module, cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor,

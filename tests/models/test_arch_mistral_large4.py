@@ -1,5 +1,5 @@
 """Mistral Large 3/4 (mistral_large4, text) against transformers' MistralLarge4ForConditionalGeneration: DSA with
-top-k below the prompt lengths and indexers querying from the hidden state, the learned rope frequency and
+top-k below the prompt lengths and indexers querying from the hidden state, a NoPE middle layer, the learned rope frequency and
 log-position query scales (randomized, as transformers initializes them to no effect), the logit soft-cap, a dense
 first layer, Mistral's native tensor names as `save_pretrained` writes them (a tiny vision tower beside, not
 loaded)."""
@@ -49,7 +49,7 @@ def _randomize_learned_scales(path: Path) -> None:
 class TestMistralLarge4(DSASuite):
     case = Large4Case("mistral_large4", dict(
         # 16 indexer heads: with few, a position's relu scores are often all 0, and ties rank arbitrarily
-        first_k_dense_replace=1, n_group=1, topk_group=1, index_topk=8, index_n_heads=16,
+        no_rope_layers=[1, 0, 1], first_k_dense_replace=1, n_group=1, topk_group=1, index_topk=8, index_n_heads=16,
         index_head_dim=32, rope_parameters=ROPE, final_logit_softcapping=2.0, eos_token_id=1, bos_token_id=0),
         drop=("q_lora_rank",), native_attention=False,
         model_class="MistralLarge4ForConditionalGeneration")
@@ -74,10 +74,14 @@ def test_config_reads_the_text_model() -> None:
     assert config.q_lora_rank is None and config.dsa.hidden_queries and config.dsa.index_topk == 8
     assert config.final_logit_softcapping == 2.0 and config.learned_rope_freq_scale
     assert config.log_position_query_scaling and config.mlp_layer_types == ("dense", "sparse", "sparse")
+    assert config.rope_layers == (True, False, True)
+    nope = config.layer_config(1)
+    assert (nope.qk_rope_head_dim, nope.qk_nope_head_dim, nope.softmax_scale) == (0, 32, config.softmax_scale)
+    assert config.layer_config(0) is config
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("no_rope_layers", [1, 1, 0], "NoPE"), ("kv_source_layers", [0, 0, 2], "latent cache"),
+    ("no_rope_layers", [1, 2, 1], "no_rope_layers"), ("kv_source_layers", [0, 0, 2], "latent cache"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping")])
 def test_unsupported_or_bad_fields_are_refused_by_name(field, value, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -8,8 +8,10 @@ DeepSeek Sparse Attention whose indexers query from the layer's input (attention
 - Mistral's native tensor names (`layers.{i}.attention.wq`, `tok_embeddings`, `output`, ...), as the checkpoints and
   transformers' `save_pretrained` write them.
 
-Not yet supported, refused by name: NoPE layers (`no_rope_layers` with a 0) and layers reading another layer's
-latent cache (`kv_source_layers`).
+- NoPE layers (`no_rope_layers` 0): their heads all nope dims (`ModelConfig.layer_config`), their indexers without
+  RoPE.
+
+Not yet supported, refused by name: layers reading another layer's latent cache (`kv_source_layers`).
 """
 from __future__ import annotations
 
@@ -66,8 +68,6 @@ class MistralLarge4(GlmMoeDsa):
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
         num_layers = parsed["num_hidden_layers"]
-        _check_not_yet(f, "no_rope_layers", [1] * num_layers,
-                       "NoPE layers (a 0) are not supported yet")
         _check_not_yet(f, "kv_source_layers", list(range(num_layers)),
                        "layers reading another layer's latent cache are not supported yet")
         fields = super().fields(f, {**parsed, "q_lora_rank": 0})  # (the base refuses DSA without q LoRA)
@@ -76,7 +76,8 @@ class MistralLarge4(GlmMoeDsa):
                 "mlp_layer_types": mlp_layer_types(f, num_layers, first_dense=f.int("first_k_dense_replace", 1,
                                                                                     minimum=0)),
                 "rms_norm_eps": f.float("rms_norm_eps", 1e-5), "learned_rope_freq_scale": True,
-                "log_position_query_scaling": True, "final_logit_softcapping": cap, "num_nextn_predict_layers": 0}
+                "log_position_query_scaling": True, "final_logit_softcapping": cap, "num_nextn_predict_layers": 0,
+                "rope_layers": _rope_layers(f, num_layers)}
 
     def checkpoint_tensors(self, config, tensors: Tensors) -> Tensors:
         for name, tensor in tensors:
@@ -91,3 +92,15 @@ def _check_not_yet(f: Fields, name: str, supported: list[int], why: str) -> None
     value = f.raw.get(name)
     if value is not None and value != supported:
         raise ValueError(f"{f.where}: field {name!r} is {value!r}: {why} (only {supported!r})")
+
+
+def _rope_layers(f: Fields, num_layers: int) -> tuple[bool, ...]:
+    """`no_rope_layers` (1: the layer has rope dims, 0: NoPE), by default transformers' NoPE at every fourth layer."""
+    flags = f.raw.get("no_rope_layers")
+    if flags is None:
+        flags = [int((i + 1) % 4 != 0) for i in range(num_layers)]
+    if (not isinstance(flags, list) or len(flags) < num_layers
+            or any(isinstance(x, bool) or x not in (0, 1) for x in flags)):
+        raise ValueError(f"{f.where}: field 'no_rope_layers' must give 1 (rope) or 0 (NoPE) for each of the "
+                         f"{num_layers} layers, got {flags!r}")
+    return tuple(bool(x) for x in flags[:num_layers])
