@@ -193,8 +193,8 @@ class MoE(nn.Module):
             for _ in range(routing.n_routed_experts)
         )
         self.shared_experts = (
-            GatedMLP(hidden_size, (shared_intermediate_size or moe_intermediate_size) * n_shared_experts, bias=shared_bias,
-                     swiglu_limit=shared_swiglu_limit)
+            GatedMLP(hidden_size, (shared_intermediate_size or moe_intermediate_size) * n_shared_experts,
+                     bias=shared_bias, swiglu_limit=shared_swiglu_limit)
             if n_shared_experts
             else None
         )

@@ -52,8 +52,9 @@ def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbed
     if c.is_linear_attention_layer(layer_idx):
         return KimiDeltaAttention(linear_attention_layer_name(layer_idx), c.hidden_size, c.linear_attention,
                                   c.rms_norm_eps, attn_config)
-    kind = (Dots3Attention if c.k_rope_norm else QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
-            else HeadGateAttention if c.head_output_gate else DeepseekAttention)
+    kind = (Dots3Attention if c.k_rope_norm else QGateAttention if c.q_output_gate
+            else HiddenGateAttention if c.hidden_output_gate else HeadGateAttention if c.head_output_gate
+            else DeepseekAttention)
     return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from latentserve.models import ModelConfig
-from tests.models.arch_harness import GREEDY, PROMPTS, ArchCase, llm, prompt_logprobs
+from tests.models.arch_harness import ArchCase, llm
 from tests.models.dsa_suite import DSASuite
 
 # The real model's pattern (two indexed layers, then every fourth from the second), top-k and window below the
@@ -31,8 +31,17 @@ class TestDots3Note(DSASuite):
         assert config.kv_cache_values(6) == 3 * 48 + 3 * 96 and config.layer_config(2).mla_config.kv_cache_dim == 96
 
 
+def _raw() -> dict:
+    return TestDots3Note.case.transformers_config().to_dict() | {"architectures": ["Dots3NoteForCausalLM"]}
+
+
 def test_bad_layer_type_is_refused() -> None:
-    raw = TestDots3Note.case.transformers_config().to_dict() | {"architectures": ["Dots3NoteForCausalLM"]}
-    raw["layer_types"] = ["linear_attention"] * 6
     with pytest.raises(ValueError, match="field 'layer_types' must list one of"):
+        ModelConfig.from_dict(_raw() | {"layer_types": ["linear_attention"] * 6})
+
+
+def test_sliding_head_dim_must_add_up() -> None:
+    raw = _raw()
+    raw["per_layer_config"]["2"]["head_dim"] = 40
+    with pytest.raises(ValueError, match=r"per_layer_config\[2\]: 'head_dim' must equal"):
         ModelConfig.from_dict(raw)
