@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.config import DTYPES, AttentionConfig, DBOConfig
+from latentserve.config import DTYPES, FP8_KV_CACHE_DTYPES, AttentionConfig, DBOConfig
 from latentserve.distributed.expert_parallel import shard_experts
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
@@ -51,6 +51,15 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def parse_kv_cache_dtype(name: str | torch.dtype, dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The KV cache's dtype: "auto" the compute `dtype`, a dtype name, or fp8 / fp8_e4m3 (e4m3, scale 1.0)."""
+    if isinstance(name, str) and name.startswith("fp8"):
+        if name not in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {name!r} is not supported; the fp8 cache is e4m3: use fp8 or fp8_e4m3")
+        return FP8_KV_CACHE_DTYPES[name]
+    return dtype if name == "auto" else parse_dtype(name, device)
 
 
 # Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens per rank the
@@ -242,7 +251,7 @@ class LLMEngine:
             saved.check_settings(config.dtype, config.quantization, config.quantization_group_size,
                                  config.lm_head_quantized, config.device)
         dtype = saved.dtype if saved is not None else parse_dtype(config.dtype, config.device)
-        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
+        cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         attn_config = AttentionConfig(
