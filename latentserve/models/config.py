@@ -87,8 +87,9 @@ class ModelConfig:
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
     swiglu_limit_everywhere: bool = False  # GLM-5 next: the dense layers' MLP and the shared experts clamp as well
-    # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
-    # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
+    # Each main layer's attention: "full_attention" (MLA), "linear_attention" (hybrid models, docs/hybrids.md:
+    # attention/linear/, dimensions in `linear_attention`) or "sliding_attention" (MLA of the `sliding_attention`
+    # shape); None: MLA everywhere.
     layer_types: tuple[str, ...] | None = None
     linear_attention: LinearAttentionConfig | None = None
     rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are

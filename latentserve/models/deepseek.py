@@ -183,7 +183,6 @@ class DeepseekModel(nn.Module):
         ropes = list(dict.fromkeys((lc.qk_rope_head_dim, lc.rope) for lc in map(c.layer_config,
                                                                                 range(c.num_hidden_layers))))
         self.rotary_embs = nn.ModuleList(RotaryEmbedding(dim, rope, c.rope_style) for dim, rope in ropes)
-        self.rotary_emb = self.rotary_embs[0]
         self.layer_rotary = [ropes.index((lc.qk_rope_head_dim, lc.rope))
                              for lc in map(c.layer_config, range(c.num_hidden_layers))]
         attention = partial(build_attention, c, attn_config=attn_config, static_ctx=static_ctx, dtype=dtype,
