@@ -1,10 +1,13 @@
 """dots3 note (dots3_note_text) against transformers: indexed (DSA) and sliding-window MLA layers of two shapes in
 its layer pattern, scaled LoRA latents, a normed rope key, a per-head output gate, wider shared experts."""
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from latentserve.models import ModelConfig
-from tests.models.arch_harness import ArchCase, llm
+from tests.models.arch_harness import GREEDY, PROMPTS, ArchCase, llm
 from tests.models.dsa_suite import DSASuite
 
 # The real model's pattern (two indexed layers, then every fourth from the second), top-k and window below the
@@ -29,6 +32,19 @@ class TestDots3Note(DSASuite):
         assert config.layer_config(5) is config and config.dsa.indexer_layers == (True, True, False, False, False, True)
         # the KV pool's budget sums each layer's own width: 3 x (32 + 16) + 3 x (64 + 32)
         assert config.kv_cache_values(6) == 3 * 48 + 3 * 96 and config.layer_config(2).mla_config.kv_cache_dim == 96
+
+
+    def test_mtp_tensors_are_skipped(self, checkpoint, greedy, tmp_path) -> None:
+        """The real checkpoint stores its MTP layer as layer `num_hidden_layers` and `model.mtp.*`, which
+        transformers does not load: neither do we, and the model runs the same."""
+        path = tmp_path / "with_mtp"
+        shutil.copytree(checkpoint, path)
+        tensors = load_file(path / "model.safetensors")
+        extra = {"model.layers.6.self_attn.q_a_proj.weight": torch.ones(32, 64),
+                 "model.mtp.norm.weight": torch.ones(64)}
+        save_file(tensors | extra, path / "model.safetensors", metadata={"format": "pt"})
+        outputs = llm(path).generate(PROMPTS[:1], GREEDY)
+        assert outputs[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
 
 
 def _raw() -> dict:

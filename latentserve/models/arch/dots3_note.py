@@ -6,6 +6,7 @@ RMS-norms its shared rope key before the rotation and gates each head's output b
 (models/dots_attention.py). Shared experts have their own width; routed experts are stored as 3-D tensors."""
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from latentserve.layers.rotary import RopeConfig
@@ -15,6 +16,7 @@ from latentserve.models.arch.base import Tensors
 from latentserve.models.fields import Fields
 
 _LAYER_TYPES = ("indexed_attention", "sliding_attention")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Dots3Note(DeepseekV32):
@@ -53,9 +55,16 @@ class Dots3Note(DeepseekV32):
         return tuple(t == "indexed_attention" for t in f.raw["layer_types"])
 
     def checkpoint_tensors(self, config, tensors: Tensors) -> Tensors:
+        """The MTP layer (stored as `model.layers.{num_hidden_layers}` and `model.mtp.*`) dropped, as transformers
+        drops it; the rope key's norm renamed; the 3-D experts split."""
         renamed = ((name.replace(".self_attn.k_rope_only_layernorm.", ".self_attn.k_rope_norm."), tensor)
-                   for name, tensor in tensors)
+                   for name, tensor in tensors if not _is_mtp(name, config.num_hidden_layers))
         return Mistral4().checkpoint_tensors(config, renamed)  # the same 3-D expert tensors
+
+
+def _is_mtp(name: str, num_layers: int) -> bool:
+    layer = _LAYER.match(name)
+    return name.startswith("model.mtp.") or (layer is not None and int(layer[1]) >= num_layers)
 
 
 def _rope_params(raw: dict[str, Any], layer_type: str) -> dict[str, Any]:
