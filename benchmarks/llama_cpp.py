@@ -13,6 +13,8 @@ Run: `.venv/bin/python benchmarks/llama_cpp.py --llama-src /tmp/llsrc/llama_cpp_
 The checkpoint is benchmarks/weights.py's; the GGUF files go to --gguf-dir (a few GB; never inside the repository).
 On a shared machine use --interleave: each format loads once, and single llama-bench runs alternate with rounds of
 ours. --depth measures decode after that many tokens of context, where attention is a larger share of the step.
+--gguf: latentserve loads the GGUF file llama-bench runs (`--model file.gguf`; Q4_K becomes int4 without
+requantizing, Q6_K int8), instead of quantizing the safetensors checkpoint itself: one file, two engines.
 """
 from __future__ import annotations
 
@@ -81,10 +83,10 @@ def make_ggufs(checkpoint: Path, work: Path, src: Path, build: Path, types: list
     llama-quantize the rest from it; without, the converter writes Q8_0 and the rest are requantized from that (the
     27-layer checkpoint's F32 GGUF would take 63 GB)."""
     files = {name: work / f"model-{name}.gguf" for name in types}
-    base = "F32" if "F32" in types else "Q8_0"
-    files.setdefault(base, work / f"model-{base}.gguf")
     if all(f.is_file() for f in files.values()):
         return files
+    base = "F32" if "F32" in types else "Q8_0"
+    files.setdefault(base, work / f"model-{base}.gguf")
     if not files[base].is_file():
         run([sys.executable, "-c", CONVERT, str(src), str(convert_source(checkpoint, work)), "--outtype", base.lower(),
              "--outfile", str(files[base])])
@@ -132,15 +134,15 @@ def latentserve(checkpoint: Path, name: str, threads: int, prefill: int, decode:
 
 
 def our_engine(checkpoint: Path, name: str, prefill: int, context: int = 0):
-    """An LLM of `checkpoint` in format `name` (benchmarks/weights.py's FORMATS) for `our_round`, room for
-    `context` tokens of one request besides the prefill."""
+    """An LLM of `checkpoint` in format `name` (benchmarks/weights.py's FORMATS; "gguf": `checkpoint` is a GGUF file,
+    its own types decide) for `our_round`, room for `context` tokens of one request besides the prefill."""
     from benchmarks.weights import FORMATS
     from latentserve import LLM
 
     length = max(1024, prefill, context + 8)
     return LLM(model=str(checkpoint), num_kv_blocks=-(-length // 16), block_size=16, max_model_len=length,
                max_num_seqs=1, max_num_batched_tokens=max(prefill, context + 8), enable_prefix_caching=False,
-               **FORMATS[name])
+               **({} if name == "gguf" else FORMATS[name]))
 
 
 def our_round(engine, prefill: int, decode: int, depth: int = 0) -> dict:
@@ -178,7 +180,8 @@ def interleaved(
     torch.set_num_threads(args.threads)
     ours, theirs = {}, {}
     for name, kind in pairs:
-        llm = our_engine(checkpoint, name, args.prefill_len, args.depth + args.decode_len)
+        source, form = (ggufs[kind], "gguf") if args.gguf else (checkpoint, name)
+        llm = our_engine(source, form, args.prefill_len, args.depth + args.decode_len)
         for _ in range(args.interleave):
             theirs[kind] = _best(theirs.get(kind), llama_bench(args.llama_build, ggufs[kind], args.threads,
                                                                args.prefill_len, args.decode_len, 1, args.depth))
@@ -213,11 +216,15 @@ def main() -> None:
                         help="load each format once in this process and alternate ROUNDS single llama-bench runs with "
                              "ROUNDS of ours (mean decode step, as llama-bench's), best round each: steadier on a "
                              "shared machine")
+    parser.add_argument("--gguf", action="store_true", help="latentserve loads the same GGUF file as llama.cpp "
+                        "(formats with a quantized GGUF: int8, int4) instead of the safetensors checkpoint")
     args = parser.parse_args()
     names = args.formats.split(",")
     pairs = [(name, kind) for name, kind in PAIRS if name in names]
     if len(pairs) != len(set(names)):
         parser.error(f"--formats {args.formats!r}: each must be one of {[name for name, _ in PAIRS]}")
+    if args.gguf and not {"int8", "int4"} >= set(names):
+        parser.error(f"--gguf compares quantized GGUF files only: --formats int8, int4 (got {args.formats!r})")
     if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
         parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
     missing = [t for t in ("llama-bench", "llama-quantize") if not (args.llama_build / "bin" / t).is_file()]
@@ -235,10 +242,12 @@ def main() -> None:
     else:
         theirs = {kind: llama_bench(args.llama_build, ggufs[kind], args.threads, args.prefill_len, args.decode_len,
                                     args.repeats, args.depth) for kind in sorted({t for _, t in pairs})}
-        ours = {name: latentserve(checkpoint, name, args.threads, args.prefill_len, args.decode_len, args.repeats,
-                                  args.depth) for name, _ in pairs}
-    print(f"| latentserve | llama.cpp | decode b1 tok/s after {max(4, args.depth)} tokens (ours / theirs = ratio) | "
-          f"prefill {args.prefill_len} tok/s (ours / theirs = ratio) |\n|---|---|---|---|")
+        ours = {name: latentserve(ggufs[kind] if args.gguf else checkpoint, "gguf" if args.gguf else name,
+                                  args.threads, args.prefill_len, args.decode_len, args.repeats, args.depth)
+                for name, kind in pairs}
+    ours_from = " (from the GGUF)" if args.gguf else ""
+    print(f"| latentserve{ours_from} | llama.cpp | decode b1 tok/s after {max(4, args.depth)} tokens (ours / theirs "
+          f"= ratio) | prefill {args.prefill_len} tok/s (ours / theirs = ratio) |\n|---|---|---|---|")
     for name, kind in pairs:
         cells = [f"{ours[name][k]:.1f} / {theirs[kind][k]:.1f} = {ours[name][k] / theirs[kind][k]:.2f}x"
                  for k in ("decode_b1_tok_s", "prefill_tok_s")]

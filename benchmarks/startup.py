@@ -8,11 +8,18 @@ quantized as it loads (`quantize-at-load`) and the saved quantized model (`saved
 `python -c "import latentserve"` runs, measured in the same rounds. Peak RSS is the child's VmHWM. Files are
 in the page cache after the first round (a warm start; nothing here drops caches on a shared machine).
 Run: `.venv/bin/python benchmarks/startup.py [--layers 2] [--method int4] [--rounds 3] [--dir /tmp/...]`.
+
+With `--llama-bin DIR --gguf FILE` it compares whole processes instead, in alternating rounds: `latentserve generate
+--model SAVED --max-tokens 1` (wall time minus the same rounds' median `python -c "import latentserve"`) against
+llama.cpp's `llama-simple -n 1` on FILE, the same checkpoint's GGUF (Q4_K_M for int4: `benchmarks/llama_cpp.py
+--formats int4 --layers N --dir DIR/v2lite-N` writes it); peak RSS of each is `/usr/bin/time -v`'s maximum.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -24,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.weights import write_checkpoint  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+ASSETS = REPO / "latentserve" / "assets" / "default_model"
 CHILD = """
 import ast, sys, time
 start = time.perf_counter()
@@ -39,6 +47,18 @@ hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:
 print(elapsed, int(hwm.split()[1]) / 1024)
 """
 IMPORT_ONLY = "import latentserve"
+PROMPT = "And God said"
+# `latentserve generate --model SAVED --max-tokens 1 --prompt PROMPT` as the console script runs it, printing also
+# the seconds from the end of `import latentserve` to its exit: a second figure, free of the subtracted import's noise.
+GENERATE = """
+import sys, time
+import latentserve
+imported = time.perf_counter()
+from latentserve.cli import main
+code = main(["generate", "--model", sys.argv[1], "--max-tokens", "1", "--prompt", sys.argv[2]])
+print(f"\\n{time.perf_counter() - imported}")
+sys.exit(code)
+"""
 
 
 def run_child(args: list[str], tree: Path = REPO) -> tuple[float, float, float]:
@@ -54,6 +74,51 @@ def run_child(args: list[str], tree: Path = REPO) -> tuple[float, float, float]:
     return wall, printed[0], printed[1]
 
 
+def timed(command: list[str]) -> tuple[float, float, str]:
+    """(wall seconds, peak RSS in MiB, stdout) of `command` run under `/usr/bin/time -v`, whose own start is in both
+    sides' wall time alike."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-v", *command], capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"failed ({done.returncode}): {' '.join(command)}: {done.stderr[-2000:]}")
+    peak_kib = re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr)
+    return wall, int(peak_kib.group(1)) / 1024, done.stdout
+
+
+def size_mib(path: Path) -> float:
+    files = path.iterdir() if path.is_dir() else [path]
+    return sum(f.stat().st_size for f in files) / 2**20
+
+
+def versus_llama(saved: Path, gguf: Path, llama_bin: Path, rounds: int) -> None:
+    """Rounds of: the bare import, latentserve's first token from the saved model, llama.cpp's from the GGUF; the
+    ratio ours / theirs per round, and its median."""
+    commands = {
+        "import": [sys.executable, "-c", IMPORT_ONLY],
+        "latentserve": [sys.executable, "-c", GENERATE, str(saved), PROMPT],
+        "llama.cpp": [str(llama_bin / "llama-simple"), "-m", str(gguf), "-n", "1", PROMPT],
+    }
+    results: dict[str, list[tuple[float, float, str]]] = {name: [] for name in commands}
+    for _ in range(rounds):
+        for name, command in commands.items():
+            results[name].append(timed(command))
+    import_s = statistics.median(r[0] for r in results["import"])
+    theirs = [r[0] for r in results["llama.cpp"]]
+    ours = {"latentserve, wall - median import": [r[0] - import_s for r in results["latentserve"]],
+            "latentserve, after its import (in-process)": [float(r[2].split()[-1]) for r in results["latentserve"]]}
+    print(f"import latentserve: {' / '.join(f'{r[0]:.2f}' for r in results['import'])} s (median {import_s:.2f})")
+    print("| first token | from | seconds, per round | / llama.cpp, median of rounds | peak RSS (MiB) | file (MiB) |")
+    print("|---|---|---|---|---|---|")
+    rows = [(name, saved, times, "latentserve") for name, times in ours.items()]
+    for name, path, times, key in [*rows, ("llama.cpp, llama-simple -n 1 wall", gguf, theirs, "llama.cpp")]:
+        ratio = statistics.median(a / b for a, b in zip(times, theirs))
+        peak = max(r[1] for r in results[key])
+        print(f"| {name} | {path.name} | {' / '.join(f'{t:.2f}' for t in times)} | {ratio:.2f}x | {peak:.0f} | "
+              f"{size_mib(path):.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/latentserve-startup"))
@@ -62,14 +127,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compare-tree", type=Path, default=None,
                         help="another checkout (e.g. main's) whose embedded start runs interleaved with this one's")
+    parser.add_argument("--llama-bin", type=Path, default=None,
+                        help="llama.cpp's bin folder: compare the saved model's start with llama-simple's on --gguf")
+    parser.add_argument("--gguf", type=Path, default=None, help="with --llama-bin: the same checkpoint's GGUF")
     args = parser.parse_args()
+    if args.llama_bin is not None and not (args.llama_bin / "llama-simple").is_file():
+        parser.error(f"--llama-bin {args.llama_bin} has no llama-simple (build llama.cpp's llama-simple target)")
+    if args.llama_bin is not None and (args.gguf is None or not args.gguf.is_file()):
+        parser.error(f"--llama-bin needs --gguf, an existing GGUF file of the same checkpoint (got {args.gguf})")
     source = args.dir / f"v2lite-{args.layers}"
     saved = args.dir / f"v2lite-{args.layers}-{args.method}"
     if not (source / "config.json").is_file():
         write_checkpoint(source, args.layers)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # `generate` takes text: the embedded model's tokenizer
+        if not (source / name).is_file():
+            shutil.copy(ASSETS / name, source / name)
     if not saved.is_dir():
         subprocess.run([sys.executable, "-m", "latentserve.cli", "quantize", "--model", str(source), "--quantization",
                         args.method, "--output", str(saved)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if args.llama_bin is not None:
+        versus_llama(saved, args.gguf, args.llama_bin, args.rounds)
+        return
     small = dict(max_model_len=256, num_kv_blocks=16)
     ways = {
         "embedded": ("embedded", {}),

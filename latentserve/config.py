@@ -7,6 +7,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+# `kv_cache_dtype`'s quantized formats, vLLM's names: e4m3 at a per-tensor scale of 1.0 (docs/kv_cache_dtypes.md).
+FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ def allocate_kv_caches(
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
     caches = {}
     for name, layer in static_ctx.items():
+        if dtype == torch.float8_e4m3fn and layer.extra_cache_dims:
+            raise ValueError(f"{name}: an fp8 KV cache is not supported with the extra caches "
+                             f"{sorted(layer.extra_cache_dims)} (DSA's indexer keys); use kv_cache_dtype auto, "
+                             "bfloat16 or float32")
         dim = layer.mla.kv_cache_dim
         caches[name] = _zeros((num_blocks, block_size, dim), dtype, torch.device(device))
         layer.kv_cache = caches[name]
@@ -49,10 +53,17 @@ def write_kv_cache(
     write_cache_rows(kv_cache, torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
 
 
+FP8_MAX = 448.0  # e4m3's largest finite value: an fp8 cache saturates there, as kernels/kv_rows.h does
+
+
 def write_cache_rows(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's row of a paged cache at its slot; slot -1 marks padding and is skipped."""
-    rows = rows.to(cache.dtype)
+    """Store each token's row of a paged cache at its slot; slot -1 marks padding and is skipped. An fp8 (e4m3)
+    cache takes the rows rounded to nearest even, saturated to +-448, at scale 1.0."""
     flat = cache.view(-1, cache.shape[-1])
+    if cache.dtype == torch.float8_e4m3fn:  # torch has no index_copy_ for fp8: its bytes are copied
+        rows, flat = rows.clamp(-FP8_MAX, FP8_MAX).to(cache.dtype).view(torch.uint8), flat.view(torch.uint8)
+    else:
+        rows = rows.to(cache.dtype)
     keep = slot_mapping >= 0
     if bool(keep.all()):
         flat.index_copy_(0, slot_mapping, rows)

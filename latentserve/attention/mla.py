@@ -15,7 +15,7 @@ from latentserve.attention.prefill.selector import get_mla_prefill_backend
 from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
 from latentserve.kernels import native
-from latentserve.kernels.native import KERNEL_DTYPES, NativeKernels
+from latentserve.kernels.native import KERNEL_DTYPES, KV_CACHE_DTYPES, NativeKernels
 from latentserve.layers.linear import Linear, head_products
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.quant.heads import Int8HeadProducts
@@ -103,7 +103,7 @@ class MLAAttention(nn.Module):
         dtype = kv.dtype
         if (kv.device.type != "cpu" or dtype not in KERNEL_DTYPES or q.dtype != dtype
                 or latent_norm.weight.dtype != dtype or self.kv_cache is None
-                or self.kv_cache.dtype not in KERNEL_DTYPES):
+                or self.kv_cache.dtype not in KV_CACHE_DTYPES):
             return None
         kernels = native.for_this_cpu()
         if kernels is None:

@@ -15,7 +15,7 @@ from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.vllm_flags import add_vllm_flags, print_notes
 from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.llm import LLM, default_model_dir
-from latentserve.engine.llm_engine import EngineConfig, parse_dtype
+from latentserve.engine.llm_engine import EngineConfig, parse_dtype, parse_kv_cache_dtype
 from latentserve.engine.reasoning import reasoning_parser_names
 from latentserve.layers.quant.config import QUANTIZATIONS
 from latentserve.sampling_params import SamplingParams
@@ -104,10 +104,11 @@ def device_name(text: str) -> str:
 
 
 def kv_cache_dtype_name(text: str) -> str:
-    if text.startswith("fp8"):
-        raise argparse.ArgumentTypeError(f"{text}: an fp8 KV cache is not implemented; use auto (the compute dtype), "
-                                         "bfloat16 or float32")
-    return dtype_name(text)
+    try:
+        parse_kv_cache_dtype(text, torch.float32)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 _UNITS = {"k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -154,7 +155,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8 / int4: quantize lm_head too (default: yes; --no-lm-head-quantized keeps it in the "
                         "compute dtype)")
     g.add_argument("--kv-cache-dtype", type=kv_cache_dtype_name, default=d.kv_cache_dtype,
-                   help="KV cache dtype (auto: the compute dtype)")
+                   help="KV cache dtype (auto: the compute dtype; fp8: e4m3 at scale 1.0, half a bf16 cache's bytes)")
     g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from latentserve.config import DTYPES, AttentionConfig, DBOConfig
+from latentserve.config import DTYPES, FP8_KV_CACHE_DTYPES, AttentionConfig, DBOConfig
 from latentserve.distributed.expert_parallel import shard_experts
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
@@ -51,6 +51,15 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def parse_kv_cache_dtype(name: str | torch.dtype, dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
+    """The KV cache's dtype: "auto" the compute `dtype`, a dtype name, or fp8 / fp8_e4m3 (e4m3, scale 1.0)."""
+    if isinstance(name, str) and name.startswith("fp8"):
+        if name not in FP8_KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {name!r} is not supported; the fp8 cache is e4m3: use fp8 or fp8_e4m3")
+        return FP8_KV_CACHE_DTYPES[name]
+    return dtype if name == "auto" else parse_dtype(name, device)
 
 
 # Measured by benchmarks/dbo_overlap.py (2-rank expert parallelism, CPU): below 256 decode tokens per rank the
@@ -198,9 +207,8 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
-    mtp = config.speculative_config is not None
-    num_layers = model_config.num_attention_layers + mtp
-    values = model_config.latent_cache_values + model_config.mla_config.kv_cache_dim * mtp
+    num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
+    values = model_config.kv_cache_values(num_layers)
     if model_config.dsa is not None:  # the indexers' caches
         values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize
@@ -243,7 +251,7 @@ class LLMEngine:
             saved.check_settings(config.dtype, config.quantization, config.quantization_group_size,
                                  config.lm_head_quantized, config.device)
         dtype = saved.dtype if saved is not None else parse_dtype(config.dtype, config.device)
-        cache_dtype = dtype if config.kv_cache_dtype == "auto" else parse_dtype(config.kv_cache_dtype, config.device)
+        cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)
         spec = config.speculative_config
         num_spec = spec.num_speculative_tokens if spec is not None else 0
         attn_config = AttentionConfig(

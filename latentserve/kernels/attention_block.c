@@ -3,7 +3,7 @@
  * linears in fp32/bf16, int8 or int4, the latent prologue, the absorbed per-head products, paged decode attention)
  * with the same arguments in the same order, so the result equals theirs to the bit. It saves the ~50 torch ops
  * and Python calls between them, which cost more than the arithmetic at decode sizes. Activations and norms are
- * all fp32 or all bf16 (`bf`); the cache either. */
+ * all fp32 or all bf16 (`bf`); the cache fp32, bf16 or fp8 (`cache_io`: the io bits 1 and 3 of kv_rows.h). */
 #include "simd.h"
 
 enum { DENSE = 0, INT8 = 1, INT4 = 2, INT8_LANES = 3 };
@@ -53,7 +53,7 @@ static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_
 /* Decode metadata of the step (the cache's block table, query starts and lengths per request, slots per token).
  * Returns decode_metadata_error's code, or 5 where a slot lies past the cache, computing nothing; else 0. */
 LS_API int ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin,
-                                  void *cache, int cbf, int64_t block_size, const int32_t *block_table,
+                                  void *cache, int cache_io, int64_t block_size, const int32_t *block_table,
                                   int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t requests,
                                   const int64_t *slots, void *y, void *y_normed, int threads, int64_t blocks,
                                   int64_t bt_width) {
@@ -79,7 +79,7 @@ LS_API int ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, c
     }
     product(&w->kv_a, xn, T, 1, w->hidden, L + w->rope, kv, bf, threads);
     ls_mla_prologue(q, T, H, D, kv, L, w->rope, w->kv_a_norm, w->kv_a_eps, cos, sin, w->style, kv_c, k_pe, cache,
-                    slots, norm_io | cbf << 1, threads, blocks * block_size);
+                    slots, norm_io | cache_io, threads, blocks * block_size);
     for (int64_t r = 0; r < T * H; r++) /* q_nope, contiguous: the per-head products read it so */
         memcpy(qn + r * w->nope * size, q + r * D * size, w->nope * size);
     product(&w->uk, qn, T, H, w->nope, L, ql, bf, threads);
@@ -88,7 +88,7 @@ LS_API int ls_mla_attention_block(const MLABlock *w, const void *x, int64_t T, c
         memcpy(qcat + (r * (L + w->rope) + L) * size, q + (r * D + w->nope) * size, w->rope * size);
     }
     ls_mla_decode(qcat, T, H, L + w->rope, L, cache, block_size, block_table, bt_stride, qsl, seq_lens, requests,
-                  w->scale, ol, bf | cbf << 1 | bf << 2, threads, blocks, bt_width);
+                  w->scale, ol, bf | cache_io | bf << 2, threads, blocks, bt_width);
     product(&w->uv, ol, T, H, L, w->v_dim, heads, bf, threads);
     product(&w->o_proj, heads, T, 1, H * w->v_dim, w->hidden, attn, bf, threads);
     for (int64_t i = 0; i < T * w->hidden; i++) /* the residual, rounded as torch's add rounds it */

@@ -10,7 +10,7 @@
  * of the same ones for different heads. The chunks are the same whatever the batch and the threads, so a token's
  * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work.
  */
-#include "simd.h"
+#include "kv_rows.h"
 
 #define HEADS 8       /* heads per item at most: their accumulators stay in registers */
 #define ROW_TILE 64   /* positions per tile: scored, then weighed while in cache (even: bf16 pairs positions) */
@@ -47,42 +47,42 @@ INLINE void reduce_heads(vfloat acc[HEADS], int nh, float s[HEADS]) {
 }
 
 /* scores[h * ROW_TILE + p - p0] = q[h] . rows[p] (q scaled, fp32) for nh heads and p0 <= p < p1 (of n rows). */
-INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cbf, int64_t p0, int64_t p1,
+INLINE void score_rows(const float *q, int64_t D, const char *const *rows, int cf, int64_t p0, int64_t p1,
                        int64_t n, int nh, float *scores) {
     for (int64_t p = p0; p < p1; p++) {
-        prefetch_row(rows, p + PREFETCH_ROWS, n, D * (cbf ? 2 : 4));
+        prefetch_row(rows, p + PREFETCH_ROWS, n, D * kv_size(cf));
         vfloat acc[HEADS];
         float sums[HEADS];
         for (int h = 0; h < HEADS; h++) acc[h] = vzero();
         int64_t d = 0;
         for (; d + LANES <= D; d += LANES) {
-            vfloat k = vload(rows[p], cbf, d);
+            vfloat k = vload_kv(rows[p], cf, d);
             for (int h = 0; h < nh; h++) acc[h] = vfma(vload(q + h * D, 0, d), k, acc[h]);
         }
         reduce_heads(acc, nh, sums);
         for (int h = 0; h < nh; h++) {
             float s = sums[h];
-            for (int64_t e = d; e < D; e++) s += q[h * D + e] * load_act(rows[p], cbf, e);
+            for (int64_t e = d; e < D; e++) s += q[h * D + e] * load_kv(rows[p], cf, e);
             scores[h * ROW_TILE + p - p0] = s;
         }
     }
 }
 
 /* acc[h * L + l] += sum_j w[h * ROW_TILE + j] * rows[j][l] over a tile's nt rows. */
-INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t nt, int64_t L, int nh, float *acc) {
+INLINE void weigh_rows(const float *w, const char *const *rows, int cf, int64_t nt, int64_t L, int nh, float *acc) {
     int64_t l = 0;
     for (; l + LANES <= L; l += LANES) {
         vfloat a[HEADS];
         for (int h = 0; h < nh; h++) a[h] = vload(acc + h * L, 0, l);
         for (int64_t j = 0; j < nt; j++) {
-            vfloat v = vload(rows[j], cbf, l);
+            vfloat v = vload_kv(rows[j], cf, l);
             for (int h = 0; h < nh; h++) a[h] = vfma(vset1(w[h * ROW_TILE + j]), v, a[h]);
         }
         for (int h = 0; h < nh; h++) vstore(acc + h * L + l, a[h]);
     }
     for (; l < L; l++)
         for (int64_t j = 0; j < nt; j++)
-            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_act(rows[j], cbf, l);
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_kv(rows[j], cf, l);
 }
 
 #ifdef LS_BF16DOT
@@ -91,19 +91,19 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cbf, int64_t
 
 /* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. Two rows
  * a pass, so that each load of q feeds two products. */
-INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
-                            int nh, float scale, float *scores) {
+INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int cf, int64_t p0, int64_t p1,
+                            int64_t n, int nh, float scale, float *scores) {
     for (int64_t p = p0; p < p1; p += 2) {
-        prefetch_row(rows, p + PREFETCH_ROWS, n, D * 2);
-        prefetch_row(rows, p + PREFETCH_ROWS + 1, n, D * 2);
+        prefetch_row(rows, p + PREFETCH_ROWS, n, D * kv_size(cf));
+        prefetch_row(rows, p + PREFETCH_ROWS + 1, n, D * kv_size(cf));
         int two = p + 1 < p1;
-        const uint16_t *row[2] = {(const uint16_t *)rows[p], (const uint16_t *)rows[two ? p + 1 : p]};
+        const char *row[2] = {rows[p], rows[two ? p + 1 : p]};
         __m512 acc[2][HEADS];
         float sums[2][HEADS];
         for (int h = 0; h < HEADS; h++) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512bh k0 = (__m512bh)_mm512_loadu_si512(row[0] + d), k1 = (__m512bh)_mm512_loadu_si512(row[1] + d);
+            __m512bh k0 = (__m512bh)load_bf16x32(row[0], cf, d), k1 = (__m512bh)load_bf16x32(row[1], cf, d);
             for (int h = 0; h < nh; h++) {
                 __m512bh qh = (__m512bh)_mm512_loadu_si512(q + h * D + d);
                 acc[0][h] = _mm512_dpbf16_ps(acc[0][h], qh, k0);
@@ -114,7 +114,7 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
             reduce_heads(acc[i], nh, sums[i]);
             for (int h = 0; h < nh; h++) {
                 float s = sums[i][h];
-                for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * bf16_to_float(row[i][e]);
+                for (int64_t e = d; e < D; e++) s += bf16_to_float(q[h * D + e]) * load_kv(row[i], cf, e);
                 scores[h * ROW_TILE + p + i - p0] = scale * s;
             }
         }
@@ -130,7 +130,8 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
 
 /* weigh_rows over bf16 rows, two positions a vdpbf16ps: the weights rounded to bf16, rows 2i and 2i + 1 in one int
  * (low half first), the rows interleaved column by column. Columns past the last multiple of 32 take the fp32 loop. */
-INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt, int64_t L, int nh, float *acc) {
+INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int cf, int64_t nt, int64_t L, int nh,
+                            float *acc) {
     int32_t pairs[HEADS * ROW_TILE / 2];
     for (int h = 0; h < nh; h++)
         for (int64_t j = 0; j < nt; j += 2) {
@@ -147,8 +148,8 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt,
             hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
         }
         for (int64_t j = 0; j < nt; j += 2) {
-            __m512i r0 = _mm512_loadu_si512((const uint16_t *)rows[j] + l);
-            __m512i r1 = j + 1 < nt ? _mm512_loadu_si512((const uint16_t *)rows[j + 1] + l) : _mm512_setzero_si512();
+            __m512i r0 = load_bf16x32(rows[j], cf, l);
+            __m512i r1 = j + 1 < nt ? load_bf16x32(rows[j + 1], cf, l) : _mm512_setzero_si512();
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
             for (int h = 0; h < nh; h++) {
                 __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ROW_TILE / 2 + j / 2]);
@@ -163,7 +164,7 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int64_t nt,
     }
     for (; l < L; l++)
         for (int64_t j = 0; j < nt; j++)
-            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_act(rows[j], 1, l);
+            for (int h = 0; h < nh; h++) acc[h * L + l] += w[h * ROW_TILE + j] * load_kv(rows[j], cf, l);
 }
 #endif
 
@@ -199,13 +200,13 @@ static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, flo
 /* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n), tile by tile: into `out` normalized,
  * or where `partial` is given, each head's running maximum, sum and unnormalized values there (L + 2 floats a head)
  * for combine_chunks. */
-INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cbf, int64_t p_begin,
+INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
                         int64_t p_end, float scale, void *out, int obf, float *partial, int nh) {
     float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
     for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
     for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
 #ifdef LS_BF16DOT
-    int dot = qbf && cbf; /* bf16 products through vdpbf16ps */
+    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps (fp8 rows converted to bf16) */
 #else
     int dot = 0;
 #endif
@@ -215,15 +216,15 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
         int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
 #ifdef LS_BF16DOT
         if (dot) {
-            score_rows_bf16(q, D, rows, p0, p1, p_end, nh, scale, scores);
+            score_rows_bf16(q, D, rows, cf, p0, p1, p_end, nh, scale, scores);
             online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-            weigh_rows_bf16(scores, rows + p0, p1 - p0, L, nh, acc);
+            weigh_rows_bf16(scores, rows + p0, cf, p1 - p0, L, nh, acc);
             continue;
         }
 #endif
-        score_rows(qs, D, rows, cbf, p0, p1, p_end, nh, scores);
+        score_rows(qs, D, rows, cf, p0, p1, p_end, nh, scores);
         online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-        weigh_rows(scores, rows + p0, cbf, p1 - p0, L, nh, acc);
+        weigh_rows(scores, rows + p0, cf, p1 - p0, L, nh, acc);
     }
     for (int h = 0; h < nh; h++) {
         if (partial) {
@@ -259,17 +260,18 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
  * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
- * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache, bit 2 out (else
- * fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the metadata would lead outside
- * the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T tokens; else 0. */
+ * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8,
+ * kv_rows.h), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the
+ * metadata would lead outside the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T
+ * tokens; else 0. */
 LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
                          const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
                          int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
                          int64_t bt_width) {
     int bad = decode_metadata_error(T, qsl, seq_lens, R, block_table, bt_stride, bt_width, cache_blocks, B);
     if (bad) return bad;
-    int qbf = io & 1, cbf = (io >> 1) & 1, obf = (io >> 2) & 1;
-    int64_t esize = cbf ? 2 : 4, max_len = 0;
+    int qbf = io & 1, cf = kv_format(io), obf = (io >> 2) & 1;
+    int64_t esize = kv_size(cf), max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* Every request's row addresses once (the items of its tokens share them). */
     const char **rows = malloc((R * max_len + 1) * sizeof(char *));
@@ -311,14 +313,14 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
                 float *pt = whole ? NULL : partial + (chunk * H + h0) * (L + 2);
                 const char *const *rr = rows + r * max_len;
                 switch (nh) { /* a constant head count per instance: the accumulators live in registers */
-                case 1: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 1); break;
-                case 2: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 2); break;
-                case 3: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 3); break;
-                case 4: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 4); break;
-                case 5: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 5); break;
-                case 6: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 6); break;
-                case 7: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 7); break;
-                default: decode_item(qt, qbf, D, L, rr, cbf, p_begin, p_end, scale, ot, obf, pt, 8); break;
+                case 1: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 1); break;
+                case 2: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 2); break;
+                case 3: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 3); break;
+                case 4: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 4); break;
+                case 5: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 5); break;
+                case 6: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 6); break;
+                case 7: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 7); break;
+                default: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 8); break;
                 }
             }
         }

@@ -15,6 +15,7 @@ from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKe
 from latentserve.kernels.checks import tensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
+KV_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn)  # the latent caches they read and write (kv_rows.h)
 F32, I8, I32, I64, U8 = (torch.float32,), (torch.int8,), (torch.int32,), (torch.int64,), (torch.uint8,)
 PROFILE_PREFIX = "latentserve::"  # the profiler range each call gets while a torch profiler runs
 
@@ -185,7 +186,7 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     projection kv `[T, L + R]`; q `[T, H, D]` (contiguous) gets its last R dims of each head rotated in place; each
     token's [kv_c ‖ k_pe] goes to the cache `[blocks, block_size, L + R]` at its slot (int64, -1 = padding). cos,
     sin `[T, R]` fp32 as `RotaryEmbedding.cos_sin` makes them, for rope `style`. q, kv, weight of one dtype, fp32 or
-    bf16; the cache fp32 or bf16."""
+    bf16; the cache `KV_CACHE_DTYPES` (fp8: rounded to nearest even, saturated to +-448)."""
     fn = "mla_prologue"
     if style not in ROPE_STYLES:
         raise ValueError(f"{fn}: rope style must be one of {ROPE_STYLES}, got {style!r}")
@@ -199,7 +200,7 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     capacity = _slots(fn, slot_mapping, tokens, kv_cache, width)
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
-    io = int(kv.dtype == torch.bfloat16) * 0b101 | int(kv_cache.dtype == torch.bfloat16) << 1
+    io = int(kv.dtype == torch.bfloat16) * 0b101 | cache_io(kv_cache)
     bad = _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, heads, dim, kv.data_ptr(), width - rope, rope,
                 weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
                 kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
@@ -207,6 +208,11 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     if bad >= 0:
         raise _slot_error(fn, slot_mapping, capacity)
     return kv_c, k_pe
+
+
+def cache_io(kv_cache: torch.Tensor) -> int:
+    """The kernels' `io` bits for a latent cache's format (kv_rows.h: bit 1 bf16, bit 3 fp8 e4m3, neither fp32)."""
+    return int(kv_cache.dtype == torch.bfloat16) << 1 | int(kv_cache.dtype == torch.float8_e4m3fn) << 3
 
 
 def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
@@ -219,9 +225,9 @@ def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
 
 
 def _slots(fn: str, slot_mapping: torch.Tensor, tokens: int, kv_cache: torch.Tensor, width: int) -> int:
-    """The cache's slots, where it is `[blocks, block_size, width]` (fp32 or bf16) and the slots int64 `[tokens]`
-    (the kernel checks their values: bounds.c)."""
-    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KERNEL_DTYPES, (None, None, width))
+    """The cache's slots, where it is `[blocks, block_size, width]` (`KV_CACHE_DTYPES`) and the slots int64
+    `[tokens]` (the kernel checks their values: bounds.c)."""
+    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, width))
     tensor(fn, "slot_mapping", slot_mapping, I64, (tokens,))
     return blocks * block_size
 
@@ -298,7 +304,7 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
     y, normed = torch.empty_like(x), torch.empty_like(x)
     code = _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), tokens, cos.data_ptr(),
-                 sin.data_ptr(), kv_cache.data_ptr(), int(kv_cache.dtype == torch.bfloat16), kv_cache.shape[1],
+                 sin.data_ptr(), kv_cache.data_ptr(), cache_io(kv_cache), kv_cache.shape[1],
                  block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
                  requests, slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads(),
                  kv_cache.shape[0], width)
@@ -417,17 +423,17 @@ def _expert_weights(weights: list[torch.Tensor], bits: int, k: int, inter: int, 
 def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, latent: int) -> torch.Tensor:
     """`[T, N, latent]` in q's dtype: absorbed MQA of q `[T, N, D]` over the paged cache `[blocks, block_size, D]`
-    (fp32 or bf16 each), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
+    (q fp32 or bf16, the cache `KV_CACHE_DTYPES`: fp8 dequantized as it is read), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
     query_start_loc[r] .. query_start_loc[r + 1] (int32), its length seq_lens[r] (int32)."""
     fn = "mla_decode"
     q = q.contiguous()
     tokens, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None))
-    block_size = tensor(fn, "kv_cache", kv_cache, KERNEL_DTYPES, (None, None, dim))[1]
+    block_size = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, dim))[1]
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
     requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
     out = torch.empty(tokens, heads, latent, dtype=q.dtype)
-    io = int(q.dtype == torch.bfloat16) | int(kv_cache.dtype == torch.bfloat16) << 1 | int(q.dtype == torch.bfloat16) << 2
+    io = int(q.dtype == torch.bfloat16) * 0b101 | cache_io(kv_cache)
     code = _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
                  block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
                  requests, scale, out.data_ptr(), io, torch.get_num_threads(), kv_cache.shape[0], width)

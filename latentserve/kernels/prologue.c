@@ -6,7 +6,7 @@
  * The rotation is out = x * cos + partner(x) * sin with cos and the signed sin precomputed per token in the output
  * layout, each product and the sum rounded to fp32 as torch's elementwise ops round them (the build turns off
  * fused multiply-adds of separate C operations for this): the results equal the torch path's to the bit. */
-#include "simd.h"
+#include "kv_rows.h"
 
 enum { GPTJ = 0, INTERLEAVE = 1, NEOX = 2 };
 
@@ -24,16 +24,16 @@ static void rotate(const void *x, int xbf, int64_t R, const float *cos, const fl
     }
 }
 
-/* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is, bit 2 w is (else fp32). cos and sin `[T, R]`
- * fp32; slots int64, < 0 = padding (not stored); R at most 1024. Returns -1, or (nothing computed) the first token
- * whose slot lies past the cache's `capacity` slots. */
+/* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is (bit 3: fp8, kv_rows.h), bit 2 w is (else fp32).
+ * cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored); R at most 1024. Returns -1, or (nothing
+ * computed) the first token whose slot lies past the cache's `capacity` slots. */
 LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
                                const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,
                                void *k_pe, void *cache, const int64_t *slots, int io, int threads, int64_t capacity) {
     int64_t bad = bad_slot(slots, T, capacity);
     if (bad >= 0) return bad;
-    int bf = io & 1, cbf = (io >> 1) & 1, wbf = (io >> 2) & 1;
-    int64_t size = bf ? 2 : 4, csize = cbf ? 2 : 4;
+    int bf = io & 1, cf = kv_format(io), wbf = (io >> 2) & 1;
+    int64_t size = bf ? 2 : 4, csize = kv_size(cf);
 #pragma omp parallel for num_threads(threads) if (T >= 16) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)kv + t * (L + R) * size;
@@ -46,8 +46,8 @@ LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const v
         }
         if (slots[t] < 0) continue;
         char *dst = (char *)cache + slots[t] * (L + R) * csize;
-        for (int64_t j = 0; j < L; j++) store_out(dst, cbf, j, load_act(c, bf, j));
-        for (int64_t j = 0; j < R; j++) store_out(dst, cbf, L + j, load_act(p, bf, j));
+        for (int64_t j = 0; j < L; j++) store_kv(dst, cf, j, load_act(c, bf, j));
+        for (int64_t j = 0; j < R; j++) store_kv(dst, cf, L + j, load_act(p, bf, j));
     }
     return -1;
 }

@@ -95,8 +95,6 @@ class DeepseekAttention(nn.Module):
         """The attention output `[T, N * V]` before o_proj, for queries `q` `[T, N, qk_head_dim]` (q's LoRA
         residual `q_resid` is the DSA indexer's input)."""
         kv = self.kv_a_proj_with_mqa(hidden)
-        if self.qk_rope_head_dim != self.rotary_emb.rope_dim:  # a NoPE layer of a model with rope (Mistral Large 4)
-            cos, sin = cos[:, :0], sin[:, :0]
         out = self.attn.forward_projected(q, kv, self.kv_a_layernorm, self.rotary_emb, cos, sin)
         if out is None:
             latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)

@@ -122,7 +122,8 @@ def test_refuses_what_it_cannot_read():
     md = _decode_metadata([1], [5], torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"q must be a CPU tensor, contiguous float32 or bfloat16"):
         backend.forward(torch.zeros(1, 4, 40, dtype=torch.float16), torch.zeros(2, 16, 40), md)
-    with pytest.raises(ValueError, match=r"kv_cache must be a CPU tensor, contiguous float32 or bfloat16 \[\*, \*, 40\]"):
+    with pytest.raises(ValueError, match=r"kv_cache must be a CPU tensor, contiguous float32 or bfloat16 or "
+                                         r"float8_e4m3fn \[\*, \*, 40\]"):
         backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
 
 
@@ -155,6 +156,51 @@ def test_rows_past_the_vector_width(isa, dtype):
     out = backend.forward(q, cache, md)
     ref = ReferenceDecodeBackend(5, 0.11, 48, 8).forward(q.float(), cache.float(), md)
     assert (out.float() - ref).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def fp8_cache(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """An e4m3 cache of random codes below 2 in magnitude (subnormals among them; no NaN codes)."""
+    magnitude = torch.randint(0, 0x40, shape, generator=g, dtype=torch.uint8)
+    sign = torch.randint(0, 2, shape, generator=g, dtype=torch.uint8) << 7
+    return (magnitude | sign).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(48, 8), (512, 64)])  # 56: columns past the vector blocks
+def test_fp8_cache_read_in_place_against_naive_fp32_over_the_dequantized_cache(isa, dtype, dims):
+    """An fp8 cache dequantized in registers: the reference attends over torch's dequantized copy in fp32; with
+    fp32 queries the kernel's only differences are its summation order, a chunked context (> 256 positions)
+    included."""
+    latent, rope = dims
+    g = torch.Generator().manual_seed(latent)
+    cache = fp8_cache((40, 16, latent + rope), g)
+    table = torch.randperm(40, generator=g)[:36].to(torch.int32).view(2, 18)
+    md = _decode_metadata([1, 2], [281, 100], table)
+    q = torch.randn(3, 5, latent + rope, generator=g).to(dtype)
+    backend = NativeMQADecodeBackend(5, 0.11, latent, rope)
+    backend.kernels = kernels(isa)
+    assert backend.runs_natively(cache)
+    out = backend.forward(q, cache, md)
+    ref = ReferenceDecodeBackend(5, 0.11, latent, rope).forward(q.float(), cache.float(), md)
+    assert out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_code_dequantizes_exactly(isa, dtype):
+    """A one-position context: the output is that row's latent itself (weight 1), so each of e4m3's 254 finite
+    codes (subnormals, both signs; the rows' 256 latent columns) must come out as torch's dequantized value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7f == 0x7f] = 0  # the NaN codes, which the cache never holds
+    cache = torch.cat([codes, torch.zeros(64, dtype=torch.uint8)]).view(torch.float8_e4m3fn).expand(2, 1, -1)
+    q = torch.randn(2, 3, 320, generator=torch.Generator().manual_seed(0)).to(dtype)
+    backend = NativeMQADecodeBackend(3, 0.1, 256, 64)
+    backend.kernels = kernels(isa)
+    out = backend.forward(q, cache.contiguous(), _decode_metadata([1, 1], [1, 1], torch.tensor([[0], [1]],
+                                                                                             dtype=torch.int32)))
+    assert torch.equal(out.float(), cache[:, 0, :256].float()[:, None].expand(2, 3, 256))
 
 
 @pytest.mark.parametrize("isa", ISAS)

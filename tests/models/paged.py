@@ -15,10 +15,10 @@ class PagedRunner:
     """Keeps each request's blocks and length; `step` runs one batch of new tokens and returns fp32 logits."""
 
     def __init__(self, model: DeepseekForCausalLM, attn_config: AttentionConfig, num_blocks: int = 48,
-                 seed: int = 0) -> None:
+                 seed: int = 0, cache_dtype: torch.dtype = torch.float32) -> None:
         self.model = model
         self.block_size = attn_config.block_size
-        caches = allocate_kv_caches(model.static_forward_context, num_blocks, self.block_size, torch.float32)
+        caches = allocate_kv_caches(model.static_forward_context, num_blocks, self.block_size, cache_dtype)
         for cache in caches.values():
             cache.fill_(float("nan"))  # a read of a slot nobody wrote poisons the output
         self.builder = MLAMetadataBuilder(

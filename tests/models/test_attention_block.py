@@ -14,11 +14,12 @@ from tests.models.paged import PagedRunner
 
 
 
-def _run(path, dtype: torch.dtype, quantization: QuantConfig | None) -> tuple[list[torch.Tensor], PagedRunner]:
+def _run(path, dtype: torch.dtype, quantization: QuantConfig | None,
+         cache_dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], PagedRunner]:
     """Prefill two prompts, then decode one token each, then one request alone over 1 and 2 new tokens."""
     attn_config = AttentionConfig(block_size=4)
     model = load_model(path, dtype=dtype, attn_config=attn_config, quantization=quantization)
-    runner = PagedRunner(model, attn_config)
+    runner = PagedRunner(model, attn_config, cache_dtype=cache_dtype)
     g = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(0, 96, (n,), generator=g).tolist()  # noqa: E731
     batches = [[(0, tokens(5)), (1, tokens(7))], [(0, tokens(1)), (1, tokens(1))], [(1, tokens(1))],
@@ -47,3 +48,24 @@ def test_fused_block_equals_the_modules(tmp_path, monkeypatch, variant, dtype, t
     for name, cache in fused_runner.model.static_forward_context.items():
         other = module_runner.model.static_forward_context[name].kv_cache
         assert torch.equal(cache.kv_cache.nan_to_num(), other.nan_to_num())
+
+
+@pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_block_over_an_fp8_cache_equals_the_modules(tmp_path, monkeypatch, dtype):
+    """The block writes and reads an fp8 (e4m3) cache as the prologue and decode kernels called one by one do."""
+    path = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
+                           moe_intermediate_size=64, q_lora_rank=64)
+    calls = []
+    monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
+        a[3].shape[0]) or _f(*a))
+    fp8 = torch.float8_e4m3fn
+    fused, fused_runner = _run(path, dtype, None, fp8)
+    assert calls
+    monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
+    modules, module_runner = _run(path, dtype, None, fp8)
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)
+    for name, layer in fused_runner.model.static_forward_context.items():
+        other = module_runner.model.static_forward_context[name].kv_cache
+        assert layer.kv_cache.dtype == fp8 and torch.equal(layer.kv_cache.view(torch.uint8), other.view(torch.uint8))

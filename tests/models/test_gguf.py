@@ -3,9 +3,11 @@ repacked into int4 where they map exactly. The files are written with gguf's GGU
 writes deepseek2 (tests/models/gguf_checkpoint.py); gguf's own dequantization is the reference."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import re
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -81,6 +83,46 @@ def test_split_gguf_loads_as_one(tmp_path):
     (tmp_path / parts[-1]).unlink()
     with pytest.raises(FileNotFoundError, match=f"is part of a split GGUF of {len(parts)} files, but .* is missing"):
         load_model(tmp_path / parts[0])
+
+
+def test_read_tensors_parses_each_file_once(tmp_path, monkeypatch):
+    """Parsing a GGUF reads all its metadata (a real vocabulary's 100k strings: seconds), so each part once."""
+    from gguf import GGUFReader
+
+    src = make_checkpoint(tmp_path, "v2_lite")
+    write_gguf(src, tmp_path / "one.gguf")
+    write_gguf(src, tmp_path / "split.gguf", split_max_tensors=20)
+    parts = sorted(p.name for p in tmp_path.glob("split-*.gguf"))
+    expected = dict(read_tensors(model_folder(tmp_path / "one.gguf"), lambda name: True))
+    folder = model_folder(tmp_path / parts[0])
+    parsed = []
+
+    def counting_reader(path):
+        parsed.append(path.name)
+        return GGUFReader(path)
+
+    monkeypatch.setattr(gguf_format, "GGUFReader", counting_reader)
+    read = dict(read_tensors(folder, lambda name: True))
+    assert sorted(parsed) == parts
+    assert read.keys() == expected.keys() and all(torch.equal(read[n], expected[n]) for n in read)
+
+
+def _rss_anon_mib() -> float:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon:")) / 1024
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="glibc's malloc_trim")
+def test_release_freed_heap_returns_what_numpy_temporaries_left():
+    """Freed blocks of a few hundred KiB between blocks still in use (a load's temporaries between the weights it
+    keeps) stay in glibc's heap, and the RSS, until trimmed."""
+    np.ones(4_000_000)  # a 32 MB mapping, freed at once: glibc's mmap threshold rises past it, as in a load
+    pairs = [(np.ones(100_000), np.ones(2000)) for _ in range(1000)]  # 800 KB temporaries, 800 MB, from the heap
+    kept = [k for _, k in pairs]
+    del pairs
+    held = _rss_anon_mib()
+    gguf_format.release_freed_heap()
+    assert held - _rss_anon_mib() > 500, (held, _rss_anon_mib())
+    assert sum(k.sum() for k in kept) == 2000 * 1000
 
 
 # Big enough for K-quants (256 values a row): every type on some weight.

@@ -190,7 +190,7 @@ REFUSALS = {
     "-tp 4": "-tp 4: latentserve does not split layers over devices",
     "--gpu-memory-utilization 0.9": "--gpu-memory-utilization 0.9: the KV cache is not sized as a share of GPU memory: "
                                     "give its size with --kv-cache-memory-bytes",
-    "--kv-cache-dtype fp8": "fp8: an fp8 KV cache is not implemented",
+    "--kv-cache-dtype fp8_e5m2": "kv_cache_dtype 'fp8_e5m2' is not supported; the fp8 cache is e4m3",
     "--swap-space 4": "--swap-space 4: preempted requests are recomputed",
     "--load-format gguf": "--load-format gguf: checkpoints are read as safetensors",
     "--allowed-origins '*'": "expected a list",

@@ -16,11 +16,12 @@ class NativeMQADecodeBackend(MLADecodeBackend):
     """Every decode token and block of heads is one work item: its request's rows are read where they lie, a tile at
     a time, scored and then weighed under an online softmax (fp32 sums; bf16 products through vdpbf16ps where the
     build has them). Several query tokens per request (speculative decoding) see their causal
-    prefixes. PAGED takes a cache in another dtype (an fp16 `kv_cache_dtype`). A lone request over a long bf16
+    prefixes. An fp8 cache is dequantized in registers as its rows are read (kernels/kv_rows.h). PAGED takes a cache in
+    another dtype (an fp16 `kv_cache_dtype`). A lone request over a long bf16
     context stays here too: 1.1-3.2x PAGED's oneDNN products from 1k to 16k positions (16 heads x (512 + 64), 2
     threads, benchmarks/RESULTS.md, 2026-12-04 evening)."""
 
-    supported_dtypes = native.KERNEL_DTYPES
+    supported_dtypes = native.KV_CACHE_DTYPES
     supported_device_types = ("cpu",)
 
     @classmethod
@@ -39,7 +40,7 @@ class NativeMQADecodeBackend(MLADecodeBackend):
 
     def runs_natively(self, kv_cache: torch.Tensor) -> bool:
         """Whether `forward` takes the native kernel for this cache (else PAGED)."""
-        return kv_cache.dtype in native.KERNEL_DTYPES
+        return kv_cache.dtype in native.KV_CACHE_DTYPES
 
     def forward(self, q: torch.Tensor, kv_cache: torch.Tensor, metadata: MLADecodeMetadata) -> torch.Tensor:
         if not self.runs_natively(kv_cache):

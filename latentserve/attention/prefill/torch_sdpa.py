@@ -39,7 +39,6 @@ def _widen(v: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
 
 
 class TorchSDPAPrefillBackend(VarlenPrefillBackend):
-    supported_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     supports_sliding_window = True
 
     @classmethod

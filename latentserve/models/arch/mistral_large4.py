@@ -26,7 +26,6 @@ from latentserve.models.fields import Fields
 # Mistral's native names -> the core's, applied in order to each tensor's name.
 _RENAMES = [(re.compile(p), r) for p, r in (
     (r"^tok_embeddings\.", "model.embed_tokens."),
-    (r"^lerope\.alpha$", "model.rotary_emb.alpha"),
     (r"^norm\.", "model.norm."),
     (r"^output\.", "lm_head."),
     (r"^layers\.", "model.layers."),
@@ -83,6 +82,10 @@ class MistralLarge4(GlmMoeDsa):
         for name, tensor in tensors:
             if _TEXT_ONLY.match(name):
                 continue
+            if name == "lerope.alpha":
+                # the model's rotary embeddings are one per distinct rope, in layer order: a first NoPE layer's
+                # (no dims, no alpha) comes first
+                name = f"model.rotary_embs.{0 if config.layer_config(0).qk_rope_head_dim else 1}.alpha"
             for pattern, repl in _RENAMES:
                 name = pattern.sub(repl, name)
             yield name, tensor

@@ -15,6 +15,7 @@ channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are 
 The load log counts each."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import logging
@@ -287,12 +288,16 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after: the pages
     a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
+    # Each file parsed once: GGUFReader reads all the metadata, the vocabulary's 100k strings included (seconds).
+    readers = [GGUFReader(file) for file in files]
     # Some converter versions wrote attn_kv_b beside attn_k_b / attn_v_b: kv_b_proj is then read from attn_kv_b.
-    blocks = [_BLOCK.match(t.name) for file in files for t in GGUFReader(file).tensors]
+    blocks = [_BLOCK.match(t.name) for reader in readers for t in reader.tensors]
     whole_kv_b = {m[1] for m in blocks if m and m[2] == "attn_kv_b.weight"}
     stats, halves = _Stats(), {}
     for file in files:
-        for tensor in GGUFReader(file).tensors:
+        reader = readers.pop(0)  # this file's reader dropped once its tensors are read: unmapped
+        for tensor in reader.tensors:
+            release_freed_heap()  # what unpacking the last tensor freed
             match = _BLOCK.match(tensor.name)
             part = match[2] if match else None
             if part in (_K_B, _V_B) and match[1] in whole_kv_b:
@@ -318,5 +323,15 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     if halves:
         name, pair = next(iter(halves.items()))
         raise ValueError(f"GGUF has {sorted(pair)} but not both attn_k_b and attn_v_b for {name}")
+    release_freed_heap()
     if stats.repacked or stats.requantized or stats.dequantized:
         stats.log(files[0].name)
+
+
+def release_freed_heap() -> None:
+    """Hand glibc's freed heap pages back to the system. Unpacking a GGUF tensor makes numpy temporaries of a few MiB
+    each, which glibc frees into its heap and keeps: on a 1.4 GiB Q4_K_M file, 3.3 GiB of the process's RSS after
+    the load. Elsewhere than glibc (no malloc_trim) nothing is done."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

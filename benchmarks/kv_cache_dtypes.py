@@ -1,0 +1,106 @@
+"""The latent KV cache in bf16 against fp8 (e4m3, scale 1.0): decode attention's time at a deep context, and the
+embedded model's prompt perplexity when its context is read back from the cache.
+
+decode: one decode token per request attending `--context` cached positions through the NATIVE kernel
+(kernels/mla_decode.c), DeepSeek's latent dims (L=512, R=64), bf16 queries, block 64; ms per call, fastest of
+`--repeats` rounds, the cache dtypes timed in turn within each round (interleaved, so load on the machine hits both).
+perplexity: the embedded model (bf16 compute) scores a KJV passage with chunked prefill of `--chunk` tokens a step,
+so every chunk after the first attends the cache's (quantized) latents; exp(mean negative log-likelihood).
+Run: `.venv/bin/python benchmarks/kv_cache_dtypes.py [--context 4096] [--repeats 7]`.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from latentserve import LLM, SamplingParams  # noqa: E402
+from latentserve.attention.decode.native import NativeMQADecodeBackend  # noqa: E402
+from latentserve.attention.metadata import MLADecodeMetadata  # noqa: E402
+
+LATENT, ROPE, BLOCK = 512, 64, 64
+DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# Genesis 1:1-13, King James Version (public domain).
+PASSAGE = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; and darkness "
+    "was upon the face of the deep. And the Spirit of God moved upon the face of the waters. And God said, Let there "
+    "be light: and there was light. And God saw the light, that it was good: and God divided the light from the "
+    "darkness. And God called the light Day, and the darkness he called Night. And the evening and the morning were "
+    "the first day. And God said, Let there be a firmament in the midst of the waters, and let it divide the waters "
+    "from the waters. And God made the firmament, and divided the waters which were under the firmament from the "
+    "waters which were above the firmament: and it was so. And God called the firmament Heaven. And the evening and "
+    "the morning were the second day. And God said, Let the waters under the heaven be gathered together unto one "
+    "place, and let the dry land appear: and it was so. And God called the dry land Earth; and the gathering "
+    "together of the waters called he Seas: and God saw that it was good. And God said, Let the earth bring forth "
+    "grass, the herb yielding seed, and the fruit tree yielding fruit after his kind, whose seed is in itself, upon "
+    "the earth: and it was so. And the earth brought forth grass, and herb yielding seed after his kind, and the "
+    "tree yielding fruit, whose seed was in itself, after his kind: and God saw that it was good. And the evening "
+    "and the morning were the third day."
+)
+
+
+def decode_case(dtype: torch.dtype, heads: int, batch: int, context: int):
+    """A callable running one decode step of `batch` requests over `context` positions each."""
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-context // BLOCK)
+    cache = (torch.randn(batch * blocks, BLOCK, LATENT + ROPE, generator=g) * 0.5).to(dtype)
+    table = torch.randperm(batch * blocks, generator=g).view(batch, blocks).int()
+    md = MLADecodeMetadata(block_table=table, seq_lens=torch.full((batch,), context, dtype=torch.int32),
+                           query_start_loc=torch.arange(batch + 1, dtype=torch.int32), max_query_len=1,
+                           max_seq_len=context)
+    q = torch.randn(batch, heads, LATENT + ROPE, generator=g).bfloat16()
+    backend = NativeMQADecodeBackend(heads, (192) ** -0.5, LATENT, ROPE)
+    assert backend.runs_natively(cache)
+    return lambda: backend.forward(q, cache, md)
+
+
+def time_decode(args) -> None:
+    print(f"decode attention, {args.context} positions, {torch.get_num_threads()} threads, ms per call "
+          f"(fastest of {args.repeats})")
+    print("| heads x requests | bf16 cache | fp8 cache | fp8 / bf16 |\n|---|---|---|---|")
+    for heads, batch in ((16, 1), (16, 8), (16, 32), (128, 1)):
+        cases = {name: decode_case(dtype, heads, batch, args.context) for name, dtype in DTYPES.items()}
+        best = {name: math.inf for name in cases}
+        for _ in range(args.repeats):
+            for name, step in cases.items():
+                step()
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    step()
+                best[name] = min(best[name], (time.perf_counter() - start) / args.calls * 1e3)
+        print(f"| {heads} x {batch} | {best['bf16']:.3f} | {best['fp8']:.3f} | {best['fp8'] / best['bf16']:.2f} |")
+
+
+def perplexity(args) -> None:
+    print(f"embedded model, prompt perplexity over {args.chunk}-token prefill chunks")
+    results = {}
+    for name in ("bfloat16", "fp8"):
+        llm = LLM(kv_cache_dtype=name, max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
+        out = llm.generate([PASSAGE], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+        logprobs = [out.prompt_logprobs[p][t] for p, t in enumerate(out.prompt_token_ids) if p > 0]
+        results[name] = math.exp(-sum(logprobs) / len(logprobs))
+        print(f"{name} cache: {len(logprobs)} tokens, perplexity {results[name]:.4f}")
+    print(f"fp8 / bf16: {results['fp8'] / results['bfloat16']:.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--skip-perplexity", action="store_true")
+    args = parser.parse_args()
+    time_decode(args)
+    if not args.skip_perplexity:
+        perplexity(args)
+
+
+if __name__ == "__main__":
+    main()
