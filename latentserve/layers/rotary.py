@@ -139,7 +139,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = rope_frequencies(rope_dim, rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Mistral Large 4: every frequency times exp(alpha), alpha learned per frequency (the checkpoint's
-        # `rotary_emb.alpha`, fp32); None: the frequencies as they are.
+        # `lerope.alpha`, fp32); None: the frequencies as they are.
         self.alpha = nn.Parameter(torch.zeros_like(inv_freq)) if learned_freq_scale else None
         # LongRoPE: a token past the original context takes the long factors. (transformers picks one set per
         # forward, by its longest sequence; per token, a request's result does not depend on its batch.)

@@ -111,6 +111,9 @@ class ModelConfig:
     # Mistral Large 4: per main layer, whether it has rope dims; a NoPE layer's (False) queries and keys are all
     # nope dims, qk_nope_head_dim + qk_rope_head_dim wide (`layer_config`); None: every layer has them
     rope_layers: tuple[bool, ...] | None = None
+    # Mistral Large 4: per main layer, the layer whose latent cache it attends (itself: its own); a layer reading an
+    # earlier one's has no kv_a projection and writes nothing (attention/mla.py `kv_source`); None: each its own
+    kv_sources: tuple[int, ...] | None = None
     # Mistral Large 4: logits become cap * tanh(logits / cap) (layers/logit_softcap.py); None: not capped
     final_logit_softcapping: float | None = None
 
@@ -156,7 +159,15 @@ class ModelConfig:
 
     def kv_cache_values(self, num_layers: int) -> int:
         """Cache values per token of the first `num_layers` MLA layers (main, then MTP), each at its own width."""
-        return sum(self.layer_config(i).mla_config.kv_cache_dim for i in range(num_layers))
+        return sum(self.layer_config(i).mla_config.kv_cache_dim for i in range(num_layers) if self.owns_kv(i))
+
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose latent cache layer `layer_idx` attends: itself, or an earlier one it reads."""
+        return layer_idx if self.kv_sources is None or layer_idx >= len(self.kv_sources) \
+            else self.kv_sources[layer_idx]
+
+    def owns_kv(self, layer_idx: int) -> bool:
+        return self.kv_source(layer_idx) == layer_idx
 
     def is_linear_attention_layer(self, layer_idx: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"

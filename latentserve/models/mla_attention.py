@@ -56,8 +56,12 @@ class DeepseekAttention(nn.Module):
             self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False)
         else:
             self.q_proj = Linear(c.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        # A layer reading an earlier layer's latent cache (Mistral Large 4) projects no latent of its own.
+        self.reads_kv = not c.owns_kv(layer_idx)
+        if not self.reads_kv:
+            self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                             bias=c.attention_bias)
+            self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
         # Mistral Large 4: this layer's learned per-head query scaling, from the model's log positions
@@ -67,6 +71,9 @@ class DeepseekAttention(nn.Module):
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
         self.attn = attention_core(c, attention_layer_name(layer_idx) if name is None else name, layer_idx,
                                    attn_config, static_ctx, dtype, device)
+        if self.reads_kv:
+            self.attn.kv_source = attention_layer_name(c.kv_source(layer_idx))
+            self.native_block = False  # the one-call block computes a latent of the layer's own
 
     native_block = True  # the one-call decode block (attention_block.py) computes this module
 
@@ -94,6 +101,8 @@ class DeepseekAttention(nn.Module):
                q_resid: torch.Tensor | None) -> torch.Tensor:
         """The attention output `[T, N * V]` before o_proj, for queries `q` `[T, N, qk_head_dim]` (q's LoRA
         residual `q_resid` is the DSA indexer's input)."""
+        if self.reads_kv:
+            return self.attend_shared(cos, sin, hidden, q, q_resid)
         kv = self.kv_a_proj_with_mqa(hidden)
         out = self.attn.forward_projected(q, kv, self.kv_a_layernorm, self.rotary_emb, cos, sin)
         if out is None:
@@ -107,3 +116,13 @@ class DeepseekAttention(nn.Module):
             sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
             out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
         return out
+
+    def attend_shared(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor, q: torch.Tensor,
+                      q_resid: torch.Tensor | None) -> torch.Tensor:
+        """`attend` for a layer reading its source layer's cache: the tokens' latents and rotated rope keys are the
+        rows the source wrote; only q's rope dims rotate here."""
+        kv_c_normed, k_pe = self.attn.read_new_rows()
+        q_pe = q[..., self.qk_nope_head_dim :]
+        q_pe.copy_(self.rotary_emb.rotate(q_pe, cos[:, None], sin[:, None]))
+        sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
+        return self.attn(q, kv_c_normed, k_pe, *sparse)

@@ -2,16 +2,16 @@
 its projector and patch merger are not loaded). DeepSeek-V3's MLA without q LoRA and Mistral 4's routing, under
 DeepSeek Sparse Attention whose indexers query from the layer's input (attention/dsa/hidden_query.py), plus:
 
-- a learned scale per rope frequency (`rotary_emb.alpha`: each frequency times exp(alpha));
+- a learned scale per rope frequency (`lerope.alpha`: each frequency times exp(alpha));
 - per layer and head, queries (the attention's and the indexer's) times a learned scale * log(position + 1) + bias;
 - logits soft-capped at `final_logit_softcapping`;
 - Mistral's native tensor names (`layers.{i}.attention.wq`, `tok_embeddings`, `output`, ...), as the checkpoints and
   transformers' `save_pretrained` write them.
 
 - NoPE layers (`no_rope_layers` 0): their heads all nope dims (`ModelConfig.layer_config`), their indexers without
-  RoPE.
-
-Not yet supported, refused by name: layers reading another layer's latent cache (`kv_source_layers`).
+  RoPE;
+- layers that read an earlier layer's latent cache (`kv_source_layers`): no kv_a projection of their own, the
+  source's cache rows (attention/mla.py `kv_source`); the KV memory budget counts only the sources.
 """
 from __future__ import annotations
 
@@ -67,8 +67,7 @@ class MistralLarge4(GlmMoeDsa):
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
         num_layers = parsed["num_hidden_layers"]
-        _check_not_yet(f, "kv_source_layers", list(range(num_layers)),
-                       "layers reading another layer's latent cache are not supported yet")
+        rope_layers = _rope_layers(f, num_layers)
         fields = super().fields(f, {**parsed, "q_lora_rank": 0})  # (the base refuses DSA without q LoRA)
         cap = f.raw.get("final_logit_softcapping", 30.0)
         return {**fields, "dsa": replace(fields["dsa"], hidden_queries=True),
@@ -76,7 +75,7 @@ class MistralLarge4(GlmMoeDsa):
                                                                                     minimum=0)),
                 "rms_norm_eps": f.float("rms_norm_eps", 1e-5), "learned_rope_freq_scale": True,
                 "log_position_query_scaling": True, "final_logit_softcapping": cap, "num_nextn_predict_layers": 0,
-                "rope_layers": _rope_layers(f, num_layers)}
+                "rope_layers": rope_layers, "kv_sources": _kv_sources(f, rope_layers)}
 
     def checkpoint_tensors(self, config, tensors: Tensors) -> Tensors:
         for name, tensor in tensors:
@@ -91,12 +90,6 @@ class MistralLarge4(GlmMoeDsa):
             yield name, tensor
 
 
-def _check_not_yet(f: Fields, name: str, supported: list[int], why: str) -> None:
-    value = f.raw.get(name)
-    if value is not None and value != supported:
-        raise ValueError(f"{f.where}: field {name!r} is {value!r}: {why} (only {supported!r})")
-
-
 def _rope_layers(f: Fields, num_layers: int) -> tuple[bool, ...]:
     """`no_rope_layers` (1: the layer has rope dims, 0: NoPE), by default transformers' NoPE at every fourth layer."""
     flags = f.raw.get("no_rope_layers")
@@ -107,3 +100,27 @@ def _rope_layers(f: Fields, num_layers: int) -> tuple[bool, ...]:
         raise ValueError(f"{f.where}: field 'no_rope_layers' must give 1 (rope) or 0 (NoPE) for each of the "
                          f"{num_layers} layers, got {flags!r}")
     return tuple(bool(x) for x in flags[:num_layers])
+
+
+def _kv_sources(f: Fields, rope_layers: tuple[bool, ...]) -> tuple[int, ...]:
+    """`kv_source_layers`: per layer, the layer whose latent cache it attends (itself: its own). transformers hands a
+    reading layer the latest cache-sharing layer's of its own kind (rope or NoPE), so a source must be that one."""
+    n = len(rope_layers)
+    sources = f.raw.get("kv_source_layers")
+    if sources is None:
+        return tuple(range(n))
+    if not isinstance(sources, list) or len(sources) != n or any(
+            isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= i or sources[s] != s
+            for i, s in enumerate(sources)):
+        raise ValueError(f"{f.where}: field 'kv_source_layers' must give each of the {n} layers itself or an earlier "
+                         f"layer that is its own source, got {sources!r}")
+    owners = {s for i, s in enumerate(sources) if s != i}
+    for i, s in enumerate(sources):
+        if s == i:
+            continue
+        later = [p for p in owners if s < p < i and rope_layers[p] == rope_layers[i]]
+        if rope_layers[s] != rope_layers[i] or later:
+            raise ValueError(f"{f.where}: field 'kv_source_layers' makes layer {i} read layer {s}'s cache, but "
+                             f"{'its rope kind differs' if rope_layers[s] != rope_layers[i] else f'layer {later[0]}'} "
+                             "(a layer reads the latest shared cache of its own rope kind)")
+    return tuple(sources)
