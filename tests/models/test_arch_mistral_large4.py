@@ -1,8 +1,8 @@
 """Mistral Large 3/4 (mistral_large4, text) against transformers' MistralLarge4ForConditionalGeneration: DSA with
-top-k below the prompt lengths and indexers querying from the hidden state, a NoPE layer, a layer reading an earlier one's latent cache, the learned rope frequency and
-log-position query scales (randomized, as transformers initializes them to no effect), the logit soft-cap, a dense
-first layer, Mistral's native tensor names as `save_pretrained` writes them (a tiny vision tower beside, not
-loaded)."""
+top-k below the prompt lengths and indexers querying from the hidden state, a NoPE layer, a layer reading an earlier
+one's latent cache, the learned rope frequency and log-position query scales (randomized, as transformers
+initializes them to no effect), the logit soft-cap, a dense first layer, Mistral's native tensor names as
+`save_pretrained` writes them (a tiny vision tower beside, not loaded)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,7 +51,8 @@ class TestMistralLarge4(DSASuite):
         # 16 indexer heads: with few, a position's relu scores are often all 0, and ties rank arbitrarily
         # layer 2 reads layer 0's latent cache and layer 1's top-k
         num_hidden_layers=4, no_rope_layers=[1, 0, 1, 1], kv_source_layers=[0, 1, 0, 3],
-        indexer_types=["full", "full", "shared", "full"], first_k_dense_replace=1, n_group=1, topk_group=1, index_topk=8, index_n_heads=16,
+        indexer_types=["full", "full", "shared", "full"], first_k_dense_replace=1, n_group=1, topk_group=1,
+        index_topk=8, index_n_heads=16,
         index_head_dim=32, rope_parameters=ROPE, final_logit_softcapping=2.0, eos_token_id=1, bos_token_id=0),
         drop=("q_lora_rank",), native_attention=False,
         model_class="MistralLarge4ForConditionalGeneration")
@@ -94,7 +95,8 @@ def test_config_reads_the_text_model() -> None:
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("no_rope_layers", [1, 2, 1, 1], "no_rope_layers"), ("kv_source_layers", [0, 1, 1, 3], "rope kind"), ("kv_source_layers", [0, 2, 2, 3], "kv_source_layers"),
+    ("no_rope_layers", [1, 2, 1, 1], "no_rope_layers"), ("kv_source_layers", [0, 1, 1, 3], "rope kind"),
+    ("kv_source_layers", [0, 2, 2, 3], "kv_source_layers"),
     ("final_logit_softcapping", -1.0, "final_logit_softcapping")])
 def test_unsupported_or_bad_fields_are_refused_by_name(field, value, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -6,8 +6,7 @@ DeepSeek Sparse Attention whose indexers query from the layer's input (attention
 - per layer and head, queries (the attention's and the indexer's) times a learned scale * log(position + 1) + bias;
 - logits soft-capped at `final_logit_softcapping`;
 - Mistral's native tensor names (`layers.{i}.attention.wq`, `tok_embeddings`, `output`, ...), as the checkpoints and
-  transformers' `save_pretrained` write them.
-
+  transformers' `save_pretrained` write them;
 - NoPE layers (`no_rope_layers` 0): their heads all nope dims (`ModelConfig.layer_config`), their indexers without
   RoPE;
 - layers that read an earlier layer's latent cache (`kv_source_layers`): no kv_a projection of their own, the
