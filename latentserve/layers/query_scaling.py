@@ -23,8 +23,9 @@ class LogPositionQueryScaling(nn.Module):
 
     def __init__(self, num_heads: int) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(num_heads))
-        self.bias = nn.Parameter(torch.zeros(num_heads))
+        # (no effect until loaded: 0 * log + 1)
+        self.scale = nn.Parameter(torch.zeros(num_heads))
+        self.bias = nn.Parameter(torch.ones(num_heads))
 
     def forward(self, log_pos: torch.Tensor) -> torch.Tensor:
         """`log_positions` `[T]` -> multipliers `[T, num_heads]` in the parameters' dtype, as transformers computes

@@ -15,7 +15,6 @@ DeepSeek Sparse Attention whose indexers query from the layer's input (attention
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from typing import Any
 
 from latentserve.models.arch.base import Tensors, mlp_layer_types
@@ -53,6 +52,7 @@ class MistralLarge4(GlmMoeDsa):
     architectures = ("MistralLarge4ForConditionalGeneration",)
     summary = ("Mistral Large 3/4, text only: DSA with hidden-state indexer queries, learned rope frequency and "
                "log-position query scales, logit soft-cap, Mistral-native tensor names")
+    hidden_index_queries = True
     defaults = {"scoring_func": "softmax", "topk_method": "group_limited_top2", "norm_topk_prob": True,
                 "max_position_embeddings": 1048576}
 
@@ -67,9 +67,9 @@ class MistralLarge4(GlmMoeDsa):
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
         num_layers = parsed["num_hidden_layers"]
         rope_layers = _rope_layers(f, num_layers)
-        fields = super().fields(f, {**parsed, "q_lora_rank": 0})  # (the base refuses DSA without q LoRA)
+        fields = super().fields(f, parsed)
         cap = f.raw.get("final_logit_softcapping", 30.0)
-        return {**fields, "dsa": replace(fields["dsa"], hidden_queries=True),
+        return {**fields,
                 "mlp_layer_types": mlp_layer_types(f, num_layers, first_dense=f.int("first_k_dense_replace", 1,
                                                                                     minimum=0)),
                 "rms_norm_eps": f.float("rms_norm_eps", 1e-5), "learned_rope_freq_scale": True,
