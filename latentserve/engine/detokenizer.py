@@ -12,6 +12,7 @@ from latentserve.engine.tiktoken_tokenizer import TIKTOKEN_FILE, tiktoken_tokeni
 # Tokens of the prompt's tail decoded with the first output tokens, so that the
 # output text starts the way it would in a full decode (e.g. a leading space).
 _PROMPT_CONTEXT_TOKENS = 5
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def _token_content(value: object) -> str | None:
@@ -90,6 +91,8 @@ def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
         return found
 
     template = config.get("chat_template")
+    if (model_dir / CHAT_TEMPLATE_FILE).is_file():  # as transformers saves it now (GLM's and Kimi's checkpoints)
+        template = (model_dir / CHAT_TEMPLATE_FILE).read_text()
     if isinstance(template, list):  # named templates: use the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return TokenizerInfo(

@@ -16,7 +16,8 @@ CORPUS = ("The quick brown fox jumps over the lazy dog. It's the fox's den; they
           "Numbers 12345 and 2026, spaces   and\ttabs.\n\n机器学习很有趣。机器学习 We'd like THAT! HTTPServer")
 SPECIAL = {296: "[BOS]", 297: "[EOS]", 298: "<|im_end|>", 299: "<think>"}
 TEXTS = [CORPUS, "", "a", "  leading and trailing  ", "UPPER lower MiXeD 'S 'll", "1234567 3.14 -5",
-         "emoji 🦊 and é, ü, ñ\r\n", "中文和English混合", "[BOS]hi<|im_end|><think>x[EOS]", "tab\t\tnew\n\n\nline", "zzz zzzz"]
+         "emoji 🦊 and é, ü, ñ\r\n", "中文和English混合", "[BOS]hi<|im_end|><think>x[EOS]",
+         "tab\t\tnew\n\n\nline", "zzz zzzz"]
 
 
 def train_ranks(merges: int) -> dict[bytes, int]:
