@@ -209,7 +209,7 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
     num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
-    values = model_config.mla_config.kv_cache_dim * num_layers
+    values = model_config.kv_cache_values(num_layers)
     if model_config.dsa is not None:  # the indexers' caches
         values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize

@@ -71,7 +71,7 @@ def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: 
     c, d = config, config.dsa
     if d is None:
         return MLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, kv_cache_dtype=dtype,
-                            device=device)
+                            device=device, sliding_window=c.sliding_window)
     indexer = None
     if d.runs_indexer(layer_idx):
         ic = IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim, c.qk_rope_head_dim,
