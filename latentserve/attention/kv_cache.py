@@ -26,9 +26,14 @@ def allocate_kv_caches(
             raise ValueError(f"{name}: an fp8 KV cache is not supported with the extra caches "
                              f"{sorted(layer.extra_cache_dims)} (DSA's indexer keys); use kv_cache_dtype auto, "
                              "bfloat16 or float32")
-        dim = layer.mla.kv_cache_dim
-        caches[name] = _zeros((num_blocks, block_size, dim), dtype, torch.device(device))
-        layer.kv_cache = caches[name]
+        if layer.kv_source is not None:  # reads its source layer's cache (registered, so allocated, before it)
+            layer.kv_cache = caches[layer.kv_source]
+            if layer.kv_cache.shape[-1] != layer.mla.kv_cache_dim:
+                raise ValueError(f"{name} reads the cache of {layer.kv_source}, whose rows are "
+                                 f"{layer.kv_cache.shape[-1]} wide, not its {layer.mla.kv_cache_dim}")
+        else:
+            dim = layer.mla.kv_cache_dim
+            caches[name] = layer.kv_cache = _zeros((num_blocks, block_size, dim), dtype, torch.device(device))
         layer.kv_cache_dtype = dtype  # builders size their workspaces from it
         for extra, extra_dim in layer.extra_cache_dims.items():
             cache = _zeros((num_blocks, block_size, extra_dim), dtype, torch.device(device))

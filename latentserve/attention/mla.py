@@ -66,6 +66,9 @@ class MLAAttention(nn.Module):
         self.decode_backend = decode_cls(mla.num_heads, scale, mla.kv_lora_rank, mla.qk_rope_head_dim, attn_config,
                                          sliding_window=sliding_window)
         self.kv_cache: torch.Tensor | None = None
+        # The layer whose latent cache this one reads and never writes (Mistral Large 4's shared KV): its cache is
+        # bound here too (allocate_kv_caches) and this layer has none of its own; None: its own cache.
+        self.kv_source: str | None = None
         # Extra per-layer caches on the same block table, name -> values per token (DSA's indexer keys).
         self.extra_cache_dims: dict[str, int] = {}
         self.extra_caches: dict[str, torch.Tensor] = {}
@@ -91,8 +94,16 @@ class MLAAttention(nn.Module):
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q `[T, N, P+R]`, kv_c_normed `[T, L]`, k_pe `[T, R]` (rope applied) -> `[T, N*V]`."""
         md = self.checked_metadata(q)
-        write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
+        if self.kv_source is None:
+            write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
         return self._attend(q, kv_c_normed, k_pe, md)
+
+    def read_new_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reading layer's (`kv_source`) latents and rotated rope keys `[T, L]`, `[T, R]` of this ubatch's tokens,
+        as the source layer, earlier in the model, wrote them."""
+        md = self._metadata()
+        rows = gather_kv_cache(self.kv_cache, md.slot_mapping.clamp(min=0))  # (padding: any row, unused)
+        return rows.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1)
 
     def forward_projected(self, q: torch.Tensor, kv: torch.Tensor, latent_norm: RMSNorm, rotary: RotaryEmbedding,
                           cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -101,7 +112,7 @@ class MLAAttention(nn.Module):
         (kernels/prologue.c, to the bit what the torch ops give). None where the kernels cannot take it: the caller
         then runs those ops and `forward`."""
         dtype = kv.dtype
-        if (kv.device.type != "cpu" or dtype not in KERNEL_DTYPES or q.dtype != dtype
+        if (self.kv_source is not None or kv.device.type != "cpu" or dtype not in KERNEL_DTYPES or q.dtype != dtype
                 or latent_norm.weight.dtype != dtype or self.kv_cache is None
                 or self.kv_cache.dtype not in KV_CACHE_DTYPES):
             return None

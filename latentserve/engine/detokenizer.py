@@ -7,9 +7,12 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from latentserve.engine.tiktoken_tokenizer import TIKTOKEN_FILE, tiktoken_tokenizer
+
 # Tokens of the prompt's tail decoded with the first output tokens, so that the
 # output text starts the way it would in a full decode (e.g. a leading space).
 _PROMPT_CONTEXT_TOKENS = 5
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 def _token_content(value: object) -> str | None:
@@ -57,15 +60,31 @@ def bad_words_token_ids(tokenizer: TokenizerInfo, bad_words: list[str]) -> list[
     return result
 
 
+def has_tokenizer(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / name).is_file() for name in ("tokenizer.json", TIKTOKEN_FILE))
+
+
 def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
-    """Load `tokenizer.json` (and `tokenizer_config.json` if present) from a checkpoint folder, offline."""
+    """Load `tokenizer.json`, else a tiktoken `tiktoken.model` (Kimi's), and `tokenizer_config.json` if present from a
+    checkpoint folder, offline; the checkpoint's own tokenizer code is never run."""
     model_dir = Path(model_dir)
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ValueError(f"no tokenizer.json in {model_dir}: latentserve needs a fast (tokenizers) tokenizer file")
-    tokenizer = Tokenizer.from_file(str(path))
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        tokenizer = Tokenizer.from_file(str(path))
+    elif (model_dir / TIKTOKEN_FILE).is_file():
+        path = model_dir / TIKTOKEN_FILE
+        if "tokenization_kimi" not in json.dumps(config.get("auto_map", {})):
+            # The ranks file does not carry its split pattern: only Kimi's is known here, and another model's text
+            # split with it would tokenize wrongly without a word.
+            raise ValueError(f"{path}: a tiktoken tokenizer other than Kimi's (tokenizer_config.json's auto_map does "
+                             "not name tokenization_kimi); its split pattern is unknown: supply a tokenizer.json")
+        added = {int(i): entry for i, entry in config.get("added_tokens_decoder", {}).items()}
+        tokenizer = tiktoken_tokenizer(path, added)
+    else:
+        raise ValueError(f"no tokenizer.json or {TIKTOKEN_FILE} in {model_dir}: latentserve needs a fast (tokenizers) "
+                         "tokenizer file or a tiktoken BPE file")
 
     def token_id(key: str) -> int | None:
         content = _token_content(config.get(key))
@@ -77,6 +96,8 @@ def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
         return found
 
     template = config.get("chat_template")
+    if (model_dir / CHAT_TEMPLATE_FILE).is_file():  # as transformers saves it now (GLM's and Kimi's checkpoints)
+        template = (model_dir / CHAT_TEMPLATE_FILE).read_text()
     if isinstance(template, list):  # named templates: use the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return TokenizerInfo(

@@ -15,7 +15,8 @@ from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.cpu_malloc import keep_freed_memory
-from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, load_tokenizer
+from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo, bad_words_token_ids, has_tokenizer, \
+    load_tokenizer
 from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.model_runner import ModelRunner
 from latentserve.engine.reasoning import make_reasoning_parser
@@ -194,7 +195,7 @@ def engine_tokenizer(model_dir: Path, tokenizer: str | None) -> TokenizerInfo | 
     """The tokenizer of `tokenizer` (a folder that must hold one), else the model's if it has one."""
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
-    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    return load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
 
 
 def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
@@ -208,7 +209,7 @@ def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
 def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
     # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
     num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
-    values = model_config.mla_config.kv_cache_dim * num_layers
+    values = model_config.kv_cache_values(num_layers)
     if model_config.dsa is not None:  # the indexers' caches
         values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize

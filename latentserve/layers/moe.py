@@ -182,6 +182,7 @@ class MoE(nn.Module):
         shared_bias: bool = False,
         swiglu_limit: float | None = None,
         shared_swiglu_limit: float | None = None,
+        shared_intermediate_size: int | None = None,  # each shared expert's width; None: moe_intermediate_size
     ) -> None:
         super().__init__()
         self.gate = Router(hidden_size, routing)
@@ -192,8 +193,8 @@ class MoE(nn.Module):
             for _ in range(routing.n_routed_experts)
         )
         self.shared_experts = (
-            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, bias=shared_bias,
-                     swiglu_limit=shared_swiglu_limit)
+            GatedMLP(hidden_size, (shared_intermediate_size or moe_intermediate_size) * n_shared_experts,
+                     bias=shared_bias, swiglu_limit=shared_swiglu_limit)
             if n_shared_experts
             else None
         )

@@ -128,7 +128,7 @@ def _partner(x: torch.Tensor, style: str) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q_pe [T, N, R] and k_pe [T, R] at flat token positions [T]."""
 
-    def __init__(self, rope_dim: int, rope: RopeConfig, style: str) -> None:
+    def __init__(self, rope_dim: int, rope: RopeConfig, style: str, learned_freq_scale: bool = False) -> None:
         super().__init__()
         if rope_dim < 0 or rope_dim % 2:  # (0: no rope dims, every rotation empty)
             raise ValueError(f"rope dim must be an even number >= 0, got {rope_dim}")
@@ -138,6 +138,9 @@ class RotaryEmbedding(nn.Module):
         self.style = style
         inv_freq, self.attention_scaling = rope_frequencies(rope_dim, rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Mistral Large 4: every frequency times exp(alpha), alpha learned per frequency (the checkpoint's
+        # `lerope.alpha`, fp32); None: the frequencies as they are.
+        self.alpha = nn.Parameter(torch.zeros_like(inv_freq)) if learned_freq_scale else None
         # LongRoPE: a token past the original context takes the long factors. (transformers picks one set per
         # forward, by its longest sequence; per token, a request's result does not depend on its batch.)
         self.long_from = rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
@@ -151,6 +154,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self.inv_freq.float()
         if self.long_from is not None:
             inv_freq = torch.where(positions[:, None] >= self.long_from, self.long_inv_freq.float(), inv_freq)
+        if self.alpha is not None:
+            inv_freq = inv_freq * self.alpha.float().exp()
         freqs = positions.float()[:, None] * inv_freq
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         if self.style == "gptj":  # (c0, c0, c1, c1, ...), (-s0, s0, -s1, s1, ...)

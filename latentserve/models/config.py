@@ -3,12 +3,13 @@ generic fields and then by its architecture's adapter (models/arch/)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from latentserve.config import LinearAttentionConfig, MLAConfig
 from latentserve.layers.hyper_connection import HyperConnectionConfig
+from latentserve.layers.logit_softcap import check_softcap
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig
 from latentserve.models.formats import checkpoint_quantization
 from latentserve.layers.moe import RoutingConfig
@@ -16,6 +17,21 @@ from latentserve.layers.rotary import RopeConfig, mla_softmax_scale
 from latentserve.models.arch import architecture_for
 from latentserve.models.dsa import DSAConfig
 from latentserve.models.fields import Fields
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """The MLA shape of the layers whose `layer_types` entry is "sliding_attention", where it differs from the model's
+    top-level fields (dots3_note: fewer, wider heads, their own LoRA ranks and rope theta, a window)."""
+
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeConfig
+    sliding_window: int
 
 
 @dataclass(frozen=True)
@@ -72,12 +88,37 @@ class ModelConfig:
     hyper_connections: HyperConnectionConfig | None = None
     swiglu_limit: float | None = None  # routed experts clamp gate (above) and up (both sides) there; None: no clamp
     swiglu_limit_everywhere: bool = False  # GLM-5 next: the dense layers' MLP and the shared experts clamp as well
-    # Hybrid models (docs/hybrids.md): each main layer's attention, "full_attention" (MLA) or "linear_attention"
-    # (attention/linear/, dimensions in `linear_attention`); None: MLA everywhere.
+    # Each main layer's attention: "full_attention" (MLA), "linear_attention" (hybrid models, docs/hybrids.md:
+    # attention/linear/, dimensions in `linear_attention`) or "sliding_attention" (MLA of the `sliding_attention`
+    # shape); None: MLA everywhere.
     layer_types: tuple[str, ...] | None = None
     linear_attention: LinearAttentionConfig | None = None
     rope_free: bool = False  # MLA without positions (Kimi-Linear): the rope dims attend as they are
     head_output_gate: bool = False  # Ling: a sigmoid gate per head on the attention output, from the layer's input
+    # dots3_note: the "sliding_attention" layers' own MLA shape (`layer_config` gives a layer its config); a layer's
+    # window, set only there (None: the layer attends every position).
+    sliding_attention: LayerAttention | None = None
+    sliding_window: int | None = None
+    # dots3_note's attention (models/dots_attention.py): q's and kv's normed LoRA latents times sqrt(hidden / rank),
+    # and an RMSNorm on the shared rope key before its rotation.
+    lora_scales: bool = False
+    k_rope_norm: bool = False
+    shared_expert_intermediate_size: int | None = None  # each shared expert's width; None: moe_intermediate_size
+    # Mistral Large 4: rope frequencies times exp of a learned `alpha` each (layers/rotary.py), and each layer's
+    # queries times a learned per-head scale * log(position + 1) + bias (layers/query_scaling.py)
+    learned_rope_freq_scale: bool = False
+    log_position_query_scaling: bool = False
+    # Mistral Large 4: per main layer, whether it has rope dims; a NoPE layer's (False) queries and keys are all
+    # nope dims, qk_nope_head_dim + qk_rope_head_dim wide (`layer_config`); None: every layer has them
+    rope_layers: tuple[bool, ...] | None = None
+    # Mistral Large 4: per main layer, the layer whose latent cache it attends (itself: its own); a layer reading an
+    # earlier one's has no kv_a projection and writes nothing (attention/mla.py `kv_source`); None: each its own
+    kv_sources: tuple[int, ...] | None = None
+    # Mistral Large 4: logits become cap * tanh(logits / cap) (layers/logit_softcap.py); None: not capped
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        check_softcap(self.final_logit_softcapping)
 
     @property
     def num_attention_layers(self) -> int:
@@ -99,6 +140,34 @@ class ModelConfig:
         return MLAConfig(
             self.num_attention_heads, self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         )
+
+    def layer_config(self, layer_idx: int) -> "ModelConfig":
+        """The config layer `layer_idx`'s attention is built from: the model's, or for a sliding layer its own MLA
+        shape, rope and window, without DSA (its indexers run on the other layers); a NoPE layer's (Mistral Large 4)
+        without rope dims, its nope dims that many wider (the softmax scale, of the whole head, stays)."""
+        c = self
+        s = self.sliding_attention
+        if s is not None and self.layer_types is not None and layer_idx < len(self.layer_types) \
+                and self.layer_types[layer_idx] == "sliding_attention":
+            c = replace(c, num_attention_heads=s.num_attention_heads, q_lora_rank=s.q_lora_rank,
+                        kv_lora_rank=s.kv_lora_rank, qk_nope_head_dim=s.qk_nope_head_dim,
+                        qk_rope_head_dim=s.qk_rope_head_dim, v_head_dim=s.v_head_dim, rope=s.rope,
+                        sliding_window=s.sliding_window, dsa=None)
+        if self.rope_layers is not None and layer_idx < len(self.rope_layers) and not self.rope_layers[layer_idx]:
+            c = replace(c, qk_nope_head_dim=c.qk_head_dim, qk_rope_head_dim=0)
+        return c
+
+    def kv_cache_values(self, num_layers: int) -> int:
+        """Cache values per token of the first `num_layers` MLA layers (main, then MTP), each at its own width."""
+        return sum(self.layer_config(i).mla_config.kv_cache_dim for i in range(num_layers) if self.owns_kv(i))
+
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose latent cache layer `layer_idx` attends: itself, or an earlier one it reads."""
+        return layer_idx if self.kv_sources is None or layer_idx >= len(self.kv_sources) \
+            else self.kv_sources[layer_idx]
+
+    def owns_kv(self, layer_idx: int) -> bool:
+        return self.kv_source(layer_idx) == layer_idx
 
     def is_linear_attention_layer(self, layer_idx: int) -> bool:
         return self.layer_types is not None and self.layer_types[layer_idx] == "linear_attention"

@@ -20,15 +20,17 @@ from latentserve.layers.embedding import ScaledEmbedding
 from latentserve.layers.gated_norm import GatedRMSNorm
 from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
 from latentserve.layers.linear import Linear
+from latentserve.layers.logit_softcap import softcap
 from latentserve.layers.mhc import MHCConnection, mean_of_streams, mix_streams
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.normed_moe import NormedMoE
-from latentserve.layers.query_scaling import Llama4QueryScaling
+from latentserve.layers.query_scaling import Llama4QueryScaling, log_positions
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.attention_block import fused_attention
 from latentserve.models.config import ModelConfig
+from latentserve.models.dots_attention import Dots3Attention
 from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.moe_block import fused_moe
@@ -45,13 +47,15 @@ def build_attention(config: ModelConfig, layer_idx: int, rotary_emb: RotaryEmbed
                     name: str | None = None) -> DeepseekAttention | KimiDeltaAttention:
     """The layer's attention module: a hybrid's linear attention where its layer_types say so (docs/hybrids.md); else
     DeepSeek's MLA, or MLA with an output gate (A.X K2's from the fused q projection, Hunyuan V4's from the layer's
-    input, Ling's one per head); `name`: its MLA layer's, where the layer has several (LongCat-Flash)."""
-    c = config
+    input, Ling's one per head, dots3_note's per head with a normed rope key); `name`: its MLA layer's, where the
+    layer has several (LongCat-Flash)."""
+    c = config.layer_config(layer_idx)
     if c.is_linear_attention_layer(layer_idx):
         return KimiDeltaAttention(linear_attention_layer_name(layer_idx), c.hidden_size, c.linear_attention,
                                   c.rms_norm_eps, attn_config)
-    kind = (QGateAttention if c.q_output_gate else HiddenGateAttention if c.hidden_output_gate
-            else HeadGateAttention if c.head_output_gate else DeepseekAttention)
+    kind = (Dots3Attention if c.k_rope_norm else QGateAttention if c.q_output_gate
+            else HiddenGateAttention if c.hidden_output_gate else HeadGateAttention if c.head_output_gate
+            else DeepseekAttention)
     return kind(c, layer_idx, rotary_emb, attn_config, static_ctx, dtype, device, name)
 
 
@@ -81,7 +85,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = NormedMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.rms_norm_eps)
         elif c.is_moe_layer(layer_idx):
             self.mlp = MoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.n_shared_experts, c.mlp_bias,
-                           c.swiglu_limit, dense_limit)
+                           c.swiglu_limit, dense_limit, c.shared_expert_intermediate_size)
         else:
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, swiglu_limit=dense_limit)
         self.input_layernorm = _norm(c, gated=True)
@@ -175,18 +179,26 @@ class DeepseekModel(nn.Module):
         c = config
         self.embed_tokens = (nn.Embedding(c.vocab_size, c.hidden_size) if c.embedding_scale == 1.0
                              else ScaledEmbedding(c.vocab_size, c.hidden_size, c.embedding_scale))
-        self.rotary_emb = RotaryEmbedding(c.qk_rope_head_dim, c.rope, c.rope_style)
-        attention = partial(build_attention, c, rotary_emb=self.rotary_emb, attn_config=attn_config,
-                            static_ctx=static_ctx, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(_decoder_layer(c, i, attention) for i in range(c.num_hidden_layers))
+        # One rotary embedding per distinct rope (dots3_note's sliding layers rotate their own dims at their own
+        # theta); each layer's index into them, so each one's angles are computed once per forward.
+        ropes = list(dict.fromkeys((lc.qk_rope_head_dim, lc.rope) for lc in map(c.layer_config,
+                                                                                range(c.num_hidden_layers))))
+        self.rotary_embs = nn.ModuleList(RotaryEmbedding(dim, rope, c.rope_style,
+                                                        c.learned_rope_freq_scale and dim > 0) for dim, rope in ropes)
+        self.layer_rotary = [ropes.index((lc.qk_rope_head_dim, lc.rope))
+                             for lc in map(c.layer_config, range(c.num_hidden_layers))]
+        attention = partial(build_attention, c, attn_config=attn_config, static_ctx=static_ctx, dtype=dtype,
+                            device=device)
+        self.layers = nn.ModuleList(_decoder_layer(c, i, partial(attention, rotary_emb=self.rotary_embs[r]))
+                                    for i, r in enumerate(self.layer_rotary))
         hc = c.hyper_connections
         # The streams' number (None: one plain residual) and how they become one hidden state at the end.
         self.streams = None if hc is None else hc.streams
         self.hc_head = None if hc is None else mean_of_streams if hc.sinkhorn_iters else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rope_free = c.rope_free
-        self.query_scaling = None if c.llama4_scaling_beta is None else Llama4QueryScaling(
-            c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
+        self.query_scaling = log_positions if c.log_position_query_scaling else None if c.llama4_scaling_beta is None \
+            else Llama4QueryScaling(c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -194,10 +206,11 @@ class DeepseekModel(nn.Module):
             hidden = hidden.unsqueeze(1).expand(-1, self.streams, -1).contiguous()
         # Without positions every token rotates by angle 0 (cos 1, sin 0: exactly the identity), so the rotary path
         # and the kernels that fuse it stay as they are.
-        cos, sin = self.rotary_emb.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
+        angles = [rotary.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
+                  for rotary in self.rotary_embs]
         q_scale = None if self.query_scaling is None else self.query_scaling(positions)
-        for layer in self.layers:
-            hidden = layer(cos, sin, hidden, q_scale)
+        for layer, r in zip(self.layers, self.layer_rotary):
+            hidden = layer(*angles[r], hidden, q_scale)
         if self.hc_head is not None:
             hidden = self.hc_head(hidden)
         return self.norm(hidden)
@@ -255,4 +268,4 @@ class DeepseekForCausalLM(nn.Module):
         """fp32 logits `[T, vocab_size]`."""
         if self.config.logits_scaling != 1.0:
             hidden = hidden / self.config.logits_scaling
-        return self.lm_head(hidden).float()
+        return softcap(self.lm_head(hidden).float(), self.config.final_logit_softcapping)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from latentserve.attention.dsa.hidden_query import HiddenQueryIndexer
 from latentserve.attention.dsa.indexer import Indexer, IndexerConfig
 from latentserve.attention.dsa.kpool import PooledIndexer, kpool_width
 from latentserve.attention.dsa.layer import SparseMLAAttention
@@ -33,6 +34,8 @@ class DSAConfig:
     attention_sinks: bool = False
     # GLM-5 next: the indexers score pools of this many positions (attention/dsa/kpool.py); None: single positions.
     index_kpool: int | None = None
+    # Mistral Large 4: the indexers query from the layer's input (attention/dsa/hidden_query.py), not q's LoRA
+    hidden_queries: bool = False
 
     def __post_init__(self) -> None:
         for name in ("index_topk", "index_n_heads", "index_head_dim"):
@@ -42,6 +45,9 @@ class DSAConfig:
         if not self.indexer_layers or not self.indexer_layers[0]:
             raise ValueError("config.json: the first layer shares the top-k of an earlier indexer layer, but there "
                              "is none (indexer_types must start with 'full')")
+        if self.hidden_queries and self.index_kpool is not None:
+            raise ValueError("config.json: indexers that query from the hidden state do not score pools "
+                             "(index_kpool)")
         if self.index_kpool is not None:
             kpool_width(self.index_topk, self.index_kpool)  # (checks them)
 
@@ -71,11 +77,13 @@ def attention_core(config: ModelConfig, name: str, layer_idx: int, attn_config: 
     c, d = config, config.dsa
     if d is None:
         return MLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, kv_cache_dtype=dtype,
-                            device=device)
+                            device=device, sliding_window=c.sliding_window)
     indexer = None
     if d.runs_indexer(layer_idx):
-        ic = IndexerConfig(c.hidden_size, c.q_lora_rank, d.index_n_heads, d.index_head_dim, c.qk_rope_head_dim,
+        q_input = c.hidden_size if d.hidden_queries else c.q_lora_rank
+        ic = IndexerConfig(c.hidden_size, q_input, d.index_n_heads, d.index_head_dim, c.qk_rope_head_dim,
                            d.width, d.interleaved_rope, d.rope_tail, d.k_norm_eps)
-        indexer = Indexer(ic, c.rope) if d.index_kpool is None else PooledIndexer(ic, c.rope, d.index_kpool)
+        kind = HiddenQueryIndexer if d.hidden_queries else Indexer
+        indexer = kind(ic, c.rope) if d.index_kpool is None else PooledIndexer(ic, c.rope, d.index_kpool)
     return SparseMLAAttention(name, c.mla_config, c.softmax_scale, attn_config, static_ctx, d.width, indexer,
                               sinks=d.attention_sinks, kv_cache_dtype=dtype, device=device)

@@ -244,8 +244,12 @@ def load_weights(
     targets = model.state_dict(keep_vars=True)
     quantized = ({f"{name}.weight": name for name in quantizable_linears(model, quantization.lm_head)}
                  if quantization else {})
-    if model.config.tie_word_embeddings:
-        targets.pop("lm_head.weight")
+    # A tensor shared under several names loads once, by its first: the tied lm_head's, the shared rotary
+    # embedding's learned alpha under every attention layer.
+    first: dict[int, str] = {}
+    for name in list(targets):
+        if first.setdefault(id(targets[name]), name) != name:
+            targets.pop(name)
     loaded: set[str] = set()
     halves: dict[str, dict] = {}  # gate or up weights waiting for the other half
     quantizer = _Quantizer(quantization, device) if quantized else None

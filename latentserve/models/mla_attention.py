@@ -11,6 +11,7 @@ from latentserve.forward_context import StaticForwardContext
 from latentserve.kernels.native import MLABlock
 from latentserve.layers.linear import Linear
 from latentserve.layers.norm import RMSNorm
+from latentserve.layers.query_scaling import LogPositionQueryScaling
 from latentserve.layers.rotary import RotaryEmbedding
 from latentserve.models.config import ModelConfig
 from latentserve.models.dsa import attention_core
@@ -22,9 +23,9 @@ def attention_layer_name(layer_idx: int) -> str:
 
 
 def scale_queries(q: torch.Tensor, q_scale: torch.Tensor | None) -> torch.Tensor:
-    """q `[T, N, D]` times each token's multiplier (None: as it is). Before the rotation rather than after, as
-    transformers does: the rotation is linear."""
-    return q if q_scale is None else q * q_scale.to(q.dtype)[:, None, None]
+    """q `[T, N, D]` times each token's multiplier `[T]`, or each token's and head's `[T, N]` (None: as it is).
+    Before the rotation rather than after, as transformers does: the rotation is linear."""
+    return q if q_scale is None else q * q_scale.to(q.dtype).view(q.shape[0], -1, 1)
 
 
 class DeepseekAttention(nn.Module):
@@ -55,22 +56,35 @@ class DeepseekAttention(nn.Module):
             self.q_b_proj = Linear(c.q_lora_rank, q_out, bias=False)
         else:
             self.q_proj = Linear(c.hidden_size, q_out, bias=False)
-        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
+        # A layer reading an earlier layer's latent cache (Mistral Large 4) projects no latent of its own.
+        self.reads_kv = not c.owns_kv(layer_idx)
+        if not self.reads_kv:
+            self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                             bias=c.attention_bias)
+            self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
         self.o_proj = Linear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias)
         self.rotary_emb = rotary_emb  # shared by all layers
+        # Mistral Large 4: this layer's learned per-head query scaling, from the model's log positions
+        self.softmax_scaling = LogPositionQueryScaling(c.num_attention_heads) if c.log_position_query_scaling \
+            else None
         # the native kernel's view of the block, for the one-call decode path (`attention_block`)
         self.fused_block: NativeView[tuple[MLABlock, int]] = NativeView()
         self.attn = attention_core(c, attention_layer_name(layer_idx) if name is None else name, layer_idx,
                                    attn_config, static_ctx, dtype, device)
+        if self.reads_kv:
+            self.attn.kv_source = attention_layer_name(c.kv_source(layer_idx))
+            self.native_block = False  # the one-call block computes a latent of the layer's own
 
     native_block = True  # the one-call decode block (attention_block.py) computes this module
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """cos, sin `[T, R/2]`: the tokens' rotary angles, computed once per forward for all layers; q_scale `[T]`:
-        each token's query multiplier, where the model scales queries by position (Mistral 4)."""
+        each token's query multiplier, where the model scales queries by position (Mistral 4), or with this
+        layer's own scaling (Mistral Large 4) each token's log(position + 1), which it turns into per-head ones."""
         q, q_resid = self.project_q(hidden)
+        if self.softmax_scaling is not None:
+            q_scale = self.softmax_scaling(q_scale)
         return self.o_proj(self.attend(cos, sin, hidden, scale_queries(q, q_scale), q_resid))
 
     def project_q(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -87,6 +101,8 @@ class DeepseekAttention(nn.Module):
                q_resid: torch.Tensor | None) -> torch.Tensor:
         """The attention output `[T, N * V]` before o_proj, for queries `q` `[T, N, qk_head_dim]` (q's LoRA
         residual `q_resid` is the DSA indexer's input)."""
+        if self.reads_kv:
+            return self.attend_shared(cos, sin, hidden, q, q_resid)
         kv = self.kv_a_proj_with_mqa(hidden)
         out = self.attn.forward_projected(q, kv, self.kv_a_layernorm, self.rotary_emb, cos, sin)
         if out is None:
@@ -100,3 +116,13 @@ class DeepseekAttention(nn.Module):
             sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
             out = self.attn(q, kv_c_normed, pe[:, -1], *sparse)
         return out
+
+    def attend_shared(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor, q: torch.Tensor,
+                      q_resid: torch.Tensor | None) -> torch.Tensor:
+        """`attend` for a layer reading its source layer's cache: the tokens' latents and rotated rope keys are the
+        rows the source wrote; only q's rope dims rotate here."""
+        kv_c_normed, k_pe = (rows.to(q.dtype) for rows in self.attn.read_new_rows())  # (a cache of another dtype)
+        q_pe = q[..., self.qk_nope_head_dim :]
+        q_pe.copy_(self.rotary_emb.rotate(q_pe, cos[:, None], sin[:, None]))
+        sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)
+        return self.attn(q, kv_c_normed, k_pe, *sparse)

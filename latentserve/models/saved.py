@@ -37,7 +37,8 @@ VERSION = 1
 MANIFEST = "latentserve_quantized.json"
 WEIGHTS = "model.quantized.safetensors"
 ALIGN = 64  # every tensor starts on a cache line, as torch's own allocations do (the kernels load whole lines)
-COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+COPIED = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja",
+          "generation_config.json")
 # The quantized layers whose state is plain tensors and plain attributes; fbgemm's packed weight is opaque.
 SAVABLE = {cls.__name__: cls for cls in (Int8Linear, NativeInt8Linear, Int4Linear, Int4PackLinear, NativeInt4Linear)}
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",

@@ -63,7 +63,7 @@ class ToolPlan:
         if self.mode == "required":
             return _parse_required(answer or "", partial)
         if self.mode == "auto" and tool_parser is not None:
-            return tool_parser.extract_tool_calls(answer or "", partial)
+            return tool_parser.extract_tool_calls(answer or "", partial, self.tools)
         return answer, []
 
 

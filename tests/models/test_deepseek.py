@@ -124,7 +124,7 @@ def test_bf16_model_keeps_router_in_fp32(tmp_path) -> None:
     assert model.lm_head.weight.dtype == torch.bfloat16
     assert moe.experts[0].gate_proj.weight.dtype == torch.bfloat16
     assert moe.gate.weight.dtype == torch.float32 and moe.gate.e_score_correction_bias.dtype == torch.float32
-    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert model.model.rotary_embs[0].inv_freq.dtype == torch.float32
 
 
 def test_forward_rejects_bad_inputs(tmp_path) -> None:

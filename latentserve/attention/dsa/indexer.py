@@ -78,7 +78,7 @@ class Indexer(nn.Module):
         write_cache_rows(cache, k, slot_mapping)
         if md.dense:
             return None
-        q = self._rope(self.wq_b(x.q_resid).view(-1, c.n_heads, c.head_dim), x.cos[:, None], x.sin[:, None])
+        q = self._rope(self.queries(x, md), x.cos[:, None], x.sin[:, None])
         weights = self.weights_proj(x.hidden.float()) * c.n_heads**-0.5
         flat = cache.view(-1, c.head_dim)
         out = torch.full((q.shape[0], md.topk), -1, dtype=torch.long, device=q.device)
@@ -93,6 +93,10 @@ class Indexer(nn.Module):
                 out[s:e] = self._select(q[s:e].float(), weights[s:e], keys, slots, positions[s - qsl[r]: e - qsl[r]],
                                         md.topk)
         return out
+
+    def queries(self, x: IndexerInputs, md: DSAMetadata) -> torch.Tensor:
+        """The indexer's queries `[T, H, D]` before RoPE: from q's LoRA residual."""
+        return self.wq_b(x.q_resid).view(-1, self.config.n_heads, self.config.head_dim)
 
     def _rope(self, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c = self.config

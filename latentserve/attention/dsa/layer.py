@@ -45,7 +45,8 @@ class SparseMLAAttention(MLAAttention):
         if dsa is None:
             raise RuntimeError(f"{self.layer_name}: the attention metadata has no DSA part; build it with a builder "
                                "over this model's layers")
-        write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
+        if self.kv_source is None:
+            write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
         if self.indexer is not None:
             if index_inputs is None:
                 raise ValueError(f"{self.layer_name} runs an indexer: pass its inputs")

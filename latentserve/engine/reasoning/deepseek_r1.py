@@ -1,11 +1,13 @@
-"""DeepSeek-R1: the output is reasoning up to `</think>`, then the answer. The chat template may already have written
-`<think>` into the prompt, so the output need not start with it; without `</think>` everything is reasoning."""
+"""DeepSeek-R1, and GLM-4.5 and later (`glm45`): the output is reasoning up to `</think>`, then the answer. The chat
+template may already have written `<think>` into the prompt, so the output need not start with it; without `</think>`
+everything is reasoning."""
 from __future__ import annotations
 
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.reasoning.base import ReasoningParser, held_back, register_reasoning_parser
 
 
+@register_reasoning_parser("glm45")  # GLM writes its reasoning the same way; off, its template writes <think></think>
 @register_reasoning_parser("deepseek_r1")
 class DeepSeekR1ReasoningParser(ReasoningParser):
     start_token = "<think>"
@@ -15,7 +17,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
         super().__init__(tokenizer)
         self.end_token_id = tokenizer.tokenizer.token_to_id(self.end_token)
         if self.end_token_id is None:
-            raise ValueError(f"reasoning parser deepseek_r1: the tokenizer has no {self.end_token!r} token")
+            raise ValueError(f"reasoning parser {type(self).__name__}: the tokenizer has no {self.end_token!r} token")
 
     def extract_reasoning(self, text: str, partial: bool = False) -> tuple[str | None, str | None]:
         if text.startswith(self.start_token):

@@ -8,6 +8,7 @@ from latentserve.models.arch.bailing_hybrid import BailingHybrid
 from latentserve.models.arch.base import Architecture
 from latentserve.models.arch.deepseek import DeepseekV2, DeepseekV3, KimiK2
 from latentserve.models.arch.deepseek_v32 import DeepseekV32, GlmMoeDsa
+from latentserve.models.arch.dots3_note import Dots3Note
 from latentserve.models.arch.glm4_moe_lite import Glm4MoeLite
 from latentserve.models.arch.glm5_next import Glm5Next
 from latentserve.models.arch.hy_v4 import HYV4, HYV4VL
@@ -16,6 +17,7 @@ from latentserve.models.arch.kimi_linear import KimiLinear
 from latentserve.models.arch.longcat_flash import LongcatFlash
 from latentserve.models.arch.minicpm3 import MiniCPM3
 from latentserve.models.arch.mistral4 import Mistral4
+from latentserve.models.arch.mistral_large4 import MistralLarge4
 from latentserve.models.arch.sarvam import SarvamMLA
 from latentserve.models.arch.youtu import Youtu
 from latentserve.models.fields import Fields
@@ -23,7 +25,7 @@ from latentserve.models.fields import Fields
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
     DeepseekV2(), DeepseekV3(), KimiK2(), SarvamMLA(), Glm4MoeLite(), Youtu(), AXK1(), MiniCPM3(), Mistral4(),
     LongcatFlash(), KimiK25(), DeepseekV32(), GlmMoeDsa(), AXK2(), HYV4(), HYV4VL(), KimiLinear(), BailingHybrid(),
-    Glm5Next(),
+    Glm5Next(), Dots3Note(), MistralLarge4(),
 )}
 
 

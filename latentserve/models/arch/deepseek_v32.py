@@ -17,14 +17,15 @@ class DeepseekV32(Architecture):
     summary = "DeepSeek-V3.2: DeepSeek-V3 with DeepSeek Sparse Attention (an indexer on every layer)"
     index_n_heads = 64  # transformers' default
     interleaved_index_rope = False
+    hidden_index_queries = False  # the indexers query from the layer's input, not q's LoRA residual
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
         num_layers = parsed["num_hidden_layers"]
-        if parsed["q_lora_rank"] is None:
+        if parsed["q_lora_rank"] is None and not self.hidden_index_queries:
             raise ValueError(f"{f.where}: field 'q_lora_rank' must be set: the DSA indexer reads q's LoRA residual")
         dsa = DSAConfig(index_topk=f.int("index_topk", 2048), index_n_heads=f.int("index_n_heads", self.index_n_heads),
                         index_head_dim=f.int("index_head_dim", 128), interleaved_rope=self.interleaved_index_rope,
-                        indexer_layers=self.indexer_layers(f, num_layers))
+                        indexer_layers=self.indexer_layers(f, num_layers), hidden_queries=self.hidden_index_queries)
         if dsa.index_head_dim < parsed["qk_rope_head_dim"]:
             raise ValueError(f"{f.where}: field 'index_head_dim' ({dsa.index_head_dim}) must be at least "
                              f"qk_rope_head_dim ({parsed['qk_rope_head_dim']}): the indexer rotates that many dims")

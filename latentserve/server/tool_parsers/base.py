@@ -10,9 +10,11 @@ _PARSERS: dict[str, type["ToolParser"]] = {}
 
 class ToolParser:
     """Splits output text into (content, calls). `partial`: the output may go on, so only calls already closed are
-    returned and a content tail that could start the calls' marker is held back."""
+    returned and a content tail that could start the calls' marker is held back. `tools`: the request's tools (OpenAI's
+    dicts), for formats that write arguments untyped and need the schema to type them."""
 
-    def extract_tool_calls(self, text: str, partial: bool = False) -> tuple[str | None, list[FunctionCall]]:
+    def extract_tool_calls(self, text: str, partial: bool = False,
+                           tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
         raise NotImplementedError
 
 

@@ -15,7 +15,8 @@ _CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(
 
 @register_tool_parser("deepseek_v3")
 class DeepSeekV3ToolParser(ToolParser):
-    def extract_tool_calls(self, text: str, partial: bool = False) -> tuple[str | None, list[FunctionCall]]:
+    def extract_tool_calls(self, text: str, partial: bool = False,
+                           tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
         content, marker, calls_text = text.partition(CALLS_BEGIN)
         if not marker and partial:
             content = content[: len(content) - held_back(content, CALLS_BEGIN)]
