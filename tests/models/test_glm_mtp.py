@@ -1,12 +1,15 @@
-"""GLM-4.7-Flash's (glm4_moe_lite) MTP layer, stored as GLM publishes it (`model.layers.{num_hidden_layers}.*`, the
-DeepSeek-V3 naming), against the published MTP formula run through transformers' decoder layer, and MTP speculative
-decoding leaving greedy output unchanged."""
+"""GLM-4.7-Flash's (glm4_moe_lite) and GLM-5's (glm_moe_dsa) MTP layers, stored as GLM publishes them
+(`model.layers.{num_hidden_layers}.*`, the DeepSeek-V3 naming; GLM-5's with its own indexer's weights), against the
+published MTP formula run through transformers' decoder layer, and MTP speculative decoding leaving greedy output
+unchanged."""
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -18,11 +21,16 @@ from tests.checkpoints import load_reference
 from tests.models.arch_harness import PROMPTS, llm, make_arch_checkpoint
 from tests.models.mtp_checkpoint import ReferenceMTP, reference_mtp_logprobs
 from tests.models.paged import PagedRunner
-from tests.models import test_arch_glm4_moe_lite as glm4  # (its suite class imported by name would run again here)
+from tests.models import test_arch_glm4_moe_lite as glm4  # (their suite classes imported by name would run again)
+from tests.models import test_arch_glm_moe_dsa as glm5
 
-LENS = (9, 6)
+LENS = (12, 10)  # beyond GLM-5's top-k (8)
 OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
-SPARSE = 1  # the case's sparse layer: GLM's MTP layer is MoE
+# (case, transformers' decoder layer, the layer whose weights the MTP layer copies): GLM's MTP layer is MoE, GLM-5's
+# runs its own indexer, so a sparse layer, for GLM-5 a "full" one.
+CASES = {"glm4_moe_lite": (glm4.TestGlm4MoeLite.case, "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteDecoderLayer",
+                           1),
+         "glm_moe_dsa": (glm5.TestGlmMoeDsa.case, "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaDecoderLayer", 2)}
 
 
 def with_mtp_layer(checkpoint: Path, root: Path, source: int) -> Path:
@@ -45,15 +53,17 @@ def with_mtp_layer(checkpoint: Path, root: Path, source: int) -> Path:
     return path
 
 
-def test_glm4_moe_lite_mtp_layer_matches_the_formula(tmp_path) -> None:
-    from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import Glm4MoeLiteDecoderLayer
-
-    path = with_mtp_layer(make_arch_checkpoint(tmp_path, glm4.TestGlm4MoeLite.case), tmp_path, SPARSE)
+@pytest.mark.parametrize("arch", CASES)
+def test_glm_mtp_layer_matches_the_formula(tmp_path, arch) -> None:
+    case, layer_class, source = CASES[arch]
+    module, name = layer_class.rsplit(".", 1)
+    decoder_layer = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+    path = with_mtp_layer(make_arch_checkpoint(tmp_path, case), tmp_path, source)
     reference = load_reference(path)
     n = reference.config.num_hidden_layers
     stored = load_file(path / "model.safetensors")
-    layer = Glm4MoeLiteDecoderLayer(reference.config, SPARSE).float().eval()
-    layer.load_state_dict(reference.model.layers[SPARSE].state_dict())
+    layer = decoder_layer(reference.config, source).float().eval()
+    layer.load_state_dict(reference.model.layers[source].state_dict())
     ref_mtp = ReferenceMTP(layer, {name: stored[f"model.layers.{n}.{name}"] for name in OWN})
 
     attn_config = AttentionConfig(block_size=4)
@@ -72,8 +82,10 @@ def test_glm4_moe_lite_mtp_layer_matches_the_formula(tmp_path) -> None:
         torch.testing.assert_close(ours.log_softmax(-1), expected, rtol=0, atol=1e-4)
 
 
-def test_glm4_moe_lite_mtp_speculative_decoding_keeps_greedy_output(tmp_path) -> None:
-    path = with_mtp_layer(make_arch_checkpoint(tmp_path, glm4.TestGlm4MoeLite.case), tmp_path, SPARSE)
+@pytest.mark.parametrize("arch", CASES)
+def test_glm_mtp_speculative_decoding_keeps_greedy_output(tmp_path, arch) -> None:
+    case, _, source = CASES[arch]
+    path = with_mtp_layer(make_arch_checkpoint(tmp_path, case), tmp_path, source)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     plain = llm(path).generate(PROMPTS, params)
     engine = llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
