@@ -75,6 +75,11 @@ def load_tokenizer(model_dir: str | Path) -> TokenizerInfo:
         tokenizer = Tokenizer.from_file(str(path))
     elif (model_dir / TIKTOKEN_FILE).is_file():
         path = model_dir / TIKTOKEN_FILE
+        if "tokenization_kimi" not in json.dumps(config.get("auto_map", {})):
+            # The ranks file does not carry its split pattern: only Kimi's is known here, and another model's text
+            # split with it would tokenize wrongly without a word.
+            raise ValueError(f"{path}: a tiktoken tokenizer other than Kimi's (tokenizer_config.json's auto_map does "
+                             "not name tokenization_kimi); its split pattern is unknown: supply a tokenizer.json")
         added = {int(i): entry for i, entry in config.get("added_tokens_decoder", {}).items()}
         tokenizer = tiktoken_tokenizer(path, added)
     else:

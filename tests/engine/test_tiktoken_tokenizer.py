@@ -113,3 +113,13 @@ def test_a_tiny_kimi_k25_checkpoint_with_only_tiktoken_model_serves_text(tmp_pat
     by_ids = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert by_text.prompt_token_ids == ids and by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     assert by_text.outputs[0].text == load_tokenizer(path).tokenizer.decode(by_ids.outputs[0].token_ids)
+
+
+def test_a_tiktoken_file_of_another_model_is_refused(tmp_path):
+    """Only Kimi's split pattern is known: another model's ranks file would tokenize wrongly, so it is refused."""
+    write_tokenizer(tmp_path, train_ranks(39))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_other.OtherTokenizer", None]}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="other than Kimi's"):
+        load_tokenizer(tmp_path)
