@@ -81,6 +81,7 @@ def reference_mtp_logprobs(main, mtp: ReferenceMTP, tokens: list[int]) -> torch.
     positions = torch.arange(n)[None]
     mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
     y = mtp.layer(x[None], attention_mask=mask, position_ids=positions,
-                  position_embeddings=main.model.rotary_emb(x[None], positions))[0]
+                  position_embeddings=main.model.rotary_emb(x[None], positions))
+    y = (y[0] if isinstance(y, tuple) else y)[0]  # GLM-5's layer also returns its top-k
     return (_rms(y, w["shared_head.norm.weight"], eps) @ head.T).log_softmax(-1)
 
