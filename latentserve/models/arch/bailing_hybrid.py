@@ -8,7 +8,7 @@ from typing import Any
 
 from latentserve.config import LinearAttentionConfig
 from latentserve.models.arch.base import Architecture, Tensors, mlp_layer_types
-from latentserve.models.arch.kimi_linear import RENAMED_FIELDS, checked_layer_types
+from latentserve.models.arch.kimi_linear import checked_layer_types, renamed_fields
 from latentserve.models.fields import Fields
 
 _NAMES = ((re.compile(r"^model\.word_embeddings\."), "model.embed_tokens."),
@@ -25,11 +25,7 @@ class BailingHybrid(Architecture):
                 "max_position_embeddings": 262144}
 
     def normalize(self, raw: dict[str, Any]) -> dict[str, Any]:
-        out = dict(raw)
-        for old, new in RENAMED_FIELDS.items():
-            if old in out and new not in out:
-                out[new] = out.pop(old)
-        return out
+        return renamed_fields(raw)
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
         num_layers = parsed["num_hidden_layers"]

@@ -18,6 +18,15 @@ _EXPERT_PARTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
+def renamed_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json with the Kimi/Ling names of DeepSeek's fields (RENAMED_FIELDS) spelt DeepSeek's way."""
+    out = dict(raw)
+    for old, new in RENAMED_FIELDS.items():
+        if old in out and new not in out:
+            out[new] = out.pop(old)
+    return out
+
+
 class KimiLinear(Architecture):
     model_type = "kimi_linear"
     architectures = ("KimiLinearForCausalLM",)
@@ -26,11 +35,7 @@ class KimiLinear(Architecture):
                 "max_position_embeddings": 1048576}
 
     def normalize(self, raw: dict[str, Any]) -> dict[str, Any]:
-        out = dict(raw)
-        for old, new in RENAMED_FIELDS.items():
-            if old in out and new not in out:
-                out[new] = out.pop(old)
-        return out
+        return renamed_fields(raw)
 
     def fields(self, f: Fields, parsed: dict[str, Any]) -> dict[str, Any]:
         num_layers = parsed["num_hidden_layers"]
