@@ -6,6 +6,8 @@ transformers' `DeepseekV3DecoderLayer`, the rest (norms, `eh_proj`, head) by han
 """
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,3 +87,24 @@ def reference_mtp_logprobs(main, mtp: ReferenceMTP, tokens: list[int]) -> torch.
     y = (y[0] if isinstance(y, tuple) else y)[0]  # GLM-5's layer also returns its top-k
     return (_rms(y, w["shared_head.norm.weight"], eps) @ head.T).log_softmax(-1)
 
+
+
+def with_mtp_layer(checkpoint: Path, root: Path, source: int | None = None) -> Path:
+    """A copy of a saved checkpoint plus an MTP layer stored as DeepSeek stores it (`model.layers.{n}`): layer
+    `source`'s weights (fresh copies; by default the last layer's, its indexer included) and random MTP norms and
+    projection."""
+    path = root / "with_mtp"
+    shutil.copytree(checkpoint, path)
+    config = json.loads((path / "config.json").read_text())
+    n, h = config["num_hidden_layers"], config["hidden_size"]
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    tensors = load_file(path / "model.safetensors")
+    src = f"model.layers.{n - 1 if source is None else source}."
+    g = torch.Generator().manual_seed(3)
+    extra = {f"model.layers.{n}.{k[len(src):]}": v.clone() for k, v in tensors.items() if k.startswith(src)}
+    for name, shape in [("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("shared_head.norm.weight", (h,)),
+                        ("eh_proj.weight", (h, 2 * h))]:
+        extra[f"model.layers.{n}.{name}"] = (torch.rand(shape, generator=g) + 0.5 if len(shape) == 1
+                                             else torch.randn(shape, generator=g) * 0.1)
+    save_file(tensors | extra, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -9,7 +9,7 @@ from latentserve.models import load_model
 from latentserve.models.mtp import load_mtp
 from tests.checkpoints import load_reference
 from tests.models.arch_harness import make_arch_checkpoint
-from tests.models.mtp_checkpoint import ReferenceMTP, reference_mtp_logprobs
+from tests.models.mtp_checkpoint import ReferenceMTP, reference_mtp_logprobs, with_mtp_layer
 from tests.models.paged import PagedRunner
 from tests.models import test_arch_deepseek_v32 as v32  # (its suite class imported by name would run again here)
 
@@ -20,11 +20,11 @@ def test_v32_mtp_layer_matches_the_formula(tmp_path) -> None:
     from safetensors.torch import load_file
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
 
-    path = v32._with_mtp_layer(make_arch_checkpoint(tmp_path, v32.TestDeepseekV32.case), tmp_path)
+    path = with_mtp_layer(make_arch_checkpoint(tmp_path, v32.TestDeepseekV32.case), tmp_path)
     reference = load_reference(path)
     n = reference.config.num_hidden_layers
     stored = load_file(path / "model.safetensors")
-    # _with_mtp_layer copies the last layer (its index decides only its kind: MoE, with an indexer)
+    # with_mtp_layer copies the last layer (its index decides only its kind: MoE, with an indexer)
     layer = DeepseekV32DecoderLayer(reference.config, n - 1).float().eval()
     layer.load_state_dict(reference.model.layers[n - 1].state_dict())
     own = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")

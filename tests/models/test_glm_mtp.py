@@ -5,13 +5,10 @@ unchanged."""
 from __future__ import annotations
 
 import importlib
-import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from latentserve import SamplingParams
 from latentserve.config import AttentionConfig
@@ -19,7 +16,7 @@ from latentserve.models import load_model
 from latentserve.models.mtp import load_mtp
 from tests.checkpoints import load_reference
 from tests.models.arch_harness import PROMPTS, llm, make_arch_checkpoint
-from tests.models.mtp_checkpoint import ReferenceMTP, reference_mtp_logprobs
+from tests.models.mtp_checkpoint import ReferenceMTP, reference_mtp_logprobs, with_mtp_layer
 from tests.models.paged import PagedRunner
 from tests.models import test_arch_glm4_moe_lite as glm4  # (their suite classes imported by name would run again)
 from tests.models import test_arch_glm_moe_dsa as glm5
@@ -31,26 +28,6 @@ OWN = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weigh
 CASES = {"glm4_moe_lite": (glm4.TestGlm4MoeLite.case, "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteDecoderLayer",
                            1),
          "glm_moe_dsa": (glm5.TestGlmMoeDsa.case, "glm_moe_dsa.modeling_glm_moe_dsa.GlmMoeDsaDecoderLayer", 2)}
-
-
-def with_mtp_layer(checkpoint: Path, root: Path, source: int) -> Path:
-    """The checkpoint plus an MTP layer at `model.layers.{n}`: layer `source`'s weights (fresh copies) and random
-    MTP norms and projection."""
-    path = root / "with_mtp"
-    shutil.copytree(checkpoint, path)
-    config = json.loads((path / "config.json").read_text())
-    n, h = config["num_hidden_layers"], config["hidden_size"]
-    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
-    tensors = load_file(path / "model.safetensors")
-    src = f"model.layers.{source}."
-    g = torch.Generator().manual_seed(3)
-    extra = {f"model.layers.{n}.{k[len(src):]}": v.clone() for k, v in tensors.items() if k.startswith(src)}
-    for name, shape in [("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("shared_head.norm.weight", (h,)),
-                        ("eh_proj.weight", (h, 2 * h))]:
-        extra[f"model.layers.{n}.{name}"] = (torch.rand(shape, generator=g) + 0.5 if len(shape) == 1
-                                             else torch.randn(shape, generator=g) * 0.1)
-    save_file(tensors | extra, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 @pytest.mark.parametrize("arch", CASES)
