@@ -40,14 +40,14 @@ FORMATS = {"fp32": dict(dtype="float32"), "auto": dict(dtype="auto"), "int8": di
            "int4": dict(quantization="int4")}
 
 
-def write_checkpoint(path: Path, layers: int) -> None:
+def write_checkpoint(path: Path, layers: int, config: dict = V2_LITE) -> None:
     """One safetensors shard per layer (~1.2 GB for a MoE layer), each tensor generated and written on its own:
-    memory stays at one tensor however large the checkpoint (27 layers: 31 GB)."""
+    memory stays at one tensor however large the checkpoint (27 layers: 31 GB). `config`: V2-Lite's, or a variant."""
     from latentserve.models import ModelConfig, DeepseekForCausalLM
     from latentserve.models.loader import _parameters_on_meta, checkpoint_name
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**V2_LITE, "num_hidden_layers": layers}))
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
     with _parameters_on_meta():
         skeleton = DeepseekForCausalLM(ModelConfig.from_pretrained(path))
     shards: dict[str, dict[str, torch.Size]] = {}

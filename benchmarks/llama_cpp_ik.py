@@ -1,0 +1,247 @@
+"""latentserve beside mainline llama.cpp and ik_llama.cpp on the same GGUF files (Q8_0, Q4_K_M) of a DeepSeek-V3-shaped
+random checkpoint: prefill, batch-1 decode after a context, batched decode throughput, and optionally long context.
+
+The checkpoint is benchmarks/weights.py's V2-Lite shape with DeepSeek-V3's q LoRA (hidden 2048, 16 heads, q_lora
+1536, kv_lora 512, rope 64, nope / v 128, 64 experts top-6 + 2 shared of width 1408, first layer dense of width
+10944, vocab 102400), 4 layers by default: ik_llama.cpp takes mainline-converted MLA files only with DeepSeek's head
+sizes, and assumes no q LoRA only for 26/27-layer models. Mainline llama.cpp's converter and llama-quantize write
+the GGUFs (benchmarks/llama_cpp.py, whose docstring says how to build mainline); latentserve loads the same files.
+
+ik_llama.cpp is not a dependency either; build its two tools once, CPU only, outside the repository, from its public
+git repository (ikawrakow/ik_llama.cpp; measured at commit 8337e4cd, 2026-08-15):
+    git clone https://github.com/ikawrakow/ik_llama.cpp /tmp/iksrc
+    cmake -S /tmp/iksrc -B /tmp/ikbuild -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_AVX512=ON \
+        -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON
+    nice cmake --build /tmp/ikbuild -j2 --target llama-bench llama-batched-bench      (~20-30 min on 2 cores)
+Without the AVX-512 flags its IQK kernels are silently off; the run's banner then lacks `HAVE_FANCY_SIMD is
+defined` (this script refuses such a build). From a bare copy of the repository, write its tree out blob by blob
+(`git ls-tree -r HEAD` and `git cat-file blob`); the few absent large blobs (vocab GGUFs, a web page) are not needed.
+ik runs as its users run DeepSeek: llama-bench `-mla 3 -fa 1 -fmoe 1 -rtr 1` (MLA attention, flash attention, fused
+MoE, weights repacked row-interleaved at load), llama-batched-bench `-mla 3 -fa on -rtr` (fused MoE is its default
+there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py.
+
+Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/llama.cpp --llama-build /tmp/llbuild
+--ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
+$IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
+best round of each counts, so all three saw the same noise. --long adds a 4096-token prefill and decode at a
+4096-token depth (slow). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.llama_cpp import _best, load_average, make_ggufs, our_round, run  # noqa: E402
+from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
+
+V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
+PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"))
+ENGINES = ("latentserve", "llama.cpp", "ik_llama.cpp")
+IK_BENCH = ["-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"]
+IK_BATCHED = ["-mla", "3", "-fa", "on", "-rtr"]
+LONG = 4096
+# One row of llama-batched-bench's table: PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S (the same in both forks).
+BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 7, re.M)
+
+
+def points(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
+    """(key, label, tokens, depth) of each measured point: prefill of `tokens`, or `tokens` decode steps at `depth`."""
+    out = [("prefill", f"prefill {args.prefill_len} tok/s", args.prefill_len, 0),
+           ("decode", f"decode b1 tok/s ({args.decode_len} after {args.context})", args.decode_len, args.context)]
+    if args.long:
+        out += [("prefill_long", f"prefill {LONG} tok/s", LONG, 0),
+                ("decode_long", f"decode b1 tok/s ({args.decode_len} after {LONG})", args.decode_len, LONG)]
+    return out
+
+
+def bench(build: Path, gguf: Path, threads: int, ik: bool, tokens: int, depth: int, prefill: bool) -> float:
+    """llama-bench's mean tok/s of one run (-r 1): a `tokens`-token prompt, or `tokens` batch-1 decode steps after
+    `depth` tokens of context (mainline: -d; ik has no -d, its -gp times the generation after a prompt)."""
+    cmd = [str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json"]
+    if prefill:
+        cmd += ["-p", str(tokens), "-n", "0"]
+    elif ik:
+        cmd += ["-p", "0", "-n", "0", "-gp", f"{depth},{tokens}"]
+    else:
+        cmd += ["-p", "0", "-n", str(tokens), "-d", str(depth)]
+    return json.loads(run(cmd + (IK_BENCH if ik else [])))[0]["avg_ts"]
+
+
+def batched_bench(build: Path, gguf: Path, threads: int, ik: bool, context: int, decode: int,
+                  batches: list[int]) -> dict[int, float]:
+    """llama-batched-bench's decode throughput (S_TG, tok/s over all sequences) per batch size: each of B sequences
+    holds its own `context`-token prompt, then all decode `decode` tokens together."""
+    cmd = [str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+           "-c", str(max(batches) * (context + decode) + 256), "-b", "2048", "-ub", "512", "-npp", str(context),
+           "-ntg", str(decode), "-npl", ",".join(map(str, batches))]
+    done = subprocess.run(cmd + (IK_BATCHED if ik else []), capture_output=True, text=True)
+    rows = {int(m[3]): float(m[8]) for m in BATCHED_ROW.finditer(done.stdout + done.stderr)}
+    if done.returncode or set(rows) != set(batches):
+        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+        sys.exit(f"{cmd[0]} gave rows for batches {sorted(rows)} of {batches} (exit {done.returncode}):\n{tail}")
+    return rows
+
+
+def our_batched(engine, batch: int, context: int, decode: int) -> float:
+    """Decode throughput as llama-batched-bench counts it: `batch` requests of `context` distinct tokens each,
+    prefilled, then tokens generated over all of them per second from when every request has its first token."""
+    from latentserve import SamplingParams
+
+    for b in range(batch):
+        prompt = [(13 * i + 101 * b) % 100000 + 5 for i in range(context)]
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True))
+    generated: dict[str, int] = {}
+    while len(generated) < batch or min(generated.values()) == 0:
+        for out in engine.step():
+            generated[out.request_id] = len(out.outputs[0].token_ids)
+    before = sum(generated.values())
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return (batch * (decode + 1) - before) / (time.perf_counter() - start)
+
+
+def our_engine(gguf: Path, args: argparse.Namespace):
+    """An LLM of the GGUF file (its own types decide latentserve's formats), room for every point and batch."""
+    from latentserve import LLM
+
+    longest = max(args.context, LONG if args.long else 0, args.prefill_len) + args.decode_len + 16
+    tokens = max(max(args.batches) * (args.context + args.decode_len + 16), longest)
+    return LLM(model=str(gguf), num_kv_blocks=-(-tokens // 16) + max(args.batches), block_size=16,
+               max_model_len=longest, max_num_seqs=max(args.batches), enable_prefix_caching=False,
+               max_num_batched_tokens=max(args.prefill_len, LONG if args.long else 0, args.context + 8))
+
+
+def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Every point and batch size once on `engine`."""
+    out: dict[str, float] = {}
+    for key, _, tokens, depth in points(args):
+        if engine == "latentserve":
+            prefill, decode = (tokens, 1) if key.startswith("prefill") else (args.prefill_len, tokens)
+            measured = our_round(llm.engine, prefill, decode, depth)
+            out[key] = measured["prefill_tok_s" if key.startswith("prefill") else "decode_b1_tok_s"]
+        else:
+            build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
+            out[key] = bench(build, gguf, args.threads, engine == "ik_llama.cpp", tokens, depth,
+                             key.startswith("prefill"))
+    if engine == "latentserve":
+        out.update({f"b{b}": our_batched(llm.engine, b, args.context, args.decode_len) for b in args.batches})
+    else:
+        build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
+        rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.context, args.decode_len,
+                             sorted({1, *args.batches}))
+        out.update({f"b{b}": ts for b, ts in rows.items()})
+    return out
+
+
+def measure(ggufs: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
+    """{format: {engine: {point: best tok/s}}}, `args.rounds` alternating rounds per format."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    results = {}
+    for name, kind in args.pairs:
+        llm = our_engine(ggufs[kind], args)
+        best: dict[str, dict[str, float]] = {}
+        for r in range(args.rounds):
+            for engine in ENGINES:
+                best[engine] = _best(best.get(engine), one_round(engine, llm, ggufs[kind], args))
+            print(f"{name} round {r + 1}: load average {load_average()}", flush=True)
+        results[name] = best
+        del llm
+        gc.collect()
+    return results
+
+
+def report(results: dict, ggufs: dict[str, Path], args: argparse.Namespace) -> None:
+    rows = [(key, label) for key, label, _, _ in points(args)]
+    rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.context}") for b in args.batches]
+    for name, kind in args.pairs:
+        r = results[name]
+        print(f"\n{name} / {kind} ({ggufs[kind].stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp "
+              "| ik_llama.cpp | vs ik | vs llama.cpp |\n|---|---|---|---|---|---|")
+        for key, label in rows:
+            ours, main, ik = (r[e][key] for e in ENGINES)
+            print(f"| {label} | {ours:.1f} | {main:.1f} | {ik:.1f} | **{ours / ik:.2f}x** | {ours / main:.2f}x |")
+        print(f"check: ik llama-batched-bench batch 1 {r['ik_llama.cpp']['b1']:.1f} tok/s vs its llama-bench "
+              f"{r['ik_llama.cpp']['decode']:.1f} (mainline {r['llama.cpp']['b1']:.1f} vs {r['llama.cpp']['decode']:.1f})")
+
+
+def check_ik_build(build: Path, gguf: Path, threads: int) -> None:
+    """Refuse an ik build whose AVX-512 IQK kernels are off (its banner says so), since it would run silently slow."""
+    done = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "1",
+                           "-p", "16", "-n", "0"], capture_output=True, text=True)
+    if "HAVE_FANCY_SIMD is defined" not in done.stdout + done.stderr:
+        sys.exit(f"--ik-build {build}: its banner lacks 'HAVE_FANCY_SIMD is defined' (build it with the AVX-512 "
+                 "flags of this script's docstring)")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-src", type=Path, required=True, help="mainline source (has convert_hf_to_gguf.py)")
+    parser.add_argument("--llama-build", type=Path, required=True, help="mainline build dir: bin/llama-bench, "
+                        "bin/llama-batched-bench, bin/llama-quantize")
+    parser.add_argument("--ik-build", type=Path, default=os.environ.get("IK_LLAMA_BUILD"),
+                        help="ik_llama.cpp build dir: bin/llama-bench, bin/llama-batched-bench ($IK_LLAMA_BUILD)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (written if missing)")
+    parser.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF files go (reused if present)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--context", type=int, default=512, help="tokens of context before decoding (each "
+                        "sequence's, batched)")
+    parser.add_argument("--decode-len", type=int, default=64)
+    parser.add_argument("--batches", default="8,32", help="batched decode sizes (comma-separated)")
+    parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per format; best counts")
+    parser.add_argument("--long", action="store_true", help=f"also prefill {LONG} and decode at {LONG} depth (slow)")
+    args = parser.parse_args()
+    names = args.formats.split(",")
+    args.pairs = [(name, kind) for name, kind in PAIRS if name in names]
+    if len(args.pairs) != len(set(names)):
+        parser.error(f"--formats {args.formats!r}: each must be one of {[name for name, _ in PAIRS]}")
+    try:
+        args.batches = sorted({int(b) for b in args.batches.split(",")})
+    except ValueError:
+        parser.error(f"--batches {args.batches!r}: want comma-separated integers")
+    if args.batches[0] < 2:
+        parser.error(f"--batches {args.batches}: each must be >= 2 (batch 1 is the decode point)")
+    if args.ik_build is None:
+        parser.error("--ik-build (or $IK_LLAMA_BUILD) is required: the ik_llama.cpp build directory")
+    if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
+        parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
+    for flag, build, tools in (("--llama-build", args.llama_build, ("llama-bench", "llama-batched-bench",
+                                                                   "llama-quantize")),
+                               ("--ik-build", args.ik_build, ("llama-bench", "llama-batched-bench"))):
+        missing = [t for t in tools if not (build / "bin" / t).is_file()]
+        if missing:
+            parser.error(f"{flag} {build} has no bin/{', bin/'.join(missing)} (build them first)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    checkpoint = args.dir or Path(f"/tmp/latentserve-v3shape-{args.layers}l")
+    if not (checkpoint / "model.safetensors.index.json").is_file():
+        write_checkpoint(checkpoint, args.layers, V3_SHAPE)
+    work = args.gguf_dir or checkpoint.with_name(checkpoint.name + "-gguf")
+    ggufs = make_ggufs(checkpoint, work, args.llama_src, args.llama_build, sorted({t for _, t in args.pairs}))
+    check_ik_build(args.ik_build, ggufs[args.pairs[0][1]], args.threads)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.threads} threads; {args.layers} layers; "
+          f"{args.rounds} rounds; load average {load_average()}", flush=True)
+    report(measure(ggufs, args), ggufs, args)
+    print(f"\nload average after: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()
