@@ -173,8 +173,9 @@ def report(results: dict, ggufs: dict[str, Path], args: argparse.Namespace) -> N
         for key, label in rows:
             ours, main, ik = (r[e][key] for e in ENGINES)
             print(f"| {label} | {ours:.1f} | {main:.1f} | {ik:.1f} | **{ours / ik:.2f}x** | {ours / main:.2f}x |")
-        print(f"check: ik llama-batched-bench batch 1 {r['ik_llama.cpp']['b1']:.1f} tok/s vs its llama-bench "
-              f"{r['ik_llama.cpp']['decode']:.1f} (mainline {r['llama.cpp']['b1']:.1f} vs {r['llama.cpp']['decode']:.1f})")
+        ik, main = r["ik_llama.cpp"], r["llama.cpp"]
+        print(f"check: llama-batched-bench batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}"
+              f", mainline {main['b1']:.1f} / {main['decode']:.1f} tok/s")
 
 
 def check_ik_build(build: Path, gguf: Path, threads: int) -> None:
