@@ -78,12 +78,14 @@ def bench(build: Path, gguf: Path, threads: int, ik: bool, tokens: int, depth: i
 def batched_bench(build: Path, gguf: Path, threads: int, ik: bool, context: int, decode: int,
                   batches: list[int]) -> dict[int, float]:
     """llama-batched-bench's decode throughput (S_TG, tok/s over all sequences) per batch size: each of B sequences
-    holds its own `context`-token prompt, then all decode `decode` tokens together."""
+    holds its own `context`-token prompt, then all decode `decode` tokens together. Its first row pays first-touch
+    costs (ik's batch 1 came out at a third of its llama-bench figure, and the same row repeated at par), so the
+    first batch size runs twice and the second run counts."""
     cmd = [str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-c", str(max(batches) * (context + decode) + 256), "-b", "2048", "-ub", "512", "-npp", str(context),
-           "-ntg", str(decode), "-npl", ",".join(map(str, batches))]
+           "-ntg", str(decode), "-npl", ",".join(map(str, batches[:1] + batches))]
     done = subprocess.run(cmd + (IK_BATCHED if ik else []), capture_output=True, text=True)
-    rows = {int(m[3]): float(m[8]) for m in BATCHED_ROW.finditer(done.stdout + done.stderr)}
+    rows = {int(m[3]): float(m[8]) for m in BATCHED_ROW.finditer(done.stdout + done.stderr)}  # a later row wins
     if done.returncode or set(rows) != set(batches):
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
         sys.exit(f"{cmd[0]} gave rows for batches {sorted(rows)} of {batches} (exit {done.returncode}):\n{tail}")
@@ -114,7 +116,7 @@ def our_engine(gguf: Path, args: argparse.Namespace):
     from latentserve import LLM
 
     longest = max(args.context, LONG if args.long else 0, args.prefill_len) + args.decode_len + 16
-    tokens = max(max(args.batches) * (args.context + args.decode_len + 16), longest)
+    tokens = max(max(args.batches) * (args.batched_context + args.decode_len + 16), longest)
     return LLM(model=str(gguf), num_kv_blocks=-(-tokens // 16) + max(args.batches), block_size=16,
                max_model_len=longest, max_num_seqs=max(args.batches), enable_prefix_caching=False,
                max_num_batched_tokens=max(args.prefill_len, LONG if args.long else 0, args.context + 8))
@@ -133,55 +135,51 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
             out[key] = bench(build, gguf, args.threads, engine == "ik_llama.cpp", tokens, depth,
                              key.startswith("prefill"))
     if engine == "latentserve":
-        out.update({f"b{b}": our_batched(llm.engine, b, args.context, args.decode_len) for b in args.batches})
+        out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len) for b in args.batches})
     else:
         build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
-        rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.context, args.decode_len,
+        rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.batched_context, args.decode_len,
                              sorted({1, *args.batches}))
         out.update({f"b{b}": ts for b, ts in rows.items()})
     return out
 
 
-def measure(ggufs: dict[str, Path], args: argparse.Namespace) -> dict[str, dict[str, dict[str, float]]]:
-    """{format: {engine: {point: best tok/s}}}, `args.rounds` alternating rounds per format."""
+def measure(gguf: Path, name: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """{engine: {point: best tok/s}} of one format: its engine loaded once and warmed up, then `args.rounds`
+    alternating rounds."""
     import gc
 
-    import torch
-
-    torch.set_num_threads(args.threads)
-    results = {}
-    for name, kind in args.pairs:
-        llm = our_engine(ggufs[kind], args)
-        best: dict[str, dict[str, float]] = {}
-        for r in range(args.rounds):
-            for engine in ENGINES:
-                best[engine] = _best(best.get(engine), one_round(engine, llm, ggufs[kind], args))
-            print(f"{name} round {r + 1}: load average {load_average()}", flush=True)
-        results[name] = best
-        del llm
-        gc.collect()
-    return results
+    llm = our_engine(gguf, args)
+    our_round(llm.engine, args.prefill_len, 2)  # first-call costs, as llama-bench's own warm-up run
+    best: dict[str, dict[str, float]] = {}
+    for r in range(args.rounds):
+        for engine in ENGINES:
+            best[engine] = _best(best.get(engine), one_round(engine, llm, gguf, args))
+        print(f"{name} round {r + 1}: load average {load_average()}", flush=True)
+    del llm
+    gc.collect()
+    return best
 
 
-def report(results: dict, ggufs: dict[str, Path], args: argparse.Namespace) -> None:
+def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
     rows = [(key, label) for key, label, _, _ in points(args)]
-    rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.context}") for b in args.batches]
-    for name, kind in args.pairs:
-        r = results[name]
-        print(f"\n{name} / {kind} ({ggufs[kind].stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp "
-              "| ik_llama.cpp | vs ik | vs llama.cpp |\n|---|---|---|---|---|---|")
-        for key, label in rows:
-            ours, main, ik = (r[e][key] for e in ENGINES)
-            print(f"| {label} | {ours:.1f} | {main:.1f} | {ik:.1f} | **{ours / ik:.2f}x** | {ours / main:.2f}x |")
-        ik, main = r["ik_llama.cpp"], r["llama.cpp"]
-        print(f"check: llama-batched-bench batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}"
-              f", mainline {main['b1']:.1f} / {main['decode']:.1f} tok/s")
+    rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.batched_context}")
+             for b in args.batches]
+    print(f"\n{name} / {kind} ({gguf.stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp | ik_llama.cpp "
+          "| vs ik | vs llama.cpp |\n|---|---|---|---|---|---|")
+    for key, label in rows:
+        ours, main, ik = (best[e][key] for e in ENGINES)
+        print(f"| {label} | {ours:.1f} | {main:.1f} | {ik:.1f} | **{ours / ik:.2f}x** | {ours / main:.2f}x |")
+    ik, main = best["ik_llama.cpp"], best["llama.cpp"]
+    print(f"check: llama-batched-bench batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}, "
+          f"mainline {main['b1']:.1f} / {main['decode']:.1f} tok/s", flush=True)
 
 
 def check_ik_build(build: Path, gguf: Path, threads: int) -> None:
-    """Refuse an ik build whose AVX-512 IQK kernels are off (its banner says so), since it would run silently slow."""
-    done = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "1",
-                           "-p", "16", "-n", "0"], capture_output=True, text=True)
+    """Refuse an ik build whose AVX-512 IQK kernels are off (its banner says so), since it would run silently slow.
+    llama-batched-bench prints the banner; llama-bench does not."""
+    done = subprocess.run([str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c",
+                           "64", "-npp", "8", "-ntg", "1", "-npl", "1"], capture_output=True, text=True)
     if "HAVE_FANCY_SIMD is defined" not in done.stdout + done.stderr:
         sys.exit(f"--ik-build {build}: its banner lacks 'HAVE_FANCY_SIMD is defined' (build it with the AVX-512 "
                  "flags of this script's docstring)")
@@ -199,8 +197,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF files go (reused if present)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--context", type=int, default=512, help="tokens of context before decoding (each "
-                        "sequence's, batched)")
+    parser.add_argument("--context", type=int, default=512, help="tokens of context before batch-1 decode")
+    parser.add_argument("--batched-context", type=int, default=512, help="each sequence's prompt, batched")
     parser.add_argument("--decode-len", type=int, default=64)
     parser.add_argument("--batches", default="8,32", help="batched decode sizes (comma-separated)")
     parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
@@ -231,6 +229,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    import torch
+
     args = parse_args()
     checkpoint = args.dir or Path(f"/tmp/latentserve-v3shape-{args.layers}l")
     if not (checkpoint / "model.safetensors.index.json").is_file():
@@ -240,7 +240,9 @@ def main() -> None:
     check_ik_build(args.ik_build, ggufs[args.pairs[0][1]], args.threads)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {args.threads} threads; {args.layers} layers; "
           f"{args.rounds} rounds; load average {load_average()}", flush=True)
-    report(measure(ggufs, args), ggufs, args)
+    torch.set_num_threads(args.threads)
+    for name, kind in args.pairs:  # each format's table as soon as it is measured
+        report(measure(ggufs[kind], name, args), name, kind, ggufs[kind], args)
     print(f"\nload average after: {load_average()}")
 
 
