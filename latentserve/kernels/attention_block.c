@@ -6,11 +6,12 @@
  * all fp32 or all bf16 (`bf`); the cache fp32, bf16 or fp8 (`cache_io`: the io bits 1 and 3 of kv_rows.h). */
 #include "simd.h"
 
-enum { DENSE = 0, INT8 = 1, INT4 = 2, INT8_LANES = 3 };
+enum { DENSE = 0, INT8 = 1, INT4 = 2, INT8_LANES = 3, INT8_BLOCKS = 4 };
 
 /* One projection's weight as its layer's kernel reads it. DENSE: w `[N, K]` in the block's dtype (per-head
  * products: bmm's `[H, K, N]`); INT8: w int8 `[N, K]` (heads: `[H, N, K]`), per-row scale (fp32) and sum (int32);
- * INT8_LANES: the same in ls_int8_heads_lanes' layout; INT4: w in `pack_int4`'s layout with its group size. */
+ * INT8_LANES: the same in ls_int8_heads_lanes' layout; INT8_BLOCKS: w in `pack_int8`'s layout (linear layers); INT4: w
+ * in `pack_int4`'s layout with its group size. */
 typedef struct {
     int32_t kind;
     const void *w, *scale, *qsum;
@@ -31,8 +32,8 @@ LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const 
                           const int32_t *wsum, int64_t N, void *y, int io, int threads);
 LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                                 const int32_t *wsum, int64_t N, void *y, int io, int threads);
-LS_API void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
-                           int threads);
+LS_API void ls_quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N,
+                            void *y, int io, int threads);
 
 /* y[m, h] = x[m, h] @ W[h] over H heads (H = 1: a linear layer), in and out in the block's dtype. */
 static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t K, int64_t N, void *y, int bf,
@@ -42,8 +43,8 @@ static void product(const Weight *w, const void *x, int64_t M, int64_t H, int64_
         ls_int8_heads(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
     else if (w->kind == INT8_LANES)
         ls_int8_heads_lanes(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
-    else if (w->kind == INT4)
-        ls_int4_linear(x, M, K, w->w, w->group, N, y, io, threads);
+    else if (w->kind == INT8_BLOCKS || w->kind == INT4)
+        ls_quant_linear(x, M, K, w->w, w->kind == INT4 ? 4 : 8, w->group, N, y, io, threads);
     else if (H == 1)
         ls_dense_linear(x, M, K, w->w, N, y, io | bf << 2, threads);
     else

@@ -25,7 +25,7 @@ from latentserve.kernels.cpu import CpuFeatures
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "gemv.c", "mla_decode.c", "norm.c",
+SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "quant_blocks.c", "gemv.c", "mla_decode.c", "norm.c",
                                                "prologue.c", "attention_block.c", "route.c", "moe_block.c",
                                                "bounds.c"))
 HEADERS = (KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h")
@@ -186,8 +186,8 @@ def _build(isa: str) -> Path:
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ls_int8_heads.argtypes = lib.ls_int8_heads_lanes.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
-    lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
-    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
+    lib.ls_quant_linear.argtypes = [p, i64, i64, p, i32, i64, i64, p, i32, i32]
+    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i32, i64, p, i32, i32]
     lib.ls_experts_tokens.restype = None
     lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32, i64,
                                   i64]
@@ -209,7 +209,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_route.restype = None
     lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
     lib.ls_moe_block.restype = i32
-    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear"):
+    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_quant_linear"):
         getattr(lib, name).restype = None
 
 

@@ -43,14 +43,22 @@ def _io(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.dtype, int]:
     return out, int(x.dtype == torch.bfloat16) | int(out == torch.bfloat16) << 1
 
 
-def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor,
+def int8_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[M, N]` = x `[M, K]` (`activations`) times the int8 weight q `[N, K]` with per-row `scale`, `qsum` =
-    q.sum(1) (int32); in `out_dtype` where the kernels write it, else fp32."""
+    """`[M, out_features]` = x `[M, K]` (`activations`) times the int8 weight `packed` by `pack_int8`; in `out_dtype`
+    where the kernels write it, else fp32."""
     m, k = tensor("int8_linear", "x", x, KERNEL_DTYPES, (None, None))
-    n, _ = tensor("int8_linear", "q", q, I8, (None, k))
-    _int8_scales("int8_linear", scale, qsum, n)
-    return _int8(kernels, "ls_int8_heads", x, (m, 1, k), q, scale, qsum, n, out_dtype)[:, 0]
+    _check_int8("int8_linear", "packed", packed, out_features, k)
+    return _quant_linear(kernels, x, packed, 8, 0, out_features, out_dtype)
+
+
+def _quant_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, bits: int, group_size: int,
+                  out_features: int, out_dtype: torch.dtype) -> torch.Tensor:
+    dtype, io = _io(x, out_dtype)
+    y = torch.empty(x.shape[0], out_features, dtype=dtype)
+    _call(kernels, "ls_quant_linear", x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), bits, group_size,
+          out_features, y.data_ptr(), io, torch.get_num_threads())
+    return y
 
 
 def _int8_scales(fn: str, scale: torch.Tensor, qsum: torch.Tensor, rows: int) -> None:
@@ -265,13 +273,14 @@ def _metadata_error(fn: str, code: int, tokens: int, kv_cache: torch.Tensor, wid
     return ValueError(f"{fn}: {why}; got query_start_loc {query_start_loc.tolist()}, seq_lens {seq_lens.tolist()}")
 
 
-DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # attention_block.c's kinds of weight
+DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS = 0, 1, 2, 3, 4  # attention_block.c's kinds of weight
 
 
 class Weight(ctypes.Structure):
     """attention_block.c's view of one projection's weight: DENSE (w in the activations' dtype, `[N, K]`, per-head
-    products bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the
-    same in `int8_lanes`' layout) or INT4 (w in `pack_int4`'s layout, group size)."""
+    products bmm's `[H, K, N]`), INT8 (w `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the same in
+    `int8_lanes`' layout), INT8_BLOCKS (w in `pack_int8`'s layout) or INT4 (w in `pack_int4`'s layout, group
+    size)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
@@ -321,18 +330,19 @@ def _block_dtype(block: MLABlock | MoEBlock) -> torch.dtype:
 
 class MoEBlock(ctypes.Structure):
     """moe_block.c's view of one layer's MoE: shapes and routing (`ls_route`'s arguments), the fp32 router weight
-    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
-    shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
-    `experts_tokens` takes them, with gate_up's and down's int4 group sizes, the shared MLP as one more expert of
-    `shared_inter`, or None)."""
+    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits[0] 0: w13, w2t, the
+    shared experts folded in as `shared_chunks` more) or quantized (a table of each expert's packed gate_up and down
+    as `experts_tokens` takes them, their formats in bits and group (gate_up's, down's), the shared MLP as one more
+    expert of `shared_inter` in its own formats, or None)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
         ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
-        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bits", ctypes.c_int32), ("bf", ctypes.c_int32),
+        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bf", ctypes.c_int32),
         ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
         ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("int4_groups", ctypes.c_int64 * 2),
-        ("shared_int4_groups", ctypes.c_int64 * 2), ("shared_inter", ctypes.c_int64)]
+        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("bits", ctypes.c_int32 * 2),
+        ("shared_bits", ctypes.c_int32 * 2), ("group", ctypes.c_int64 * 2), ("shared_group", ctypes.c_int64 * 2),
+        ("shared_inter", ctypes.c_int64)]
 
 
 def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -375,49 +385,40 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     where the kernels write it, else fp32."""
     m, k = tensor("int4_linear", "x", x, KERNEL_DTYPES, (None, None))
     _check_int4("int4_linear", "packed", packed, out_features, k, group_size)
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, out_features, dtype=dtype)
-    _call(kernels, "ls_int4_linear", x.data_ptr(), m, k, packed.data_ptr(), group_size, out_features, y.data_ptr(),
-          io, torch.get_num_threads())
-    return y
+    return _quant_linear(kernels, x, packed, 4, group_size, out_features, out_dtype)
+
+
+Format = tuple[int, int]  # a quantized weight's format: (bits, int4's group size; 0 for int8)
 
 
 def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
-                   intermediate: int, bits: int, groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                   intermediate: int, formats: tuple[Format, Format]) -> torch.Tensor:
     """`[T, K]` in x's dtype (fp32 or bf16): each token of x `[T, K]` (contiguous) through its gates.shape[1] routed
     experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
-    alone. `weights` per (token, expert): int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
-    weights, of group sizes `groups` (gate_up's, down's)."""
+    alone. `weights` per (token, expert): the packed gate_up and down, in `formats` (gate_up's, down's: (8, 0) for
+    `pack_int8`'s layout, (4, group size) for `pack_int4`'s)."""
     fn = "experts_tokens"
     tokens, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
     count = tensor(fn, "gates", gates, F32, (tokens, None))[1]
-    per = {8: 6, 4: 2}.get(bits)
-    if per is None or len(weights) != tokens * count * per:
-        raise ValueError(f"experts_tokens takes bits 8 or 4 and 6 or 2 weights per (token, expert), gates "
-                         f"{tuple(gates.shape)} over {tokens} tokens; got bits {bits}, {len(weights)} weights")
-    _expert_weights(weights, bits, k, intermediate, groups)
+    if any(bits not in (8, 4) for bits, _ in formats) or len(weights) != tokens * count * 2:
+        raise ValueError(f"experts_tokens takes formats of 8 or 4 bits and 2 weights per (token, expert), gates "
+                         f"{tuple(gates.shape)} over {tokens} tokens; got formats {formats}, {len(weights)} weights")
+    for i, w in enumerate(weights):
+        n, columns = (2 * intermediate, k) if i % 2 == 0 else (k, intermediate)
+        _check_packed(fn, f"weights[{i}]", w, n, columns, formats[i % 2])
     dtype, io = _io(x, x.dtype)
     y = torch.empty(tokens, k, dtype=dtype)
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
-          gates.data_ptr(), bits, *groups, y.data_ptr(), io, torch.get_num_threads())
+          gates.data_ptr(), *formats[0], *formats[1], y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
-def _expert_weights(weights: list[torch.Tensor], bits: int, k: int, inter: int, groups: tuple[int, int]) -> None:
-    """Each expert's weights as `experts_tokens` reads them (int8: gate_up q `[2I, K]`, scale, qsum, down's `[K, I]`;
-    int4: the two in pack_int4's layout), or a ValueError naming the first that is not."""
-    fn = "experts_tokens"
-    if bits == 4:
-        for i in range(0, len(weights), 2):
-            _check_int4(fn, f"weights[{i}]", weights[i], 2 * inter, k, groups[0])
-            _check_int4(fn, f"weights[{i + 1}]", weights[i + 1], k, inter, groups[1])
-        return
-    for i in range(0, len(weights), 3):
-        n, columns = (2 * inter, k) if i % 6 == 0 else (k, inter)
-        tensor(fn, f"weights[{i}]", weights[i], I8, (n, columns))
-        tensor(fn, f"weights[{i + 1}]", weights[i + 1], F32, numel=n)
-        tensor(fn, f"weights[{i + 2}]", weights[i + 2], I32, numel=n)
+def _check_packed(fn: str, name: str, packed: torch.Tensor, n: int, k: int, fmt: Format) -> None:
+    if fmt[0] == 8:
+        _check_int8(fn, name, packed, n, k)
+    else:
+        _check_int4(fn, name, packed, n, k, fmt[1])
 
 
 def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -442,7 +443,40 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     return out
 
 
-INT4_BLOCK = 16  # outputs per block of `pack_int4`'s layout
+INT4_BLOCK = INT8_BLOCK = 16  # outputs per block of `pack_int4`'s and `pack_int8`'s layouts
+INT8_HEADER = 128  # bytes before a `pack_int8` block's weights: 16 fp32 scales, 16 int32 sums of q
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 `[ceil(N / 16), 128 + 16 * K]` from q int8 `[N, K]` (K a multiple of 4) and its fp32 `scale` `[N]`: the
+    outputs in blocks of 16 (zero rows pad the last), each block the 16 scales, the 16 int32 sums of q's rows, then
+    per 4 columns 64 bytes whose byte 4j + i is output j's column 4c + i (`int8_lanes`; qgemm.c)."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or k % 4 or scale.shape != (n,):
+        raise ValueError(f"pack_int8 takes int8 q [N, K] with K % 4 == 0 and fp32 scale [N], not {q.dtype} "
+                         f"{tuple(q.shape)} and {tuple(scale.shape)}")
+    pad = -n % INT8_BLOCK
+    q, scale = torch.nn.functional.pad(q, (0, 0, 0, pad)), torch.nn.functional.pad(scale.float(), (0, pad))
+    blocks = (n + pad) // INT8_BLOCK
+    header = torch.cat([scale.view(blocks, INT8_BLOCK), q.sum(dim=1, dtype=torch.int32).view(torch.float32)
+                        .view(blocks, INT8_BLOCK)], dim=1).view(torch.int8)
+    return torch.cat([header, int8_lanes(q[None])[0].view(blocks, -1)], dim=1)
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q `[n, k]`, scale `[n]`) back from `pack_int8`'s layout."""
+    blocks = packed.shape[0]
+    scale = packed[:, :64].contiguous().view(torch.float32).reshape(-1)[:n]
+    lanes = packed[:, INT8_HEADER:].reshape(blocks, k // 4, INT8_BLOCK, 4)
+    return lanes.transpose(1, 2).reshape(blocks * INT8_BLOCK, k)[:n], scale
+
+
+def _check_int8(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_int8`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if k % 4:
+        raise ValueError(f"{fn}: the int8 kernels take K a multiple of 4; got K {k}")
+    tensor(fn, f"{name} (int8 weight of {n} outputs, {k} inputs in pack_int8's layout)", packed, I8,
+           (-(-n // INT8_BLOCK), INT8_HEADER + INT8_BLOCK * k))
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

@@ -211,7 +211,8 @@ int64_t bad_slot(const int64_t *slots, int64_t T, int64_t capacity);
 LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups,
                      int64_t topk_groups, const float *bias, int norm, float scaling, float *weights, int64_t *ids);
 LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                              const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads);
+                              const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
+                              int threads);
 LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
                               const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
                               int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
