@@ -7,9 +7,10 @@
 
 #define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
 
-/* y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each thread a share of the blocks, read as
- * two streams (`two_streams`); above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever
- * rows it is computed with. */
+/* y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each thread a contiguous share of the blocks,
+ * in order: a block is already a long stream (16 K bytes in int8), and alternating two halves of the share
+ * (`two_streams`, which helps rows of a few KB) measured up to 1.2x slower at one row (benchmarks/RESULTS.md).
+ * Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever rows it is computed with. */
 LS_API void ls_quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N,
                             void *y, int io, int threads) {
     Format f = {bits, G};
@@ -22,7 +23,7 @@ LS_API void ls_quant_linear(const void *x, int64_t M, int64_t K, const void *w, 
             int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
             for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
                          len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-                int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
+                int64_t b = begin + idx, outputs = N - 16 * b < 16 ? N - 16 * b : 16;
                 block_dots(f, a, m0, rows, (const char *)w + b * bytes, K, dots);
                 for (int64_t m = 0; m < rows; m++)
                     for (int64_t j = 0; j < outputs; j++)
@@ -50,7 +51,7 @@ static void expert_layer(ExpertGroups e, int which, Format f, QuantActs a, int64
     int64_t units = (rows + 15) / 16, total = e.groups * units, bytes = block_bytes(f, K);
     int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
     for (int64_t begin = total * part / parts, len = total * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-        int64_t r = two_streams(begin, len, idx), g = r / units, u = r - g * units;
+        int64_t r = begin + idx, g = r / units, u = r - g * units; /* in order, as ls_quant_linear */
         int64_t first = e.start[g], m = e.start[g + 1] - first, outputs = rows - u * 16 < 16 ? rows - u * 16 : 16;
         const char *w = e.weights[2 * e.order[first] + which];
         block_dots(f, a, first, m, w + u * bytes, K, dots);
