@@ -1,17 +1,18 @@
-/* int8 linear layers for few rows (decode): y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, and a few tokens' routed
- * experts in one call, in int8 or int4 (int4.c has that format's kernels).
+/* int8 products: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, for linear layers with the weight in `pack_int8`'s
+ * blocks of 16 outputs (int8_block_dots, driven by quant_blocks.c) and for MLA's per-head products (int8_heads over
+ * plain rows, int8_heads_lanes over the same lanes as the blocks).
  *
  * The activations are quantized to int8 per row (symmetric, s = max|x| / 127; quant_acts.c) and multiplied with the
  * int8 weights in integer dot products, so each weight byte is read once and expanded in registers: at a few rows
- * the product is bound by reading the weights, and this keeps up with memory where PyTorch's kernels do not. Each
- * thread walks its share of output rows one row at a time, all activation rows against it: one stream of weights
- * per thread (tiles of 2-4 rows, four streams, measured 1.3-1.5x slower).
+ * the product is bound by reading the weights, and this keeps up with memory where PyTorch's kernels do not. In
+ * rows, each thread walks its share of output rows one row at a time, all activation rows against it; in lanes, one
+ * 64-byte load holds 4 columns of 16 outputs and feeds every activation row of the pass, so many rows read the
+ * activations once per block, not once per output.
  *
  * Built twice by native.py: with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8) and for AVX2 (vpmaddubsw).
- * Both compute the same integer sums, so their int8 outputs are equal.
+ * Both compute the same integer sums, so their int8 outputs are equal, in every layout.
  *
- * Layout: w int8 [H, N, K] (H = 1 but for MLA's per-head products); scale fp32 [H, N]; wsum int32 [H, N] =
- * sum_k w[h, n, k].
+ * Rows: w int8 [H, N, K]; scale fp32 [H, N]; wsum int32 [H, N] = sum_k w[h, n, k]. Lanes: quant.h's.
  */
 #include "quant.h"
 
@@ -66,8 +67,8 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
  * (m, h) row. */
-LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                          const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+void int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
 #pragma omp parallel num_threads(threads)
     {
@@ -156,8 +157,8 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
  * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
  * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
  * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
-LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+void int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                      const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
     int64_t per_head = N / 16, blocks = H * per_head;
 #pragma omp parallel num_threads(threads)

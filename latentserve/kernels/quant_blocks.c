@@ -7,12 +7,12 @@
 
 #define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
 
-/* y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each thread a contiguous share of the blocks,
+/* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each thread a contiguous share of the blocks,
  * in order: a block is already a long stream (16 K bytes in int8), and alternating two halves of the share
  * (`two_streams`, which helps rows of a few KB) measured up to 1.2x slower at one row (benchmarks/RESULTS.md).
  * Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever rows it is computed with. */
-LS_API void ls_quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N,
-                            void *y, int io, int threads) {
+void quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
+                  int io, int threads) {
     Format f = {bits, G};
     QuantActs a = quantize_for(f, x, io & 1, M, K);
     int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K);

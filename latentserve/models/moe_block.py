@@ -1,7 +1,8 @@
 """A decode step's DeepSeek MoE block, from the router to the residual, in one native call (kernels/moe_block.c)
 where every piece would run latentserve's kernels anyway: the router's fp32 product, the native routing, and either
 the stacked fp32/bf16 experts (up to 3 tokens, as far as the modules' router takes the same kernel; their shared
-experts folded in or none) or quantized int8/int4 experts and shared MLP (up to 8 tokens). The kernel chains those
+experts folded in or none) or quantized int8/int4 experts and shared MLP (up to 8 tokens; gate_up in one format and
+down in another where the checkpoint has them so). The kernel chains those
 same kernels, so the result is the modules' to the bit where they run them (stacked experts; quantized ones at one
 token); at 2-8 tokens quantized experts chosen by several tokens are read once for all of them, and each token's
 result is what it would be alone. Elsewhere (longer prefills, larger batches, expert parallelism, experts with a

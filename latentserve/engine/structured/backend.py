@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
 from tokenizers import Tokenizer
 
 from latentserve.structured_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # xgrammar's C++ errors start with "[time] file.cc:line: " and sometimes "Check failed: (...) is false: ".
 _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
@@ -39,6 +42,7 @@ def _token_bytes(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int
         byte_of = _byte_decoder()
         tokens = [tokenizer.id_to_token(i) for i in range(size)]
         return [None if t is None else bytes(byte_of.get(c, 0) for c in t) for t in tokens]
+    import xgrammar as xgr
     from transformers import PreTrainedTokenizerFast  # other tokenizers: xgrammar's detection of the vocab type
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer)
     return list(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=size, stop_token_ids=stop_token_ids).decoded_vocab)
@@ -46,6 +50,7 @@ def _token_bytes(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int
 
 def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr.TokenizerInfo:
     """The vocabulary as raw bytes per token id; added tokens (control tokens) are never emitted by a grammar."""
+    import xgrammar as xgr
     added = set(tokenizer.get_added_tokens_decoder())
     tokens = _token_bytes(tokenizer, vocab_size, stop_token_ids)
     # Empty: xgrammar treats the token as special (as are ids past the tokenizer's vocabulary: padding rows).
@@ -66,6 +71,7 @@ def _exclude_controls(match: re.Match) -> str:
 
 
 def _json_grammar(schema: str, compact: bool, strict: bool) -> xgr.Grammar:
+    import xgrammar as xgr
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact,
                                            separators=(",", ":") if compact else None, strict_mode=strict)
     return xgr.Grammar.from_ebnf(_NEGATED_CLASS.sub(_exclude_controls, str(grammar)))
@@ -78,6 +84,7 @@ def _choice_grammar(choices: list[str]) -> str:
 
 def build_grammar(params: StructuredOutputsParams) -> xgr.Grammar:
     """The grammar of a spec; a ValueError names what is wrong with the spec."""
+    import xgrammar as xgr
     kind = params.kind
     compact = params.disable_any_whitespace
     try:

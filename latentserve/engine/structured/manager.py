@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.structured.backend import build_grammar, tokenizer_info
 from latentserve.engine.structured.request import StructuredOutputRequest
 from latentserve.structured_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 # Compiled grammars kept for reuse (least recently used dropped first).
 _CACHE_SIZE = 256
@@ -18,6 +21,7 @@ _CACHE_SIZE = 256
 
 class StructuredOutputManager:
     def __init__(self, tokenizer: TokenizerInfo, vocab_size: int, reasoning_end_token_id: int | None = None) -> None:
+        import xgrammar as xgr
         if tokenizer.eos_token_id is None:
             raise ValueError("structured outputs need the tokenizer's eos_token (tokenizer_config.json) to end on")
         self.vocab_size = vocab_size
@@ -58,6 +62,7 @@ def grammar_bitmask(states: list[StructuredOutputRequest | None], vocab_size: in
     rows = [(i, s) for i, s in enumerate(states) if s is not None and s.constrains_next]
     if not rows:
         return None
+    import xgrammar as xgr
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)
     for row, state in rows:
         state.fill_bitmask(bitmask, row)

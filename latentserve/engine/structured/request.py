@@ -3,11 +3,14 @@ request's output tokens."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
 
 from latentserve.structured_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class StructuredOutputRequest:
@@ -40,6 +43,7 @@ class StructuredOutputRequest:
         return f"structured_outputs.{self.params.kind}: the grammar failed to compile: {self.grammar.exception()}"
 
     def _get_matcher(self) -> xgr.GrammarMatcher:
+        import xgrammar as xgr
         if self.matcher is None:
             self.matcher = xgr.GrammarMatcher(self.grammar.result())
         return self.matcher
