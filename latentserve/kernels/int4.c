@@ -1,5 +1,5 @@
-/* int4 linear layers: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight q * scale + minimum
- * per group of G input columns (q in [0, 15]; G 32, 64 or 128; K % 64 == 0).
+/* int4 weights (`pack_int4`; quant_blocks.c drives them): y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight
+ * q * scale + minimum per group of G input columns (q in [0, 15]; G 32, 64 or 128; K % 64 == 0).
  *
  * Layout (`pack_int4`): the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes read
  * once; per group of G columns, the 16 outputs' (scale, minimum) as bf16 pairs (64 bytes), then G / 8 units of

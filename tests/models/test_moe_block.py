@@ -145,11 +145,15 @@ def test_a_replaced_weight_rebuilds_the_view(tmp_path, monkeypatch, quantization
 
 @pytest.mark.parametrize("variant", ["v2_lite", "v3"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("quantization", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
-def test_quantized_tokens_each_as_alone(tmp_path, variant, threads, quantization):
+@pytest.mark.parametrize("quantization, int8_downs", [(QuantConfig("int8"), False), (QuantConfig("int4", 32), False),
+                                                      (QuantConfig("int4", 32), True)], ids=str)
+def test_quantized_tokens_each_as_alone(tmp_path, variant, threads, quantization, int8_downs):
     """Up to 8 tokens through quantized experts in one call: each token's output equals that token's alone (experts
-    that several tokens chose are read once for all of them), and the modules' within their roundings."""
+    that several tokens chose are read once for all of them), and the modules' within their roundings; also with
+    int4 gate_up beside int8 down."""
     model, _ = _model(_checkpoint(tmp_path, variant), torch.bfloat16, quantization)
+    if int8_downs:
+        _int8_downs(model)
     layer = next(layer for layer in model.model.layers if isinstance(layer.mlp, MoE))
     g = torch.Generator().manual_seed(1)
     normed, hidden = (torch.randn(8, 64, generator=g).bfloat16() for _ in range(2))
