@@ -197,44 +197,105 @@ static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, flo
     }
 }
 
+/* One tile's rows p0 .. p1 (of n) for nh heads: scored, the online softmax updated, weighed into acc. `rows` in
+ * format rf (fp32 or bf16); q bf16 through vdpbf16ps where `dot`, else the scaled fp32 queries qs. */
+INLINE void attend_tile(const void *q, const float *qs, int dot, int64_t D, int64_t L, const char *const *rows, int rf,
+                        int64_t p0, int64_t p1, int64_t n, float scale, float *scores, float *maxima, float *sums,
+                        float *acc, int nh) {
+#ifdef LS_BF16DOT
+    if (dot) {
+        score_rows_bf16(q, D, rows, rf, p0, p1, n, nh, scale, scores);
+        online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
+        weigh_rows_bf16(scores, rows + p0, rf, p1 - p0, L, nh, acc);
+        return;
+    }
+#endif
+    (void)q, (void)dot, (void)scale;
+    score_rows(qs, D, rows, rf, p0, p1, n, nh, scores);
+    online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
+    weigh_rows(scores, rows + p0, rf, p1 - p0, L, nh, acc);
+}
+
+/* An item's working memory, one per thread: for its heads the scaled fp32 queries, the accumulated values, the
+ * running maxima and sums; a tile's scores (one group of heads at a time); a quantized cache's tile, dequantized. */
+typedef struct {
+    float *qs, *acc, *maxima, *sums, *scores;
+    char *tile;
+} Scratch;
+
+static Scratch scratch_new(int64_t heads, int64_t D, int64_t L) {
+    float *f = malloc((heads * (D + L + 2) + HEADS * ROW_TILE) * sizeof(float));
+    Scratch s = {f, f + heads * D, f + heads * (D + L), f + heads * (D + L + 1), f + heads * (D + L + 2), NULL};
+    s.tile = malloc(ROW_TILE * D * sizeof(float));
+    return s;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->qs);
+    free(s->tile);
+}
+
 /* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n), tile by tile: into `out` normalized,
  * or where `partial` is given, each head's running maximum, sum and unnormalized values there (L + 2 floats a head)
- * for combine_chunks. */
-INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
-                        int64_t p_end, float scale, void *out, int obf, float *partial, int nh) {
-    float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
-    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
-    for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
+ * for combine_chunks. Each tile is attended by every head of the item, HEADS at a time, while it is in cache; a
+ * quantized cache's tile is first dequantized once for all of them (to bf16 for vdpbf16ps, else fp32), so the
+ * conversion costs once per row and item, not once per row, group of heads and pass. */
+static void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
+                        int64_t p_end, float scale, void *out, int obf, float *partial, int64_t nh, Scratch *s) {
 #ifdef LS_BF16DOT
-    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps (fp8 rows converted to bf16) */
+    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps (fp8 and int8 rows converted to bf16) */
 #else
     int dot = 0;
 #endif
+    int quantized = cf >= KV_FP8, rf = quantized ? (dot ? KV_BF16 : KV_F32) : cf;
+    int64_t row_bytes = kv_row_bytes(cf, D), qsize = qbf ? 2 : 4;
+    for (int64_t i = 0; i < nh * L; i++) s->acc[i] = 0.f;
+    for (int64_t h = 0; h < nh; h++) s->maxima[h] = -INFINITY, s->sums[h] = 0.f;
     if (!dot)
-        for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
+        for (int64_t i = 0; i < nh * D; i++) s->qs[i] = scale * load_act(q, qbf, i);
+    const char *tile_rows[ROW_TILE];
     for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
-        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
+        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end, t0 = p0, t1 = p1, tn = p_end;
+        const char *const *tr = rows;
+        if (quantized) {
+            for (int64_t j = 0; j < p1 - p0; j++) {
+                prefetch_row(rows, p0 + j + PREFETCH_ROWS, p_end, row_bytes);
+                char *dst = s->tile + j * D * kv_size(rf);
+                tile_rows[j] = dst;
 #ifdef LS_BF16DOT
-        if (dot) {
-            score_rows_bf16(q, D, rows, cf, p0, p1, p_end, nh, scale, scores);
-            online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-            weigh_rows_bf16(scores, rows + p0, cf, p1 - p0, L, nh, acc);
-            continue;
-        }
+                if (dot) {
+                    dequantize_row_bf16(rows[p0 + j], cf, D, L, (uint16_t *)dst);
+                    continue;
+                }
 #endif
-        score_rows(qs, D, rows, cf, p0, p1, p_end, nh, scores);
-        online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-        weigh_rows(scores, rows + p0, cf, p1 - p0, L, nh, acc);
+                dequantize_row_f32(rows[p0 + j], cf, D, L, (float *)dst);
+            }
+            tr = tile_rows, t0 = 0, t1 = tn = p1 - p0;
+        }
+        for (int64_t h0 = 0; h0 < nh; h0 += HEADS) {
+            const void *qg = (const char *)q + h0 * D * qsize;
+            float *qs = s->qs + h0 * D, *mx = s->maxima + h0, *sm = s->sums + h0, *acc = s->acc + h0 * L;
+            switch (nh - h0 < HEADS ? nh - h0 : HEADS) { /* a constant head count: the accumulators in registers */
+            case 1: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 1); break;
+            case 2: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 2); break;
+            case 3: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 3); break;
+            case 4: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 4); break;
+            case 5: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 5); break;
+            case 6: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 6); break;
+            case 7: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 7); break;
+            default: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 8); break;
+            }
+        }
     }
-    for (int h = 0; h < nh; h++) {
+    for (int64_t h = 0; h < nh; h++) {
         if (partial) {
             float *part = partial + h * (L + 2);
-            part[0] = maxima[h], part[1] = sums[h];
-            memcpy(part + 2, acc + h * L, L * sizeof(float));
+            part[0] = s->maxima[h], part[1] = s->sums[h];
+            memcpy(part + 2, s->acc + h * L, L * sizeof(float));
             continue;
         }
-        float inv = 1.f / sums[h];
-        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv);
+        float inv = 1.f / s->sums[h];
+        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, s->acc[h * L + l] * inv);
     }
 }
 
@@ -261,7 +322,7 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
  * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
  * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8,
- * kv_rows.h), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the
+ * kv_rows.h; bit 4: int8), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the
  * metadata would lead outside the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T
  * tokens; else 0. */
 LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
@@ -271,7 +332,7 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
     int bad = decode_metadata_error(T, qsl, seq_lens, R, block_table, bt_stride, bt_width, cache_blocks, B);
     if (bad) return bad;
     int qbf = io & 1, cf = kv_format(io), obf = (io >> 2) & 1;
-    int64_t esize = kv_size(cf), max_len = 0;
+    int64_t row_bytes = kv_row_bytes(cf, D), max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* Every request's row addresses once (the items of its tokens share them). */
     const char **rows = malloc((R * max_len + 1) * sizeof(char *));
@@ -279,8 +340,8 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
     for (int64_t t = 0; t < T; t++) request[t] = -1; /* a token of no request sees nothing */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t b = 0, p = 0; p < seq_lens[r]; b++) {
-            const char *block = (const char *)cache + (int64_t)block_table[r * bt_stride + b] * B * D * esize;
-            for (int64_t i = 0; i < B && p < seq_lens[r]; i++, p++) rows[r * max_len + p] = block + i * D * esize;
+            const char *block = (const char *)cache + (int64_t)block_table[r * bt_stride + b] * B * row_bytes;
+            for (int64_t i = 0; i < B && p < seq_lens[r]; i++, p++) rows[r * max_len + p] = block + i * row_bytes;
         }
         for (int64_t t = qsl[r]; t < qsl[r + 1]; t++) request[t] = r;
     }
@@ -300,30 +361,18 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
     float *partial = malloc(chunks * H * (L + 2) * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
+        Scratch scratch = scratch_new(heads, D, L);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * blocks; item++) {
             int64_t chunk = item / blocks, t = token[chunk], r = request[t], n = visible(t, r, qsl, seq_lens);
             int64_t p_begin = (chunk - first[t]) * CHUNK, p_end = p_begin + CHUNK < n ? p_begin + CHUNK : n;
-            int64_t h_begin = item % blocks * heads, h_end = h_begin + heads < H ? h_begin + heads : H;
+            int64_t h0 = item % blocks * heads, nh = h0 + heads < H ? heads : H - h0;
             int whole = first[t + 1] - first[t] == 1;
-            for (int64_t h0 = h_begin; h0 < h_end; h0 += HEADS) {
-                int nh = h_end - h0 < HEADS ? (int)(h_end - h0) : HEADS;
-                const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
-                void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
-                float *pt = whole ? NULL : partial + (chunk * H + h0) * (L + 2);
-                const char *const *rr = rows + r * max_len;
-                switch (nh) { /* a constant head count per instance: the accumulators live in registers */
-                case 1: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 1); break;
-                case 2: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 2); break;
-                case 3: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 3); break;
-                case 4: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 4); break;
-                case 5: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 5); break;
-                case 6: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 6); break;
-                case 7: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 7); break;
-                default: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 8); break;
-                }
-            }
+            decode_item((const char *)q + (t * H + h0) * D * (qbf ? 2 : 4), qbf, D, L, rows + r * max_len, cf, p_begin,
+                        p_end, scale, (char *)out + (t * H + h0) * L * (obf ? 2 : 4), obf,
+                        whole ? NULL : partial + (chunk * H + h0) * (L + 2), nh, &scratch);
         }
+        scratch_free(&scratch);
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * H; th++) {
             int64_t t = th / H, h = th - t * H;

@@ -123,7 +123,7 @@ def test_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match=r"q must be a CPU tensor, contiguous float32 or bfloat16"):
         backend.forward(torch.zeros(1, 4, 40, dtype=torch.float16), torch.zeros(2, 16, 40), md)
     with pytest.raises(ValueError, match=r"kv_cache must be a CPU tensor, contiguous float32 or bfloat16 or "
-                                         r"float8_e4m3fn \[\*, \*, 40\]"):
+                                         r"float8_e4m3fn or int8 \[\*, \*, 40\]"):
         backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
 
 
