@@ -68,7 +68,8 @@ def decode_case(dtype: torch.dtype, heads: int, batch: int, context: int):
 def time_decode(args) -> None:
     print(f"decode attention, {args.context} positions, {torch.get_num_threads()} threads, ms per call "
           f"(fastest of {args.repeats})")
-    print("| heads x requests | bf16 cache | fp8 cache | int8 cache | fp8 / bf16 | int8 / bf16 |\n|---|---|---|---|---|---|")
+    print("| heads x requests | bf16 cache | fp8 cache | int8 cache | fp8 / bf16 | int8 / bf16 |")
+    print("|---|---|---|---|---|---|")
     for heads, batch in ((16, 1), (16, 8), (16, 32), (128, 1)):
         cases = {name: decode_case(dtype, heads, batch, args.context) for name, dtype in DTYPES.items()}
         best = {name: math.inf for name in cases}
@@ -92,7 +93,8 @@ def perplexity(args) -> None:
         logprobs = [out.prompt_logprobs[p][t] for p, t in enumerate(out.prompt_token_ids) if p > 0]
         results[name] = math.exp(-sum(logprobs) / len(logprobs))
         print(f"{name} cache: {len(logprobs)} tokens, perplexity {results[name]:.4f}")
-    print(f"fp8 / bf16: {results['fp8'] / results['bfloat16']:.4f}, int8 / bf16: {results['int8'] / results['bfloat16']:.4f}")
+    for name in ("fp8", "int8"):
+        print(f"{name} / bf16: {results[name] / results['bfloat16']:.4f}")
 
 
 def main() -> None:

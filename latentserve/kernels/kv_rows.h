@@ -140,8 +140,9 @@ INLINE void int8_to_bf16(const int8_t *x, int64_t n, float scale, uint16_t *y) {
     int64_t i = 0;
     __m512 s = _mm512_set1_ps(scale);
     for (; i + 32 <= n; i += 32) {
-        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i)))), s);
-        __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i + 16)))), s);
+        __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
+        __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i + 16)));
+        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(a), s), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(b), s);
         _mm512_storeu_si512(y + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
     for (; i < n; i++) y[i] = float_to_bf16((float)x[i] * scale);

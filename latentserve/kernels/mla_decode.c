@@ -321,9 +321,9 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
  * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
- * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8,
- * kv_rows.h; bit 4: int8), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the
- * metadata would lead outside the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T
+ * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8, bit 4:
+ * int8; kv_rows.h), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where
+ * the metadata would lead outside the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T
  * tokens; else 0. */
 LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
                          const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,

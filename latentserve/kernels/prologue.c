@@ -24,8 +24,8 @@ static void rotate(const void *x, int xbf, int64_t R, const float *cos, const fl
     }
 }
 
-/* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is (bit 3: fp8, bit 4: int8, kv_rows.h), bit 2 w is (else fp32).
- * cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored); R at most 1024. Returns -1, or (nothing
+/* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is (bit 3: fp8, bit 4: int8; kv_rows.h), bit 2 w is
+ * (else fp32). cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored); R at most 1024. Returns -1, or (nothing
  * computed) the first token whose slot lies past the cache's `capacity` slots. */
 LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
                                const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,

@@ -164,3 +164,12 @@ def test_unsupported_formats_and_combinations_are_refused_by_name(dtype, kind):
     with pytest.raises(ValueError, match=rf"layer.0: an {kind} KV cache is not supported with the extra caches "
                                          r"\['indexer_k'\] \(DSA's indexer keys\)"):
         allocate_kv_caches({"layer.0": dsa_layer}, 4, 4, dtype)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "bench"])
+@pytest.mark.parametrize("name", ["int8", "q8_0", "fp8"])
+def test_every_command_takes_the_quantized_cache_dtypes(command, name):
+    from latentserve.cli import make_parser
+
+    args = make_parser().parse_args([command, "--kv-cache-dtype", name])
+    assert args.kv_cache_dtype == name and parse_kv_cache_dtype(name, torch.bfloat16) == QUANTIZED[name]
