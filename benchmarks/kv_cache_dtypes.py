@@ -6,7 +6,7 @@ decode: one decode token per request attending `--context` cached positions thro
 `--repeats` rounds, the cache dtypes timed in turn within each round (interleaved, so load on the machine hits all).
 perplexity: the embedded model (bf16 compute) scores a KJV passage with chunked prefill of `--chunk` tokens a step,
 so every chunk after the first attends the cache's (quantized) latents; exp(mean negative log-likelihood).
-Run: `.venv/bin/python benchmarks/kv_cache_dtypes.py [--context 4096] [--repeats 7]`.
+Run: `.venv/bin/python benchmarks/kv_cache_dtypes.py [--context 4096] [--repeats 7] [--threads N]`.
 """
 from __future__ import annotations
 
@@ -103,8 +103,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--chunk", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip-perplexity", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     time_decode(args)
     if not args.skip_perplexity:
         perplexity(args)

@@ -89,6 +89,8 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cf, int64_t 
 /* bf16 queries and cache on a CPU with AVX512-BF16: vdpbf16ps takes two columns a lane (exact products, summed in
  * fp32), twice the multiply-adds of an fp32 FMA per instruction. */
 
+INLINE __m512i load_bf16x32(const char *row, int64_t i) { return _mm512_loadu_si512((const uint16_t *)row + i); }
+
 /* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. Two rows
  * a pass, so that each load of q feeds two products. */
 INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int cf, int64_t p0, int64_t p1,
@@ -103,7 +105,7 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
         for (int h = 0; h < HEADS; h++) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512bh k0 = (__m512bh)load_bf16x32(row[0], cf, d), k1 = (__m512bh)load_bf16x32(row[1], cf, d);
+            __m512bh k0 = (__m512bh)load_bf16x32(row[0], d), k1 = (__m512bh)load_bf16x32(row[1], d);
             for (int h = 0; h < nh; h++) {
                 __m512bh qh = (__m512bh)_mm512_loadu_si512(q + h * D + d);
                 acc[0][h] = _mm512_dpbf16_ps(acc[0][h], qh, k0);
@@ -148,8 +150,8 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int cf, int
             hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
         }
         for (int64_t j = 0; j < nt; j += 2) {
-            __m512i r0 = load_bf16x32(rows[j], cf, l);
-            __m512i r1 = j + 1 < nt ? load_bf16x32(rows[j + 1], cf, l) : _mm512_setzero_si512();
+            __m512i r0 = load_bf16x32(rows[j], l);
+            __m512i r1 = j + 1 < nt ? load_bf16x32(rows[j + 1], l) : _mm512_setzero_si512();
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
             for (int h = 0; h < nh; h++) {
                 __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ROW_TILE / 2 + j / 2]);
@@ -197,8 +199,24 @@ static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, flo
     }
 }
 
-/* One tile's rows p0 .. p1 (of n) for nh heads: scored, the online softmax updated, weighed into acc. `rows` in
- * format rf (fp32 or bf16); q bf16 through vdpbf16ps where `dot`, else the scaled fp32 queries qs. */
+/* nh heads' results: into `out` normalized, or where `partial` is given, each head's running maximum, sum and
+ * unnormalized values there (L + 2 floats a head) for combine_chunks. */
+static void finish_heads(const float *maxima, const float *sums, const float *acc, int64_t nh, int64_t L, void *out,
+                         int obf, float *partial) {
+    for (int64_t h = 0; h < nh; h++) {
+        if (partial) {
+            float *part = partial + h * (L + 2);
+            part[0] = maxima[h], part[1] = sums[h];
+            memcpy(part + 2, acc + h * L, L * sizeof(float));
+            continue;
+        }
+        float inv = 1.f / sums[h];
+        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv);
+    }
+}
+
+/* One tile's rows p0 .. p1 (of n) for nh heads: scored, the online softmax updated, weighed into acc. `rows` fp32 or
+ * bf16 (rf); q bf16 through vdpbf16ps where `dot`, else the scaled fp32 queries qs. */
 INLINE void attend_tile(const void *q, const float *qs, int dot, int64_t D, int64_t L, const char *const *rows, int rf,
                         int64_t p0, int64_t p1, int64_t n, float scale, float *scores, float *maxima, float *sums,
                         float *acc, int nh) {
@@ -216,8 +234,29 @@ INLINE void attend_tile(const void *q, const float *qs, int dot, int64_t D, int6
     weigh_rows(scores, rows + p0, rf, p1 - p0, L, nh, acc);
 }
 
-/* An item's working memory, one per thread: for its heads the scaled fp32 queries, the accumulated values, the
- * running maxima and sums; a tile's scores (one group of heads at a time); a quantized cache's tile, dequantized. */
+/* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n) of an fp32 or bf16 cache, read in
+ * place tile by tile; results as finish_heads gives them. */
+INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
+                        int64_t p_end, float scale, void *out, int obf, float *partial, int nh) {
+    float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
+    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
+    for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
+#ifdef LS_BF16DOT
+    int dot = qbf && cf == KV_BF16; /* bf16 products through vdpbf16ps */
+#else
+    int dot = 0;
+#endif
+    if (!dot)
+        for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
+        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
+        attend_tile(q, qs, dot, D, L, rows, cf, p0, p1, p_end, scale, scores, maxima, sums, acc, nh);
+    }
+    finish_heads(maxima, sums, acc, nh, L, out, obf, partial);
+}
+
+/* A quantized-cache item's working memory, one per thread: for its heads the scaled fp32 queries, the accumulated
+ * values, the running maxima and sums; a tile's scores (one group of heads at a time); the tile, dequantized. */
 typedef struct {
     float *qs, *acc, *maxima, *sums, *scores;
     char *tile;
@@ -235,68 +274,64 @@ static void scratch_free(Scratch *s) {
     free(s->tile);
 }
 
-/* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n), tile by tile: into `out` normalized,
- * or where `partial` is given, each head's running maximum, sum and unnormalized values there (L + 2 floats a head)
- * for combine_chunks. Each tile is attended by every head of the item, HEADS at a time, while it is in cache; a
- * quantized cache's tile is first dequantized once for all of them (to bf16 for vdpbf16ps, else fp32), so the
- * conversion costs once per row and item, not once per row, group of heads and pass. */
-static void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
-                        int64_t p_end, float scale, void *out, int obf, float *partial, int64_t nh, Scratch *s) {
+/* Rows p0 .. p1 (of n) of an fp8 or int8 cache dequantized into `tile` (bf16 for vdpbf16ps where `dot`, else fp32),
+ * their addresses into tile_rows. The conversion is quick next to a row's arrival from memory, so it asks for the
+ * next tile's rows, which arrive while the heads attend this one (and for the item's first tile, the rows just
+ * ahead). */
+static void dequantize_tile(const char *const *rows, int64_t p0, int64_t p1, int64_t n, int first, int cf, int dot,
+                            int64_t D, int64_t L, char *tile, const char **tile_rows) {
+    int64_t row_bytes = kv_row_bytes(cf, D);
+    for (int64_t j = 0; j < p1 - p0; j++) {
+        if (first) prefetch_row(rows, p0 + j + PREFETCH_ROWS, n, row_bytes);
+        prefetch_row(rows, p0 + j + ROW_TILE, n, row_bytes);
+        tile_rows[j] = tile + j * D * (dot ? 2 : 4);
 #ifdef LS_BF16DOT
-    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps (fp8 and int8 rows converted to bf16) */
+        if (dot) {
+            dequantize_row_bf16(rows[p0 + j], cf, D, L, (uint16_t *)tile_rows[j]);
+            continue;
+        }
+#endif
+        dequantize_row_f32(rows[p0 + j], cf, D, L, (float *)tile_rows[j]);
+    }
+}
+
+/* decode_item over an fp8 or int8 cache, for all nh heads of the item: each tile is dequantized once (no copy of the
+ * cache beyond it) and attended by every head, HEADS at a time, while it is in cache, so the conversion costs once
+ * per row and item rather than once per row, group of heads and pass. */
+static void decode_quantized_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf,
+                                  int64_t p_begin, int64_t p_end, float scale, void *out, int obf, float *partial,
+                                  int64_t nh, Scratch *s) {
+#ifdef LS_BF16DOT
+    int dot = qbf; /* the tile in bf16, for vdpbf16ps */
 #else
     int dot = 0;
 #endif
-    int quantized = cf >= KV_FP8, rf = quantized ? (dot ? KV_BF16 : KV_F32) : cf;
-    int64_t row_bytes = kv_row_bytes(cf, D), qsize = qbf ? 2 : 4;
+    int rf = dot ? KV_BF16 : KV_F32;
+    int64_t qsize = qbf ? 2 : 4;
     for (int64_t i = 0; i < nh * L; i++) s->acc[i] = 0.f;
     for (int64_t h = 0; h < nh; h++) s->maxima[h] = -INFINITY, s->sums[h] = 0.f;
     if (!dot)
         for (int64_t i = 0; i < nh * D; i++) s->qs[i] = scale * load_act(q, qbf, i);
-    const char *tile_rows[ROW_TILE];
+    const char *tile[ROW_TILE];
     for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
-        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end, t0 = p0, t1 = p1, tn = p_end;
-        const char *const *tr = rows;
-        if (quantized) {
-            for (int64_t j = 0; j < p1 - p0; j++) {
-                prefetch_row(rows, p0 + j + PREFETCH_ROWS, p_end, row_bytes);
-                char *dst = s->tile + j * D * kv_size(rf);
-                tile_rows[j] = dst;
-#ifdef LS_BF16DOT
-                if (dot) {
-                    dequantize_row_bf16(rows[p0 + j], cf, D, L, (uint16_t *)dst);
-                    continue;
-                }
-#endif
-                dequantize_row_f32(rows[p0 + j], cf, D, L, (float *)dst);
-            }
-            tr = tile_rows, t0 = 0, t1 = tn = p1 - p0;
-        }
+        int64_t nt = p0 + ROW_TILE < p_end ? ROW_TILE : p_end - p0;
+        dequantize_tile(rows, p0, p0 + nt, p_end, p0 == p_begin, cf, dot, D, L, s->tile, tile);
         for (int64_t h0 = 0; h0 < nh; h0 += HEADS) {
             const void *qg = (const char *)q + h0 * D * qsize;
             float *qs = s->qs + h0 * D, *mx = s->maxima + h0, *sm = s->sums + h0, *acc = s->acc + h0 * L;
             switch (nh - h0 < HEADS ? nh - h0 : HEADS) { /* a constant head count: the accumulators in registers */
-            case 1: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 1); break;
-            case 2: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 2); break;
-            case 3: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 3); break;
-            case 4: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 4); break;
-            case 5: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 5); break;
-            case 6: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 6); break;
-            case 7: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 7); break;
-            default: attend_tile(qg, qs, dot, D, L, tr, rf, t0, t1, tn, scale, s->scores, mx, sm, acc, 8); break;
+            case 1: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 1); break;
+            case 2: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 2); break;
+            case 3: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 3); break;
+            case 4: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 4); break;
+            case 5: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 5); break;
+            case 6: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 6); break;
+            case 7: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 7); break;
+            default: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 8); break;
             }
         }
     }
-    for (int64_t h = 0; h < nh; h++) {
-        if (partial) {
-            float *part = partial + h * (L + 2);
-            part[0] = s->maxima[h], part[1] = s->sums[h];
-            memcpy(part + 2, s->acc + h * L, L * sizeof(float));
-            continue;
-        }
-        float inv = 1.f / s->sums[h];
-        for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, s->acc[h * L + l] * inv);
-    }
+    finish_heads(s->maxima, s->sums, s->acc, nh, L, out, obf, partial);
 }
 
 /* One head's output from its chunks' partial softmaxes (decode_item's `partial`, `chunks` of them H heads apart),
@@ -361,18 +396,40 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
     float *partial = malloc(chunks * H * (L + 2) * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
-        Scratch scratch = scratch_new(heads, D, L);
+        Scratch scratch = {0};
+        if (cf >= KV_FP8) scratch = scratch_new(heads, D, L);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * blocks; item++) {
             int64_t chunk = item / blocks, t = token[chunk], r = request[t], n = visible(t, r, qsl, seq_lens);
             int64_t p_begin = (chunk - first[t]) * CHUNK, p_end = p_begin + CHUNK < n ? p_begin + CHUNK : n;
-            int64_t h0 = item % blocks * heads, nh = h0 + heads < H ? heads : H - h0;
+            int64_t h_begin = item % blocks * heads, h_end = h_begin + heads < H ? h_begin + heads : H;
             int whole = first[t + 1] - first[t] == 1;
-            decode_item((const char *)q + (t * H + h0) * D * (qbf ? 2 : 4), qbf, D, L, rows + r * max_len, cf, p_begin,
-                        p_end, scale, (char *)out + (t * H + h0) * L * (obf ? 2 : 4), obf,
-                        whole ? NULL : partial + (chunk * H + h0) * (L + 2), nh, &scratch);
+            const char *const *rr = rows + r * max_len;
+            if (cf >= KV_FP8) {
+                decode_quantized_item((const char *)q + (t * H + h_begin) * D * (qbf ? 2 : 4), qbf, D, L, rr, cf,
+                                      p_begin, p_end, scale, (char *)out + (t * H + h_begin) * L * (obf ? 2 : 4), obf,
+                                      whole ? NULL : partial + (chunk * H + h_begin) * (L + 2), h_end - h_begin,
+                                      &scratch);
+                continue;
+            }
+            for (int64_t h0 = h_begin; h0 < h_end; h0 += HEADS) {
+                int nh = h_end - h0 < HEADS ? (int)(h_end - h0) : HEADS;
+                const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
+                void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
+                float *pt = whole ? NULL : partial + (chunk * H + h0) * (L + 2);
+                switch (nh) { /* a constant head count per instance: the accumulators live in registers */
+                case 1: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 1); break;
+                case 2: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 2); break;
+                case 3: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 3); break;
+                case 4: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 4); break;
+                case 5: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 5); break;
+                case 6: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 6); break;
+                case 7: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 7); break;
+                default: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 8); break;
+                }
+            }
         }
-        scratch_free(&scratch);
+        if (cf >= KV_FP8) scratch_free(&scratch);
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * H; th++) {
             int64_t t = th / H, h = th - t * H;
