@@ -2,11 +2,17 @@
 at a deep context, and the embedded model's prompt perplexity when its context is read back from the cache.
 
 decode: one decode token per request attending `--context` cached positions through the NATIVE kernel
-(kernels/mla_decode.c), DeepSeek's latent dims (L=512, R=64), bf16 queries, block 64; ms per call, fastest of
-`--repeats` rounds, the cache dtypes timed in turn within each round (interleaved, so load on the machine hits all).
+(kernels/mla_decode.c), DeepSeek's latent dims (L=512, R=64), bf16 queries, block 64; ms per call (per layer), fastest
+of `--repeats` rounds, the cache dtypes timed in turn within each round (interleaved, so load on the machine hits
+all). `--layers N` gives each call N layers' caches in turn, as a model's decode step reads them: with 1 the same
+cache is read again and again and stays in the last-level cache once it fits there (4096 positions: 4.7 MB in bf16),
+which a model of more layers never sees. `--clock thread` (with `--threads 1`) times the CPU time of the calling
+thread, which the kernel runs on alone: unlike wall time it leaves out the time other processes took the core, so
+ratios hold on a busy machine.
 perplexity: the embedded model (bf16 compute) scores a KJV passage with chunked prefill of `--chunk` tokens a step,
 so every chunk after the first attends the cache's (quantized) latents; exp(mean negative log-likelihood).
-Run: `.venv/bin/python benchmarks/kv_cache_dtypes.py [--context 4096] [--repeats 7] [--threads N]`.
+Run: `.venv/bin/python benchmarks/kv_cache_dtypes.py [--context 4096] [--repeats 7] [--threads N] [--layers N]
+[--clock thread]`.
 """
 from __future__ import annotations
 
@@ -46,9 +52,15 @@ PASSAGE = (
 )
 
 
-def decode_case(dtype: torch.dtype, heads: int, batch: int, context: int):
-    """A callable running one decode step of `batch` requests over `context` positions each."""
-    g = torch.Generator().manual_seed(0)
+def decode_case(dtype: torch.dtype, heads: int, batch: int, context: int, layers: int = 1):
+    """A callable running one decode step of `batch` requests over `context` positions each, through `layers` layers'
+    caches."""
+    steps = [_decode_layer(dtype, heads, batch, context, seed) for seed in range(layers)]
+    return lambda: [step() for step in steps]
+
+
+def _decode_layer(dtype: torch.dtype, heads: int, batch: int, context: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
     blocks = -(-context // BLOCK)
     cache = torch.randn(batch * blocks, BLOCK, LATENT + ROPE, generator=g) * 0.5
     if dtype == torch.int8:
@@ -66,20 +78,21 @@ def decode_case(dtype: torch.dtype, heads: int, batch: int, context: int):
 
 
 def time_decode(args) -> None:
-    print(f"decode attention, {args.context} positions, {torch.get_num_threads()} threads, ms per call "
-          f"(fastest of {args.repeats})")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    print(f"decode attention, {args.context} positions, {torch.get_num_threads()} threads, {args.layers} layers' "
+          f"caches, {args.clock} ms per layer (fastest of {args.repeats})")
     print("| heads x requests | bf16 cache | fp8 cache | int8 cache | fp8 / bf16 | int8 / bf16 |")
     print("|---|---|---|---|---|---|")
     for heads, batch in ((16, 1), (16, 8), (16, 32), (128, 1)):
-        cases = {name: decode_case(dtype, heads, batch, args.context) for name, dtype in DTYPES.items()}
+        cases = {name: decode_case(dtype, heads, batch, args.context, args.layers) for name, dtype in DTYPES.items()}
         best = {name: math.inf for name in cases}
         for _ in range(args.repeats):
             for name, step in cases.items():
                 step()
-                start = time.perf_counter()
+                start = clock()
                 for _ in range(args.calls):
                     step()
-                best[name] = min(best[name], (time.perf_counter() - start) / args.calls * 1e3)
+                best[name] = min(best[name], (clock() - start) / args.calls / args.layers * 1e3)
         print(f"| {heads} x {batch} | {best['bf16']:.3f} | {best['fp8']:.3f} | {best['int8']:.3f} "
               f"| {best['fp8'] / best['bf16']:.2f} | {best['int8'] / best['bf16']:.2f} |")
 
@@ -104,8 +117,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--chunk", type=int, default=16)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
     parser.add_argument("--skip-perplexity", action="store_true")
     args = parser.parse_args()
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread times the calling thread alone: it needs --threads 1")
     torch.set_num_threads(args.threads)
     time_decode(args)
     if not args.skip_perplexity:
