@@ -13,12 +13,13 @@
 #include "simd.h"
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2, KV_INT8 = 3 };
-#define INT8_SCALES 8 /* an int8 row's trailing bytes: its two fp32 scales */
 
 INLINE int kv_format(int io) { return (io >> 4) & 1 ? KV_INT8 : (io >> 3) & 1 ? KV_FP8 : (io >> 1) & 1; }
 INLINE int64_t kv_size(int format) { return format >= KV_FP8 ? 1 : format == KV_BF16 ? 2 : 4; }
 /* Bytes of a row of D values. */
-INLINE int64_t kv_row_bytes(int format, int64_t D) { return D * kv_size(format) + (format == KV_INT8) * INT8_SCALES; }
+INLINE int64_t kv_row_bytes(int format, int64_t D) {
+    return D * kv_size(format) + (format == KV_INT8) * LS_INT8_ROW_SCALES;
+}
 
 INLINE float fp8_to_float(uint8_t v) {
     uint32_t mag = v & 0x7fu;

@@ -260,18 +260,17 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
 typedef struct {
     float *qs, *acc, *maxima, *sums, *scores;
     char *tile;
-} Scratch;
+} ItemMemory;
 
-static Scratch scratch_new(int64_t heads, int64_t D, int64_t L) {
-    float *f = malloc((heads * (D + L + 2) + HEADS * ROW_TILE) * sizeof(float));
-    Scratch s = {f, f + heads * D, f + heads * (D + L), f + heads * (D + L + 1), f + heads * (D + L + 2), NULL};
-    s.tile = malloc(ROW_TILE * D * sizeof(float));
-    return s;
+/* Floats an ItemMemory of `heads` takes. */
+INLINE int64_t item_floats(int64_t heads, int64_t D, int64_t L) {
+    return heads * (D + L + 2) + HEADS * ROW_TILE + ROW_TILE * D;
 }
 
-static void scratch_free(Scratch *s) {
-    free(s->qs);
-    free(s->tile);
+static ItemMemory item_memory(float *f, int64_t heads, int64_t D, int64_t L) {
+    float *tile = f + heads * (D + L + 2) + HEADS * ROW_TILE;
+    return (ItemMemory){f, f + heads * D, f + heads * (D + L), f + heads * (D + L + 1), f + heads * (D + L + 2),
+                        (char *)tile};
 }
 
 /* Rows p0 .. p1 (of n) of an fp8 or int8 cache dequantized into `tile` (bf16 for vdpbf16ps where `dot`, else fp32),
@@ -300,7 +299,7 @@ static void dequantize_tile(const char *const *rows, int64_t p0, int64_t p1, int
  * per row and item rather than once per row, group of heads and pass. */
 static void decode_quantized_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf,
                                   int64_t p_begin, int64_t p_end, float scale, void *out, int obf, float *partial,
-                                  int64_t nh, Scratch *s) {
+                                  int64_t nh, ItemMemory *s) {
 #ifdef LS_BF16DOT
     int dot = qbf; /* the tile in bf16, for vdpbf16ps */
 #else
@@ -357,21 +356,19 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
  * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
  * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8, bit 4:
- * int8; kv_rows.h), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where
- * the metadata would lead outside the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T
- * tokens; else 0. */
-LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
-                         const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
-                         int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
-                         int64_t bt_width) {
-    int bad = decode_metadata_error(T, qsl, seq_lens, R, block_table, bt_stride, bt_width, cache_blocks, B);
-    if (bad) return bad;
+ * int8; kv_rows.h), bit 2 out (else fp32). The metadata within the cache, the block table and the T tokens
+ * (decode_metadata_error: bounds.c). Returns LS_NO_MEMORY (computing nothing) or LS_OK. */
+int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+               const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
+               float scale, void *out, int io, int threads) {
     int qbf = io & 1, cf = kv_format(io), obf = (io >> 2) & 1;
     int64_t row_bytes = kv_row_bytes(cf, D), max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* Every request's row addresses once (the items of its tokens share them). */
-    const char **rows = malloc((R * max_len + 1) * sizeof(char *));
-    int64_t *request = malloc((T + 1) * sizeof(int64_t));
+    ScratchMark mark = scratch_mark();
+    const char **rows = scratch((R * max_len + 1) * sizeof(char *));
+    int64_t *request = scratch((T + 1) * sizeof(int64_t)), *first = scratch((T + 1) * sizeof(int64_t));
+    if (!rows || !request || !first) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++) request[t] = -1; /* a token of no request sees nothing */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t b = 0, p = 0; p < seq_lens[r]; b++) {
@@ -382,22 +379,24 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
     }
     /* Token t's chunks are numbered first[t] .. first[t + 1] (token[chunk]: whose); a chunk's items split its heads
      * in blocks. */
-    int64_t *first = malloc((T + 1) * sizeof(int64_t));
     first[0] = 0;
     for (int64_t t = 0; t < T; t++) {
         int64_t n = request[t] < 0 ? 0 : visible(t, request[t], qsl, seq_lens);
         first[t + 1] = first[t] + (n > 0 ? (n + CHUNK - 1) / CHUNK : 0);
     }
     int64_t chunks = first[T], per = (chunks * H + threads - 1) / threads;
-    int64_t *token = malloc(chunks * sizeof(int64_t));
+    int64_t *token = scratch(chunks * sizeof(int64_t));
+    float *partial = scratch(chunks * H * (L + 2) * sizeof(float));
+    if (!token || !partial) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = first[t]; c < first[t + 1]; c++) token[c] = t;
     int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
-    float *partial = malloc(chunks * H * (L + 2) * sizeof(float));
+    int64_t memory = cf >= KV_FP8 ? item_floats(heads, D, L) : 0; /* floats of each thread's ItemMemory */
+    float *items = scratch(threads * memory * sizeof(float));
+    if (!items) return scratch_release(mark), LS_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
     {
-        Scratch scratch = {0};
-        if (cf >= KV_FP8) scratch = scratch_new(heads, D, L);
+        ItemMemory mine = item_memory(items + omp_get_thread_num() * memory, heads, D, L);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * blocks; item++) {
             int64_t chunk = item / blocks, t = token[chunk], r = request[t], n = visible(t, r, qsl, seq_lens);
@@ -409,7 +408,7 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
                 decode_quantized_item((const char *)q + (t * H + h_begin) * D * (qbf ? 2 : 4), qbf, D, L, rr, cf,
                                       p_begin, p_end, scale, (char *)out + (t * H + h_begin) * L * (obf ? 2 : 4), obf,
                                       whole ? NULL : partial + (chunk * H + h_begin) * (L + 2), h_end - h_begin,
-                                      &scratch);
+                                      &mine);
                 continue;
             }
             for (int64_t h0 = h_begin; h0 < h_end; h0 += HEADS) {
@@ -429,7 +428,6 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
                 }
             }
         }
-        if (cf >= KV_FP8) scratch_free(&scratch);
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < T * H; th++) {
             int64_t t = th / H, h = th - t * H;
@@ -440,10 +438,6 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
                                (char *)out + th * L * (obf ? 2 : 4), obf);
         }
     }
-    free(rows);
-    free(request);
-    free(first);
-    free(token);
-    free(partial);
-    return 0;
+    scratch_release(mark);
+    return LS_OK;
 }
