@@ -8,7 +8,8 @@
  * memory once. Sums in fp32. A token's positions are split in chunks of CHUNK, each its own item, their partial
  * softmaxes combined after (as flash-decoding splits them): with one token, the threads read different rows instead
  * of the same ones for different heads. The chunks are the same whatever the batch and the threads, so a token's
- * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work.
+ * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work. An
+ * fp8 or int8 cache (kv_rows.h) is dequantized a tile at a time for all of an item's heads (decode_quantized_item).
  */
 #include "kv_rows.h"
 
