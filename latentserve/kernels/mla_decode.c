@@ -216,8 +216,9 @@ static void finish_heads(const float *maxima, const float *sums, const float *ac
     }
 }
 
-/* One tile's rows p0 .. p1 (of n) for nh heads: scored, the online softmax updated, weighed into acc. `rows` fp32 or
- * bf16 (rf); q bf16 through vdpbf16ps where `dot`, else the scaled fp32 queries qs. */
+/* One tile's rows p0 .. p1 for nh heads: scored, the online softmax updated, weighed into acc. `rows` fp32 or bf16
+ * (rf); q bf16 through vdpbf16ps where `dot`, else the scaled fp32 queries qs. Rows ahead are prefetched up to n (0:
+ * none, for a tile just written). */
 INLINE void attend_tile(const void *q, const float *qs, int dot, int64_t D, int64_t L, const char *const *rows, int rf,
                         int64_t p0, int64_t p1, int64_t n, float scale, float *scores, float *maxima, float *sums,
                         float *acc, int nh) {
@@ -320,14 +321,14 @@ static void decode_quantized_item(const void *q, int qbf, int64_t D, int64_t L, 
             const void *qg = (const char *)q + h0 * D * qsize;
             float *qs = s->qs + h0 * D, *mx = s->maxima + h0, *sm = s->sums + h0, *acc = s->acc + h0 * L;
             switch (nh - h0 < HEADS ? nh - h0 : HEADS) { /* a constant head count: the accumulators in registers */
-            case 1: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 1); break;
-            case 2: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 2); break;
-            case 3: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 3); break;
-            case 4: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 4); break;
-            case 5: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 5); break;
-            case 6: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 6); break;
-            case 7: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 7); break;
-            default: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, nt, scale, s->scores, mx, sm, acc, 8); break;
+            case 1: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 1); break;
+            case 2: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 2); break;
+            case 3: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 3); break;
+            case 4: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 4); break;
+            case 5: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 5); break;
+            case 6: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 6); break;
+            case 7: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 7); break;
+            default: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 8); break;
             }
         }
     }
