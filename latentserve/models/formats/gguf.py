@@ -73,8 +73,8 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
                               r"\.weight|^lm_head\.weight)$")
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-_CHUNK_BYTES = 1 << 20  # of GGUF data dequantized at a time
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
+_CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 
 
 def is_gguf(path: Path) -> bool:
