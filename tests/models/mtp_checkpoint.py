@@ -1,8 +1,9 @@
 """Tiny random V3 checkpoints with an MTP layer, and a naive fp32 MTP forward of the published formula.
 
-transformers has no DeepSeek MTP module: the layer is written here as DeepSeek stores it
-(`model.layers.{num_hidden_layers}.*`, per-expert tensors), and the reference runs its decoder layer through
-transformers' `DeepseekV3DecoderLayer`, the rest (norms, `eh_proj`, head) by hand.
+transformers' generic MTP layer (`MtpLayer`) does not zero position 0's embedding as vLLM and latentserve do
+(docs/speculative_decoding.md): the layer is written here as DeepSeek stores it (`model.layers.{num_hidden_layers}.*`,
+per-expert tensors), and the reference runs its decoder layer through transformers' `DeepseekV3DecoderLayer`, the
+rest (norms, `eh_proj`, head) by hand.
 """
 from __future__ import annotations
 
