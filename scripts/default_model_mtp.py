@@ -212,9 +212,9 @@ def write_mtp_report(out_dir: Path, args, stats: dict, command: str) -> None:
     text = text.split("\n" + MTP_HEADING)[0].rstrip("\n") + "\n"
     s = stats
     tokens = s["mtp_steps"] * args.batch_size * args.seq_len
-    start = ("Training resumed from the MTP layer the checkpoint held before (`--mtp-resume`; that layer's own run "
-             "is in this file's history)." if args.mtp_resume else "The decoder layer started as a copy of the main "
-             "model's last layer, `shared_head.norm` as its final norm.")
+    start = ("Training resumed from the MTP layer the checkpoint held before (`--mtp-resume`; that layer's own\n"
+             "run is in this file's history)." if args.mtp_resume else "The decoder layer started as a copy of the "
+             "main model's last layer,\n`shared_head.norm` as its final norm.")
     path.write_text(text + f"""
 {MTP_HEADING}
 One multi-token-prediction module (DeepSeek-V3 report, section 2.2), for speculative decoding:
@@ -230,8 +230,10 @@ Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss
 `lambda * ((1 - a) CE(t_(i+2)) + a KL(main || MTP))` with lambda {args.mtp_loss_weight:g} (the report's value for
 its first 10T tokens; with the main model frozen it only scales the gradient) and a = {args.mtp_distill:g}: besides
 the report's loss (a = 0), distillation from the main model's own distribution of t_(i+2) given t_0..t_(i+1),
-which a draft must match to be accepted. {start} AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g},
-warmup then cosine to the step or time budget, whichever ends first, one thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
+which a draft must match to be accepted.
+{start}
+AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine to the step or time budget,
+whichever ends first, one thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
 ({tokens:,} tokens), wall time {s['mtp_wall_s'] / 60:.1f} min. Final training CE (mean of the last 50 steps)
 {s['mtp_final_ce']:.3f}; held-out CE {s['mtp_val_ce']:.3f} (the main model's next-token loss there:
 {s['main_val_loss']:.3f}). On the held-out chapters, teacher-forced, the MTP's argmax for t_(i+2) equals the main
