@@ -282,19 +282,23 @@ def test_read_tensors_gives_back_each_tensors_mapped_pages(tmp_path):
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / gguf_format.GGUF_INDEX).write_text(json.dumps({"files": [str(path)]}))
+    hf_names = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.down_proj.weight", "lm_head.weight"]
     before, held = _rss_file_mib(), []
-    for i, (_, tensor) in enumerate(read_tensors(folder, lambda name: True)):
+    for name, tensor in read_tensors(folder, lambda name: True):
         held.append(_rss_file_mib() - before)
-        assert torch.equal(tensor, torch.full((1024, 4096), float(i)))
+        assert torch.equal(tensor, torch.full((1024, 4096), float(hf_names.index(name))))
     assert len(held) == 4 and max(held) < 24, held  # without giving pages back: 16, 32, 48, 64 MiB
 
 
-def test_each_experts_gate_and_up_come_together(tmp_path):
-    """The loader fuses an expert's gate and up and holds the first until the second comes: read from the stacked
-    tensors as stored (all gates, then all ups), a whole layer's gates would wait, unpacked."""
+def test_embedding_and_lm_head_first_then_each_experts_gate_and_up_together(tmp_path):
+    """The largest tensors come first, while little is loaded beside their conversion's temporaries. The loader
+    fuses an expert's gate and up and holds the first until the second comes: read from the stacked tensors as
+    stored (all gates, then all ups), a whole layer's gates would wait, unpacked."""
     src = make_checkpoint(tmp_path, "v3")
     write_gguf(src, tmp_path / "model.gguf")
     names = [name for name, _ in read_tensors(model_folder(tmp_path / "model.gguf"), lambda name: True)]
+    assert sorted(names[:3]) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
     gates = [i for i, name in enumerate(names) if re.search(r"\.experts\.\d+\.gate_proj", name)]
     assert len(gates) == 8
     assert all(names[i + 1] == names[i].replace("gate_proj", "up_proj") for i in gates)

@@ -348,7 +348,9 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     for file in files:
         reader = readers.pop(0)  # this file's reader dropped once its tensors are read: unmapped
         by_name = {t.name: t for t in reader.tensors}
-        for tensor in reader.tensors:
+        # The embedding and lm_head first, wherever the file has them: the largest tensors, whose conversion's
+        # temporaries (the embedding's fp32 values before the loader casts them) then come while little is loaded.
+        for tensor in sorted(reader.tensors, key=lambda t: t.name not in _GLOBAL_NAMES):
             release_freed_heap()  # what unpacking the last tensor freed
             match = _BLOCK.match(tensor.name)
             part = match[2] if match else None
