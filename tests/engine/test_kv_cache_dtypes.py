@@ -173,3 +173,14 @@ def test_every_command_takes_the_quantized_cache_dtypes(command, name):
 
     args = make_parser().parse_args([command, "--kv-cache-dtype", name])
     assert args.kv_cache_dtype == name and parse_kv_cache_dtype(name, torch.bfloat16) == QUANTIZED[name]
+
+
+def test_the_memory_budget_counts_the_int8_rows_scales(checkpoint):
+    """An int8 row is L + R values and two fp32 scales: a byte budget holds as many blocks as such rows fit."""
+    budget = 1 << 20
+    llm = _llm(checkpoint, kv_cache_dtype="int8", num_kv_blocks=None, kv_cache_memory_bytes=budget)
+    layer = next(iter(llm.engine.runner.model.static_forward_context.values()))
+    caches = list(llm.engine.runner.kv_caches.values())
+    blocks, block_size, width = caches[0].shape
+    assert caches[0].dtype == torch.int8 and width == layer.mla.kv_cache_dim + 8
+    assert blocks == budget // (block_size * width * len(caches))
