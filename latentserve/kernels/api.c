@@ -8,7 +8,7 @@
 
 #define BIT(d) (1u << (d))
 #define ACT (BIT(LS_F32) | BIT(LS_BF16))
-#define CACHE (ACT | BIT(LS_F8_E4M3))
+#define CACHE (ACT | BIT(LS_F8_E4M3) | BIT(LS_I8))
 #define DIM(t, d) ((t)->shape[d])
 
 static const char *const DTYPE_NAMES[] = {"fp32", "bf16", "fp8_e4m3", "int8", "uint8", "int32", "int64"};
@@ -49,7 +49,13 @@ static int bad_size(const char *name, const ls_tensor *t, int d, int64_t size) {
 
 static int bf(const ls_tensor *t) { return t->dtype == LS_BF16; }
 /* kv_rows.h's io bits of a cache. */
-static int cache_io(const ls_tensor *cache) { return bf(cache) << 1 | (cache->dtype == LS_F8_E4M3) << 3; }
+static int cache_io(const ls_tensor *cache) {
+    return bf(cache) << 1 | (cache->dtype == LS_F8_E4M3) << 3 | (cache->dtype == LS_I8) << 4;
+}
+/* A cache row's elements for `values` values: an int8 row's scales follow them. */
+static int64_t cache_width(const ls_tensor *cache, int64_t values) {
+    return values + (cache->dtype == LS_I8) * LS_INT8_ROW_SCALES;
+}
 
 /* CHECK: return a check's own code; TENSORS: return LS_BAD_TENSOR where any of the checks `||`-ed fails. */
 #define CHECK(expr)                                                                                                  \
@@ -157,7 +163,7 @@ static int bad_rotary(const ls_tensor *cos, const ls_tensor *sin, int64_t T, int
 
 /* The cache [blocks, block_size, width] and int64 slots [T], each slot within the cache (LS_SLOT_PAST_CACHE). */
 static int bad_slots(const ls_tensor *cache, const ls_tensor *slots, int64_t T, int64_t width) {
-    TENSORS(bad_tensor("kv_cache", cache, CACHE, 3, 0) || bad_size("kv_cache", cache, 2, width));
+    TENSORS(bad_tensor("kv_cache", cache, CACHE, 3, 0) || bad_size("kv_cache", cache, 2, cache_width(cache, width)));
     TENSORS(bad_tensor("slot_mapping", slots, BIT(LS_I64), 1, 0) || bad_size("slot_mapping", slots, 0, T));
     return bad_slot(slots->data, T, DIM(cache, 0) * DIM(cache, 1)) >= 0 ? LS_SLOT_PAST_CACHE : LS_OK;
 }
@@ -199,7 +205,8 @@ LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls
                          const ls_tensor *out, int threads) {
     TENSORS(bad_tensor("q", q, ACT, 3, 0) || bad_tensor("kv_cache", kv_cache, CACHE, 3, 0));
     int64_t T = DIM(q, 0), H = DIM(q, 1), D = DIM(q, 2);
-    TENSORS(bad_size("kv_cache", kv_cache, 2, D) || bad_tensor("out", out, ACT, 3, 0) || bad_size("out", out, 0, T));
+    TENSORS(bad_size("kv_cache", kv_cache, 2, cache_width(kv_cache, D)) || bad_tensor("out", out, ACT, 3, 0));
+    TENSORS(bad_size("out", out, 0, T));
     TENSORS(bad_size("out", out, 1, H));
     int64_t L = DIM(out, 2);
     if (L <= 0 || L > D) return refuse(LS_BAD_TENSOR, "out: latent %lld not in 1..%lld", (long long)L, (long long)D);

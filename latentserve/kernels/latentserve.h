@@ -8,7 +8,8 @@
 
 #define LS_API __attribute__((visibility("default")))
 
-enum { LS_MAX_DIMS = 5, LS_MAX_ROPE = 1024 };
+/* LS_INT8_ROW_SCALES: the bytes an int8 latent cache row carries after its values, two fp32 scales (kv_rows.h). */
+enum { LS_MAX_DIMS = 5, LS_MAX_ROPE = 1024, LS_INT8_ROW_SCALES = 8 };
 
 /* Element types a descriptor names (torch's float32, bfloat16, float8_e4m3fn, int8, uint8, int32, int64). */
 typedef enum { LS_F32 = 0, LS_BF16 = 1, LS_F8_E4M3 = 2, LS_I8 = 3, LS_U8 = 4, LS_I32 = 5, LS_I64 = 6 } ls_dtype;
@@ -118,11 +119,13 @@ LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t g
 /* RMSNorm over x's rows [M, N] with w [N] of x's dtype; y like x. */
 LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads);
 /* MLA's latent prologue (prologue.c): q [T, H, D] rotated in place, kv [T, L + R] -> kv_c [T, L], k_pe [T, R],
- * each token's row to kv_cache [blocks, block_size, L + R] at slots [T] (int64, < 0: padding). */
+ * each token's row to kv_cache [blocks, block_size, L + R] at slots [T] (int64, < 0: padding). A cache is fp32,
+ * bf16, fp8 e4m3 or int8; an int8 cache's rows are L + R + LS_INT8_ROW_SCALES wide (kv_rows.h). */
 LS_API int ls_mla_prologue(const ls_tensor *q, const ls_tensor *kv, const ls_tensor *w, float eps,
                            const ls_tensor *cos, const ls_tensor *sin, int style, const ls_tensor *kv_c,
                            const ls_tensor *k_pe, const ls_tensor *kv_cache, const ls_tensor *slots, int threads);
-/* Absorbed MQA over the paged cache (mla_decode.c): out [T, H, L] from q [T, H, D], kv_cache [blocks, B, D],
+/* Absorbed MQA over the paged cache (mla_decode.c): out [T, H, L] from q [T, H, D], kv_cache [blocks, B, D] (int8:
+ * D + LS_INT8_ROW_SCALES),
  * block_table int32 [>= R, width], query_start_loc int32 [R + 1], seq_lens int32 [R]. */
 LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls_tensor *block_table,
                          const ls_tensor *query_start_loc, const ls_tensor *seq_lens, float scale,

@@ -10,6 +10,7 @@ import ctypes
 
 import torch
 
+from latentserve.config import kv_cache_row_width
 # The kernels are reached through this module: callers ask it for them and for their build.
 from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels, for_this_cpu,  # noqa: F401
                                        kernel_isa, load, native_kernels)
@@ -19,7 +20,7 @@ from latentserve.kernels import abi
 from latentserve.kernels.checks import tensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
-KV_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn)  # the latent caches they read and write (kv_rows.h)
+KV_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn, torch.int8)  # the latent caches they read and write (kv_rows.h)
 F32, I8, I32, I64, U8 = (torch.float32,), (torch.int8,), (torch.int32,), (torch.int64,), (torch.uint8,)
 PROFILE_PREFIX = "latentserve::"  # the profiler range each call gets while a torch profiler runs
 
@@ -192,7 +193,8 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     projection kv `[T, L + R]`; q `[T, H, D]` (contiguous) gets its last R dims of each head rotated in place; each
     token's [kv_c ‖ k_pe] goes to the cache `[blocks, block_size, L + R]` at its slot (int64, -1 = padding). cos,
     sin `[T, R]` fp32 as `RotaryEmbedding.cos_sin` makes them, for rope `style`. q, kv, weight of one dtype, fp32 or
-    bf16; the cache `KV_CACHE_DTYPES` (fp8: rounded to nearest even, saturated to +-448)."""
+    bf16; the cache `KV_CACHE_DTYPES` (fp8: rounded to nearest even, saturated to +-448; int8: rows
+    `kv_cache_row_width` wide, quantized as `attention.kv_cache.quantize_int8_rows`)."""
     fn = "mla_prologue"
     if style not in ROPE_STYLES:
         raise ValueError(f"{fn}: rope style must be one of {ROPE_STYLES}, got {style!r}")
@@ -225,9 +227,10 @@ def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
 
 
 def _slots(fn: str, slot_mapping: torch.Tensor, tokens: int, kv_cache: torch.Tensor, width: int) -> int:
-    """The cache's slots, where it is `[blocks, block_size, width]` (`KV_CACHE_DTYPES`) and the slots int64
-    `[tokens]` (the kernel checks their values: bounds.c)."""
-    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, width))
+    """The cache's slots, where it is `[blocks, block_size, kv_cache_row_width(width)]` (`KV_CACHE_DTYPES`) and the
+    slots int64 `[tokens]` (the kernel checks their values: bounds.c)."""
+    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES,
+                                   (None, None, kv_cache_row_width(width, kv_cache.dtype)))
     tensor(fn, "slot_mapping", slot_mapping, I64, (tokens,))
     return blocks * block_size
 
@@ -379,12 +382,13 @@ def _check_packed(fn: str, name: str, packed: torch.Tensor, n: int, k: int, fmt:
 def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, latent: int) -> torch.Tensor:
     """`[T, N, latent]` in q's dtype: absorbed MQA of q `[T, N, D]` over the paged cache `[blocks, block_size, D]`
-    (q fp32 or bf16, the cache `KV_CACHE_DTYPES`: fp8 dequantized as it is read), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
+    (q fp32 or bf16, the cache `KV_CACHE_DTYPES`: fp8 and int8 dequantized as they are read, an int8 cache's rows
+    `kv_cache_row_width` wide), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
     query_start_loc[r] .. query_start_loc[r + 1] (int32), its length seq_lens[r] (int32)."""
     fn = "mla_decode"
     q = q.contiguous()
     tokens, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None))
-    tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, dim))
+    tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, kv_cache_row_width(dim, kv_cache.dtype)))
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
     width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
