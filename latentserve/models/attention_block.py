@@ -16,7 +16,7 @@ from latentserve.kernels import native
 from latentserve.layers.linear import NATIVE_HEAD_TOKENS, Linear, native_rows
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.quant.int4 import NativeInt4Linear
-from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear
+from latentserve.layers.quant.int8 import NativeInt8Linear
 
 if TYPE_CHECKING:
     from latentserve.models.mla_attention import DeepseekAttention
@@ -38,8 +38,7 @@ def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKern
     if getattr(layer, "bias", True) is not None or getattr(getattr(layer, "kernels", None), "isa", None) != kernels.isa:
         return None  # (the same build loads the same library, whichever object holds it)
     if isinstance(layer, NativeInt8Linear) and layer.out_dtype in (None, dtype):
-        return native.Weight(kind=native.INT8, w=layer.qweight.data_ptr(), scale=layer.scale.data_ptr(),
-                             qsum=layer.qsum.data_ptr()), NATIVE_INT8_ROWS
+        return native.Weight(kind=native.INT8_BLOCKS, w=layer.packed.data_ptr()), None
     if isinstance(layer, NativeInt4Linear):
         return native.Weight(kind=native.INT4, w=layer.packed.data_ptr(), group=layer.group_size), None
     return None

@@ -12,7 +12,7 @@ from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
 )
 from latentserve.layers.quant.int8 import (
-    NATIVE_INT8_ROWS, FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
+    FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
 )
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, QuantizedWeight
 from latentserve.kernels.native import NativeKernels, native_kernels
@@ -27,14 +27,16 @@ class KernelChoice:
     reason: str
 
 
-def int8_kernel(device: torch.device, features: CpuFeatures) -> KernelChoice:
+def int8_kernel(device: torch.device, features: CpuFeatures, in_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int8Linear.kernel, "not a CPU")
     kernels, why = native_kernels(features)
+    if kernels is not None and (in_features is None or in_features % 4 == 0):
+        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); at every row count, the weight "
+                            "in blocks of 16 outputs (faster than oneDNN's int8 GEMM at 512 rows: "
+                            "benchmarks/RESULTS.md)")
     if kernels is not None:
-        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); its own kernel up to "
-                            f"{NATIVE_INT8_ROWS} rows (1.1-1.6x fbgemm at 1-2 rows, slower at 4-24: "
-                            "benchmarks/RESULTS.md), oneDNN's int8 GEMM above, one int8 weight for both")
+        why = f"{in_features} inputs, latentserve's int8 kernel needs a multiple of 4"
     if features.fbgemm:
         return KernelChoice(FbgemmInt8Linear.kernel, f"latentserve's kernels: {why}; fbgemm is the fastest int8 "
                             "linear torch ships")
@@ -90,7 +92,7 @@ def quantize_linear(
     features = cpu_features()
     if config.method == "int8":
         q, scale = (weight.q, weight.scale) if isinstance(weight, Int8Weight) else quantize_int8(weight)
-        kernel = int8_kernel(device, features).kernel
+        kernel = int8_kernel(device, features, weight.shape[1]).kernel
         # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
         out_dtype = torch.float32 if name == LM_HEAD else None
         if kernel == NativeInt8Linear.kernel:
