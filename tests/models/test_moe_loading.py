@@ -12,6 +12,7 @@ from latentserve.layers.moe import MoE
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.native import NATIVE_ENV
 from latentserve.layers.quant.int8 import quantize_int8
 from latentserve.models import load_model
 from latentserve.models.loader import SINGLE_FILE
@@ -37,6 +38,7 @@ def test_quantized_gate_and_up_are_one_layer_quantized_as_the_two(tmp_path, monk
     the two halves' own quantization."""
     features = dataclasses.replace(cpu_features(), fbgemm=False)  # the portable kernel keeps its int8 weight readable
     monkeypatch.setattr(quant_linear, "cpu_features", lambda: features)
+    monkeypatch.setenv(NATIVE_ENV, "0")  # (latentserve's kernel packs it in blocks)
     src = make_checkpoint(tmp_path, "v3")
     tensors = load_file(src / SINGLE_FILE)
     model = load_model(src, dtype=torch.float32, quantization=QuantConfig("int8"))
