@@ -11,6 +11,7 @@ from torch import nn
 from latentserve import batch_invariant
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.linear import Linear, linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.quant.experts import run_expert_loop
@@ -144,7 +145,11 @@ def select_experts(
 
 
 class Router(nn.Module):
-    """The gate: fp32 logits over routed experts, then `select_experts`."""
+    """The gate: fp32 logits over routed experts, then `select_experts`; its kernels asked once
+    (`process_weights_after_loading`; built outside a loader: `default_policy()` at the first call)."""
+
+    kernels: native.NativeKernels | None = None
+    native_rows: int | None = None  # the fp32 product's rows on `kernels` (`linear`); None: not asked yet
 
     def __init__(self, hidden_size: int, cfg: RoutingConfig) -> None:
         super().__init__()
@@ -156,12 +161,23 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def process_weights_after_loading(self, policy: KernelPolicy) -> None:
+        self.kernels = policy.kernels
+        self.native_rows = policy.dense_rows(torch.float32, self.weight.shape[1])
+
+    @property
+    def route_kernels(self) -> native.NativeKernels | None:
+        """The kernels that route a few tokens (route.c), where they compute this routing."""
+        return self.kernels if self.cfg.native_routing else None
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native_rows is None:
+            self.process_weights_after_loading(default_policy())
         # `linear`: latentserve's kernel at a few rows, whose sums round differently from MKL's only in the last bits.
-        logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
+        logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight.float(), None, self.kernels,
+                        self.native_rows)
         few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
-        native_here = logits.device.type == "cpu" and few and self.cfg.native_routing
-        kernels = native.for_this_cpu() if native_here else None
+        kernels = self.route_kernels if logits.device.type == "cpu" and few else None
         if kernels is None:
             return select_experts(logits, self.cfg, self.e_score_correction_bias)
         cfg = self.cfg  # a few decode tokens: one native call where select_experts takes a dozen small ops
@@ -244,7 +260,12 @@ def _is_plain(expert: nn.Module) -> bool:
 class StackedExperts(nn.Module):
     """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
     `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them). Up to `NATIVE_MAX_TOKENS`
-    tokens run through latentserve's kernel instead, with the shared experts (`shared`) where they are plain."""
+    tokens run through latentserve's kernel instead, with the shared experts (`shared`) where they are plain; its
+    kernels asked once (`process_weights_after_loading`; built outside a loader: `default_policy()` at the first
+    call)."""
+
+    kernels: native.NativeKernels | None = None
+    native_rows: tuple[int, int] | None = None  # `linear`'s rows over (w13, w2t) expert by expert; None: not asked
 
     def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor, shared: GatedMLP | None = None) -> None:
         super().__init__()
@@ -287,11 +308,18 @@ class StackedExperts(nn.Module):
             _place(shared.down_proj, torch.empty(d.shape[1], d.shape[0], dtype=d.dtype, device=device).t())
         return cls(local[0][0], w13, w2t, shared if fold else None)
 
+    def process_weights_after_loading(self, policy: KernelPolicy) -> None:
+        self.kernels = policy.kernels
+        hidden, inter = self.w13.shape[2], self.w2t.shape[1]
+        self.native_rows = (policy.dense_rows(self.w13.dtype, hidden), policy.dense_rows(self.w13.dtype, inter))
+
     def _kernels(self, x: torch.Tensor) -> native.NativeKernels | None:
         """latentserve's kernels where they run these tokens, else None."""
+        if self.native_rows is None:
+            self.process_weights_after_loading(default_policy())
         on_cpu = x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES
         few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
-        return native.for_this_cpu() if on_cpu and 0 < x.shape[0] and few else None
+        return self.kernels if on_cpu and 0 < x.shape[0] and few else None
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""
@@ -339,8 +367,10 @@ class StackedExperts(nn.Module):
         start = 0
         for expert, count in enumerate(counts):
             if count:
-                gate, up = linear(rows[start : start + count], self.w13[expert]).chunk(2, dim=-1)
-                out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t())
+                gate, up = linear(rows[start : start + count], self.w13[expert], None, self.kernels,
+                                  self.native_rows[0]).chunk(2, dim=-1)
+                out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t(), None, self.kernels,
+                                                    self.native_rows[1])
                 start += count
         return out
 

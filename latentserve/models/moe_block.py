@@ -18,7 +18,6 @@ from torch import nn
 
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
-from latentserve.layers.linear import native_rows
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE, stacked_layout
 from latentserve.layers.normed_moe import NormedMoE
@@ -76,10 +75,12 @@ def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) 
     return NATIVE_MAX_TOKENS, tables, tensors
 
 
-def _stacked(moe: MoE, block: native.MoEBlock, dtype: torch.dtype) -> tuple[int, list] | None:
+def _stacked(moe: MoE, block: native.MoEBlock, dtype: torch.dtype,
+             kernels: native.NativeKernels) -> tuple[int, list] | None:
     """Fills in the stacked experts: (tokens it runs, their tensors), or None."""
     stack = moe.stacked
-    if stack is None or stack.first or stack.w13.shape[0] != len(moe.experts) or stack.w13.dtype != dtype:
+    if (stack is None or stack.first or stack.w13.shape[0] != len(moe.experts) or stack.w13.dtype != dtype
+            or stack.kernels != kernels):
         return None
     block.inter, block.w13, block.w2t = stack.w2t.shape[1], stack.w13.data_ptr(), stack.w2t.data_ptr()
     tensors = [stack.w13, stack.w2t]
@@ -94,13 +95,13 @@ def _stacked(moe: MoE, block: native.MoEBlock, dtype: torch.dtype) -> tuple[int,
     return NATIVE_MAX_TOKENS, tensors
 
 
-def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
-                    threads: int) -> tuple[Built | None, list[torch.Tensor]]:
+def build_moe_block(moe: MoE, dtype: torch.dtype) -> tuple[Built | None, list[torch.Tensor]]:
     """(the layer's MoE as the kernel reads it, or None where a piece does not run latentserve's kernels; every
-    tensor it reads by address)."""
+    tensor it reads by address). The router's kernels and rows are its own, chosen once from the loader's
+    `KernelPolicy`."""
     router, cfg = moe.gate, moe.gate.cfg
-    bias = router.e_score_correction_bias
-    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous() or not cfg.native_routing:
+    bias, kernels = router.e_score_correction_bias, router.route_kernels
+    if kernels is None or router.weight.dtype != torch.float32 or not router.weight.is_contiguous():
         return None, []
     block = native.MoEBlock(
         hidden=router.weight.shape[1], experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok,
@@ -108,9 +109,9 @@ def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
         norm=int(cfg.norm_topk_prob), scaling=cfg.routed_scaling_factor, router=router.weight.data_ptr(),
         bias=None if bias is None else bias.data_ptr(), bf=int(dtype == torch.bfloat16))
     tensors = [router.weight] + ([] if bias is None else [bias])
-    # The router's product takes latentserve's kernel up to native_rows rows (`linear`); past them, MKL's sums.
-    router_rows = native_rows(torch.float32, block.hidden, threads, kernels)
-    stacked = _stacked(moe, block, dtype)
+    # The router's product takes latentserve's kernel up to its native rows (`linear`); past them, MKL's sums.
+    router_rows = router.native_rows
+    stacked = _stacked(moe, block, dtype, kernels)
     if stacked is not None:
         tokens, held = stacked
         return (block, min(tokens, router_rows), held), tensors + held
@@ -128,11 +129,10 @@ def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Te
     if (normed.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or not 0 < tokens <= NATIVE_MAX_TOKENS
             or moe.expert_parallel is not None or moe.swiglu_limit is not None):  # (the kernel has no clamp)
         return None
-    kernels = native.for_this_cpu()
+    kernels = moe.gate.route_kernels
     if kernels is None:
         return None
-    threads = torch.get_num_threads()
-    built = view.get((dtype, kernels.isa, threads), lambda: build_moe_block(moe, dtype, kernels, threads))
+    built = view.get((dtype,), lambda: build_moe_block(moe, dtype))
     if built is None or tokens > built[1]:
         return None
     # An output norm sits between the experts' sum and the residual: the block adds a zero residual (exactly the

@@ -10,7 +10,8 @@ from latentserve.kernels import native
 from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NativeInt4Linear, quantize_int4
-from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, NativeInt8Linear, int8_gemm, quantize_int8
+from latentserve.kernels.policy import INT8_ROWS
+from latentserve.layers.quant.int8 import NativeInt8Linear, int8_gemm, quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 
 
@@ -94,7 +95,7 @@ def test_int4_layer_runs_its_kernel_at_any_row_count(isa):
 
 
 def test_int8_layer_switches_kernels_without_changing_the_result():
-    w, x = _data(NATIVE_INT8_ROWS + 5, 48, 128, seed=4)
+    w, x = _data(INT8_ROWS + 5, 48, 128, seed=4)
     q, scale = quantize_int8(w)
     bias = torch.randn(48)
     layer = NativeInt8Linear(q, scale, torch.nn.Parameter(bias), kernels(ISAS[0]))

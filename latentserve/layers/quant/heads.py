@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from latentserve.kernels import native
-from latentserve.layers.quant.int8 import NATIVE_INT8_ROWS, quantize_int8
+from latentserve.kernels.policy import INT8_ROWS
+from latentserve.layers.quant.int8 import quantize_int8
 
 
 # W_UK's [16, 512, 128] per-head product at one token: 1.7-1.85x faster in lanes (68 -> 38 us, weights streamed);
@@ -14,11 +15,11 @@ LANES_COLUMNS = 512
 
 class Int8HeadProducts:
     """y[t, h] = x[t, h] @ w[h]^T with w `[H, N, K]` in int8 per output row, activations quantized per (t, h): one
-    kernel call for all heads. Up to NATIVE_INT8_ROWS tokens: callers keep the full-precision weight for more.
+    kernel call for all heads. Up to INT8_ROWS tokens: callers keep the full-precision weight for more.
     Rows of at most LANES_COLUMNS (MLA's W_UK: 128, W_UV: 512), N % 16 == 0 and K % 4 == 0 keep `q` in
     `native.int8_lanes`' layout (`lanes`): the same outputs, read as one stream instead of one row at a time."""
 
-    max_tokens = NATIVE_INT8_ROWS
+    max_tokens = INT8_ROWS
 
     def __init__(self, w: torch.Tensor, kernels: native.NativeKernels) -> None:
         heads, n, k = w.shape
@@ -28,6 +29,11 @@ class Int8HeadProducts:
         self.q = native.int8_lanes(q.view(heads, n, k)) if self.lanes else q.view(heads, n, k)
         self.scale = scale
         self.qsum = q.sum(dim=1, dtype=torch.int32)
+
+    def native_weight(self) -> native.Weight:
+        """The products as a one-call block reads them."""
+        return native.Weight(kind=native.INT8_LANES if self.lanes else native.INT8, w=self.q.data_ptr(),
+                             scale=self.scale.data_ptr(), qsum=self.qsum.data_ptr())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, H, K]` -> `[T, H, N]` in x's dtype."""

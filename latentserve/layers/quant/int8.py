@@ -10,12 +10,12 @@ from torch import nn
 
 from latentserve.layers.linear import linear
 from latentserve.kernels import native
+from latentserve.kernels.policy import INT8_ROWS
 
 
 # Elements converted at a time: a block's fp32 temporary (512 KB) stays in L2 through the element-wise passes, which
 # over a whole weight each streamed it through memory (measured 3-4x slower on V2-Lite's expert matrices).
 BLOCK_ELEMENTS = 1 << 17
-NATIVE_INT8_ROWS = 24  # the native kernel up to this many rows, torch._int_mm above (benchmarks/RESULTS.md)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +101,7 @@ def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 
 class NativeInt8Linear(nn.Module):
-    """latentserve's int8 kernel (`native.py`) up to `NATIVE_INT8_ROWS` rows, `torch._int_mm` from there: one plain
+    """latentserve's int8 kernel (`native.py`) up to `INT8_ROWS` rows, `torch._int_mm` from there: one plain
     int8 weight for both, activations quantized per row (symmetric, 8 bits). fp32 and bf16 activations go in as
     they are; out in `out_dtype` (None: the activations' dtype)."""
 
@@ -117,10 +117,18 @@ class NativeInt8Linear(nn.Module):
         self.register_buffer("qsum", q.sum(dim=1, dtype=torch.int32))
         self.bias = bias
 
+    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, int] | None:
+        """(this layer as a one-call block reads it, up to how many rows it runs latentserve's kernel) where it runs
+        `kernels` on `dtype` activations, out in the same dtype, without a bias; else None."""
+        if self.kernels != kernels or self.bias is not None or self.out_dtype not in (None, dtype):
+            return None
+        return native.Weight(kind=native.INT8, w=self.qweight.data_ptr(), scale=self.scale.data_ptr(),
+                             qsum=self.qsum.data_ptr()), INT8_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
         dtype = self.out_dtype or x.dtype
-        if x2.shape[0] <= NATIVE_INT8_ROWS:
+        if x2.shape[0] <= INT8_ROWS:
             y = native.int8_linear(self.kernels, x2, self.qweight, self.scale, self.qsum, dtype)
         else:
             y = int8_gemm(x2.float(), self.qweight, self.scale)
