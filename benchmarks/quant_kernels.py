@@ -5,8 +5,8 @@ Shapes: a routed expert's fused gate_up (2816 x 2048) and down (2048 x 1408), an
 rows each call takes the next of enough copies of the weight to stream it from memory (more than the L3), as a
 model's weights stream. Kernels: bf16 `F.linear`; int8 through fbgemm (`linear_dynamic`, activations quantized per
 call), oneDNN's `_int_mm` (activations quantized per row) and latentserve's layer (its own kernel up to
-NATIVE_INT8_ROWS rows, `_int_mm` above); int4 through PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) and
-latentserve's layer (its own kernel at every row count). `_weight_int8pack_mm`
+`KernelPolicy.int8_rows` rows, `_int_mm` above); int4 through PyTorch's `_weight_int4pack_mm_for_cpu` (bf16
+activations) and latentserve's layer (its own kernel at every row count). `_weight_int8pack_mm`
 measured 2-7x slower than fbgemm (benchmarks/RESULTS.md) and is left out.
 Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/quant_kernels.py [--threads 1] [--repeats 3]`.
 """

@@ -58,25 +58,35 @@ def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype) -> Bu
     return block, min([head_rows, *(rows for _, rows in projections if rows is not None)])
 
 
+def native_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype) -> Built | None:
+    """The layer's attention block as the kernel reads it for `dtype` activations (cached in `attn.fused_block`:
+    built once after the weights are loaded and again only when one is replaced), or None where the modules run
+    it."""
+    if not attn.native_block or not all(type(n) is RMSNorm for n in norms):
+        return None  # a module variant the kernel does not compute (an output gate, a gated norm)
+    if dtype not in native.KERNEL_DTYPES or attn.attn.kernels is None:
+        return None
+    return _cached_block(attn, norms, dtype)
+
+
 def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, sin: torch.Tensor,
                     hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(h, post_norm(h)) with h = hidden + attn(input_norm(hidden)) in one native call (`norms`: input, post), or
     None where the modules must run it."""
-    tokens, dtype = hidden.shape[0], hidden.dtype
-    if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or tokens == 0:
+    tokens = hidden.shape[0]
+    if hidden.device.type != "cpu" or tokens == 0:
         return None
-    if not attn.native_block or not all(type(n) is RMSNorm for n in norms):
-        return None  # a module variant the kernel does not compute (an output gate, a gated norm)
+    built = native_block(attn, norms, hidden.dtype)
+    if built is None or tokens > built[1]:
+        return None
     core = attn.attn
-    kernels = core.kernels
     md = core.checked_metadata(hidden)
-    if kernels is None or md.prefill is not None or md.decode is None or md.dsa is not None:
+    if md.prefill is not None or md.decode is None or md.dsa is not None:
         return None  # (DSA: the kernel attends every position and has no indexer)
-    built = _cached_block(attn, norms, dtype)
-    if built is None or tokens > built[1] or not core.decode_backend.runs_natively(core.kv_cache):
+    if not core.decode_backend.runs_natively(core.kv_cache):
         return None
     d = md.decode
-    return native.mla_attention_block(kernels, built[0], hidden.contiguous(), cos.contiguous(), sin.contiguous(),
+    return native.mla_attention_block(core.kernels, built[0], hidden.contiguous(), cos.contiguous(), sin.contiguous(),
                                       core.kv_cache, d.block_table, d.query_start_loc, d.seq_lens, md.slot_mapping)
 
 
