@@ -362,7 +362,7 @@ def test_backends_prints_the_kernel_policy_and_the_weight_kernels_it_gives(capsy
     code, out, _ = run_cli(["backends"], capsys)
     policy = KernelPolicy.detect()  # what the engine hands its loader
     weights = out.split("weights (", 1)[1]
-    assert code == 0 and f"    cpu: {policy.features.describe()}\n" in weights
+    assert code == 0 and f"  cpu:\n    features: {policy.features.describe()}\n" in weights
     assert f"    threads: {policy.threads}\n" in weights
     assert all(f"    {line}\n" in weights for line in policy.describe().splitlines())
     auto = "bfloat16 (native bf16" if policy.features.native_bf16 else "float32 (no native bf16"

@@ -71,7 +71,7 @@ class KernelPolicy:
     def describe(self) -> str:
         """The policy in a few lines, as `latentserve backends` prints it."""
         build = f"built for {self.kernels.isa}" if self.kernels is not None else "not used"
-        lines = [f"cpu: {self.features.describe()}", f"latentserve's kernels: {build} ({self.why})",
+        lines = [f"features: {self.features.describe()}", f"latentserve's kernels: {build} ({self.why})",
                  f"threads: {self.threads}"]
         if self.kernels is not None:
             fp32, bf16, short = (self.dense_rows(dtype, width) for dtype, width in
