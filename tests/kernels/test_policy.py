@@ -31,7 +31,8 @@ def test_detect_follows_the_setting_and_the_threads(monkeypatch):
 def test_describe_names_the_build_or_why_there_is_none():
     features = cpu_features()
     none = KernelPolicy(features, None, "no vector build", 2).describe().splitlines()
-    assert none == [f"features: {features.describe()}", "latentserve's kernels: not used (no vector build)", "threads: 2"]
+    assert none == [f"features: {features.describe()}", "latentserve's kernels: not used (no vector build)",
+                    "threads: 2"]
     built = KernelPolicy(features, native.NativeKernels("avx2", None), "AVX2", 1).describe()
     assert "latentserve's kernels: built for avx2 (AVX2)" in built
     assert "up to 3 fp32 rows and 1 bf16 rows (4 over inputs of <= 512)" in built  # no vdpbf16ps, one thread
