@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from latentserve.kernels import abi
 from latentserve.kernels.cpu import CpuFeatures
 
 log = logging.getLogger(__name__)
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 KERNEL_DIR = Path(__file__).parent
 SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "gemv.c", "mla_decode.c", "norm.c",
                                                "prologue.c", "attention_block.c", "route.c", "moe_block.c",
-                                               "bounds.c"))
-HEADERS = (KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h")
+                                               "bounds.c", "scratch.c", "api.c"))
+HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h")
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"
@@ -183,43 +184,14 @@ def _build(isa: str) -> Path:
     return target
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.ls_int8_heads.argtypes = lib.ls_int8_heads_lanes.argtypes = [p, i64, i64, i64, p, p, p, i64, p, i32, i32]
-    lib.ls_int4_linear.argtypes = [p, i64, i64, p, i64, i64, p, i32, i32]
-    lib.ls_experts_tokens.argtypes = [p, i64, i64, i64, i64, p, p, i32, i64, i64, p, i32, i32]
-    lib.ls_experts_tokens.restype = None
-    lib.ls_mla_decode.argtypes = [p, i64, i64, i64, i64, p, i64, p, i64, p, p, i64, ctypes.c_float, p, i32, i32, i64,
-                                  i64]
-    lib.ls_mla_decode.restype = i32
-    lib.ls_dense_linear.argtypes = [p, i64, i64, p, i64, p, i32, i32]
-    lib.ls_dense_linear.restype = None
-    lib.ls_dense_heads.argtypes = [p, i64, i64, i64, p, i64, p, i32, i32]
-    lib.ls_dense_heads.restype = None
-    lib.ls_stacked_experts.argtypes = [p, i64, i64, i64, i64, p, p, i64, i64, p, p, i64, p, p, p, p, i32, i32]
-    lib.ls_stacked_experts.restype = i32
-    lib.ls_rms_norm.argtypes = [p, i64, i64, p, ctypes.c_float, p, i32, i32]
-    lib.ls_rms_norm.restype = None
-    lib.ls_mla_prologue.argtypes = [p, i64, i64, i64, p, i64, i64, p, ctypes.c_float, p, p, i32, p, p, p, p, i32, i32,
-                                    i64]
-    lib.ls_mla_prologue.restype = i64
-    lib.ls_mla_attention_block.argtypes = [p, p, i64, p, p, p, i32, i64, p, i64, p, p, i64, p, p, p, i32, i64, i64]
-    lib.ls_mla_attention_block.restype = i32
-    lib.ls_route.argtypes = [p, i64, i64, i64, i32, i64, i64, p, i32, ctypes.c_float, p, p]
-    lib.ls_route.restype = None
-    lib.ls_moe_block.argtypes = [p, p, p, i64, p, i32]
-    lib.ls_moe_block.restype = i32
-    for name in ("ls_int8_heads", "ls_int8_heads_lanes", "ls_int4_linear"):
-        getattr(lib, name).restype = None
-
-
 def _open(path: Path) -> ctypes.CDLL:
-    """The library at `path` with its interface declared; an OSError or AttributeError (a missing symbol: closed
-    again, so that a rebuild at the same path is not answered with this one) where it is not a whole build."""
+    """The library at `path` with its interface declared (abi.py); an OSError or AttributeError (a missing symbol)
+    where it is not a whole build, an abi.LayoutMismatch where its structs differ from abi.py's (closed again, so
+    that a rebuild at the same path is not answered with this one)."""
     lib = ctypes.CDLL(str(path))  # ctypes releases the GIL during calls: DBO's ubatch threads overlap
     try:
-        _declare(lib)
-    except AttributeError:
+        abi.declare(lib)
+    except (AttributeError, abi.LayoutMismatch):
         _ctypes.dlclose(lib._handle)
         raise
     return lib
@@ -237,6 +209,9 @@ def load(isa: str) -> NativeKernels | str:
             return str(e)
         try:
             lib = _open(path)
+        except abi.LayoutMismatch as e:  # the sources and abi.py disagree: a rebuild would too
+            log.warning("latentserve kernels: refusing the %s build %s: %s", isa, path, e)
+            return f"{path}: {e}"
         except (OSError, AttributeError) as e:
             why = f"{path} does not load ({e})"
             log.warning("latentserve kernels: %s: deleting it%s", why, "" if attempt else " and building it again")

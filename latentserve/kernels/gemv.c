@@ -56,8 +56,7 @@ INLINE void dense_rows_bf16(const uint16_t *x, const uint16_t *w, int64_t K, int
 #endif
 
 /* `io`: bit 0 x is bf16, bit 1 y, bit 2 w (else fp32). */
-LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io,
-                            int threads) {
+int dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4;
 #ifdef LS_BF16DOT
@@ -65,7 +64,9 @@ LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, 
 #else
     int dot = 0;
 #endif
-    float *xf = dot ? NULL : malloc(M * K * sizeof(float));
+    ScratchMark mark = scratch_mark();
+    float *xf = dot ? NULL : scratch(M * K * sizeof(float));
+    if (!dot && !xf) return scratch_release(mark), LS_NO_MEMORY;
     if (!dot)
         for (int64_t i = 0; i < M * K; i++) xf[i] = load_act(x, io & 1, i);
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -83,7 +84,8 @@ LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, 
             for (int i = 0; i < mb; i++) store_out(y, io & 2, (m0 + i) * N + n, out[i]);
         }
     }
-    free(xf);
+    scratch_release(mark);
+    return LS_OK;
 }
 
 #define DOWN_UNIT 32 /* output columns of the down projections a thread takes at a time: whole cache lines */
@@ -225,13 +227,15 @@ INLINE void heads_tile(const float *x, int64_t xstride, const void *w, int wbf, 
  * or bf16 (bit 2 of `io`) as bmm takes it, N a multiple of LANES. Tasks of (head, tile of up to 8 vectors of
  * outputs) are shared out among the threads; each streams its tile's K weight rows once for two activation rows
  * (the tile, at most K * 512 bytes, is then read again from the cache for the next two). */
-LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
-                           int threads) {
+int dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
+                int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4, nv = N / LANES;
     int tile = nv % 8 == 0 ? 8 : nv % 4 == 0 ? 4 : nv % 2 == 0 ? 2 : 1;
     int64_t tiles = nv / tile;
-    float *xf = malloc(M * H * K * sizeof(float)), *yf = malloc(M * H * N * sizeof(float));
+    ScratchMark mark = scratch_mark();
+    float *xf = scratch(M * H * K * sizeof(float)), *yf = scratch(M * H * N * sizeof(float));
+    if (!xf || !yf) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t i = 0; i < M * H * K; i++) xf[i] = load_act(x, io & 1, i);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < H * tiles; t++) {
@@ -256,6 +260,6 @@ LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const
         }
     }
     for (int64_t i = 0; i < M * H * N; i++) store_out(y, io & 2, i, yf[i]);
-    free(xf);
-    free(yf);
+    scratch_release(mark);
+    return LS_OK;
 }

@@ -134,8 +134,8 @@ void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block
 
 #define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
 
-LS_API void ls_int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
-                           int threads) {
+void int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
+                 int threads) {
     QuantActs a = quantize_acts(x, io & 1, M, K, 4, G);
     int64_t blocks = (N + 15) / 16;
 #pragma omp parallel num_threads(threads)

@@ -261,21 +261,19 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
  * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
  * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8,
- * kv_rows.h), bit 2 out (else fp32). Returns decode_metadata_error's code (bounds.c), computing nothing, where the
- * metadata would lead outside the cache's `cache_blocks`, a row of the block table (`bt_width` wide) or the T
- * tokens; else 0. */
-LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
-                         const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
-                         int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
-                         int64_t bt_width) {
-    int bad = decode_metadata_error(T, qsl, seq_lens, R, block_table, bt_stride, bt_width, cache_blocks, B);
-    if (bad) return bad;
+ * kv_rows.h), bit 2 out (else fp32). The metadata within the cache, the block table and the T tokens
+ * (decode_metadata_error: bounds.c). Returns LS_NO_MEMORY (computing nothing) or LS_OK. */
+int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+               const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
+               float scale, void *out, int io, int threads) {
     int qbf = io & 1, cf = kv_format(io), obf = (io >> 2) & 1;
     int64_t esize = kv_size(cf), max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* Every request's row addresses once (the items of its tokens share them). */
-    const char **rows = malloc((R * max_len + 1) * sizeof(char *));
-    int64_t *request = malloc((T + 1) * sizeof(int64_t));
+    ScratchMark mark = scratch_mark();
+    const char **rows = scratch((R * max_len + 1) * sizeof(char *));
+    int64_t *request = scratch((T + 1) * sizeof(int64_t)), *first = scratch((T + 1) * sizeof(int64_t));
+    if (!rows || !request || !first) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++) request[t] = -1; /* a token of no request sees nothing */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t b = 0, p = 0; p < seq_lens[r]; b++) {
@@ -286,18 +284,18 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
     }
     /* Token t's chunks are numbered first[t] .. first[t + 1] (token[chunk]: whose); a chunk's items split its heads
      * in blocks. */
-    int64_t *first = malloc((T + 1) * sizeof(int64_t));
     first[0] = 0;
     for (int64_t t = 0; t < T; t++) {
         int64_t n = request[t] < 0 ? 0 : visible(t, request[t], qsl, seq_lens);
         first[t + 1] = first[t] + (n > 0 ? (n + CHUNK - 1) / CHUNK : 0);
     }
     int64_t chunks = first[T], per = (chunks * H + threads - 1) / threads;
-    int64_t *token = malloc(chunks * sizeof(int64_t));
+    int64_t *token = scratch(chunks * sizeof(int64_t));
+    float *partial = scratch(chunks * H * (L + 2) * sizeof(float));
+    if (!token || !partial) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = first[t]; c < first[t + 1]; c++) token[c] = t;
     int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
-    float *partial = malloc(chunks * H * (L + 2) * sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -334,10 +332,6 @@ LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t
                                (char *)out + th * L * (obf ? 2 : 4), obf);
         }
     }
-    free(rows);
-    free(request);
-    free(first);
-    free(token);
-    free(partial);
-    return 0;
+    scratch_release(mark);
+    return LS_OK;
 }

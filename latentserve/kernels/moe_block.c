@@ -8,34 +8,17 @@
  * a fifth of a quantized V2-Lite decode step. Activations are all fp32 or all bf16 (`bf`). */
 #include "simd.h"
 
-/* One layer's MoE as the kernels read it. bits 0: fp32/bf16 experts stacked as StackedExperts holds them (w13
- * [E, 2I, K], w2t [E, I, K]), the shared ones folded in as `shared_chunks` more experts (sg, su, sd) or none;
- * bits 8 / 4: quantized experts, `per` pointers each in `table` (int8: gate_up's q, scale, qsum, then down's; int4:
- * the two packed weights, gate_up's and down's group sizes in `int4_groups`), the shared MLP as one more such
- * expert of `shared_inter` (its group sizes in `shared_int4_groups`) or NULL. */
-typedef struct {
-    int64_t hidden, experts, topk, groups, topk_groups;
-    int32_t sigmoid, norm;
-    float scaling;
-    const float *router, *bias;
-    int32_t bits, bf;
-    int64_t inter;
-    const void *w13, *w2t;
-    int64_t shared_chunks;
-    const void *sg, *su, *sd;
-    void *const *table, *const *shared;
-    int64_t int4_groups[2], shared_int4_groups[2], shared_inter;
-} MoEBlock;
-
 /* Tokens through their quantized routed experts (each token's in expert order, as the modules sort them) and the
  * shared MLP: each rounded to the activations' dtype, then their sum, as torch adds the two. */
-static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const float *weights, const int64_t *ids,
-                             void *out, int threads) {
+static int quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const float *weights, const int64_t *ids,
+                            void *out, int threads) {
     int per = b->bits == 8 ? 6 : 2, io = b->bf ? 0b11 : 0;
     int64_t k = b->topk, K = b->hidden, size = b->bf ? 2 : 4;
-    void **chosen = malloc(T * k * per * sizeof(void *));
-    float *gates = malloc(T * k * sizeof(float));
-    int64_t *order = malloc(k * sizeof(int64_t));
+    void **chosen = scratch(T * k * per * sizeof(void *)), **shared = scratch(T * per * sizeof(void *));
+    float *gates = scratch(T * k * sizeof(float)), *ones = scratch(T * sizeof(float));
+    int64_t *order = scratch(k * sizeof(int64_t));
+    char *y = scratch(T * K * size);
+    if (!chosen || !shared || !gates || !ones || !order || !y) return LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++) {
         const int64_t *e = ids + t * k;
         sort_ids(e, k, order);
@@ -47,9 +30,6 @@ static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const 
     ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits, b->int4_groups[0], b->int4_groups[1], out, io,
                       threads);
     if (b->shared) {
-        void **shared = malloc(T * per * sizeof(void *));
-        float *ones = malloc(T * sizeof(float));
-        char *y = malloc(T * K * size);
         for (int64_t t = 0; t < T; t++) {
             memcpy(shared + t * per, b->shared, per * sizeof(void *));
             ones[t] = 1.f;
@@ -58,28 +38,31 @@ static void quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const 
                           b->shared_int4_groups[1], y, io, threads);
         for (int64_t i = 0; i < T * K; i++)
             store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(y, b->bf, i));
-        free(shared), free(ones), free(y);
     }
-    free(chosen), free(gates), free(order);
+    return LS_OK;
 }
 
-/* Returns 1 (nothing written) where the stacked experts' kernel refuses the chosen ids. */
-LS_API int ls_moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T, void *y, int threads) {
+/* Returns LS_BAD_EXPERT (nothing written) where the stacked experts' kernel refuses the chosen ids, LS_NO_MEMORY
+ * where the scratch arena could not grow. */
+int moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T, void *y, int threads) {
     int64_t E = b->experts, k = b->topk, K = b->hidden, size = b->bf ? 2 : 4;
-    float *logits = malloc(T * E * sizeof(float)), *weights = malloc(T * k * sizeof(float));
-    int64_t *ids = malloc(T * k * sizeof(int64_t));
-    char *moe = malloc(T * K * size);
-    int bad = 0;
-    ls_dense_linear(x, T, K, b->router, E, logits, b->bf, threads); /* fp32 weight and logits */
-    ls_route(logits, T, E, k, b->sigmoid, b->groups, b->topk_groups, b->bias, b->norm, b->scaling, weights, ids);
-    if (b->bits)
-        quantized_tokens(b, x, T, weights, ids, moe, threads);
-    else
-        bad = ls_stacked_experts(x, T, K, b->inter, k, ids, weights, 0, E, b->w13, b->w2t, b->shared_chunks, b->sg,
-                                 b->su, b->sd, moe, b->bf ? 0b111 : 0, threads);
+    ScratchMark mark = scratch_mark();
+    float *logits = scratch(T * E * sizeof(float)), *weights = scratch(T * k * sizeof(float));
+    int64_t *ids = scratch(T * k * sizeof(int64_t));
+    char *moe = scratch(T * K * size);
+    int bad = !logits || !weights || !ids || !moe ? LS_NO_MEMORY : LS_OK;
+    if (!bad) bad = dense_linear(x, T, K, b->router, E, logits, b->bf, threads); /* fp32 weight and logits */
+    if (!bad)
+        bad = route(logits, T, E, k, b->sigmoid, b->groups, b->topk_groups, b->bias, b->norm, b->scaling, weights,
+                    ids);
+    if (!bad && b->bits)
+        bad = quantized_tokens(b, x, T, weights, ids, moe, threads);
+    else if (!bad && ls_stacked_experts(x, T, K, b->inter, k, ids, weights, 0, E, b->w13, b->w2t, b->shared_chunks,
+                                        b->sg, b->su, b->sd, moe, b->bf ? 0b111 : 0, threads))
+        bad = LS_BAD_EXPERT;
     if (!bad)
         for (int64_t i = 0; i < T * K; i++) /* the residual, rounded as torch's add rounds it */
             store_out(y, b->bf, i, load_act(residual, b->bf, i) + load_act(moe, b->bf, i));
-    free(logits), free(weights), free(ids), free(moe);
+    scratch_release(mark);
     return bad;
 }

@@ -1,8 +1,8 @@
 """latentserve's own CPU kernels, called through ctypes (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for
 few rows; mla_decode.c: decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE
 and cache write; attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing; moe_block.c: a
-decode step's whole MoE block). Built and loaded by build.py; every wrapper here checks what it passes first
-(checks.py's boundary rule)."""
+decode step's whole MoE block). Built and loaded by build.py; the interface is latentserve.h, mirrored by abi.py;
+every wrapper here checks what it passes first (checks.py's boundary rule) and passes tensors as descriptors."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +12,9 @@ import torch
 # The kernels are reached through this module: callers ask it for them and for their build.
 from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels, for_this_cpu,  # noqa: F401
                                        kernel_isa, load, native_kernels)
+from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_LANES, ROPE_STYLES, MLABlock, MoEBlock,  # noqa: F401
+                                     Weight, desc)
+from latentserve.kernels import abi
 from latentserve.kernels.checks import tensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
@@ -31,16 +34,24 @@ def _call(kernels: NativeKernels, name: str, *args):
     return fn(*args)
 
 
+def _refused(kernels: NativeKernels, fn: str, code: int) -> None:
+    """Raise what a nonzero ls_status the wrappers do not explain themselves means: the descriptor or block struct
+    the kernel refused (ls_last_error names it), or a MemoryError."""
+    if code == abi.NO_MEMORY:
+        raise MemoryError(f"{fn}: the kernels' scratch arena could not grow")
+    if code:
+        raise ValueError(f"{fn}: {kernels.lib.ls_last_error().decode()} (status {code})")
+
+
 def activations(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as the kernels take it: `[rows, in_features]`, contiguous, fp32 or bf16."""
     x = x.reshape(-1, in_features)
     return (x if x.dtype in KERNEL_DTYPES else x.float()).contiguous()
 
 
-def _io(x: torch.Tensor, out_dtype: torch.dtype) -> tuple[torch.dtype, int]:
-    """(the output's dtype, the kernels' flags: bit 0 x is bf16, bit 1 y is)."""
-    out = out_dtype if out_dtype in KERNEL_DTYPES else torch.float32
-    return out, int(x.dtype == torch.bfloat16) | int(out == torch.bfloat16) << 1
+def _out(out_dtype: torch.dtype) -> torch.dtype:
+    """The output's dtype: `out_dtype` where the kernels write it, else fp32."""
+    return out_dtype if out_dtype in KERNEL_DTYPES else torch.float32
 
 
 def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor,
@@ -50,7 +61,7 @@ def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale:
     m, k = tensor("int8_linear", "x", x, KERNEL_DTYPES, (None, None))
     n, _ = tensor("int8_linear", "q", q, I8, (None, k))
     _int8_scales("int8_linear", scale, qsum, n)
-    return _int8(kernels, "ls_int8_heads", x, (m, 1, k), q, scale, qsum, n, out_dtype)[:, 0]
+    return _int8(kernels, "ls_int8_heads", x, q, scale, qsum, (m, n), out_dtype)
 
 
 def _int8_scales(fn: str, scale: torch.Tensor, qsum: torch.Tensor, rows: int) -> None:
@@ -58,14 +69,12 @@ def _int8_scales(fn: str, scale: torch.Tensor, qsum: torch.Tensor, rows: int) ->
     tensor(fn, "qsum", qsum, I32, numel=rows)
 
 
-def _int8(kernels: NativeKernels, name: str, x: torch.Tensor, mhk: tuple[int, int, int], q: torch.Tensor,
-          scale: torch.Tensor, qsum: torch.Tensor, n: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """`[M, H, N]` from kernel `name` (ls_int8_heads or its lanes form), the arguments checked."""
-    m, h, k = mhk
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, h, n, dtype=dtype)
-    _call(kernels, name, x.data_ptr(), m, h, k, q.data_ptr(), scale.data_ptr(), qsum.data_ptr(), n, y.data_ptr(), io,
-          torch.get_num_threads())
+def _int8(kernels: NativeKernels, name: str, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+          qsum: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """y of `shape` from kernel `name` (ls_int8_heads or its lanes form), the arguments checked."""
+    y = torch.empty(shape, dtype=_out(out_dtype))
+    _refused(kernels, name, _call(kernels, name, desc(x), desc(q), desc(scale), desc(qsum), desc(y),
+                                  torch.get_num_threads()))
     return y
 
 
@@ -76,7 +85,7 @@ def int8_heads(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: 
     m, h, k = tensor("int8_heads", "x", x, KERNEL_DTYPES, (None, None, None))
     _, n, _ = tensor("int8_heads", "q", q, I8, (h, None, k))
     _int8_scales("int8_heads", scale, qsum, h * n)
-    return _int8(kernels, "ls_int8_heads", x, (m, h, k), q, scale, qsum, n, out_dtype)
+    return _int8(kernels, "ls_int8_heads", x, q, scale, qsum, (m, h, n), out_dtype)
 
 
 def int8_lanes(q: torch.Tensor) -> torch.Tensor:
@@ -96,7 +105,7 @@ def int8_heads_lanes(kernels: NativeKernels, x: torch.Tensor, lanes: torch.Tenso
         raise ValueError(f"int8_heads_lanes: x's rows of {k} are not a multiple of 4 columns (int8_lanes' layout)")
     n = tensor("int8_heads_lanes", "lanes", lanes, I8, (h, None, k // 4, 16, 4))[1] * 16
     _int8_scales("int8_heads_lanes", scale, qsum, h * n)
-    return _int8(kernels, "ls_int8_heads_lanes", x, (m, h, k), lanes, scale, qsum, n, out_dtype)
+    return _int8(kernels, "ls_int8_heads_lanes", x, lanes, scale, qsum, (m, h, n), out_dtype)
 
 
 def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
@@ -105,10 +114,9 @@ def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
     `out_dtype` where the kernels write it, else fp32."""
     m, k = tensor("dense_linear", "x", x, KERNEL_DTYPES, (None, None))
     n, _ = tensor("dense_linear", "weight", weight, KERNEL_DTYPES, (None, k))
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, n, dtype=dtype)
-    _call(kernels, "ls_dense_linear", x.data_ptr(), m, k, weight.data_ptr(), n, y.data_ptr(),
-          io | int(weight.dtype == torch.bfloat16) << 2, torch.get_num_threads())
+    y = torch.empty(m, n, dtype=_out(out_dtype))
+    _refused(kernels, "dense_linear", _call(kernels, "ls_dense_linear", desc(x), desc(weight), desc(y),
+                                            torch.get_num_threads()))
     return y
 
 
@@ -120,10 +128,9 @@ def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
     n = tensor("dense_heads", "w", w, KERNEL_DTYPES, (h, k, None))[2]
     if n % 16:
         raise ValueError(f"dense_heads: w [H, K, N] must have N % 16 == 0, got {list(w.shape)}")
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, h, n, dtype=dtype)
-    _call(kernels, "ls_dense_heads", x.data_ptr(), m, h, k, w.data_ptr(), n, y.data_ptr(),
-          io | int(w.dtype == torch.bfloat16) << 2, torch.get_num_threads())
+    y = torch.empty(m, h, n, dtype=_out(out_dtype))
+    _refused(kernels, "dense_heads", _call(kernels, "ls_dense_heads", desc(x), desc(w), desc(y),
+                                           torch.get_num_threads()))
     return y
 
 
@@ -170,13 +177,9 @@ def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps:
     tensor("rms_norm", "weight", weight, (x.dtype,), (shape[-1],))
     rows = x.reshape(-1, shape[-1]).contiguous()
     y = torch.empty_like(rows)
-    io = int(x.dtype == torch.bfloat16) * 0b101
-    _call(kernels, "ls_rms_norm", rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), eps,
-          y.data_ptr(), io, torch.get_num_threads())
+    _refused(kernels, "rms_norm", _call(kernels, "ls_rms_norm", desc(rows), desc(weight), eps, desc(y),
+                                        torch.get_num_threads()))
     return y.view(x.shape)
-
-
-ROPE_STYLES = ("gptj", "interleave", "neox")  # DeepSeek's rope layouts (layers/rotary.py), prologue.c's numbering
 
 
 def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -200,26 +203,20 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     capacity = _slots(fn, slot_mapping, tokens, kv_cache, width)
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
-    io = int(kv.dtype == torch.bfloat16) * 0b101 | cache_io(kv_cache)
-    bad = _call(kernels, "ls_mla_prologue", q.data_ptr(), tokens, heads, dim, kv.data_ptr(), width - rope, rope,
-                weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), ROPE_STYLES.index(style),
-                kv_c.data_ptr(), k_pe.data_ptr(), kv_cache.data_ptr(), slot_mapping.data_ptr(), io,
-                torch.get_num_threads(), capacity)
-    if bad >= 0:
+    code = _call(kernels, "ls_mla_prologue", desc(q), desc(kv), desc(weight), eps, desc(cos), desc(sin),
+                 ROPE_STYLES.index(style), desc(kv_c), desc(k_pe), desc(kv_cache), desc(slot_mapping),
+                 torch.get_num_threads())
+    if code == abi.SLOT_PAST_CACHE:
         raise _slot_error(fn, slot_mapping, capacity)
+    _refused(kernels, fn, code)
     return kv_c, k_pe
-
-
-def cache_io(kv_cache: torch.Tensor) -> int:
-    """The kernels' `io` bits for a latent cache's format (kv_rows.h: bit 1 bf16, bit 3 fp8 e4m3, neither fp32)."""
-    return int(kv_cache.dtype == torch.bfloat16) << 1 | int(kv_cache.dtype == torch.float8_e4m3fn) << 3
 
 
 def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
     """The rope dims R of fp32 cos and sin `[T, R]` (prologue.c rotates up to 1024, in pairs)."""
     rope = tensor(fn, "cos", cos, F32, (tokens, None))[1]
     tensor(fn, "sin", sin, F32, (tokens, rope))
-    if rope % 2 or not 0 < rope <= 1024:
+    if rope % 2 or not 0 < rope <= abi.MAX_ROPE:
         raise ValueError(f"{fn}: cos and sin must have an even number of rope dims up to 1024, got {rope}")
     return rope
 
@@ -237,10 +234,11 @@ def _slot_error(fn: str, slot_mapping: torch.Tensor, capacity: int) -> ValueErro
     return ValueError(f"{fn}: slot_mapping[{bad}] = {slot_mapping[bad].item()} lies past the cache's {capacity} slots")
 
 
-METADATA_ERRORS = {1: "query_start_loc must rise from >= 0 to at most the {tokens} query tokens",
-                   2: "seq_lens must not be negative",
-                   3: "a sequence is longer than its row of the block table ({width} blocks of {block_size})",
-                   4: "block_table names a block outside the cache's {blocks}"}  # bounds.c's codes
+METADATA_ERRORS = {abi.BAD_QUERY_START: "query_start_loc must rise from >= 0 to at most the {tokens} query tokens",
+                   abi.NEGATIVE_SEQ_LEN: "seq_lens must not be negative",
+                   abi.SEQ_PAST_TABLE: "a sequence is longer than its row of the block table ({width} blocks of "
+                                       "{block_size})",
+                   abi.BLOCK_PAST_CACHE: "block_table names a block outside the cache's {blocks}"}  # bounds.c's
 
 
 def _decode_tables(fn: str, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
@@ -265,30 +263,6 @@ def _metadata_error(fn: str, code: int, tokens: int, kv_cache: torch.Tensor, wid
     return ValueError(f"{fn}: {why}; got query_start_loc {query_start_loc.tolist()}, seq_lens {seq_lens.tolist()}")
 
 
-DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # attention_block.c's kinds of weight
-
-
-class Weight(ctypes.Structure):
-    """attention_block.c's view of one projection's weight: DENSE (w in the activations' dtype, `[N, K]`, per-head
-    products bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the
-    same in `int8_lanes`' layout) or INT4 (w in `pack_int4`'s layout, group size)."""
-
-    _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
-
-
-class MLABlock(ctypes.Structure):
-    """attention_block.c's view of one layer's attention: shapes (with no q_lora, q_b is q_proj), weights, norm weight
-    addresses (contiguous, the activations' dtype; post_norm is the MLP's input norm) and epsilons, the softmax
-    scale, the rope style (`ROPE_STYLES` index), whether activations are bf16."""
-
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "nope", "rope", "latent", "v_dim", "q_lora")] + [
-        (name, Weight) for name in ("q_a", "q_b", "kv_a", "o_proj", "uk", "uv")] + [
-        (name, ctypes.c_void_p) for name in ("input_norm", "q_a_norm", "kv_a_norm", "post_norm")] + [
-        (name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "post_eps", "scale")] + [
-        ("style", ctypes.c_int32), ("bf", ctypes.c_int32)]
-
-
 def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
@@ -301,38 +275,21 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     if _rotary(fn, cos, sin, tokens) != block.rope:
         raise ValueError(f"{fn}: cos and sin must have the block's {block.rope} rope dims, got {list(cos.shape)}")
     capacity = _slots(fn, slot_mapping, tokens, kv_cache, block.latent + block.rope)
-    requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
+    width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
     y, normed = torch.empty_like(x), torch.empty_like(x)
-    code = _call(kernels, "ls_mla_attention_block", ctypes.byref(block), x.data_ptr(), tokens, cos.data_ptr(),
-                 sin.data_ptr(), kv_cache.data_ptr(), cache_io(kv_cache), kv_cache.shape[1],
-                 block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-                 requests, slot_mapping.data_ptr(), y.data_ptr(), normed.data_ptr(), torch.get_num_threads(),
-                 kv_cache.shape[0], width)
-    if code == 5:
+    code = _call(kernels, "ls_mla_attention_block", ctypes.byref(block), desc(x), desc(cos), desc(sin),
+                 desc(kv_cache), desc(block_table), desc(query_start_loc), desc(seq_lens), desc(slot_mapping),
+                 desc(y), desc(normed), torch.get_num_threads())
+    if code == abi.SLOT_PAST_CACHE:
         raise _slot_error(fn, slot_mapping, capacity)
-    if code:
+    if code in METADATA_ERRORS:
         raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
+    _refused(kernels, fn, code)
     return y, normed
 
 
 def _block_dtype(block: MLABlock | MoEBlock) -> torch.dtype:
     return torch.bfloat16 if block.bf else torch.float32
-
-
-class MoEBlock(ctypes.Structure):
-    """moe_block.c's view of one layer's MoE: shapes and routing (`ls_route`'s arguments), the fp32 router weight
-    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
-    shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
-    `experts_tokens` takes them, with gate_up's and down's int4 group sizes, the shared MLP as one more expert of
-    `shared_inter`, or None)."""
-
-    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
-        ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
-        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bits", ctypes.c_int32), ("bf", ctypes.c_int32),
-        ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
-        ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("int4_groups", ctypes.c_int64 * 2),
-        ("shared_int4_groups", ctypes.c_int64 * 2), ("shared_inter", ctypes.c_int64)]
 
 
 def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -342,10 +299,11 @@ def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual
     tokens = tensor("moe_block", "x", x, dtype, (None, block.hidden))[0]
     tensor("moe_block", "residual", residual, dtype, (tokens, block.hidden))
     y = torch.empty_like(residual)
-    bad = _call(kernels, "ls_moe_block", ctypes.byref(block), x.data_ptr(), residual.data_ptr(), tokens,
-                y.data_ptr(), torch.get_num_threads())
-    if bad:
+    code = _call(kernels, "ls_moe_block", ctypes.byref(block), desc(x), desc(residual), desc(y),
+                 torch.get_num_threads())
+    if code == abi.BAD_EXPERT:
         raise ValueError(f"moe_block: the routing chose an expert outside the {block.experts} the block holds")
+    _refused(kernels, "moe_block", code)
     return y
 
 
@@ -364,8 +322,9 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
     if bias is not None:
         tensor("route", "bias", bias, F32, (experts,))
     weights, ids = torch.empty(tokens, k), torch.empty(tokens, k, dtype=torch.int64)
-    _call(kernels, "ls_route", logits.data_ptr(), tokens, experts, k, int(sigmoid), groups, topk_groups,
-          None if bias is None else bias.data_ptr(), int(norm), scaling, weights.data_ptr(), ids.data_ptr())
+    _refused(kernels, "route", _call(kernels, "ls_route", desc(logits), int(sigmoid), groups, topk_groups,
+                                     None if bias is None else desc(bias), int(norm), scaling, desc(weights),
+                                     desc(ids)))
     return weights, ids
 
 
@@ -375,10 +334,9 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     where the kernels write it, else fp32."""
     m, k = tensor("int4_linear", "x", x, KERNEL_DTYPES, (None, None))
     _check_int4("int4_linear", "packed", packed, out_features, k, group_size)
-    dtype, io = _io(x, out_dtype)
-    y = torch.empty(m, out_features, dtype=dtype)
-    _call(kernels, "ls_int4_linear", x.data_ptr(), m, k, packed.data_ptr(), group_size, out_features, y.data_ptr(),
-          io, torch.get_num_threads())
+    y = torch.empty(m, out_features, dtype=_out(out_dtype))
+    _refused(kernels, "int4_linear", _call(kernels, "ls_int4_linear", desc(x), desc(packed), group_size, desc(y),
+                                           torch.get_num_threads()))
     return y
 
 
@@ -396,8 +354,8 @@ def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.
         raise ValueError(f"experts_tokens takes bits 8 or 4 and 6 or 2 weights per (token, expert), gates "
                          f"{tuple(gates.shape)} over {tokens} tokens; got bits {bits}, {len(weights)} weights")
     _expert_weights(weights, bits, k, intermediate, groups)
-    dtype, io = _io(x, x.dtype)
-    y = torch.empty(tokens, k, dtype=dtype)
+    y = torch.empty(tokens, k, dtype=x.dtype)
+    io = int(x.dtype == torch.bfloat16) * 0b11  # ls_experts_tokens' flags: bit 0 x is bf16, bit 1 y is
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
           gates.data_ptr(), bits, *groups, y.data_ptr(), io, torch.get_num_threads())
@@ -428,17 +386,16 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     fn = "mla_decode"
     q = q.contiguous()
     tokens, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None))
-    block_size = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, dim))[1]
+    tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, dim))
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
-    requests, width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)
+    width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
     out = torch.empty(tokens, heads, latent, dtype=q.dtype)
-    io = int(q.dtype == torch.bfloat16) * 0b101 | cache_io(kv_cache)
-    code = _call(kernels, "ls_mla_decode", q.data_ptr(), tokens, heads, dim, latent, kv_cache.data_ptr(), block_size,
-                 block_table.data_ptr(), block_table.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-                 requests, scale, out.data_ptr(), io, torch.get_num_threads(), kv_cache.shape[0], width)
-    if code:
+    code = _call(kernels, "ls_mla_decode", desc(q), desc(kv_cache), desc(block_table), desc(query_start_loc),
+                 desc(seq_lens), scale, desc(out), torch.get_num_threads())
+    if code in METADATA_ERRORS:
         raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
+    _refused(kernels, fn, code)
     return out
 
 

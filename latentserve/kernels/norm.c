@@ -22,7 +22,7 @@ void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, flo
 }
 
 /* `io`: bit 0 x and y are bf16, bit 2 w is (else fp32). Rows are shared out among the threads from 16 rows on. */
-LS_API void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads) {
+void rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads) {
     int xbf = io & 1, wbf = (io >> 2) & 1;
     int64_t size = xbf ? 2 : 4;
 #pragma omp parallel for num_threads(threads) if (M >= 16) schedule(static)

@@ -8,30 +8,26 @@
  * fused multiply-adds of separate C operations for this): the results equal the torch path's to the bit. */
 #include "kv_rows.h"
 
-enum { GPTJ = 0, INTERLEAVE = 1, NEOX = 2 };
-
 /* One R-wide rope vector: x (fp32 or bf16 per xbf) -> y (per ybf). */
 static void rotate(const void *x, int xbf, int64_t R, const float *cos, const float *sin, int style, void *y,
                    int ybf) {
-    float in[1024]; /* the input in the output layout: halves (interleave deinterleaves pairs) or pairs */
+    float in[LS_MAX_ROPE]; /* the input in the output layout: halves (interleave deinterleaves pairs) or pairs */
     int64_t half = R / 2;
     for (int64_t j = 0; j < R; j++)
-        in[j] = style == INTERLEAVE ? load_act(x, xbf, j < half ? 2 * j : 2 * (j - half) + 1) : load_act(x, xbf, j);
+        in[j] = style == LS_ROPE_INTERLEAVE ? load_act(x, xbf, j < half ? 2 * j : 2 * (j - half) + 1) : load_act(x, xbf, j);
     for (int64_t j = 0; j < R; j++) {
-        float partner = style == GPTJ ? in[j ^ 1] : in[j < half ? j + half : j - half];
+        float partner = style == LS_ROPE_GPTJ ? in[j ^ 1] : in[j < half ? j + half : j - half];
         float a = in[j] * cos[j], b = partner * sin[j];
         store_out(y, ybf, j, a + b);
     }
 }
 
 /* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is (bit 3: fp8, kv_rows.h), bit 2 w is (else fp32).
- * cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored); R at most 1024. Returns -1, or (nothing
- * computed) the first token whose slot lies past the cache's `capacity` slots. */
-LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
-                               const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,
-                               void *k_pe, void *cache, const int64_t *slots, int io, int threads, int64_t capacity) {
-    int64_t bad = bad_slot(slots, T, capacity);
-    if (bad >= 0) return bad;
+ * cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored), the others within the cache (bad_slot);
+ * R at most LS_MAX_ROPE. */
+void mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
+                  float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
+                  const int64_t *slots, int io, int threads) {
     int bf = io & 1, cf = kv_format(io), wbf = (io >> 2) & 1;
     int64_t size = bf ? 2 : 4, csize = kv_size(cf);
 #pragma omp parallel for num_threads(threads) if (T >= 16) schedule(static)
@@ -49,5 +45,4 @@ LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const v
         for (int64_t j = 0; j < L; j++) store_kv(dst, cf, j, load_act(c, bf, j));
         for (int64_t j = 0; j < R; j++) store_kv(dst, cf, L + j, load_act(p, bf, j));
     }
-    return -1;
 }

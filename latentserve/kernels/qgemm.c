@@ -66,8 +66,8 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
  * (m, h) row. */
-LS_API void ls_int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                          const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+void int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
 #pragma omp parallel num_threads(threads)
     {
@@ -131,8 +131,8 @@ INLINE void lanes_dot(const int8_t *xq, const int8_t *w, int64_t K, int32_t dots
  * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
  * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
  * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
-LS_API void ls_int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+void int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                      const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
     int64_t per_head = N / 16, blocks = H * per_head;
 #pragma omp parallel num_threads(threads)

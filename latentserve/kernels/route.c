@@ -13,11 +13,14 @@ static int64_t best_free(const float *v, int64_t n, const uint8_t *taken) {
 }
 
 /* logits [T, E]; weights [T, k] fp32 and ids [T, k] int64 out, in order of choice. bias: E values or NULL. */
-LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups,
-                     int64_t topk_groups, const float *bias, int norm, float scaling, float *weights, int64_t *ids) {
-    float *scores = malloc(E * sizeof(float)), *choice = malloc(E * sizeof(float));
-    float *group_score = malloc(groups * sizeof(float));
-    uint8_t *taken = malloc(E + groups), *group_taken = taken + E;
+int route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
+          const float *bias, int norm, float scaling, float *weights, int64_t *ids) {
+    ScratchMark mark = scratch_mark();
+    float *scores = scratch(E * sizeof(float)), *choice = scratch(E * sizeof(float));
+    float *group_score = scratch(groups * sizeof(float));
+    uint8_t *taken = scratch(E + groups);
+    if (!scores || !choice || !group_score || !taken) return scratch_release(mark), LS_NO_MEMORY;
+    uint8_t *group_taken = taken + E;
     int64_t size = E / groups;
     for (int64_t t = 0; t < T; t++) {
         const float *l = logits + t * E;
@@ -30,7 +33,10 @@ LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int s
             float m = l[0], sum = 0.f;
             for (int64_t i = 1; i < E; i++) m = l[i] > m ? l[i] : m;
             for (int64_t i = 0; i < E; i++) sum += scores[i] = expf(l[i] - m);
-            for (int64_t i = 0; i < E; i++) choice[i] = scores[i] /= sum;
+            for (int64_t i = 0; i < E; i++) {
+                scores[i] /= sum;
+                choice[i] = bias ? scores[i] + bias[i] : scores[i];
+            }
         }
         if (topk_groups < groups) { /* a group's score: its best expert (softmax) or its best two (sigmoid) */
             for (int64_t g = 0; g < groups; g++) {
@@ -45,7 +51,7 @@ LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int s
             memset(group_taken, 0, groups);
             for (int64_t r = 0; r < topk_groups; r++) group_taken[best_free(group_score, groups, group_taken)] = 1;
             for (int64_t i = 0; i < E; i++)
-                if (!group_taken[i / size]) choice[i] = sigmoid ? -INFINITY : 0.f;
+                if (!group_taken[i / size]) choice[i] = -INFINITY; /* with a bias, a kept choice may be < 0 */
         }
         memset(taken, 0, E);
         float sum = 0.f;
@@ -60,8 +66,6 @@ LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int s
             if (scaling != 1.f) weights[t * k + j] *= scaling;
         }
     }
-    free(scores);
-    free(choice);
-    free(group_score);
-    free(taken);
+    scratch_release(mark);
+    return LS_OK;
 }

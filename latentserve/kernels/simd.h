@@ -9,10 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "latentserve.h"
+
 #define INLINE static inline __attribute__((always_inline))
-/* The library's interface: the build hides every other symbol (-fvisibility=hidden), so that helpers such as
- * quantize_acts cannot collide with a same-named symbol of another library in the process. */
-#define LS_API __attribute__((visibility("default")))
 
 INLINE float bf16_to_float(uint16_t v) {
     union { uint32_t u; float f; } c = { .u = (uint32_t)v << 16 };
@@ -189,30 +188,46 @@ INLINE void sort_ids(const int64_t *e, int64_t k, int64_t *order) {
     }
 }
 
-/* Kernels of the other files that attention_block.c, moe_block.c and prologue.c chain (see each file for what they
- * compute). */
+/* scratch.c: a call's temporaries (NULL where memory ran out: the call returns LS_NO_MEMORY). Every scratch_mark
+ * is paired with a scratch_release, which frees what was taken since. */
+typedef struct {
+    size_t used, total;
+    void *chunks;
+} ScratchMark;
+ScratchMark scratch_mark(void);
+void *scratch(size_t bytes);
+void scratch_release(ScratchMark mark);
+/* The message ls_last_error returns, then `code`. */
+int refuse(int code, const char *format, ...) __attribute__((format(printf, 2, 3)));
+
+/* The kernels behind the entry points (api.c), chained by the fused blocks as they are (see each file for what it
+ * computes). `io`: bit 0 the activations are bf16, bit 1 the output (or the cache: kv_rows.h), bit 2 the weight
+ * (or the output where bit 1 is the cache's), bit 3 the cache is fp8. Those returning int return an ls_status. */
 void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, float eps, void *y, int ybf);
-LS_API void ls_rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads);
-LS_API void ls_dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io,
-                            int threads);
-LS_API void ls_dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
-                           int threads);
-LS_API int64_t ls_mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R,
-                               const void *w, float eps, const float *cos, const float *sin, int style, void *kv_c,
-                               void *k_pe, void *cache, const int64_t *slots, int io, int threads, int64_t capacity);
-LS_API int ls_mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
-                         const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens,
-                         int64_t R, float scale, void *out, int io, int threads, int64_t cache_blocks,
-                         int64_t bt_width);
+void rms_norm(const void *x, int64_t M, int64_t N, const void *w, float eps, void *y, int io, int threads);
+int dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, void *y, int io, int threads);
+int dense_heads(const void *x, int64_t M, int64_t H, int64_t K, const void *w, int64_t N, void *y, int io,
+                int threads);
+void int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                const int32_t *wsum, int64_t N, void *y, int io, int threads);
+void int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                      const int32_t *wsum, int64_t N, void *y, int io, int threads);
+void int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
+                 int threads);
+void mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
+                  float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
+                  const int64_t *slots, int io, int threads);
+int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
+               const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
+               float scale, void *out, int io, int threads);
+int route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
+          const float *bias, int norm, float scaling, float *weights, int64_t *ids);
+int mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin, void *cache,
+                        int cache_io, int64_t block_size, int64_t blocks, const int32_t *block_table,
+                        int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t requests,
+                        const int64_t *slots, void *y, void *y_normed, int threads);
+int moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T, void *y, int threads);
 /* bounds.c: the checks of the indices the kernels above follow. */
 int decode_metadata_error(int64_t T, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
                           const int32_t *block_table, int64_t bt_stride, int64_t bt_width, int64_t blocks, int64_t B);
 int64_t bad_slot(const int64_t *slots, int64_t T, int64_t capacity);
-LS_API void ls_route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups,
-                     int64_t topk_groups, const float *bias, int norm, float scaling, float *weights, int64_t *ids);
-LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                              const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads);
-LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
-                              const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
-                              int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
-                              int threads);

@@ -164,3 +164,151 @@ def test_stacked_experts_are_an_error_or_the_weighted_mlps(data):
 
     isa = data.draw(st.sampled_from(ISAS))
     _outcome(lambda: native.stacked_experts(kernels(isa), x, w13, w2t, 0, ids, weights), reference, wrong, 1e-4, 1e-4)
+
+
+def _int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """int4.c's formula in float64: activations quantized per 64 columns (nearest, scale max|x| / 127) times the
+    centred weight (q - 8) * scale, plus the raw activations' group sums times minimum + 8 * scale (bf16 as stored)."""
+    (n, k), rows = q.shape, x.shape[0]
+    blocks = x.float().reshape(-1, 64)
+    s = blocks.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127
+    xq = (torch.div(blocks, s).round() * s).double().view(rows, k)
+    per_group = k // scale.shape[1]
+    scale, minimum = scale.bfloat16().double(), minimum.bfloat16().double()
+    dots = torch.einsum("mgk,ngk->mng", xq.view(rows, -1, per_group), q.double().view(n, -1, per_group) - 8)
+    sums = x.double().view(rows, -1, per_group).sum(-1)
+    return (dots * scale).sum(-1) + sums @ (minimum + 8 * scale).t()
+
+
+@SETTINGS
+@given(st.data())
+def test_int4_linear_is_an_error_or_its_formula(data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    m, k, n = data.draw(st.integers(1, 5)), 64 * data.draw(st.integers(1, 4)), data.draw(st.integers(1, 40))
+    group = data.draw(st.sampled_from([g_ for g_ in (32, 64, 128) if k % g_ == 0]))
+    fault = data.draw(st.sampled_from([None, "x dtype", "x strided", "group", "out_features", "packed dtype"]))
+    x = _tensor(g, (m, k), torch.float16 if fault == "x dtype" else data.draw(st.sampled_from(FLOATS)),
+                fault == "x strided")
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // group, generator=g) * 0.1 + 0.01
+    minimum = -8 * scale + torch.randn(n, k // group, generator=g) * 0.01
+    packed = native.pack_int4(q, scale, minimum)
+    packed = packed.to(torch.int8) if fault == "packed dtype" else packed
+    use_group = 48 if fault == "group" else group
+    out_features = n + 16 if fault == "out_features" else n
+    wrong = {None: None, "x dtype": "x must", "x strided": "x must", "group": "group size", "out_features": "packed",
+             "packed dtype": "packed"}[fault]
+    wrong = None if fault == "x strided" and x.is_contiguous() else wrong
+    isa = data.draw(st.sampled_from(ISAS))
+    _outcome(lambda: native.int4_linear(kernels(isa), x, packed, use_group, out_features),
+             lambda: _int4_reference(x, q, scale, minimum), wrong, 1e-4, 1e-4)
+
+
+def _route_reference(logits, k, sigmoid, groups, topk_groups, bias, norm, scaling):
+    """DeepSeek's routing in torch ops: scores (+ bias to choose), the best groups (softmax: a group's best score,
+    sigmoid: its best two) kept, the top k, their scores normalized and scaled."""
+    tokens, experts = logits.shape
+    scores = logits.sigmoid() if sigmoid else logits.softmax(-1)
+    choice = scores if bias is None else scores + bias
+    if topk_groups < groups:
+        grouped = choice.view(tokens, groups, experts // groups)
+        best = grouped.topk(2, dim=-1).values.sum(-1) if sigmoid else grouped.amax(-1)
+        keep = torch.zeros(tokens, groups, dtype=torch.bool).scatter_(1, best.topk(topk_groups, -1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // groups, 1), float("-inf"))
+    ids = choice.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+@SETTINGS
+@given(st.data())
+def test_route_is_an_error_or_the_routing(data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    tokens, groups, size = data.draw(st.integers(1, 4)), data.draw(st.sampled_from([1, 2, 4])), data.draw(
+        st.integers(2, 8))
+    experts, topk_groups = groups * size, data.draw(st.integers(1, groups))
+    k = data.draw(st.integers(1, topk_groups * size))
+    sigmoid, norm, scaling = data.draw(st.booleans()), data.draw(st.booleans()), data.draw(st.sampled_from([1., 2.5]))
+    fault = data.draw(st.sampled_from([None, "logits dtype", "k", "groups", "bias shape", "bias dtype"]))
+    logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64 if fault == "logits dtype" else None)
+    bias = torch.randn(experts + (1 if fault == "bias shape" else 0), generator=g) if data.draw(
+        st.booleans()) or fault in ("bias shape", "bias dtype") else None
+    bias = bias.double() if fault == "bias dtype" else bias
+    use_k = topk_groups * size + 1 if fault == "k" else k
+    use_groups = experts + 1 if fault == "groups" else groups
+    wrong = {None: None, "logits dtype": "logits must", "k": "cannot be chosen", "groups": "cannot be chosen",
+             "bias shape": "cannot be chosen", "bias dtype": "bias must"}[fault]
+    isa = data.draw(st.sampled_from(ISAS))
+    call = lambda: native.route(kernels(isa), logits, use_k, sigmoid, use_groups, topk_groups, bias, norm,  # noqa
+                                scaling)
+    if wrong is not None:
+        with pytest.raises(ValueError, match=wrong):
+            call()
+        return
+    weights, ids = call()
+    expected_weights, expected_ids = _route_reference(logits, k, sigmoid, groups, topk_groups, bias, norm, scaling)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sigmoid", [False, True])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_route_chooses_with_the_bias_and_weighs_without_it(sigmoid, groups):
+    """Softmax scoring with a correction bias too (route.c once ignored it there)."""
+    g = torch.Generator().manual_seed(groups)
+    logits, bias = torch.randn(3, 16, generator=g), torch.randn(16, generator=g) * 3
+    got = native.route(kernels(ISAS[0]), logits, 4, sigmoid, groups, 2 if groups > 1 else 1, bias, True, 1.0)
+    expected = _route_reference(logits, 4, sigmoid, groups, 2 if groups > 1 else 1, bias, True, 1.0)
+    assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+
+
+@SETTINGS
+@given(st.data())
+def test_mla_prologue_is_an_error_or_norm_rope_and_cache_write(data):
+    from latentserve.layers.rotary import ROPE_STYLES, RopeConfig, RotaryEmbedding
+
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    tokens, heads, nope = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3)), data.draw(st.integers(0, 8))
+    rope, latent, style = 2 * data.draw(st.integers(1, 8)), data.draw(st.integers(1, 40)), data.draw(
+        st.sampled_from(ROPE_STYLES))
+    dtype, cache_dtype = data.draw(st.sampled_from(FLOATS)), data.draw(st.sampled_from(FLOATS))
+    fault = data.draw(st.sampled_from([None, "cos tokens", "slot past cache", "slots", "kv dtype", "q dtype",
+                                       "weight", "cache rows"]))
+    rotary = RotaryEmbedding(rope, RopeConfig(), style)
+    cos, sin = rotary.cos_sin(torch.randint(0, 500, (tokens,), generator=g))
+    cos, sin = (cos[:1], sin[:1]) if fault == "cos tokens" and tokens > 1 else (cos, sin)
+    q = torch.randn(tokens, heads, nope + rope, generator=g).to(torch.float16 if fault == "q dtype" else dtype)
+    kv = torch.randn(tokens, latent + rope, generator=g).to(torch.float16 if fault == "kv dtype" else dtype)
+    weight = torch.randn(latent + (1 if fault == "weight" else 0), generator=g).to(dtype)
+    cache = torch.zeros(3, 4, latent + rope + (2 if fault == "cache rows" else 0), dtype=cache_dtype)
+    slots = torch.randperm(12, generator=g)[:tokens]
+    slots = slots[:-1] if fault == "slots" else slots
+    if fault == "slot past cache":
+        slots[-1] = 12
+    wrong = {None: None, "cos tokens": "cos must", "slot past cache": "lies past the cache",
+             "slots": "slot_mapping must", "kv dtype": "kv must", "q dtype": "q must", "weight": "weight must",
+             "cache rows": "kv_cache must"}[fault]
+    wrong = None if fault == "cos tokens" and tokens == 1 else wrong
+    isa = data.draw(st.sampled_from(ISAS))
+    call = lambda: native.mla_prologue(kernels(isa), q, kv, weight, 1e-6, cos, sin, style, cache, slots)  # noqa
+    if wrong is not None:
+        with pytest.raises(ValueError, match=wrong):
+            call()
+        return
+    expected_q = q.float().clone()
+    expected_q[..., nope:] = rotary.rotate(expected_q[..., nope:], cos[:, None], sin[:, None])
+    normed = kv[:, :latent].float() * torch.rsqrt(kv[:, :latent].float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    expected_c = normed.to(dtype).float() * weight.float()
+    expected_pe = rotary.rotate(kv[:, latent:].float(), cos, sin)
+    kv_c, k_pe = call()
+    close = dict(rtol=1e-2, atol=1e-2) if torch.bfloat16 in (dtype, cache_dtype) else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_c.float(), expected_c, **close)
+    torch.testing.assert_close(k_pe.float(), expected_pe, **close)
+    torch.testing.assert_close(q.float(), expected_q, **close)
+    rows = cache.view(-1, latent + rope).float()
+    torch.testing.assert_close(rows[slots], torch.cat([expected_c, expected_pe], -1), **close)
+    untouched = torch.ones(12, dtype=torch.bool).index_fill_(0, slots, False)
+    assert not rows[untouched].any()

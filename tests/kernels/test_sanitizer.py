@@ -18,36 +18,42 @@ pytestmark = [needs_a_build, pytest.mark.skipif("-fsanitize=address" not in os.e
 
 SETUP = f"""
 import torch
-from latentserve.kernels import native
+from latentserve.kernels import abi, native
 lib = native.load({ISAS[0] if ISAS else "avx2"!r}).lib
+d = abi.desc
+
+
+def lie(t, *shape):  # t's descriptor claiming `shape` (contiguous strides): what a caller past native.py could pass
+    strides = [1]
+    for size in reversed(shape[1:]):
+        strides.insert(0, strides[0] * size)
+    return abi._PACKERS[len(shape)].pack(t.data_ptr(), abi.DTYPES[t.dtype], len(shape), *shape, *strides)
 """
 
 CASES = {
-    # dense_linear with a weight narrower than x: reads past the weight's last row.
+    # dense_linear with a weight narrower than x, its descriptor claiming x's width: reads past the weight's end.
     "dense_linear": """
         x, w, y = torch.randn(1, 64), torch.randn(8, 16), torch.empty(1, 8)
-        lib.ls_dense_linear(x.data_ptr(), 1, 64, w.data_ptr(), 8, y.data_ptr(), 0, 1)
+        lib.ls_dense_linear(d(x), lie(w, 8, 64), d(y), 1)
     """,
     # rms_norm with a weight shorter than the row.
     "rms_norm": """
         x, w, y = torch.randn(1, 100), torch.randn(50), torch.empty(1, 100)
-        lib.ls_rms_norm(x.data_ptr(), 1, 100, w.data_ptr(), 1e-6, y.data_ptr(), 0, 1)
+        lib.ls_rms_norm(d(x), lie(w, 100), 1e-6, d(y), 1)
     """,
-    # mla_prologue with a slot one past the cache (its capacity said to be huge): writes past it.
+    # mla_prologue with a slot one past the cache (the cache said to be much larger): writes past it.
     "mla_prologue": """
         q, kv, w = torch.randn(1, 2, 32), torch.randn(1, 48), torch.randn(32)
         cos, sin, cache = torch.ones(1, 16), torch.zeros(1, 16), torch.zeros(3, 4, 48)
         kv_c, k_pe, slots = torch.empty(1, 32), torch.empty(1, 16), torch.tensor([12])
-        lib.ls_mla_prologue(q.data_ptr(), 1, 2, 32, kv.data_ptr(), 32, 16, w.data_ptr(), 1e-6, cos.data_ptr(),
-                            sin.data_ptr(), 2, kv_c.data_ptr(), k_pe.data_ptr(), cache.data_ptr(), slots.data_ptr(),
-                            0, 1, 1 << 40)
+        lib.ls_mla_prologue(d(q), d(kv), d(w), 1e-6, d(cos), d(sin), 2, d(kv_c), d(k_pe), lie(cache, 1 << 20, 4, 48),
+                            d(slots), 1)
     """,
-    # mla_decode with a block id one past the cache (its blocks said to be many): reads past it.
+    # mla_decode with a block id one past the cache (the cache said to hold many blocks): reads past it.
     "mla_decode": """
         q, cache, out = torch.randn(1, 2, 48), torch.randn(3, 4, 48), torch.empty(1, 2, 32)
         table, qsl, lens = (torch.tensor(v, dtype=torch.int32) for v in ([[3]], [0, 1], [4]))
-        lib.ls_mla_decode(q.data_ptr(), 1, 2, 48, 32, cache.data_ptr(), 4, table.data_ptr(), 1, qsl.data_ptr(),
-                          lens.data_ptr(), 1, 0.1, out.data_ptr(), 0, 1, 1 << 40, 1)
+        lib.ls_mla_decode(d(q), lie(cache, 1 << 20, 4, 48), d(table), d(qsl), d(lens), 0.1, d(out), 1)
     """,
 }
 

@@ -1,0 +1,141 @@
+"""latentserve.h in ctypes: the tensor descriptor, the block structs, the enums and status codes, and every `ls_`
+function's signature in one table. `declare` gives a loaded library its signatures and refuses it where its struct
+layout (`ls_struct_layout`) differs from the structs here: a library and a mirror that disagree would read each
+other's fields at the wrong offsets."""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+MAX_DIMS, MAX_ROPE = 5, 1024  # LS_MAX_DIMS, LS_MAX_ROPE
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.int8: 3, torch.uint8: 4,
+          torch.int32: 5, torch.int64: 6}  # ls_dtype
+DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # ls_weight_kind
+ROPE_STYLES = ("gptj", "interleave", "neox")  # ls_rope_style's order: DeepSeek's rope layouts (layers/rotary.py)
+# ls_status
+(OK, BAD_QUERY_START, NEGATIVE_SEQ_LEN, SEQ_PAST_TABLE, BLOCK_PAST_CACHE, SLOT_PAST_CACHE, BAD_EXPERT, BAD_TENSOR,
+ NO_MEMORY, BAD_BLOCK) = range(10)
+
+
+class Tensor(ctypes.Structure):
+    """ls_tensor: data, ls_dtype, rank, shape and strides (elements). `desc` packs the same bytes faster."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("shape", ctypes.c_int64 * MAX_DIMS), ("strides", ctypes.c_int64 * MAX_DIMS)]
+
+
+# One packer per rank: the unused sizes and strides zero. struct.pack is ~3x faster than filling a ctypes.Structure
+# (the wrappers run per layer per decode step); bytes pass to C as a pointer to themselves, with no copy.
+_PACKERS = tuple(struct.Struct(f"<Qii{n}q{8 * (MAX_DIMS - n)}x{n}q{8 * (MAX_DIMS - n)}x")
+                 for n in range(MAX_DIMS + 1))
+
+
+def desc(t: torch.Tensor) -> bytes:
+    """t's ls_tensor (t checked by the caller: a CPU tensor of a dtype in DTYPES, at most MAX_DIMS dims)."""
+    n = t.dim()
+    return _PACKERS[n].pack(t.data_ptr(), DTYPES[t.dtype], n, *t.shape, *t.stride())
+
+
+class Weight(ctypes.Structure):
+    """One projection's weight (ls_weight_kind): DENSE (w in the activations' dtype, `[N, K]`, per-head products
+    bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the same in
+    `int8_lanes`' layout) or INT4 (w in `pack_int4`'s layout, group size)."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
+
+
+class MLABlock(ctypes.Structure):
+    """One layer's attention as attention_block.c reads it: shapes (with no q_lora, q_b is q_proj), weights, norm
+    weight addresses (contiguous, the activations' dtype; post_norm is the MLP's input norm) and epsilons, the
+    softmax scale, the rope style (`ROPE_STYLES` index), whether activations are bf16."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "heads", "nope", "rope", "latent", "v_dim", "q_lora")] + [
+        (name, Weight) for name in ("q_a", "q_b", "kv_a", "o_proj", "uk", "uv")] + [
+        (name, ctypes.c_void_p) for name in ("input_norm", "q_a_norm", "kv_a_norm", "post_norm")] + [
+        (name, ctypes.c_float) for name in ("eps", "q_a_eps", "kv_a_eps", "post_eps", "scale")] + [
+        ("style", ctypes.c_int32), ("bf", ctypes.c_int32)]
+
+
+class MoEBlock(ctypes.Structure):
+    """One layer's MoE as moe_block.c reads it: shapes and routing (`ls_route`'s arguments), the fp32 router weight
+    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
+    shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
+    `experts_tokens` takes them, with gate_up's and down's int4 group sizes, the shared MLP as one more expert of
+    `shared_inter`, or None)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
+        ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
+        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bits", ctypes.c_int32), ("bf", ctypes.c_int32),
+        ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
+        ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
+        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("int4_groups", ctypes.c_int64 * 2),
+        ("shared_int4_groups", ctypes.c_int64 * 2), ("shared_inter", ctypes.c_int64)]
+
+
+class Field(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("offset", ctypes.c_int64), ("size", ctypes.c_int64)]
+
+
+STRUCTS = {"ls_tensor": Tensor, "Weight": Weight, "MLABlock": MLABlock, "MoEBlock": MoEBlock}
+
+_p, _i32, _i64, _f32, _status = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+_T = ctypes.c_char_p  # a const ls_tensor *: `desc`'s bytes, or None
+SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
+    "ls_struct_layout": (ctypes.POINTER(Field), []),
+    "ls_set_scratch_limit": (None, [_i64]),
+    "ls_last_error": (ctypes.c_char_p, []),
+    "ls_dense_linear": (_status, [_T, _T, _T, _i32]),
+    "ls_dense_heads": (_status, [_T, _T, _T, _i32]),
+    "ls_int8_heads": (_status, [_T, _T, _T, _T, _T, _i32]),
+    "ls_int8_heads_lanes": (_status, [_T, _T, _T, _T, _T, _i32]),
+    "ls_int4_linear": (_status, [_T, _T, _i64, _T, _i32]),
+    "ls_rms_norm": (_status, [_T, _T, _f32, _T, _i32]),
+    "ls_mla_prologue": (_status, [_T, _T, _T, _f32, _T, _T, _i32, _T, _T, _T, _T, _i32]),
+    "ls_mla_decode": (_status, [_T, _T, _T, _T, _T, _f32, _T, _i32]),
+    "ls_route": (_status, [_T, _i32, _i64, _i64, _T, _i32, _f32, _T, _T]),
+    "ls_mla_attention_block": (_status, [ctypes.POINTER(MLABlock), _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
+    "ls_moe_block": (_status, [ctypes.POINTER(MoEBlock), _T, _T, _T, _i32]),
+    "ls_dense_experts": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i32, _i32]),
+    "ls_experts_tokens": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _i64, _p, _i32, _i32]),
+    "ls_stacked_experts": (_i32, [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p, _p, _p, _i32,
+                                  _i32]),
+}
+
+
+class LayoutMismatch(Exception):
+    """The library's struct layout differs from the ctypes mirror here."""
+
+
+def layout_mismatch(lib: ctypes.CDLL, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> str | None:
+    """What differs between the library's `ls_struct_layout` and `structs` (a struct's size, a field's offset or
+    size, a field only one side has), or None."""
+    theirs, table = {}, lib.ls_struct_layout()
+    for i in range(10_000):  # the table ends with a NULL name
+        if table[i].name is None:
+            break
+        theirs[table[i].name.decode()] = (table[i].offset, table[i].size)
+    ours = {}
+    for name, mirror in structs.items():
+        ours[name] = (0, ctypes.sizeof(mirror))
+        for field, _ in mirror._fields_:
+            described = getattr(mirror, field)
+            ours[f"{name}.{field}"] = (described.offset, described.size)
+    for key in sorted(ours.keys() | theirs.keys()):
+        if ours.get(key) != theirs.get(key):
+            return (f"struct {key.split('.')[0]}: {key} is (offset, size) {theirs.get(key)} in the library, "
+                    f"{ours.get(key)} in kernels/abi.py")
+    return None
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """`lib` given SIGNATURES; an AttributeError where it lacks a function (a stale or partial build), a
+    LayoutMismatch where its structs are laid out differently."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    why = layout_mismatch(lib)
+    if why is not None:
+        raise LayoutMismatch(why)

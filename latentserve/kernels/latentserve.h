@@ -1,0 +1,149 @@
+/* latentserve's kernels: the whole C interface. Everything the Python side (native.py) passes or fills is declared
+ * here: the tensor descriptor, the structs of the fused blocks, their enums and limits, the status codes and every
+ * exported `ls_` function. The build hides every other symbol (-fvisibility=hidden); simd.h, quant.h and kv_rows.h
+ * are the kernels' own. native.py mirrors this file in ctypes and checks the mirror at load (`ls_struct_layout`). */
+#pragma once
+
+#include <stdint.h>
+
+#define LS_API __attribute__((visibility("default")))
+
+enum { LS_MAX_DIMS = 5, LS_MAX_ROPE = 1024 };
+
+/* Element types a descriptor names (torch's float32, bfloat16, float8_e4m3fn, int8, uint8, int32, int64). */
+typedef enum { LS_F32 = 0, LS_BF16 = 1, LS_F8_E4M3 = 2, LS_I8 = 3, LS_U8 = 4, LS_I32 = 5, LS_I64 = 6 } ls_dtype;
+
+/* A tensor as the kernels take it: its data, element type, shape and strides (in elements). Every entry point
+ * reads sizes and dtypes from these and refuses (LS_BAD_TENSOR) a NULL pointer, a dtype it does not read, a rank
+ * or a size that does not fit the other arguments, or strides that are not the contiguous ones (block tables: a
+ * unit column stride). */
+typedef struct {
+    void *data;
+    int32_t dtype, ndim;
+    int64_t shape[LS_MAX_DIMS], strides[LS_MAX_DIMS];
+} ls_tensor;
+
+/* What an entry point returns: 0, or why it computed and wrote nothing. 1..4: the decode metadata
+ * (bounds.c's decode_metadata_error), 5: a cache slot past the cache (bad_slot). */
+typedef enum {
+    LS_OK = 0,
+    LS_BAD_QUERY_START = 1, /* query_start_loc not rising from >= 0 to at most the query tokens */
+    LS_NEGATIVE_SEQ_LEN = 2,
+    LS_SEQ_PAST_TABLE = 3,  /* a sequence longer than its row of the block table */
+    LS_BLOCK_PAST_CACHE = 4,
+    LS_SLOT_PAST_CACHE = 5,
+    LS_BAD_EXPERT = 6,      /* the routing chose an expert the block does not hold */
+    LS_BAD_TENSOR = 7,      /* a descriptor or block struct the kernel does not read (see ls_tensor) */
+    LS_NO_MEMORY = 8,       /* the scratch arena could not grow */
+    LS_BAD_BLOCK = 9,       /* an MLABlock or MoEBlock lacks a pointer it needs or has sizes that do not fit */
+} ls_status;
+
+/* How one projection's weight is stored (Weight.kind). DENSE: w `[N, K]` in the block's dtype (per-head products:
+ * bmm's `[H, K, N]`); INT8: w int8 `[N, K]` (heads: `[H, N, K]`), per-row scale (fp32) and sum (int32); INT8_LANES:
+ * the same in ls_int8_heads_lanes' layout; INT4: w in `pack_int4`'s layout with its group size. */
+typedef enum { LS_DENSE = 0, LS_INT8 = 1, LS_INT4 = 2, LS_INT8_LANES = 3 } ls_weight_kind;
+
+/* DeepSeek's rope layouts (layers/rotary.py): rotated pairs (2j, 2j + 1), interleaved pairs read as halves, halves. */
+typedef enum { LS_ROPE_GPTJ = 0, LS_ROPE_INTERLEAVE = 1, LS_ROPE_NEOX = 2 } ls_rope_style;
+
+typedef struct {
+    int32_t kind; /* ls_weight_kind */
+    const void *w, *scale, *qsum;
+    int64_t group;
+} Weight;
+
+/* One layer's attention: shapes (q_lora 0: q_b is q_proj), weights, norm weights (the activations' dtype;
+ * post_norm is the MLP's input norm) and epsilons, the softmax scale, the rope style, whether activations are
+ * bf16 (else fp32). */
+typedef struct {
+    int64_t hidden, heads, nope, rope, latent, v_dim, q_lora;
+    Weight q_a, q_b, kv_a, o_proj, uk, uv;
+    const void *input_norm, *q_a_norm, *kv_a_norm, *post_norm;
+    float eps, q_a_eps, kv_a_eps, post_eps, scale;
+    int32_t style, bf;
+} MLABlock;
+
+/* One layer's MoE. bits 0: fp32/bf16 experts stacked as StackedExperts holds them (w13 [E, 2I, K], w2t [E, I, K]),
+ * the shared ones folded in as `shared_chunks` more experts (sg, su, sd) or none; bits 8 / 4: quantized experts,
+ * `per` pointers each in `table` (int8: gate_up's q, scale, qsum, then down's; int4: the two packed weights,
+ * gate_up's and down's group sizes in `int4_groups`), the shared MLP as one more such expert of `shared_inter` (its
+ * group sizes in `shared_int4_groups`) or NULL. */
+typedef struct {
+    int64_t hidden, experts, topk, groups, topk_groups;
+    int32_t sigmoid, norm;
+    float scaling;
+    const float *router, *bias;
+    int32_t bits, bf;
+    int64_t inter;
+    const void *w13, *w2t;
+    int64_t shared_chunks;
+    const void *sg, *su, *sd;
+    void *const *table, *const *shared;
+    int64_t int4_groups[2], shared_int4_groups[2], shared_inter;
+} MoEBlock;
+
+/* One row of the layout table: "Struct" with its size, or "Struct.field" with its offset and size. */
+typedef struct {
+    const char *name;
+    int64_t offset, size;
+} ls_field;
+
+/* The layout of every struct above, ending with a NULL name: native.py refuses a library whose layout differs from
+ * its ctypes mirror. */
+LS_API const ls_field *ls_struct_layout(void);
+/* The most scratch memory one calling thread may hold (0: no limit, the default): beyond it a call returns
+ * LS_NO_MEMORY, as it does when the system has no more. */
+LS_API void ls_set_scratch_limit(int64_t bytes);
+/* Why this thread's last call returned LS_BAD_TENSOR or LS_BAD_BLOCK, naming the argument or field. */
+LS_API const char *ls_last_error(void);
+
+/* Each returns an ls_status. `threads`: the OpenMP threads to run on. Activations are fp32 or bf16; an output's
+ * dtype is its descriptor's. */
+/* y [M, N] = x [M, K] @ w [N, K]^T, fp32 sums; w fp32 or bf16. */
+LS_API int ls_dense_linear(const ls_tensor *x, const ls_tensor *w, const ls_tensor *y, int threads);
+/* y [M, H, N] = x [M, H, K] @ w [H, K, N] per head (N a multiple of 16), fp32 sums. */
+LS_API int ls_dense_heads(const ls_tensor *x, const ls_tensor *w, const ls_tensor *y, int threads);
+/* y [M, (H,) N] = x [M, (H,) K] times the int8 q [(H,) N, K] with per-row fp32 scale and int32 qsum [(H *) N]. */
+LS_API int ls_int8_heads(const ls_tensor *x, const ls_tensor *q, const ls_tensor *scale, const ls_tensor *qsum,
+                         const ls_tensor *y, int threads);
+/* The same with q in the lanes layout [H, N / 16, K / 4, 16, 4]. */
+LS_API int ls_int8_heads_lanes(const ls_tensor *x, const ls_tensor *q, const ls_tensor *scale, const ls_tensor *qsum,
+                               const ls_tensor *y, int threads);
+/* y [M, N] = x [M, K] times the uint8 weight in pack_int4's layout [ceil(N / 16), K / group * (64 + 8 group)]. */
+LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t group, const ls_tensor *y, int threads);
+/* RMSNorm over x's rows [M, N] with w [N] of x's dtype; y like x. */
+LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads);
+/* MLA's latent prologue (prologue.c): q [T, H, D] rotated in place, kv [T, L + R] -> kv_c [T, L], k_pe [T, R],
+ * each token's row to kv_cache [blocks, block_size, L + R] at slots [T] (int64, < 0: padding). */
+LS_API int ls_mla_prologue(const ls_tensor *q, const ls_tensor *kv, const ls_tensor *w, float eps,
+                           const ls_tensor *cos, const ls_tensor *sin, int style, const ls_tensor *kv_c,
+                           const ls_tensor *k_pe, const ls_tensor *kv_cache, const ls_tensor *slots, int threads);
+/* Absorbed MQA over the paged cache (mla_decode.c): out [T, H, L] from q [T, H, D], kv_cache [blocks, B, D],
+ * block_table int32 [>= R, width], query_start_loc int32 [R + 1], seq_lens int32 [R]. */
+LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls_tensor *block_table,
+                         const ls_tensor *query_start_loc, const ls_tensor *seq_lens, float scale,
+                         const ls_tensor *out, int threads);
+/* MoE routing (route.c): weights fp32 and ids int64 [T, k] from fp32 logits [T, E]; bias [E] or NULL. */
+LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_t topk_groups, const ls_tensor *bias,
+                    int norm, float scaling, const ls_tensor *weights, const ls_tensor *ids);
+/* A decode step's attention block (attention_block.c): y and y_normed like x [T, hidden]; the rest as
+ * ls_mla_prologue and ls_mla_decode take them. */
+LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, const ls_tensor *cos,
+                                  const ls_tensor *sin, const ls_tensor *kv_cache, const ls_tensor *block_table,
+                                  const ls_tensor *query_start_loc, const ls_tensor *seq_lens,
+                                  const ls_tensor *slots, const ls_tensor *y, const ls_tensor *y_normed, int threads);
+/* A decode step's MoE block (moe_block.c): y = residual + moe(x), all three [T, hidden] in the block's dtype. */
+LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tensor *residual, const ls_tensor *y,
+                        int threads);
+
+/* The experts' kernels (gemv.c, qgemm.c), still with raw pointers and `io` bits (bit 0 x is bf16, bit 1 y is,
+ * bit 2 the weights are). */
+LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
+                             const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+                             int threads);
+LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                              const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads);
+LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
+                              const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
+                              int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
+                              int threads);

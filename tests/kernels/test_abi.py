@@ -1,0 +1,192 @@
+"""The C interface (latentserve.h) and its ctypes mirror (abi.py): the exported symbols are exactly the declared
+ones, descriptors pack as the C struct lays them out, a mirror that disagrees with the library refuses it, the entry
+points refuse descriptors and block structs they cannot read, and the scratch arena's exhaustion is a MemoryError."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from latentserve.kernels import abi, build, native
+from tests.kernels.builds import ISAS, kernels, needs_a_build
+
+pytestmark = needs_a_build
+ISA = ISAS[0] if ISAS else "avx2"
+
+
+def test_the_library_exports_exactly_the_declared_functions():
+    if shutil.which("nm") is None:
+        pytest.skip("no nm")
+    listed = subprocess.run(["nm", "-D", "--defined-only", kernels(ISA).lib._name], capture_output=True, text=True,
+                            check=True).stdout
+    exported = {line.split()[-1] for line in listed.splitlines() if line.split()[1:2] == ["T"]}
+    assert exported == set(abi.SIGNATURES)
+
+
+@pytest.mark.parametrize("t", [torch.tensor(3.0), torch.randn(7), torch.randn(2, 3).t(), torch.zeros(2, 3, 4,
+                                                                                                      dtype=torch.int8),
+                               torch.zeros(1, 2, 3, 4, 5, dtype=torch.bfloat16)], ids=lambda t: f"{t.dim()}d")
+def test_a_descriptor_packs_as_the_ctypes_struct_lays_it_out(t):
+    pad = (0,) * (abi.MAX_DIMS - t.dim())
+    mirror = abi.Tensor(t.data_ptr(), abi.DTYPES[t.dtype], t.dim(), (*t.shape, *pad), (*t.stride(), *pad))
+    assert abi.desc(t) == bytes(mirror)
+
+
+def test_the_mirror_matches_the_library_layout():
+    assert abi.layout_mismatch(kernels(ISA).lib) is None
+
+
+@pytest.mark.parametrize("corrupt", ["a field's type", "a missing field", "an extra field"])
+def test_a_mirror_that_disagrees_is_named_and_the_library_refused(monkeypatch, caplog, corrupt):
+    fields = list(abi.MLABlock._fields_)
+    if corrupt == "a field's type":
+        fields[fields.index(("style", ctypes.c_int32))] = ("style", ctypes.c_int64)
+    elif corrupt == "a missing field":
+        fields.remove(("bf", ctypes.c_int32))
+    else:
+        fields.append(("spare", ctypes.c_int32))
+    corrupted = type("MLABlock", (ctypes.Structure,), {"_fields_": fields})
+    why = abi.layout_mismatch(kernels(ISA).lib, {**abi.STRUCTS, "MLABlock": corrupted})
+    assert why is not None and why.startswith("struct MLABlock:")
+
+    monkeypatch.setitem(abi.STRUCTS, "MLABlock", corrupted)
+    build.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=build.__name__):
+            refused = build.load(ISA)
+        assert isinstance(refused, str) and "struct MLABlock" in refused
+        assert any("refusing" in r.message and "MLABlock" in r.message for r in caplog.records)
+    finally:
+        build.load.cache_clear()  # the next load builds nothing: the library is cached on disk
+
+
+def _bad(lib, code: int, wrong: str) -> None:
+    assert code == abi.BAD_TENSOR and wrong in lib.ls_last_error().decode()
+
+
+@pytest.mark.parametrize("fault", ["dtype", "strided", "rank", "columns", "null", "output rows"])
+def test_entry_points_refuse_descriptors_they_cannot_read(fault):
+    """Past the wrappers (a C caller, a future wrapper that forgets a check): the kernel reads no byte it was not
+    given a size for."""
+    lib = kernels(ISA).lib
+    x, w, y = torch.randn(2, 8), torch.randn(4, 8), torch.empty(2, 4)
+    args = {"dtype": (x.double(), w, y), "strided": (torch.randn(8, 2).t(), w, y), "rank": (x.view(2, 2, 4), w, y),
+            "columns": (x, torch.randn(4, 6), y), "output rows": (x, w, torch.empty(3, 4))}
+    if fault == "null":
+        code = lib.ls_dense_linear(abi.desc(x), None, abi.desc(y), 1)
+    else:
+        code = lib.ls_dense_linear(*(abi._PACKERS[t.dim()].pack(t.data_ptr(), abi.DTYPES.get(t.dtype, 99), t.dim(),
+                                                                  *t.shape, *t.stride()) for t in args[fault]), 1)
+    _bad(lib, code, {"dtype": "x: dtype 99", "strided": "x: stride", "rank": "x: rank 3", "columns": "w: dim 1",
+                     "null": "w: no descriptor", "output rows": "y: dim 0"}[fault])
+
+
+def _mla_block(g: torch.Generator) -> tuple[native.MLABlock, list[torch.Tensor]]:
+    """A one-head fp32 attention block with dense weights: hidden 32, nope = rope = latent = v_dim = 16."""
+    w = {"q_b": (32, 32), "kv_a": (32, 32), "o_proj": (32, 16), "uk": (1, 16, 16), "uv": (1, 16, 16),
+         "input_norm": (32,), "kv_a_norm": (16,), "post_norm": (32,)}
+    held = {name: torch.randn(*shape, generator=g) * 0.1 for name, shape in w.items()}
+    block = native.MLABlock(hidden=32, heads=1, nope=16, rope=16, latent=16, v_dim=16, q_lora=0,
+                            **{name: native.Weight(kind=native.DENSE, w=held[name].data_ptr())
+                               for name in ("q_b", "kv_a", "o_proj", "uk", "uv")},
+                            **{name: held[name].data_ptr() for name in ("input_norm", "kv_a_norm", "post_norm")},
+                            eps=1e-6, kv_a_eps=1e-6, post_eps=1e-6, scale=0.25, style=2, bf=0)
+    return block, list(held.values())
+
+
+def _attend(block: native.MLABlock, x: torch.Tensor):
+    tokens = x.shape[0]
+    cache = torch.zeros(2, 4, 32)
+    return native.mla_attention_block(
+        kernels(ISA), block, x, torch.ones(tokens, 16), torch.zeros(tokens, 16), cache,
+        torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([0, tokens], dtype=torch.int32),
+        torch.tensor([tokens], dtype=torch.int32), torch.arange(tokens))
+
+
+@pytest.mark.parametrize("fault", [None, "post_norm", "kv_a_norm", "uk.w", "o_proj.scale", "q_lora", "style",
+                                   "x columns"])
+def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
+    block, held = _mla_block(torch.Generator().manual_seed(0))
+    x = torch.randn(2, 33 if fault == "x columns" else 32)
+    if fault in ("post_norm", "kv_a_norm"):
+        setattr(block, fault, None)
+    elif fault == "uk.w":
+        block.uk.w = None
+    elif fault == "o_proj.scale":
+        block.o_proj.kind = native.INT8  # an int8 weight with no scale or qsum
+    elif fault == "q_lora":
+        block.q_lora = 16  # a q_a projection and norm it does not have
+    elif fault == "style":
+        block.style = 3
+    if fault is None:
+        y, normed = _attend(block, x)
+        assert torch.isfinite(y).all() and torch.isfinite(normed).all()
+        return
+    wrong = {"post_norm": "norm weight", "kv_a_norm": "norm weight", "uk.w": "uk.w is NULL", "o_proj.scale":
+             "o_proj: an int8 weight", "q_lora": "q_a.w is NULL|norm weight", "style": "style is 3",
+             "x columns": "x must"}[fault]
+    with pytest.raises(ValueError, match=wrong):
+        _attend(block, x)
+
+
+def _moe_block(g: torch.Generator) -> tuple[native.MoEBlock, list[torch.Tensor]]:
+    """Four fp32 stacked experts, top 2, hidden 32, intermediate 16."""
+    held = [torch.randn(4, 32, generator=g), torch.randn(4, 32, 32, generator=g) * 0.1,
+            torch.randn(4, 16, 32, generator=g) * 0.1]
+    block = native.MoEBlock(hidden=32, experts=4, topk=2, groups=1, topk_groups=1, sigmoid=0, norm=1, scaling=1.0,
+                            router=held[0].data_ptr(), bias=None, bits=0, bf=0, inter=16, w13=held[1].data_ptr(),
+                            w2t=held[2].data_ptr(), shared_chunks=0)
+    return block, held
+
+
+@pytest.mark.parametrize("fault", [None, "router", "w13", "shared", "bits 8 without table", "topk", "x columns"])
+def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
+    block, (router, w13, w2t) = _moe_block(torch.Generator().manual_seed(1))
+    x, residual = torch.randn(3, 33 if fault == "x columns" else 32), torch.randn(3, 32)
+    if fault in ("router", "w13"):
+        setattr(block, fault, None)
+    elif fault == "shared":
+        block.shared_chunks = 1  # shared experts with no weights
+    elif fault == "bits 8 without table":
+        block.bits = 8
+    elif fault == "topk":
+        block.topk = 5
+    if fault is None:
+        y = native.moe_block(kernels(ISA), block, x, residual)
+        weights, ids = native.route(kernels(ISA), x @ router.t(), 2, False, 1, 1, None, True, 1.0)
+        expected = residual.clone()
+        for t in range(3):
+            for weight, e in zip(weights[t], ids[t]):
+                h = w13[e] @ x[t]
+                expected[t] += weight * (torch.nn.functional.silu(h[:16]) * h[16:]) @ w2t[e]
+        torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+        return
+    wrong = {"router": "router is NULL", "w13": "w13 or w2t is NULL", "shared": "sg, su or sd is NULL",
+             "bits 8 without table": "table is NULL", "topk": "5 of 4 experts", "x columns": "x must"}[fault]
+    with pytest.raises(ValueError, match=wrong):
+        native.moe_block(kernels(ISA), block, x, residual)
+
+
+@pytest.fixture
+def scratch_limit():
+    lib = kernels(ISA).lib
+    yield lib.ls_set_scratch_limit
+    lib.ls_set_scratch_limit(0)
+
+
+def test_an_exhausted_scratch_arena_is_a_memory_error_and_nothing_is_lost(scratch_limit):
+    logits = torch.randn(3, 64)
+    expected = native.route(kernels(ISA), logits, 6, False, 1, 1, None, True, 1.0)
+    scratch_limit(64)  # less than the 64 scores route.c needs
+    with pytest.raises(MemoryError, match="route"):
+        native.route(kernels(ISA), logits, 6, False, 1, 1, None, True, 1.0)
+    block, held = _mla_block(torch.Generator().manual_seed(0))
+    with pytest.raises(MemoryError, match="mla_attention_block"):
+        _attend(block, torch.randn(2, 32))
+    scratch_limit(0)
+    for got, want in zip(native.route(kernels(ISA), logits, 6, False, 1, 1, None, True, 1.0), expected):
+        assert torch.equal(got, want)
