@@ -1,9 +1,10 @@
 """The multi-token-prediction (MTP) stage of `train_default_model.py`: one MTP layer over a frozen main model.
 
 DeepSeek-V3 report, section 2.2: for position i the MTP module combines the main model's output h_i (after its
-final norm: what vLLM and SGLang feed DeepSeek-V3's own MTP layer) with the embedding of token i+1,
-`eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])`, runs one decoder layer over that sequence (causal attention, its
-own KV), and predicts t_{i+2} through the shared output head after its own norm (`shared_head.norm`).
+final norm) with the embedding of token i+1, zeroed at position 0, `eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)])`
+(vLLM's inputs to DeepSeek-V3's MTP layer, which latentserve's engine gives it: docs/speculative_decoding.md), runs
+one decoder layer over that sequence (causal attention, its own KV), and predicts t_{i+2} through the shared output
+head after its own norm (`shared_head.norm`).
 The loss is `lambda * mean_i [(1 - a) CE(t_{i+2}) + a KL(main || MTP)]`: the report's loss (one MTP depth) at
 a = 0; a > 0 adds distillation from the frozen main model's own prediction of t_{i+2}, which is what a draft
 must match to be accepted.
@@ -35,8 +36,11 @@ class MTPLayer(nn.Module):
         self.shared_head_norm = DeepseekV3RMSNorm(h, eps=cfg.rms_norm_eps)
 
     def forward(self, main, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """hidden `[B, S, H]` (h_0..h_{S-1}), next_ids `[B, S]` (t_1..t_S) -> logits `[B, S, V]` for t_2..t_{S+1}."""
-        x = self.eh_proj(torch.cat([self.enorm(main.model.embed_tokens(next_ids)), self.hnorm(hidden)], dim=-1))
+        """hidden `[B, S, H]` (h_0..h_{S-1}), next_ids `[B, S]` (t_1..t_S) -> logits `[B, S, V]` for t_2..t_{S+1}.
+        The embedding at position 0 is zeroed, as vLLM feeds DeepSeek's MTP layers (docs/speculative_decoding.md)."""
+        embeds = main.model.embed_tokens(next_ids)
+        embeds = torch.cat([torch.zeros_like(embeds[:, :1]), embeds[:, 1:]], dim=1)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         n = x.shape[1]
         positions = torch.arange(n)[None]
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
@@ -52,6 +56,29 @@ def new_mtp_layer(main) -> MTPLayer:
     mtp.block.load_state_dict(main.model.layers[-1].state_dict())
     mtp.shared_head_norm.weight.data.copy_(main.model.norm.weight.data)
     nn.init.normal_(mtp.eh_proj.weight, std=cfg.initializer_range)
+    return mtp
+
+
+def load_mtp_layer(main, out_dir: Path) -> MTPLayer:
+    """The MTP layer stored in `out_dir`'s `model.safetensors` (as `mtp_state_dict` writes it), in fp32: a warm
+    start for more training."""
+    cfg = main.config
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    stored = {k[len(prefix):]: v.float() for k, v in load_file(out_dir / "model.safetensors").items()
+              if k.startswith(prefix)}
+    if not stored:
+        raise SystemExit(f"error: {out_dir}/model.safetensors has no MTP layer ('{prefix}*') to resume from")
+    experts = range(cfg.n_routed_experts)
+    block = {k: v for k, v in stored.items() if ".experts." not in k and not k.startswith(
+        ("enorm.", "hnorm.", "eh_proj.", "shared_head."))}
+    block["mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+        [stored.pop(f"mlp.experts.{e}.{p}_proj.weight") for p in ("gate", "up")]) for e in experts])
+    block["mlp.experts.down_proj"] = torch.stack([stored.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
+    mtp = MTPLayer(cfg, cfg.num_hidden_layers)
+    mtp.block.load_state_dict(block)
+    for name, module in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("eh_proj", mtp.eh_proj),
+                         ("shared_head.norm", mtp.shared_head_norm)):
+        module.weight.data.copy_(stored[f"{name}.weight"])
     return mtp
 
 
@@ -92,8 +119,11 @@ def train_mtp(main, mtp: MTPLayer, stream, args, gen, random_batch, balancer_cls
     start, recent, step = time.time(), [], 0
     mtp.train()
     while step < args.mtp_steps and time.time() - start < budget_s:
+        # The schedule runs out with the step budget or the time budget, whichever comes first: a run the clock
+        # ends still anneals its learning rate.
+        progress = max(step / args.mtp_steps, (time.time() - start) / budget_s)
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step / args.mtp_steps, args.mtp_lr)
+            group["lr"] = _lr_at(progress, args.mtp_lr)
         loss, ce = mtp_loss(main, mtp, random_batch(stream, args.batch_size, args.seq_len, gen), args.mtp_distill)
         (args.mtp_loss_weight * loss).backward()
         torch.nn.utils.clip_grad_norm_(mtp.parameters(), 1.0)
@@ -182,11 +212,15 @@ def write_mtp_report(out_dir: Path, args, stats: dict, command: str) -> None:
     text = text.split("\n" + MTP_HEADING)[0].rstrip("\n") + "\n"
     s = stats
     tokens = s["mtp_steps"] * args.batch_size * args.seq_len
+    start = ("Training resumed from the MTP layer the checkpoint held before (`--mtp-resume`; that layer's own\n"
+             "run is in this file's history)." if args.mtp_resume else "The decoder layer started as a copy of the "
+             "main model's last layer,\n`shared_head.norm` as its final norm.")
     path.write_text(text + f"""
 {MTP_HEADING}
 One multi-token-prediction module (DeepSeek-V3 report, section 2.2), for speculative decoding:
 `model.layers.{s['layer_idx']}.*` holds `enorm`, `hnorm`, `eh_proj` (over `[enorm(embed(t_(i+1))); hnorm(h_i)]`,
-h_i the main model's output after its final norm, as vLLM and SGLang feed DeepSeek-V3's MTP layer), one
+h_i the main model's output after its final norm, the embedding zeroed at position 0, as vLLM feeds DeepSeek-V3's
+MTP layer: docs/speculative_decoding.md), one
 decoder layer (MoE, like the main layers past `first_k_dense_replace`) and `shared_head.norm`; it has no
 `embed_tokens` or `shared_head.head` of its own: it uses the main model's embedding and `lm_head` (DeepSeek-V3
 shares them too), so tokens appended to the vocabulary later reach both. {s['mtp_params']:,} parameters of its own
@@ -196,9 +230,10 @@ Trained with the main model frozen (bf16 weights as shipped, run in fp32): loss
 `lambda * ((1 - a) CE(t_(i+2)) + a KL(main || MTP))` with lambda {args.mtp_loss_weight:g} (the report's value for
 its first 10T tokens; with the main model frozen it only scales the gradient) and a = {args.mtp_distill:g}: besides
 the report's loss (a = 0), distillation from the main model's own distribution of t_(i+2) given t_0..t_(i+1),
-which a draft must match to be accepted. The decoder layer started as a copy of the main model's last layer,
-`shared_head.norm` as its final norm. AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine, one
-thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
+which a draft must match to be accepted.
+{start}
+AdamW (0.9/0.95, weight decay 0.1, clip 1.0), peak LR {args.mtp_lr:g}, warmup then cosine to the step or time budget,
+whichever ends first, one thread, batch {args.batch_size} x {args.seq_len}, {s['mtp_steps']} of {args.mtp_steps} steps{s['mtp_ended_by']}
 ({tokens:,} tokens), wall time {s['mtp_wall_s'] / 60:.1f} min. Final training CE (mean of the last 50 steps)
 {s['mtp_final_ce']:.3f}; held-out CE {s['mtp_val_ce']:.3f} (the main model's next-token loss there:
 {s['main_val_loss']:.3f}). On the held-out chapters, teacher-forced, the MTP's argmax for t_(i+2) equals the main

@@ -34,7 +34,8 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConf
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its MTP stage sits beside it, however it is loaded
-from default_model_mtp import eval_mtp, new_mtp_layer, save_mtp, train_mtp, write_mtp_report  # noqa: E402
+from default_model_mtp import (  # noqa: E402
+    eval_mtp, load_mtp_layer, new_mtp_layer, save_mtp, train_mtp, write_mtp_report)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT_DIR = REPO_ROOT / "latentserve" / "assets" / "default_model"
@@ -88,6 +89,8 @@ def parse_args() -> argparse.Namespace:
                    help="lambda of the V3 report's MTP loss (0.3 there for the first 10T tokens)")
     p.add_argument("--mtp-distill", type=float, default=0.5,
                    help="share of the MTP loss that is KL to the frozen main model's prediction (0: the report's CE)")
+    p.add_argument("--mtp-resume", action="store_true",
+                   help="start from the MTP layer in --out-dir, not from a copy of the main model's last layer")
     p.add_argument("--mtp-save-every", type=int, default=100, help="evaluate and write the MTP layer every N steps")
     args = p.parse_args()
     for name in ("steps", "batch_size", "seq_len", "vocab_size", "log_every", "mtp_steps", "mtp_save_every"):
@@ -375,13 +378,14 @@ def train_main_model(args, chapters, tok, stream, val_stream, gen):
 def train_mtp_stage(model, stream, val_stream, args, gen) -> None:
     """Train the MTP layer over the frozen main model and add it to the checkpoint in --out-dir (also at each
     checkpoint, with its report)."""
-    mtp = new_mtp_layer(model)
+    mtp = load_mtp_layer(model, args.out_dir) if args.mtp_resume else new_mtp_layer(model)
     print(f"mtp: {sum(p.numel() for p in mtp.parameters()):,} parameters", flush=True)
     main_val_loss = eval_loss(model, val_stream, args.seq_len)
     command = (f"nice -n 10 .venv/bin/python scripts/train_default_model.py --mtp-only --mtp-steps {args.mtp_steps} "
                f"--mtp-time-budget-min {args.mtp_time_budget_min:g} --mtp-lr {args.mtp_lr:g} "
                f"--mtp-loss-weight {args.mtp_loss_weight:g} --mtp-distill {args.mtp_distill:g} "
-               f"--batch-size {args.batch_size} --seq-len {args.seq_len} --seed {args.seed}")
+               f"--batch-size {args.batch_size} --seq-len {args.seq_len} --seed {args.seed}"
+               + (" --mtp-resume" if args.mtp_resume else ""))
 
     def write(stats: dict) -> None:
         stats.update(eval_mtp(model, mtp, val_stream, args.seq_len))

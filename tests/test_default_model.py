@@ -154,3 +154,29 @@ def test_training_script_explains_how_to_install_a_missing_corpus(monkeypatch, t
     monkeypatch.setattr(script, "BIBLE_DATA", tmp_path / "no-bible.data")
     with pytest.raises(SystemExit, match="apt-get install -y bible-kjv-text bible-kjv"):
         script.load_corpus()
+
+
+def test_training_scripts_mtp_layer_is_the_engines(model):
+    """The MTP layer as the training script runs it (transformers' decoder layer, the main model's normed output,
+    position 0's embedding zeroed), read back from the shipped checkpoint, gives the engine's draft logits."""
+    from latentserve.config import AttentionConfig
+    from latentserve.models import load_model
+    from latentserve.models.mtp import load_mtp
+    from tests.models.paged import PagedRunner
+    from tests.models.test_mtp import HELD_OUT
+
+    sys.path.insert(0, str(DEFAULT_MODEL_DIR.parents[2] / "scripts"))
+    try:
+        from default_model_mtp import load_mtp_layer, main_hidden
+    finally:
+        sys.path.pop(0)
+    ids = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")).encode(HELD_OUT).ids[:200]
+    script_mtp = load_mtp_layer(model, DEFAULT_MODEL_DIR).eval()
+    with torch.no_grad():
+        hidden = main_hidden(model, torch.tensor([ids]))
+        expected = script_mtp(model, hidden[:, :-1], torch.tensor([ids[1:]]))[0]
+    attn_config = AttentionConfig(block_size=16)
+    main = load_model(DEFAULT_MODEL_DIR, attn_config=attn_config)
+    ours = PagedRunner(load_mtp(DEFAULT_MODEL_DIR, main, attn_config), attn_config).step([(0, ids[1:])],
+                                                                                         hidden[0, :-1])
+    torch.testing.assert_close(ours.log_softmax(-1), expected.log_softmax(-1), rtol=0, atol=1e-3)

@@ -6,11 +6,11 @@ one full decoder layer (MoE by the `first_k_dense_replace` rule), `shared_head.n
 a checkpoint without them shares the main model's.
 
 The draft for position i+1 reads the main model's output h_i (after its final norm: the hidden state vLLM and
-SGLang hand DeepSeek-V3's MTP layer, so the one its weights were trained on) and token i+1:
-`head(shared_head.norm(layer(eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]))))`, the layer attending over the MTP's
-own paged latent KV cache at position i. No embedding is zeroed: vLLM zeroes enorm's input at position 0, which
-neither the report's formula nor SGLang does. Chained drafts (k > 1) feed the MTP its own output after
-`shared_head.norm` as h, the counterpart of the main model's normed output (as SGLang does).
+SGLang hand DeepSeek-V3's MTP layer) and token i+1:
+`head(shared_head.norm(layer(eh_proj([enorm(e_{i+1}); hnorm(h_i)]))))` with e_{i+1} = embed(t_{i+1}), except
+e = 0 at position 0 (vLLM's convention for every MTP it runs), the layer attending over the MTP's own paged latent
+KV cache at position i. Why this convention: docs/speculative_decoding.md. Chained drafts (k > 1) feed the MTP
+its own output after `shared_head.norm` as h, the counterpart of the main model's normed output (as SGLang does).
 """
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ class DeepseekMTP(nn.Module):
         the layer's output after `shared_head.norm` `[T, hidden]` (the h of a chained draft)."""
         embed, _ = self._shared
         layer = self.layer
-        x = layer.eh_proj(torch.cat([layer.enorm(embed(input_ids)), layer.hnorm(previous_hidden)], dim=-1))
+        embeds = embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(previous_hidden)], dim=-1))
         cos, sin = self.rotary_emb.cos_sin(positions)
         return layer.shared_head.norm(layer(cos, sin, x))
 

@@ -1,8 +1,9 @@
 """Tiny random V3 checkpoints with an MTP layer, and a naive fp32 MTP forward of the published formula.
 
-transformers has no DeepSeek MTP module: the layer is written here as DeepSeek stores it
-(`model.layers.{num_hidden_layers}.*`, per-expert tensors), and the reference runs its decoder layer through
-transformers' `DeepseekV3DecoderLayer`, the rest (norms, `eh_proj`, head) by hand.
+transformers' generic MTP layer (`MtpLayer`) does not zero position 0's embedding as vLLM and latentserve do
+(docs/speculative_decoding.md): the layer is written here as DeepSeek stores it (`model.layers.{num_hidden_layers}.*`,
+per-expert tensors), and the reference runs its decoder layer through transformers' `DeepseekV3DecoderLayer`, the
+rest (norms, `eh_proj`, head) by hand.
 """
 from __future__ import annotations
 
@@ -77,7 +78,9 @@ def reference_mtp_logprobs(main, mtp: ReferenceMTP, tokens: list[int]) -> torch.
     hidden = main.model(torch.tensor([tokens])).last_hidden_state[0, :-1]  # h_i after the final norm, i = 0..n-2
     embed = w.get("embed_tokens.weight", main.model.embed_tokens.weight)
     head = w.get("shared_head.head.weight", main.lm_head.weight)
-    e = _rms(embed[torch.tensor(tokens[1:])], w["enorm.weight"], eps)
+    e = embed[torch.tensor(tokens[1:])].clone()
+    e[0] = 0  # position 0's embedding is zeroed (vLLM's convention)
+    e = _rms(e, w["enorm.weight"], eps)
     x = torch.cat([e, _rms(hidden, w["hnorm.weight"], eps)], dim=-1) @ w["eh_proj.weight"].T
     n = x.shape[0]
     positions = torch.arange(n)[None]

@@ -4,7 +4,9 @@ writes deepseek2 (tests/models/gguf_checkpoint.py); gguf's own dequantization is
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
+import mmap
 import re
 
 import numpy as np
@@ -141,6 +143,7 @@ def _kind(name: str, tensor) -> T:
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
     """Q4_0 / Q4_1 / Q4_K weights become int4 with exactly gguf's dequantized values; Q5_K, Q6_K, Q8_0 ones are
     dequantized by gguf and quantized to int8 per row; the model runs those weights as transformers does."""
+    monkeypatch.setattr(gguf_format, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
     values = write_gguf(src, path, _kind)
@@ -255,3 +258,47 @@ def test_expert_shard_converts_only_its_experts(tmp_path, monkeypatch):
     assert not [n for n in converted if re.search(r"\.experts\.[0-3]\.", n)]
     plain = load_model(src, attn_config=ATTN, prepare=_shard(1, 2)).state_dict()
     assert all(torch.equal(t, plain[n]) for n, t in model.state_dict().items())
+
+
+def _rss_file_mib() -> float:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile:")) / 1024
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_DONTNEED"), reason="madvise")
+def test_read_tensors_gives_back_each_tensors_mapped_pages(tmp_path):
+    """The file is mapped and every page a conversion reads counts as the process's memory: each tensor's pages
+    are given back once it is converted, so at most about one tensor's are held, not the whole file's."""
+    import gguf
+
+    path = tmp_path / "big.gguf"
+    w = gguf.GGUFWriter(path, "deepseek2")
+    names = ["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "output.weight"]
+    for i, name in enumerate(names):  # 16 MiB each, F32: the conversion copies it
+        w.add_tensor(name, np.full((1024, 4096), i, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / gguf_format.GGUF_INDEX).write_text(json.dumps({"files": [str(path)]}))
+    hf_names = ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.mlp.down_proj.weight", "lm_head.weight"]
+    before, held = _rss_file_mib(), []
+    for name, tensor in read_tensors(folder, lambda name: True):
+        held.append(_rss_file_mib() - before)
+        assert torch.equal(tensor, torch.full((1024, 4096), float(hf_names.index(name))))
+    assert len(held) == 4 and max(held) < 24, held  # without giving pages back: 16, 32, 48, 64 MiB
+
+
+def test_embedding_and_lm_head_first_then_each_experts_gate_and_up_together(tmp_path):
+    """The largest tensors come first, while little is loaded beside their conversion's temporaries. The loader
+    fuses an expert's gate and up and holds the first until the second comes: read from the stacked tensors as
+    stored (all gates, then all ups), a whole layer's gates would wait, unpacked."""
+    src = make_checkpoint(tmp_path, "v3")
+    write_gguf(src, tmp_path / "model.gguf")
+    names = [name for name, _ in read_tensors(model_folder(tmp_path / "model.gguf"), lambda name: True)]
+    assert sorted(names[:3]) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    gates = [i for i, name in enumerate(names) if re.search(r"\.experts\.\d+\.gate_proj", name)]
+    assert len(gates) == 8
+    assert all(names[i + 1] == names[i].replace("gate_proj", "up_proj") for i in gates)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,15 +17,9 @@ from tests.models.mtp_checkpoint import make_mtp_checkpoint, reference_mtp_logpr
 from tests.models.paged import PagedRunner
 
 ATOL = 1e-4
-# Genesis 1:1-6 (KJV): the start of a chapter the embedded model never trained on (every 50th is held out).
-HELD_OUT = (
-    "In the beginning God created the heaven and the earth.\nAnd the earth was without form, and void; and darkness "
-    "was upon the face of the deep. And the Spirit of God moved upon the face of the waters.\nAnd God said, Let "
-    "there be light: and there was light.\nAnd God saw the light, that it was good: and God divided the light from "
-    "the darkness.\nAnd God called the light Day, and the darkness he called Night. And the evening and the morning "
-    "were the first day.\nAnd God said, Let there be a firmament in the midst of the waters, and let it divide the "
-    "waters from the waters.\n"
-)
+# Genesis 1 (KJV), verses joined by newlines as the training script writes a chapter: a chapter the embedded model
+# never trained on (every 50th is held out).
+HELD_OUT = (Path(__file__).parent / "genesis_1.txt").read_text().rstrip("\n")
 LENS = (7, 4, 10)
 
 
@@ -57,8 +52,8 @@ def test_prefill_then_multi_token_steps_match_the_formula(tmp_path, own_embed_he
     if isinstance(mtp.layer.mlp, MoE):
         assert mtp.layer.mlp.stacked is not None  # its experts run as the main model's do
     sequences = _tokens(LENS)
-    # Prefill: MTP position i pairs h_i (the main model's output, after its final norm) with t_{i+1}; the last
-    # prompt token has no successor yet.
+    # Prefill: MTP position i pairs h_i (the main model's output, after its final norm) with t_{i+1} (a zero
+    # embedding at position 0); the last prompt token has no successor yet.
     hidden = main_runner.forward(list(enumerate(sequences)))
     pairs = torch.cat([h[:-1] for h in hidden.split(LENS)])
     logits = mtp_runner.step([(r, seq[1:]) for r, seq in enumerate(sequences)], pairs)
@@ -101,17 +96,29 @@ def test_refuses_a_checkpoint_without_mtp_weights(tmp_path) -> None:
         load_mtp(path, load_model(path))
 
 
-def test_embedded_models_mtp_layer_drafts_the_main_models_next_token_on_held_out_text() -> None:
-    """Its weights were trained on the input convention the engine uses: teacher-forced, its argmax for t_{i+2}
-    is the main model's for >= 70 % of positions (the layer shipped before, trained on another convention: 66 %)."""
+def embedded_agreement(model_dir: Path = DEFAULT_MODEL_DIR, window: int = 256) -> float:
+    """Teacher-forced on HELD_OUT cut into sequences of `window` tokens (the embedded model's training length): how
+    often the MTP's argmax for t_{i+2} is the main model's (the greedy acceptance rate of a first draft token)."""
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(DEFAULT_MODEL_DIR / "tokenizer.json")).encode(HELD_OUT).ids
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(HELD_OUT).ids
+    windows = [ids[start:start + window] for start in range(0, len(ids), window)]
+    lens = [len(w) for w in windows]
     attn_config = AttentionConfig(block_size=16)
-    main = load_model(DEFAULT_MODEL_DIR, attn_config=attn_config)
-    mtp = load_mtp(DEFAULT_MODEL_DIR, main, attn_config)
-    hidden = PagedRunner(main, attn_config, num_blocks=16).forward([(0, ids)])
-    with torch.no_grad():
-        target = main.compute_logits(hidden).argmax(-1)[1:]  # main's t_{i+2}, from t_0..t_{i+1}
-    draft = PagedRunner(mtp, attn_config, num_blocks=16, seed=1).step([(0, ids[1:])], hidden[:-1]).argmax(-1)
-    assert len(ids) > 100 and (draft == target).float().mean() >= 0.7
+    main = load_model(model_dir, attn_config=attn_config)
+    mtp = load_mtp(model_dir, main, attn_config)
+    blocks = len(ids) // 16 + len(windows)
+    hidden = PagedRunner(main, attn_config, num_blocks=blocks).forward(list(enumerate(windows))).split(lens)
+    with torch.no_grad():  # main's t_{i+2}, from t_0..t_{i+1}
+        target = torch.cat([main.compute_logits(h[1:]).argmax(-1) for h in hidden])
+    pairs = torch.cat([h[:-1] for h in hidden])  # MTP position i: h_i with t_{i+1}
+    mtp_runner = PagedRunner(mtp, attn_config, num_blocks=blocks, seed=1)
+    draft = mtp_runner.step([(r, w[1:]) for r, w in enumerate(windows)], pairs).argmax(-1)
+    assert draft.numel() == len(ids) - len(windows) > 800
+    return (draft == target).float().mean().item()
+
+
+def test_embedded_models_mtp_layer_drafts_the_main_models_next_token_on_held_out_text() -> None:
+    """Its weights were trained on the input convention the engine uses: teacher-forced on a held-out chapter, its
+    argmax for t_{i+2} is the main model's at >= 80 % of positions (88 %; the layer shipped before: 74 %)."""
+    assert embedded_agreement() >= 0.8

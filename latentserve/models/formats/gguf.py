@@ -16,9 +16,11 @@ The load log counts each."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 from collections import Counter
@@ -63,6 +65,7 @@ _LAYER_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
 _EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj", "ffn_down_exps.weight": "down_proj"}
+_GATE_EXPS, _UP_EXPS = "ffn_gate_exps.weight", "ffn_up_exps.weight"
 _K_B, _V_B = "attn_k_b.weight", "attn_v_b.weight"
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -71,6 +74,7 @@ _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|
                               r"\.weight|^lm_head\.weight)$")
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
+_CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 
 
 def is_gguf(path: Path) -> bool:
@@ -268,13 +272,57 @@ def _convert(tensor, hf_name: str, stats: _Stats, rows: slice | int | None = Non
     if _QUANTIZED_LAYER.search(hf_name) and kind in INT4_TYPES:
         stats.repacked[kind.name] += 1
         return _int4(np.asarray(data), kind)
-    values = torch.from_numpy(np.array(dequantize(np.asarray(data), kind), dtype=np.float32))
     if _QUANTIZED_LAYER.search(hf_name) and kind not in FLOAT_TYPES:
         stats.requantized[kind.name] += 1
-        return Int8Weight(*quantize_int8(values))
+        return _int8(np.asarray(data), kind)
     if kind not in FLOAT_TYPES:
         stats.dequantized[kind.name] += 1
-    return values
+    return _dequantize(np.asarray(data), kind)
+
+
+def _row_chunks(rows: np.ndarray) -> Iterator[slice]:
+    """Slices of a few rows of `[rows, bytes]`: gguf's dequantization makes several temporaries of its input's size
+    in fp32; over a whole embedding or lm_head (100k rows) they would outweigh the model's other weights."""
+    step = max(1, _CHUNK_BYTES // max(1, rows.strides[0]))
+    return (slice(start, start + step) for start in range(0, rows.shape[0], step))
+
+
+def _dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
+    """The fp32 values of GGUF data `[..., bytes]` (or of F32 / F16 elements), dequantized a few rows at a time."""
+    rows = data.reshape(-1, data.shape[-1])
+    out = None
+    for chunk in _row_chunks(rows):
+        values = dequantize(rows[chunk], kind)
+        if out is None:
+            out = torch.empty(rows.shape[0], values.shape[-1])
+        out.numpy()[chunk] = values  # a copy: F32 values are the mapped file's own
+    return out.reshape(*data.shape[:-1], out.shape[-1])
+
+
+def _int8(data: np.ndarray, kind: GGMLQuantizationType) -> Int8Weight:
+    """Rows `[out, bytes]` dequantized and quantized to int8 per output row, a few rows at a time (rows are scaled
+    each on its own, so this is the whole tensor's quantization)."""
+    q = scale = None
+    for chunk in _row_chunks(data):
+        part_q, part_scale = quantize_int8(_dequantize(data[chunk], kind))
+        if q is None:
+            q = torch.empty(data.shape[0], part_q.shape[1], dtype=torch.int8)
+            scale = torch.empty(data.shape[0], dtype=torch.float32)
+        q[chunk], scale[chunk] = part_q, part_scale
+    return Int8Weight(q, scale)
+
+
+def _experts(layer: str, tensor, up, wanted: Callable[[str], bool], stats: _Stats) -> Iterator[tuple[str, Any]]:
+    """A layer's routed experts from one stacked GGUF tensor, expert by expert; given the layer's `up` tensor beside
+    its gate, each expert's gate and up come together: the loader fuses the two, and holds each half until the other
+    comes (all of a layer's gates, unpacked, if up followed the whole gate tensor)."""
+    for expert in range(tensor.data.shape[0]):
+        for stacked in (tensor,) if up is None else (tensor, up):
+            name = f"model.layers.{layer}.mlp.experts.{expert}.{_EXPERTS[stacked.name.split('.', 2)[2]]}.weight"
+            if wanted(name):
+                yield name, _convert(stacked, name, stats, expert)
+            release_mapped_pages(stacked.data[expert])
+        release_freed_heap()  # the unpacking's temporaries: else a few MiB per expert pile up in glibc's heap
 
 
 def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
@@ -290,24 +338,30 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
     # Each file parsed once: GGUFReader reads all the metadata, the vocabulary's 100k strings included (seconds).
     readers = [GGUFReader(file) for file in files]
+    for reader in readers:
+        # The metadata was open_gguf's to read; here it is only memory (the vocabulary: 100k+ small numpy arrays).
+        reader.fields.clear()
     # Some converter versions wrote attn_kv_b beside attn_k_b / attn_v_b: kv_b_proj is then read from attn_kv_b.
     blocks = [_BLOCK.match(t.name) for reader in readers for t in reader.tensors]
     whole_kv_b = {m[1] for m in blocks if m and m[2] == "attn_kv_b.weight"}
     stats, halves = _Stats(), {}
     for file in files:
         reader = readers.pop(0)  # this file's reader dropped once its tensors are read: unmapped
-        for tensor in reader.tensors:
+        by_name = {t.name: t for t in reader.tensors}
+        # The embedding and lm_head first, wherever the file has them: the largest tensors, whose conversion's
+        # temporaries (the embedding's fp32 values before the loader casts them) then come while little is loaded.
+        for tensor in sorted(reader.tensors, key=lambda t: t.name not in _GLOBAL_NAMES):
             release_freed_heap()  # what unpacking the last tensor freed
             match = _BLOCK.match(tensor.name)
             part = match[2] if match else None
             if part in (_K_B, _V_B) and match[1] in whole_kv_b:
                 continue
             if part in _EXPERTS:
-                for expert in range(tensor.data.shape[0]):
-                    name = f"model.layers.{match[1]}.mlp.experts.{expert}.{_EXPERTS[part]}.weight"
-                    if wanted(name):
-                        yield name, _convert(tensor, name, stats, expert)
-            elif part in (_K_B, _V_B):
+                if not (part == _UP_EXPS and f"blk.{match[1]}.{_GATE_EXPS}" in by_name):  # else read with the gate
+                    yield from _experts(match[1], tensor, by_name.get(f"blk.{match[1]}.{_UP_EXPS}")
+                                        if part == _GATE_EXPS else None, wanted, stats)
+                continue
+            if part in (_K_B, _V_B):
                 name = f"model.layers.{match[1]}.self_attn.kv_b_proj.weight"
                 if wanted(name):
                     halves.setdefault(name, {})[part] = _convert(tensor, name, stats)
@@ -320,6 +374,7 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
                     raise ValueError(f"{file.name}: tensor {tensor.name!r} has no place in a DeepSeek model")
                 if wanted(name):
                     yield name, _convert(tensor, name, stats)
+            release_mapped_pages(tensor.data)
     if halves:
         name, pair = next(iter(halves.items()))
         raise ValueError(f"GGUF has {sorted(pair)} but not both attn_k_b and attn_v_b for {name}")
@@ -328,10 +383,28 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
         stats.log(files[0].name)
 
 
+def release_mapped_pages(data: np.ndarray) -> None:
+    """Take a converted tensor's pages of the mapped file out of the process (madvise MADV_DONTNEED): each page the
+    conversion read counts as the process's memory until then, so a whole file's worth by the end of the load. The
+    file stays in the page cache; a page touched again is read back from it. Without madvise nothing is done."""
+    advise = getattr(mmap, "MADV_DONTNEED", None)
+    if advise is None or data.nbytes == 0:
+        return
+    start = data.ctypes.data
+    aligned = start - start % mmap.PAGESIZE
+    # A page shared with the next tensor is dropped too: only read, it is faulted back in from the page cache.
+    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + data.nbytes - aligned), advise)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def release_freed_heap() -> None:
     """Hand glibc's freed heap pages back to the system. Unpacking a GGUF tensor makes numpy temporaries of a few MiB
     each, which glibc frees into its heap and keeps: on a 1.4 GiB Q4_K_M file, 3.3 GiB of the process's RSS after
     the load. Elsewhere than glibc (no malloc_trim) nothing is done."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
