@@ -7,8 +7,16 @@ import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-# `kv_cache_dtype`'s quantized formats, vLLM's names: e4m3 at a per-tensor scale of 1.0 (docs/kv_cache_dtypes.md).
+# `kv_cache_dtype`'s quantized formats (docs/kv_cache_dtypes.md): vLLM's fp8 names, e4m3 at a per-tensor scale of
+# 1.0; int8 with a scale per row part (kernels/kv_rows.h), also under llama.cpp's name for its 8-bit cache, q8_0.
 FP8_KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+INT8_KV_CACHE_DTYPES = {"int8": torch.int8, "q8_0": torch.int8}
+INT8_KV_SCALE_BYTES = 8  # an int8 cache row's trailing fp32 scales: c_kv's, then k_pe's
+
+
+def kv_cache_row_width(dim: int, dtype: torch.dtype) -> int:
+    """Elements a cache row of `dim` values takes in `dtype`: an int8 row carries its scales after its values."""
+    return dim + INT8_KV_SCALE_BYTES if dtype == torch.int8 else dim
 
 
 @dataclass(frozen=True)

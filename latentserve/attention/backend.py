@@ -25,8 +25,9 @@ class SelectorConfig:
 class BackendCapabilities:
     """Class-level facts a selector asks a backend before constructing it."""
 
-    # The KV cache's dtype: fp8 (e4m3) caches are dequantized as they are read.
-    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+    # The KV cache's dtype: fp8 (e4m3) and int8 caches are dequantized as they are read.
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                                                 torch.int8)
     supported_device_types: tuple[str, ...] = ("cpu", "cuda")
     supports_sliding_window: bool = False
 

@@ -17,7 +17,7 @@ from latentserve.attention.metadata import (
     StateMetadata,
 )
 from latentserve.attention.prefill.base import MLAPrefillBackend
-from latentserve.config import AttentionConfig
+from latentserve.config import AttentionConfig, kv_cache_row_width
 
 
 def is_decode(query_len: int, context_len: int, decode_threshold: int) -> bool:
@@ -90,8 +90,9 @@ class MLAMetadataBuilder:
             raise ValueError(f"the attention layers cache in different dtypes {sorted(map(str, dtypes))}: one "
                              "builder's context workspace holds one dtype")
         # One workspace for every layer: each gathers into it as rows of its own cache width (gather_kv_cache).
-        width = max(layer.mla.kv_cache_dim for layer in layers)
-        self.workspace = torch.empty(attn_config.workspace_tokens, width, dtype=dtypes.pop(), device=self.device)
+        dtype = dtypes.pop()
+        width = kv_cache_row_width(max(layer.mla.kv_cache_dim for layer in layers), dtype)
+        self.workspace = torch.empty(attn_config.workspace_tokens, width, dtype=dtype, device=self.device)
         # The DSA top-k state is per-batch state too: this builder's own, like the backend clone and workspace.
         topks = {layer.index_topk for layer in layers} - {None}
         if len(topks) > 1:

@@ -7,7 +7,7 @@ from torch import nn
 from latentserve import batch_invariant
 from latentserve.attention.backend import SelectorConfig
 from latentserve.attention.decode.selector import get_mla_decode_backend
-from latentserve.attention.kv_cache import gather_kv_cache, write_kv_cache
+from latentserve.attention.kv_cache import dequantize_rows, gather_kv_cache, write_kv_cache
 from latentserve.attention.merge import merge_attn_states
 from latentserve.attention.metadata import MLADecodeMetadata, MLAMetadata, MLAPrefillMetadata
 from latentserve.attention.prefill.base import OwnershipError
@@ -123,11 +123,12 @@ class MLAAttention(nn.Module):
             write_kv_cache(self.kv_cache, kv_c_normed, k_pe, md.slot_mapping)
         return self._attend(q, kv_c_normed, k_pe, md)
 
-    def read_new_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A reading layer's (`kv_source`) latents and rotated rope keys `[T, L]`, `[T, R]` of this ubatch's tokens,
-        as the source layer, earlier in the model, wrote them."""
+    def read_new_rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reading layer's (`kv_source`) latents and rotated rope keys `[T, L]`, `[T, R]` in `dtype` of this
+        ubatch's tokens, as the source layer, earlier in the model, wrote them (a quantized cache's dequantized)."""
         md = self._metadata()
         rows = gather_kv_cache(self.kv_cache, md.slot_mapping.clamp(min=0))  # (padding: any row, unused)
+        rows = dequantize_rows(rows, self.mla.kv_lora_rank, dtype)
         return rows.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1)
 
     def forward_projected(self, q: torch.Tensor, kv: torch.Tensor, latent_norm: RMSNorm, rotary: RotaryEmbedding,
@@ -205,7 +206,8 @@ class MLAAttention(nn.Module):
         for i, slots in enumerate(chunked.slots):
             if not self._chunk_in_window(i, md):
                 continue  # no query sees it: its merge would change nothing, its gather and up-projection cost
-            rows = gather_kv_cache(self.kv_cache, slots, out=chunked.workspace).to(q.dtype)
+            rows = dequantize_rows(gather_kv_cache(self.kv_cache, slots, out=chunked.workspace),
+                                   self.mla.kv_lora_rank, q.dtype)
             ctx_k, ctx_v = self._expand_keys(*rows.split([self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1))
             ctx_out, ctx_lse = backend.run_prefill_context_chunk(i, q, ctx_k, ctx_v)
             out, lse = merge_attn_states(ctx_out, ctx_lse, out, lse)

@@ -155,7 +155,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8 / int4: quantize lm_head too (default: yes; --no-lm-head-quantized keeps it in the "
                         "compute dtype)")
     g.add_argument("--kv-cache-dtype", type=kv_cache_dtype_name, default=d.kv_cache_dtype,
-                   help="KV cache dtype (auto: the compute dtype; fp8: e4m3 at scale 1.0, half a bf16 cache's bytes)")
+                   help="KV cache dtype (auto: the compute dtype; fp8: e4m3 at scale 1.0, half a bf16 cache's bytes; "
+                        "int8 or q8_0: int8 with a scale per row part, 8 bytes a row more than fp8)")
     g.add_argument("--block-size", type=positive_int, default=d.block_size, help="tokens per KV cache block")
     g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs, help="requests per step at most")
     g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens,

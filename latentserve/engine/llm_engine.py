@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from latentserve.config import DTYPES, FP8_KV_CACHE_DTYPES, AttentionConfig, DBOConfig
+from latentserve.config import (DTYPES, FP8_KV_CACHE_DTYPES, INT8_KV_CACHE_DTYPES, INT8_KV_SCALE_BYTES, AttentionConfig,
+                                DBOConfig)
 from latentserve.distributed.expert_parallel import shard_experts
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.distributed.parallel_state import DPGroup, get_dp_group
@@ -56,7 +57,10 @@ def parse_dtype(dtype: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 
 def parse_kv_cache_dtype(name: str | torch.dtype, dtype: torch.dtype, device: str = "cpu") -> torch.dtype:
-    """The KV cache's dtype: "auto" the compute `dtype`, a dtype name, or fp8 / fp8_e4m3 (e4m3, scale 1.0)."""
+    """The KV cache's dtype: "auto" the compute `dtype`, a dtype name, fp8 / fp8_e4m3 (e4m3, scale 1.0), or int8 /
+    q8_0 (int8 with a scale per row part)."""
+    if name in INT8_KV_CACHE_DTYPES:
+        return INT8_KV_CACHE_DTYPES[name]
     if isinstance(name, str) and name.startswith("fp8"):
         if name not in FP8_KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype {name!r} is not supported; the fp8 cache is e4m3: use fp8 or fp8_e4m3")
@@ -209,6 +213,8 @@ def _blocks_for_memory(config: EngineConfig, model_config: ModelConfig, cache_dt
     # the MLA layers' caches (ModelConfig.num_attention_layers) and the MTP layer's
     num_layers = model_config.num_attention_layers + (config.speculative_config is not None)
     values = model_config.kv_cache_values(num_layers)
+    if cache_dtype == torch.int8:  # each latent row's scales
+        values += INT8_KV_SCALE_BYTES * sum(map(model_config.owns_kv, range(num_layers)))
     if model_config.dsa is not None:  # the indexers' caches
         values += model_config.dsa.cache_dim * model_config.dsa.num_indexer_layers(num_layers)
     per_block = config.block_size * values * cache_dtype.itemsize

@@ -12,7 +12,7 @@ import torch
 MAX_DIMS, MAX_ROPE = 5, 1024  # LS_MAX_DIMS, LS_MAX_ROPE
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.int8: 3, torch.uint8: 4,
           torch.int32: 5, torch.int64: 6}  # ls_dtype
-DENSE, INT8, INT4, INT8_LANES = 0, 1, 2, 3  # ls_weight_kind
+DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS = 0, 1, 2, 3, 4  # ls_weight_kind
 ROPE_STYLES = ("gptj", "interleave", "neox")  # ls_rope_style's order: DeepSeek's rope layouts (layers/rotary.py)
 # ls_status
 (OK, BAD_QUERY_START, NEGATIVE_SEQ_LEN, SEQ_PAST_TABLE, BLOCK_PAST_CACHE, SLOT_PAST_CACHE, BAD_EXPERT, BAD_TENSOR,
@@ -40,8 +40,9 @@ def desc(t: torch.Tensor) -> bytes:
 
 class Weight(ctypes.Structure):
     """One projection's weight (ls_weight_kind): DENSE (w in the activations' dtype, `[N, K]`, per-head products
-    bmm's `[H, K, N]`), INT8 (w `[N, K]` / `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the same in
-    `int8_lanes`' layout) or INT4 (w in `pack_int4`'s layout, group size)."""
+    bmm's `[H, K, N]`), INT8 (per-head products' w `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the
+    same in `int8_lanes`' layout), INT8_BLOCKS (w in `pack_int8`'s layout) or INT4 (w in `pack_int4`'s layout, group
+    size)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
@@ -61,18 +62,19 @@ class MLABlock(ctypes.Structure):
 
 class MoEBlock(ctypes.Structure):
     """One layer's MoE as moe_block.c reads it: shapes and routing (`ls_route`'s arguments), the fp32 router weight
-    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits 0: w13, w2t, the
-    shared experts folded in as `shared_chunks` more) or quantized (bits 8 / 4: a table of each expert's pointers as
-    `experts_tokens` takes them, with gate_up's and down's int4 group sizes, the shared MLP as one more expert of
-    `shared_inter`, or None)."""
+    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits[0] 0: w13, w2t, the
+    shared experts folded in as `shared_chunks` more) or quantized (a table of each expert's packed gate_up and down
+    as `experts_tokens` takes them, their formats in bits and group (gate_up's, down's), the shared MLP as one more
+    expert of `shared_inter` in its own formats, or None)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
         ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
-        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bits", ctypes.c_int32), ("bf", ctypes.c_int32),
+        ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bf", ctypes.c_int32),
         ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
         ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("int4_groups", ctypes.c_int64 * 2),
-        ("shared_int4_groups", ctypes.c_int64 * 2), ("shared_inter", ctypes.c_int64)]
+        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("bits", ctypes.c_int32 * 2),
+        ("shared_bits", ctypes.c_int32 * 2), ("group", ctypes.c_int64 * 2), ("shared_group", ctypes.c_int64 * 2),
+        ("shared_inter", ctypes.c_int64)]
 
 
 class Field(ctypes.Structure):
@@ -91,6 +93,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_dense_heads": (_status, [_T, _T, _T, _i32]),
     "ls_int8_heads": (_status, [_T, _T, _T, _T, _T, _i32]),
     "ls_int8_heads_lanes": (_status, [_T, _T, _T, _T, _T, _i32]),
+    "ls_int8_linear": (_status, [_T, _T, _T, _i32]),
     "ls_int4_linear": (_status, [_T, _T, _i64, _T, _i32]),
     "ls_rms_norm": (_status, [_T, _T, _f32, _T, _i32]),
     "ls_mla_prologue": (_status, [_T, _T, _T, _f32, _T, _T, _i32, _T, _T, _T, _T, _i32]),
@@ -99,7 +102,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_mla_attention_block": (_status, [ctypes.POINTER(MLABlock), _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
     "ls_moe_block": (_status, [ctypes.POINTER(MoEBlock), _T, _T, _T, _i32]),
     "ls_dense_experts": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i32, _i32]),
-    "ls_experts_tokens": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _i64, _p, _i32, _i32]),
+    "ls_experts_tokens": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _i32, _i64, _p, _i32, _i32]),
     "ls_stacked_experts": (_i32, [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p, _p, _p, _i32,
                                   _i32]),
 }

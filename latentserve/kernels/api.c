@@ -8,7 +8,7 @@
 
 #define BIT(d) (1u << (d))
 #define ACT (BIT(LS_F32) | BIT(LS_BF16))
-#define CACHE (ACT | BIT(LS_F8_E4M3))
+#define CACHE (ACT | BIT(LS_F8_E4M3) | BIT(LS_I8))
 #define DIM(t, d) ((t)->shape[d])
 
 static const char *const DTYPE_NAMES[] = {"fp32", "bf16", "fp8_e4m3", "int8", "uint8", "int32", "int64"};
@@ -49,7 +49,13 @@ static int bad_size(const char *name, const ls_tensor *t, int d, int64_t size) {
 
 static int bf(const ls_tensor *t) { return t->dtype == LS_BF16; }
 /* kv_rows.h's io bits of a cache. */
-static int cache_io(const ls_tensor *cache) { return bf(cache) << 1 | (cache->dtype == LS_F8_E4M3) << 3; }
+static int cache_io(const ls_tensor *cache) {
+    return bf(cache) << 1 | (cache->dtype == LS_F8_E4M3) << 3 | (cache->dtype == LS_I8) << 4;
+}
+/* A cache row's elements for `values` values: an int8 row's scales follow them. */
+static int64_t cache_width(const ls_tensor *cache, int64_t values) {
+    return values + (cache->dtype == LS_I8) * LS_INT8_ROW_SCALES;
+}
 
 /* CHECK: return a check's own code; TENSORS: return LS_BAD_TENSOR where any of the checks `||`-ed fails. */
 #define CHECK(expr)                                                                                                  \
@@ -125,7 +131,17 @@ LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t g
     if ((group != 32 && group != 64 && group != 128) || K % 64 || K % group)
         return refuse(LS_BAD_TENSOR, "group size %lld with K %lld", (long long)group, (long long)K);
     TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, K / group * (64 + 8 * group)));
-    int4_linear(x->data, DIM(x, 0), K, packed->data, group, N, y->data, bf(x) | bf(y) << 1, threads);
+    quant_linear(x->data, DIM(x, 0), K, packed->data, 4, group, N, y->data, bf(x) | bf(y) << 1, threads);
+    return LS_OK;
+}
+
+LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_I8), 2, 0));
+    TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
+    int64_t K = DIM(x, 1), N = DIM(y, 1);
+    if (K % 4) return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of 4", (long long)K);
+    TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, 128 + 16 * K));
+    quant_linear(x->data, DIM(x, 0), K, packed->data, 8, 0, N, y->data, bf(x) | bf(y) << 1, threads);
     return LS_OK;
 }
 
@@ -147,7 +163,7 @@ static int bad_rotary(const ls_tensor *cos, const ls_tensor *sin, int64_t T, int
 
 /* The cache [blocks, block_size, width] and int64 slots [T], each slot within the cache (LS_SLOT_PAST_CACHE). */
 static int bad_slots(const ls_tensor *cache, const ls_tensor *slots, int64_t T, int64_t width) {
-    TENSORS(bad_tensor("kv_cache", cache, CACHE, 3, 0) || bad_size("kv_cache", cache, 2, width));
+    TENSORS(bad_tensor("kv_cache", cache, CACHE, 3, 0) || bad_size("kv_cache", cache, 2, cache_width(cache, width)));
     TENSORS(bad_tensor("slot_mapping", slots, BIT(LS_I64), 1, 0) || bad_size("slot_mapping", slots, 0, T));
     return bad_slot(slots->data, T, DIM(cache, 0) * DIM(cache, 1)) >= 0 ? LS_SLOT_PAST_CACHE : LS_OK;
 }
@@ -189,7 +205,8 @@ LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls
                          const ls_tensor *out, int threads) {
     TENSORS(bad_tensor("q", q, ACT, 3, 0) || bad_tensor("kv_cache", kv_cache, CACHE, 3, 0));
     int64_t T = DIM(q, 0), H = DIM(q, 1), D = DIM(q, 2);
-    TENSORS(bad_size("kv_cache", kv_cache, 2, D) || bad_tensor("out", out, ACT, 3, 0) || bad_size("out", out, 0, T));
+    TENSORS(bad_size("kv_cache", kv_cache, 2, cache_width(kv_cache, D)) || bad_tensor("out", out, ACT, 3, 0));
+    TENSORS(bad_size("out", out, 0, T));
     TENSORS(bad_size("out", out, 1, H));
     int64_t L = DIM(out, 2);
     if (L <= 0 || L > D) return refuse(LS_BAD_TENSOR, "out: latent %lld not in 1..%lld", (long long)L, (long long)D);
@@ -221,7 +238,7 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
 
 /* A projection's weight has what its kind reads. */
 static int bad_weight(const char *name, const Weight *w) {
-    if (w->kind < LS_DENSE || w->kind > LS_INT8_LANES) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
+    if (w->kind < LS_DENSE || w->kind > LS_INT8_BLOCKS) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
         return refuse(LS_BAD_BLOCK, "%s: an int8 weight without its scale or qsum", name);
@@ -243,9 +260,10 @@ static int bad_mla_block(const MLABlock *b) {
     if ((b->q_lora && bad_weight("q_a", &b->q_a)) || bad_weight("q_b", &b->q_b) || bad_weight("kv_a", &b->kv_a) ||
         bad_weight("o_proj", &b->o_proj) || bad_weight("uk", &b->uk) || bad_weight("uv", &b->uv))
         return LS_BAD_BLOCK;
-    /* The per-head products: dense ones through dense_heads (N a multiple of 16), int4 only for H = 1. */
+    /* The per-head products: dense ones through dense_heads (N a multiple of 16), int4 and int8 blocks only for
+     * H = 1. */
     if ((b->uk.kind == LS_DENSE && b->latent % 16) || (b->uv.kind == LS_DENSE && b->v_dim % 16) ||
-        b->uk.kind == LS_INT4 || b->uv.kind == LS_INT4)
+        b->uk.kind == LS_INT4 || b->uv.kind == LS_INT4 || b->uk.kind == LS_INT8_BLOCKS || b->uv.kind == LS_INT8_BLOCKS)
         return refuse(LS_BAD_BLOCK, "uk and uv: dense with latent and v_dim multiples of 16, or int8");
     return LS_OK;
 }
@@ -276,13 +294,17 @@ static int bad_moe_block(const MoEBlock *b) {
     if (bad_routing(b->experts, b->topk, b->groups, b->topk_groups)) return LS_BAD_BLOCK;
     if (!b->router) return refuse(LS_BAD_BLOCK, "router is NULL");
     if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
-    if (b->bits == 0) {
+    if (b->bits[0] == 0) {
         if (!b->w13 || !b->w2t) return refuse(LS_BAD_BLOCK, "stacked experts: w13 or w2t is NULL");
         if (b->shared_chunks < 0 || (b->shared_chunks && (!b->sg || !b->su || !b->sd)))
             return refuse(LS_BAD_BLOCK, "%lld shared chunks: sg, su or sd is NULL", (long long)b->shared_chunks);
         return LS_OK;
     }
-    if (b->bits != 8 && b->bits != 4) return refuse(LS_BAD_BLOCK, "bits is %d, not 0, 8 or 4", b->bits);
+    for (int i = 0; i < 2; i++) {
+        if ((b->bits[i] != 8 && b->bits[i] != 4) || (b->shared && b->shared_bits[i] != 8 && b->shared_bits[i] != 4))
+            return refuse(LS_BAD_BLOCK, "bits %d, %d (shared %d, %d): not 8 or 4", b->bits[0], b->bits[1],
+                          b->shared_bits[0], b->shared_bits[1]);
+    }
     if (!b->table) return refuse(LS_BAD_BLOCK, "quantized experts: table is NULL");
     if (b->shared && b->shared_inter <= 0)
         return refuse(LS_BAD_BLOCK, "a shared expert of shared_inter %lld", (long long)b->shared_inter);
@@ -318,10 +340,10 @@ static const ls_field LAYOUT[] = {
     FIELD(MLABlock, bf),
     STRUCT(MoEBlock), FIELD(MoEBlock, hidden), FIELD(MoEBlock, experts), FIELD(MoEBlock, topk),
     FIELD(MoEBlock, groups), FIELD(MoEBlock, topk_groups), FIELD(MoEBlock, sigmoid), FIELD(MoEBlock, norm),
-    FIELD(MoEBlock, scaling), FIELD(MoEBlock, router), FIELD(MoEBlock, bias), FIELD(MoEBlock, bits),
-    FIELD(MoEBlock, bf), FIELD(MoEBlock, inter), FIELD(MoEBlock, w13), FIELD(MoEBlock, w2t),
-    FIELD(MoEBlock, shared_chunks), FIELD(MoEBlock, sg), FIELD(MoEBlock, su), FIELD(MoEBlock, sd),
-    FIELD(MoEBlock, table), FIELD(MoEBlock, shared), FIELD(MoEBlock, int4_groups), FIELD(MoEBlock, shared_int4_groups),
+    FIELD(MoEBlock, scaling), FIELD(MoEBlock, router), FIELD(MoEBlock, bias), FIELD(MoEBlock, bf),
+    FIELD(MoEBlock, inter), FIELD(MoEBlock, w13), FIELD(MoEBlock, w2t), FIELD(MoEBlock, shared_chunks),
+    FIELD(MoEBlock, sg), FIELD(MoEBlock, su), FIELD(MoEBlock, sd), FIELD(MoEBlock, table), FIELD(MoEBlock, shared),
+    FIELD(MoEBlock, bits), FIELD(MoEBlock, shared_bits), FIELD(MoEBlock, group), FIELD(MoEBlock, shared_group),
     FIELD(MoEBlock, shared_inter),
     {NULL, 0, 0},
 };

@@ -3,7 +3,7 @@
  * linears in fp32/bf16, int8 or int4, the latent prologue, the absorbed per-head products, paged decode attention)
  * with the same arguments in the same order, so the result equals theirs to the bit. It saves the ~50 torch ops
  * and Python calls between them, which cost more than the arithmetic at decode sizes. Activations and norms are
- * all fp32 or all bf16 (`bf`); the cache fp32, bf16 or fp8 (`cache_io`: the io bits 1 and 3 of kv_rows.h). The
+ * all fp32 or all bf16 (`bf`); the cache fp32, bf16, fp8 or int8 (`cache_io`: the io bits 1, 3 and 4 of kv_rows.h). The
  * intermediate activations come from the scratch arena. */
 #include "simd.h"
 
@@ -15,8 +15,8 @@ static int product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t
         int8_heads(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
     else if (w->kind == LS_INT8_LANES)
         int8_heads_lanes(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
-    else if (w->kind == LS_INT4)
-        int4_linear(x, M, K, w->w, w->group, N, y, io, threads);
+    else if (w->kind == LS_INT8_BLOCKS || w->kind == LS_INT4)
+        quant_linear(x, M, K, w->w, w->kind == LS_INT4 ? 4 : 8, w->group, N, y, io, threads);
     else if (H == 1)
         return dense_linear(x, M, K, w->w, N, y, io | bf << 2, threads);
     else

@@ -1,5 +1,5 @@
-/* int4 linear layers: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight q * scale + minimum
- * per group of G input columns (q in [0, 15]; G 32, 64 or 128; K % 64 == 0).
+/* int4 weights (`pack_int4`; quant_blocks.c drives them): y[M, N] = x[M, K] @ dequantized(w)[N, K]^T, weight
+ * q * scale + minimum per group of G input columns (q in [0, 15]; G 32, 64 or 128; K % 64 == 0).
  *
  * Layout (`pack_int4`): the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes read
  * once; per group of G columns, the 16 outputs' (scale, minimum) as bf16 pairs (64 bytes), then G / 8 units of
@@ -130,29 +130,4 @@ void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block
         else
             FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 32)
     }
-}
-
-#define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
-
-void int4_linear(const void *x, int64_t M, int64_t K, const uint8_t *w, int64_t G, int64_t N, void *y, int io,
-                 int threads) {
-    QuantActs a = quantize_acts(x, io & 1, M, K, 4, G);
-    int64_t blocks = (N + 15) / 16;
-#pragma omp parallel num_threads(threads)
-    {
-        float *dots = malloc((M < ROW_CHUNK ? M : ROW_CHUNK) * 16 * sizeof(float));
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-            int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-            for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                         len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-                int64_t b = two_streams(begin, len, idx), outputs = N - 16 * b < 16 ? N - 16 * b : 16;
-                int4_block_dots(a, m0, rows, w + b * int4_block_bytes(K, G), K, G, dots);
-                for (int64_t m = 0; m < rows; m++)
-                    for (int64_t j = 0; j < outputs; j++)
-                        store_out(y, io & 2, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
-            }
-        }
-        free(dots);
-    }
-    free_acts(a);
 }

@@ -8,7 +8,8 @@
 
 #define LS_API __attribute__((visibility("default")))
 
-enum { LS_MAX_DIMS = 5, LS_MAX_ROPE = 1024 };
+/* LS_INT8_ROW_SCALES: the bytes an int8 latent cache row carries after its values, two fp32 scales (kv_rows.h). */
+enum { LS_MAX_DIMS = 5, LS_MAX_ROPE = 1024, LS_INT8_ROW_SCALES = 8 };
 
 /* Element types a descriptor names (torch's float32, bfloat16, float8_e4m3fn, int8, uint8, int32, int64). */
 typedef enum { LS_F32 = 0, LS_BF16 = 1, LS_F8_E4M3 = 2, LS_I8 = 3, LS_U8 = 4, LS_I32 = 5, LS_I64 = 6 } ls_dtype;
@@ -39,9 +40,10 @@ typedef enum {
 } ls_status;
 
 /* How one projection's weight is stored (Weight.kind). DENSE: w `[N, K]` in the block's dtype (per-head products:
- * bmm's `[H, K, N]`); INT8: w int8 `[N, K]` (heads: `[H, N, K]`), per-row scale (fp32) and sum (int32); INT8_LANES:
- * the same in ls_int8_heads_lanes' layout; INT4: w in `pack_int4`'s layout with its group size. */
-typedef enum { LS_DENSE = 0, LS_INT8 = 1, LS_INT4 = 2, LS_INT8_LANES = 3 } ls_weight_kind;
+ * bmm's `[H, K, N]`); INT8: w int8 `[H, N, K]` (per-head products), per-row scale (fp32) and sum (int32);
+ * INT8_LANES: the same in ls_int8_heads_lanes' layout; INT8_BLOCKS: w in `pack_int8`'s layout (linear layers);
+ * INT4: w in `pack_int4`'s layout with its group size. */
+typedef enum { LS_DENSE = 0, LS_INT8 = 1, LS_INT4 = 2, LS_INT8_LANES = 3, LS_INT8_BLOCKS = 4 } ls_weight_kind;
 
 /* DeepSeek's rope layouts (layers/rotary.py): rotated pairs (2j, 2j + 1), interleaved pairs read as halves, halves. */
 typedef enum { LS_ROPE_GPTJ = 0, LS_ROPE_INTERLEAVE = 1, LS_ROPE_NEOX = 2 } ls_rope_style;
@@ -63,23 +65,24 @@ typedef struct {
     int32_t style, bf;
 } MLABlock;
 
-/* One layer's MoE. bits 0: fp32/bf16 experts stacked as StackedExperts holds them (w13 [E, 2I, K], w2t [E, I, K]),
- * the shared ones folded in as `shared_chunks` more experts (sg, su, sd) or none; bits 8 / 4: quantized experts,
- * `per` pointers each in `table` (int8: gate_up's q, scale, qsum, then down's; int4: the two packed weights,
- * gate_up's and down's group sizes in `int4_groups`), the shared MLP as one more such expert of `shared_inter` (its
- * group sizes in `shared_int4_groups`) or NULL. */
+/* One layer's MoE. bits[0] 0: fp32/bf16 experts stacked as StackedExperts holds them (w13 [E, 2I, K], w2t
+ * [E, I, K]), the shared ones folded in as `shared_chunks` more experts (sg, su, sd) or none. Else quantized
+ * experts, each projection in its own format (bits 8: `pack_int8`'s layout; 4: `pack_int4`'s with a group size):
+ * gate_up's bits[0], group[0], down's bits[1], group[1]; two pointers each in `table` (the packed gate_up and down),
+ * the shared MLP as one more such expert of `shared_inter` in its own formats (shared_bits, shared_group) or NULL. */
 typedef struct {
     int64_t hidden, experts, topk, groups, topk_groups;
     int32_t sigmoid, norm;
     float scaling;
     const float *router, *bias;
-    int32_t bits, bf;
+    int32_t bf;
     int64_t inter;
     const void *w13, *w2t;
     int64_t shared_chunks;
     const void *sg, *su, *sd;
     void *const *table, *const *shared;
-    int64_t int4_groups[2], shared_int4_groups[2], shared_inter;
+    int32_t bits[2], shared_bits[2];
+    int64_t group[2], shared_group[2], shared_inter;
 } MoEBlock;
 
 /* One row of the layout table: "Struct" with its size, or "Struct.field" with its offset and size. */
@@ -109,16 +112,20 @@ LS_API int ls_int8_heads(const ls_tensor *x, const ls_tensor *q, const ls_tensor
 /* The same with q in the lanes layout [H, N / 16, K / 4, 16, 4]. */
 LS_API int ls_int8_heads_lanes(const ls_tensor *x, const ls_tensor *q, const ls_tensor *scale, const ls_tensor *qsum,
                                const ls_tensor *y, int threads);
+/* y [M, N] = x [M, K] times the int8 weight in pack_int8's layout [ceil(N / 16), 128 + 16 K] (K a multiple of 4). */
+LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* y [M, N] = x [M, K] times the uint8 weight in pack_int4's layout [ceil(N / 16), K / group * (64 + 8 group)]. */
 LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t group, const ls_tensor *y, int threads);
 /* RMSNorm over x's rows [M, N] with w [N] of x's dtype; y like x. */
 LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads);
 /* MLA's latent prologue (prologue.c): q [T, H, D] rotated in place, kv [T, L + R] -> kv_c [T, L], k_pe [T, R],
- * each token's row to kv_cache [blocks, block_size, L + R] at slots [T] (int64, < 0: padding). */
+ * each token's row to kv_cache [blocks, block_size, L + R] at slots [T] (int64, < 0: padding). A cache is fp32,
+ * bf16, fp8 e4m3 or int8; an int8 cache's rows are L + R + LS_INT8_ROW_SCALES wide (kv_rows.h). */
 LS_API int ls_mla_prologue(const ls_tensor *q, const ls_tensor *kv, const ls_tensor *w, float eps,
                            const ls_tensor *cos, const ls_tensor *sin, int style, const ls_tensor *kv_c,
                            const ls_tensor *k_pe, const ls_tensor *kv_cache, const ls_tensor *slots, int threads);
-/* Absorbed MQA over the paged cache (mla_decode.c): out [T, H, L] from q [T, H, D], kv_cache [blocks, B, D],
+/* Absorbed MQA over the paged cache (mla_decode.c): out [T, H, L] from q [T, H, D], kv_cache [blocks, B, D] (int8:
+ * D + LS_INT8_ROW_SCALES),
  * block_table int32 [>= R, width], query_start_loc int32 [R + 1], seq_lens int32 [R]. */
 LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls_tensor *block_table,
                          const ls_tensor *query_start_loc, const ls_tensor *seq_lens, float scale,
@@ -142,7 +149,8 @@ LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int
                              const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
                              int threads);
 LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                              const float *gates, int bits, int64_t G, int64_t GD, void *y, int io, int threads);
+                              const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
+                              int threads);
 LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
                               const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
                               int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,

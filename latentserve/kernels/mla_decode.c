@@ -8,7 +8,8 @@
  * memory once. Sums in fp32. A token's positions are split in chunks of CHUNK, each its own item, their partial
  * softmaxes combined after (as flash-decoding splits them): with one token, the threads read different rows instead
  * of the same ones for different heads. The chunks are the same whatever the batch and the threads, so a token's
- * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work.
+ * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work. An
+ * fp8 or int8 cache (kv_rows.h) is dequantized a tile at a time for all of an item's heads (decode_quantized_item).
  */
 #include "kv_rows.h"
 
@@ -89,6 +90,8 @@ INLINE void weigh_rows(const float *w, const char *const *rows, int cf, int64_t 
 /* bf16 queries and cache on a CPU with AVX512-BF16: vdpbf16ps takes two columns a lane (exact products, summed in
  * fp32), twice the multiply-adds of an fp32 FMA per instruction. */
 
+INLINE __m512i load_bf16x32(const char *row, int64_t i) { return _mm512_loadu_si512((const uint16_t *)row + i); }
+
 /* score_rows for bf16 q and rows: scale * (q[h] . rows[p]); columns past the last multiple of 32 in fp32. Two rows
  * a pass, so that each load of q feeds two products. */
 INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *rows, int cf, int64_t p0, int64_t p1,
@@ -103,7 +106,7 @@ INLINE void score_rows_bf16(const uint16_t *q, int64_t D, const char *const *row
         for (int h = 0; h < HEADS; h++) acc[0][h] = acc[1][h] = _mm512_setzero_ps();
         int64_t d = 0;
         for (; d + 32 <= D; d += 32) {
-            __m512bh k0 = (__m512bh)load_bf16x32(row[0], cf, d), k1 = (__m512bh)load_bf16x32(row[1], cf, d);
+            __m512bh k0 = (__m512bh)load_bf16x32(row[0], d), k1 = (__m512bh)load_bf16x32(row[1], d);
             for (int h = 0; h < nh; h++) {
                 __m512bh qh = (__m512bh)_mm512_loadu_si512(q + h * D + d);
                 acc[0][h] = _mm512_dpbf16_ps(acc[0][h], qh, k0);
@@ -148,8 +151,8 @@ INLINE void weigh_rows_bf16(const float *w, const char *const *rows, int cf, int
             hi[h] = _mm512_permutex2var_ps(a, SPLIT_HI, b);
         }
         for (int64_t j = 0; j < nt; j += 2) {
-            __m512i r0 = load_bf16x32(rows[j], cf, l);
-            __m512i r1 = j + 1 < nt ? load_bf16x32(rows[j + 1], cf, l) : _mm512_setzero_si512();
+            __m512i r0 = load_bf16x32(rows[j], l);
+            __m512i r1 = j + 1 < nt ? load_bf16x32(rows[j + 1], l) : _mm512_setzero_si512();
             __m512bh vl = (__m512bh)_mm512_unpacklo_epi16(r0, r1), vh = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
             for (int h = 0; h < nh; h++) {
                 __m512bh wp = (__m512bh)_mm512_set1_epi32(pairs[h * ROW_TILE / 2 + j / 2]);
@@ -197,36 +200,11 @@ static void online_softmax(float *scores, int64_t nt, int nh, float *maxima, flo
     }
 }
 
-/* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n), tile by tile: into `out` normalized,
- * or where `partial` is given, each head's running maximum, sum and unnormalized values there (L + 2 floats a head)
- * for combine_chunks. */
-INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
-                        int64_t p_end, float scale, void *out, int obf, float *partial, int nh) {
-    float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
-    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
-    for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
-#ifdef LS_BF16DOT
-    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps (fp8 rows converted to bf16) */
-#else
-    int dot = 0;
-#endif
-    if (!dot)
-        for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
-    for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
-        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
-#ifdef LS_BF16DOT
-        if (dot) {
-            score_rows_bf16(q, D, rows, cf, p0, p1, p_end, nh, scale, scores);
-            online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-            weigh_rows_bf16(scores, rows + p0, cf, p1 - p0, L, nh, acc);
-            continue;
-        }
-#endif
-        score_rows(qs, D, rows, cf, p0, p1, p_end, nh, scores);
-        online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
-        weigh_rows(scores, rows + p0, cf, p1 - p0, L, nh, acc);
-    }
-    for (int h = 0; h < nh; h++) {
+/* nh heads' results: into `out` normalized, or where `partial` is given, each head's running maximum, sum and
+ * unnormalized values there (L + 2 floats a head) for combine_chunks. */
+static void finish_heads(const float *maxima, const float *sums, const float *acc, int64_t nh, int64_t L, void *out,
+                         int obf, float *partial) {
+    for (int64_t h = 0; h < nh; h++) {
         if (partial) {
             float *part = partial + h * (L + 2);
             part[0] = maxima[h], part[1] = sums[h];
@@ -236,6 +214,125 @@ INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char
         float inv = 1.f / sums[h];
         for (int64_t l = 0; l < L; l++) store_out(out, obf, h * L + l, acc[h * L + l] * inv);
     }
+}
+
+/* One tile's rows p0 .. p1 for nh heads: scored, the online softmax updated, weighed into acc. `rows` fp32 or bf16
+ * (rf); q bf16 through vdpbf16ps where `dot`, else the scaled fp32 queries qs. Rows ahead are prefetched up to n (0:
+ * none, for a tile just written). */
+INLINE void attend_tile(const void *q, const float *qs, int dot, int64_t D, int64_t L, const char *const *rows, int rf,
+                        int64_t p0, int64_t p1, int64_t n, float scale, float *scores, float *maxima, float *sums,
+                        float *acc, int nh) {
+#ifdef LS_BF16DOT
+    if (dot) {
+        score_rows_bf16(q, D, rows, rf, p0, p1, n, nh, scale, scores);
+        online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
+        weigh_rows_bf16(scores, rows + p0, rf, p1 - p0, L, nh, acc);
+        return;
+    }
+#endif
+    (void)q, (void)dot, (void)scale;
+    score_rows(qs, D, rows, rf, p0, p1, n, nh, scores);
+    online_softmax(scores, p1 - p0, nh, maxima, sums, acc, L);
+    weigh_rows(scores, rows + p0, rf, p1 - p0, L, nh, acc);
+}
+
+/* Heads h0 .. h0 + nh of one token over its visible rows p_begin .. p_end (of n) of an fp32 or bf16 cache, read in
+ * place tile by tile; results as finish_heads gives them. */
+INLINE void decode_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf, int64_t p_begin,
+                        int64_t p_end, float scale, void *out, int obf, float *partial, int nh) {
+    float qs[HEADS * D], acc[HEADS * L], scores[HEADS * ROW_TILE], maxima[HEADS], sums[HEADS];
+    for (int64_t i = 0; i < nh * L; i++) acc[i] = 0.f;
+    for (int h = 0; h < nh; h++) maxima[h] = -INFINITY, sums[h] = 0.f;
+#ifdef LS_BF16DOT
+    int dot = qbf && cf == KV_BF16; /* bf16 products through vdpbf16ps */
+#else
+    int dot = 0;
+#endif
+    if (!dot)
+        for (int64_t i = 0; i < nh * D; i++) qs[i] = scale * load_act(q, qbf, i);
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
+        int64_t p1 = p0 + ROW_TILE < p_end ? p0 + ROW_TILE : p_end;
+        attend_tile(q, qs, dot, D, L, rows, cf, p0, p1, p_end, scale, scores, maxima, sums, acc, nh);
+    }
+    finish_heads(maxima, sums, acc, nh, L, out, obf, partial);
+}
+
+/* A quantized-cache item's working memory, one per thread: for its heads the scaled fp32 queries, the accumulated
+ * values, the running maxima and sums; a tile's scores (one group of heads at a time); the tile, dequantized. */
+typedef struct {
+    float *qs, *acc, *maxima, *sums, *scores;
+    char *tile;
+} ItemMemory;
+
+/* Floats an ItemMemory of `heads` takes. */
+INLINE int64_t item_floats(int64_t heads, int64_t D, int64_t L) {
+    return heads * (D + L + 2) + HEADS * ROW_TILE + ROW_TILE * D;
+}
+
+static ItemMemory item_memory(float *f, int64_t heads, int64_t D, int64_t L) {
+    float *tile = f + heads * (D + L + 2) + HEADS * ROW_TILE;
+    return (ItemMemory){f, f + heads * D, f + heads * (D + L), f + heads * (D + L + 1), f + heads * (D + L + 2),
+                        (char *)tile};
+}
+
+/* Rows p0 .. p1 (of n) of an fp8 or int8 cache dequantized into `tile` (bf16 for vdpbf16ps where `dot`, else fp32),
+ * their addresses into tile_rows. The conversion is quick next to a row's arrival from memory, so it asks for the
+ * next tile's rows, which arrive while the heads attend this one (and for the item's first tile, the rows just
+ * ahead). */
+static void dequantize_tile(const char *const *rows, int64_t p0, int64_t p1, int64_t n, int first, int cf, int dot,
+                            int64_t D, int64_t L, char *tile, const char **tile_rows) {
+    int64_t row_bytes = kv_row_bytes(cf, D);
+    for (int64_t j = 0; j < p1 - p0; j++) {
+        if (first) prefetch_row(rows, p0 + j + PREFETCH_ROWS, n, row_bytes);
+        prefetch_row(rows, p0 + j + ROW_TILE, n, row_bytes);
+        tile_rows[j] = tile + j * D * (dot ? 2 : 4);
+#ifdef LS_BF16DOT
+        if (dot) {
+            dequantize_row_bf16(rows[p0 + j], cf, D, L, (uint16_t *)tile_rows[j]);
+            continue;
+        }
+#endif
+        dequantize_row_f32(rows[p0 + j], cf, D, L, (float *)tile_rows[j]);
+    }
+}
+
+/* decode_item over an fp8 or int8 cache, for all nh heads of the item: each tile is dequantized once (no copy of the
+ * cache beyond it) and attended by every head, HEADS at a time, while it is in cache, so the conversion costs once
+ * per row and item rather than once per row, group of heads and pass. */
+static void decode_quantized_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf,
+                                  int64_t p_begin, int64_t p_end, float scale, void *out, int obf, float *partial,
+                                  int64_t nh, ItemMemory *s) {
+#ifdef LS_BF16DOT
+    int dot = qbf; /* the tile in bf16, for vdpbf16ps */
+#else
+    int dot = 0;
+#endif
+    int rf = dot ? KV_BF16 : KV_F32;
+    int64_t qsize = qbf ? 2 : 4;
+    for (int64_t i = 0; i < nh * L; i++) s->acc[i] = 0.f;
+    for (int64_t h = 0; h < nh; h++) s->maxima[h] = -INFINITY, s->sums[h] = 0.f;
+    if (!dot)
+        for (int64_t i = 0; i < nh * D; i++) s->qs[i] = scale * load_act(q, qbf, i);
+    const char *tile[ROW_TILE];
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
+        int64_t nt = p0 + ROW_TILE < p_end ? ROW_TILE : p_end - p0;
+        dequantize_tile(rows, p0, p0 + nt, p_end, p0 == p_begin, cf, dot, D, L, s->tile, tile);
+        for (int64_t h0 = 0; h0 < nh; h0 += HEADS) {
+            const void *qg = (const char *)q + h0 * D * qsize;
+            float *qs = s->qs + h0 * D, *mx = s->maxima + h0, *sm = s->sums + h0, *acc = s->acc + h0 * L;
+            switch (nh - h0 < HEADS ? nh - h0 : HEADS) { /* a constant head count: the accumulators in registers */
+            case 1: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 1); break;
+            case 2: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 2); break;
+            case 3: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 3); break;
+            case 4: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 4); break;
+            case 5: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 5); break;
+            case 6: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 6); break;
+            case 7: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 7); break;
+            default: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 8); break;
+            }
+        }
+    }
+    finish_heads(s->maxima, s->sums, s->acc, nh, L, out, obf, partial);
 }
 
 /* One head's output from its chunks' partial softmaxes (decode_item's `partial`, `chunks` of them H heads apart),
@@ -260,14 +357,14 @@ INLINE int64_t visible(int64_t t, int64_t r, const int32_t *qsl, const int32_t *
 
 /* Requests r < R: query tokens qsl[r] .. qsl[r + 1], seq_lens[r] positions in the blocks of block_table row r
  * (row stride bt_stride); query token j of a request with n new tokens sees positions 0 .. seq_len - n + j; a token
- * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8,
- * kv_rows.h), bit 2 out (else fp32). The metadata within the cache, the block table and the T tokens
+ * that sees none (or belongs to no request) gets zeros. `io`: bit 0 q is bf16, bit 1 the cache (bit 3: fp8, bit 4:
+ * int8; kv_rows.h), bit 2 out (else fp32). The metadata within the cache, the block table and the T tokens
  * (decode_metadata_error: bounds.c). Returns LS_NO_MEMORY (computing nothing) or LS_OK. */
 int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
                const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
                float scale, void *out, int io, int threads) {
     int qbf = io & 1, cf = kv_format(io), obf = (io >> 2) & 1;
-    int64_t esize = kv_size(cf), max_len = 0;
+    int64_t row_bytes = kv_row_bytes(cf, D), max_len = 0;
     for (int64_t r = 0; r < R; r++) max_len = seq_lens[r] > max_len ? seq_lens[r] : max_len;
     /* Every request's row addresses once (the items of its tokens share them). */
     ScratchMark mark = scratch_mark();
@@ -277,8 +374,8 @@ int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const 
     for (int64_t t = 0; t < T; t++) request[t] = -1; /* a token of no request sees nothing */
     for (int64_t r = 0; r < R; r++) {
         for (int64_t b = 0, p = 0; p < seq_lens[r]; b++) {
-            const char *block = (const char *)cache + (int64_t)block_table[r * bt_stride + b] * B * D * esize;
-            for (int64_t i = 0; i < B && p < seq_lens[r]; i++, p++) rows[r * max_len + p] = block + i * D * esize;
+            const char *block = (const char *)cache + (int64_t)block_table[r * bt_stride + b] * B * row_bytes;
+            for (int64_t i = 0; i < B && p < seq_lens[r]; i++, p++) rows[r * max_len + p] = block + i * row_bytes;
         }
         for (int64_t t = qsl[r]; t < qsl[r + 1]; t++) request[t] = r;
     }
@@ -296,20 +393,31 @@ int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const 
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = first[t]; c < first[t + 1]; c++) token[c] = t;
     int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
+    int64_t memory = cf >= KV_FP8 ? item_floats(heads, D, L) : 0; /* floats of each thread's ItemMemory */
+    float *items = scratch(threads * memory * sizeof(float));
+    if (!items) return scratch_release(mark), LS_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
     {
+        ItemMemory mine = item_memory(items + omp_get_thread_num() * memory, heads, D, L);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < chunks * blocks; item++) {
             int64_t chunk = item / blocks, t = token[chunk], r = request[t], n = visible(t, r, qsl, seq_lens);
             int64_t p_begin = (chunk - first[t]) * CHUNK, p_end = p_begin + CHUNK < n ? p_begin + CHUNK : n;
             int64_t h_begin = item % blocks * heads, h_end = h_begin + heads < H ? h_begin + heads : H;
             int whole = first[t + 1] - first[t] == 1;
+            const char *const *rr = rows + r * max_len;
+            if (cf >= KV_FP8) {
+                decode_quantized_item((const char *)q + (t * H + h_begin) * D * (qbf ? 2 : 4), qbf, D, L, rr, cf,
+                                      p_begin, p_end, scale, (char *)out + (t * H + h_begin) * L * (obf ? 2 : 4), obf,
+                                      whole ? NULL : partial + (chunk * H + h_begin) * (L + 2), h_end - h_begin,
+                                      &mine);
+                continue;
+            }
             for (int64_t h0 = h_begin; h0 < h_end; h0 += HEADS) {
                 int nh = h_end - h0 < HEADS ? (int)(h_end - h0) : HEADS;
                 const void *qt = (const char *)q + (t * H + h0) * D * (qbf ? 2 : 4);
                 void *ot = (char *)out + (t * H + h0) * L * (obf ? 2 : 4);
                 float *pt = whole ? NULL : partial + (chunk * H + h0) * (L + 2);
-                const char *const *rr = rows + r * max_len;
                 switch (nh) { /* a constant head count per instance: the accumulators live in registers */
                 case 1: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 1); break;
                 case 2: decode_item(qt, qbf, D, L, rr, cf, p_begin, p_end, scale, ot, obf, pt, 2); break;

@@ -12,7 +12,7 @@
  * shared MLP: each rounded to the activations' dtype, then their sum, as torch adds the two. */
 static int quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const float *weights, const int64_t *ids,
                             void *out, int threads) {
-    int per = b->bits == 8 ? 6 : 2, io = b->bf ? 0b11 : 0;
+    int per = 2, io = b->bf ? 0b11 : 0; /* per expert: its packed gate_up and down */
     int64_t k = b->topk, K = b->hidden, size = b->bf ? 2 : 4;
     void **chosen = scratch(T * k * per * sizeof(void *)), **shared = scratch(T * per * sizeof(void *));
     float *gates = scratch(T * k * sizeof(float)), *ones = scratch(T * sizeof(float));
@@ -27,15 +27,15 @@ static int quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const f
             memcpy(chosen + (t * k + c) * per, b->table + e[order[c]] * per, per * sizeof(void *));
         }
     }
-    ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits, b->int4_groups[0], b->int4_groups[1], out, io,
+    ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits[0], b->group[0], b->bits[1], b->group[1], out, io,
                       threads);
     if (b->shared) {
         for (int64_t t = 0; t < T; t++) {
             memcpy(shared + t * per, b->shared, per * sizeof(void *));
             ones[t] = 1.f;
         }
-        ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->bits, b->shared_int4_groups[0],
-                          b->shared_int4_groups[1], y, io, threads);
+        ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->shared_bits[0], b->shared_group[0],
+                          b->shared_bits[1], b->shared_group[1], y, io, threads);
         for (int64_t i = 0; i < T * K; i++)
             store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(y, b->bf, i));
     }
@@ -55,7 +55,7 @@ int moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T,
     if (!bad)
         bad = route(logits, T, E, k, b->sigmoid, b->groups, b->topk_groups, b->bias, b->norm, b->scaling, weights,
                     ids);
-    if (!bad && b->bits)
+    if (!bad && b->bits[0])
         bad = quantized_tokens(b, x, T, weights, ids, moe, threads);
     else if (!bad && ls_stacked_experts(x, T, K, b->inter, k, ids, weights, 0, E, b->w13, b->w2t, b->shared_chunks,
                                         b->sg, b->su, b->sd, moe, b->bf ? 0b111 : 0, threads))

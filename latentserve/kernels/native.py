@@ -1,24 +1,26 @@
-"""latentserve's own CPU kernels, called through ctypes (qgemm.c: quantized linears; gemv.c: fp32/bf16 linears for
-few rows; mla_decode.c: decode attention over the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE
-and cache write; attention_block.c: a decode step's whole MLA attention block; route.c: MoE routing; moe_block.c: a
-decode step's whole MoE block). Built and loaded by build.py; the interface is latentserve.h, mirrored by abi.py;
-every wrapper here checks what it passes first (checks.py's boundary rule) and passes tensors as descriptors."""
+"""latentserve's own CPU kernels, called through ctypes (qgemm.c, int4.c, quant_blocks.c: quantized linears and
+experts; gemv.c: fp32/bf16 linears for few rows; mla_decode.c: decode attention over the paged cache; norm.c:
+RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write; attention_block.c: a decode step's whole MLA attention
+block; route.c: MoE routing; moe_block.c: a decode step's whole MoE block). Built and loaded by build.py; the
+interface is latentserve.h, mirrored by abi.py; every wrapper here checks what it passes first (checks.py's boundary
+rule) and passes tensors as descriptors."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
+from latentserve.config import kv_cache_row_width
 # The kernels are reached through this module: callers ask it for them and for their build.
 from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels, for_this_cpu,  # noqa: F401
                                        kernel_isa, load, native_kernels)
-from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_LANES, ROPE_STYLES, MLABlock, MoEBlock,  # noqa: F401
-                                     Weight, desc)
+from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_BLOCKS, INT8_LANES, ROPE_STYLES,  # noqa: F401
+                                     MLABlock, MoEBlock, Weight, desc)
 from latentserve.kernels import abi
 from latentserve.kernels.checks import tensor
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels read and write; other dtypes go through fp32
-KV_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn)  # the latent caches they read and write (kv_rows.h)
+KV_CACHE_DTYPES = (*KERNEL_DTYPES, torch.float8_e4m3fn, torch.int8)  # the latent caches they read and write (kv_rows.h)
 F32, I8, I32, I64, U8 = (torch.float32,), (torch.int8,), (torch.int32,), (torch.int64,), (torch.uint8,)
 PROFILE_PREFIX = "latentserve::"  # the profiler range each call gets while a torch profiler runs
 
@@ -54,14 +56,16 @@ def _out(out_dtype: torch.dtype) -> torch.dtype:
     return out_dtype if out_dtype in KERNEL_DTYPES else torch.float32
 
 
-def int8_linear(kernels: NativeKernels, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, qsum: torch.Tensor,
+def int8_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[M, N]` = x `[M, K]` (`activations`) times the int8 weight q `[N, K]` with per-row `scale`, `qsum` =
-    q.sum(1) (int32); in `out_dtype` where the kernels write it, else fp32."""
+    """`[M, out_features]` = x `[M, K]` (`activations`) times the int8 weight `packed` by `pack_int8`; in `out_dtype`
+    where the kernels write it, else fp32."""
     m, k = tensor("int8_linear", "x", x, KERNEL_DTYPES, (None, None))
-    n, _ = tensor("int8_linear", "q", q, I8, (None, k))
-    _int8_scales("int8_linear", scale, qsum, n)
-    return _int8(kernels, "ls_int8_heads", x, q, scale, qsum, (m, n), out_dtype)
+    _check_int8("int8_linear", "packed", packed, out_features, k)
+    y = torch.empty(m, out_features, dtype=_out(out_dtype))
+    _refused(kernels, "int8_linear", _call(kernels, "ls_int8_linear", desc(x), desc(packed), desc(y),
+                                           torch.get_num_threads()))
+    return y
 
 
 def _int8_scales(fn: str, scale: torch.Tensor, qsum: torch.Tensor, rows: int) -> None:
@@ -189,7 +193,8 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     projection kv `[T, L + R]`; q `[T, H, D]` (contiguous) gets its last R dims of each head rotated in place; each
     token's [kv_c ‖ k_pe] goes to the cache `[blocks, block_size, L + R]` at its slot (int64, -1 = padding). cos,
     sin `[T, R]` fp32 as `RotaryEmbedding.cos_sin` makes them, for rope `style`. q, kv, weight of one dtype, fp32 or
-    bf16; the cache `KV_CACHE_DTYPES` (fp8: rounded to nearest even, saturated to +-448)."""
+    bf16; the cache `KV_CACHE_DTYPES` (fp8: rounded to nearest even, saturated to +-448; int8: rows
+    `kv_cache_row_width` wide, quantized as `attention.kv_cache.quantize_int8_rows`)."""
     fn = "mla_prologue"
     if style not in ROPE_STYLES:
         raise ValueError(f"{fn}: rope style must be one of {ROPE_STYLES}, got {style!r}")
@@ -222,9 +227,10 @@ def _rotary(fn: str, cos: torch.Tensor, sin: torch.Tensor, tokens: int) -> int:
 
 
 def _slots(fn: str, slot_mapping: torch.Tensor, tokens: int, kv_cache: torch.Tensor, width: int) -> int:
-    """The cache's slots, where it is `[blocks, block_size, width]` (`KV_CACHE_DTYPES`) and the slots int64
-    `[tokens]` (the kernel checks their values: bounds.c)."""
-    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, width))
+    """The cache's slots, where it is `[blocks, block_size, kv_cache_row_width(width)]` (`KV_CACHE_DTYPES`) and the
+    slots int64 `[tokens]` (the kernel checks their values: bounds.c)."""
+    blocks, block_size, _ = tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES,
+                                   (None, None, kv_cache_row_width(width, kv_cache.dtype)))
     tensor(fn, "slot_mapping", slot_mapping, I64, (tokens,))
     return blocks * block_size
 
@@ -340,53 +346,49 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     return y
 
 
+Format = tuple[int, int]  # a quantized weight's format: (bits, int4's group size; 0 for int8)
+
+
 def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
-                   intermediate: int, bits: int, groups: tuple[int, int] = (0, 0)) -> torch.Tensor:
+                   intermediate: int, formats: tuple[Format, Format]) -> torch.Tensor:
     """`[T, K]` in x's dtype (fp32 or bf16): each token of x `[T, K]` (contiguous) through its gates.shape[1] routed
     experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
-    alone. `weights` per (token, expert): int8 (bits 8) gate_up q, scale, qsum, then down's; int4 the two packed
-    weights, of group sizes `groups` (gate_up's, down's)."""
+    alone. `weights` per (token, expert): the packed gate_up and down, in `formats` (gate_up's, down's: (8, 0) for
+    `pack_int8`'s layout, (4, group size) for `pack_int4`'s)."""
     fn = "experts_tokens"
     tokens, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
     count = tensor(fn, "gates", gates, F32, (tokens, None))[1]
-    per = {8: 6, 4: 2}.get(bits)
-    if per is None or len(weights) != tokens * count * per:
-        raise ValueError(f"experts_tokens takes bits 8 or 4 and 6 or 2 weights per (token, expert), gates "
-                         f"{tuple(gates.shape)} over {tokens} tokens; got bits {bits}, {len(weights)} weights")
-    _expert_weights(weights, bits, k, intermediate, groups)
+    if any(bits not in (8, 4) for bits, _ in formats) or len(weights) != tokens * count * 2:
+        raise ValueError(f"experts_tokens takes formats of 8 or 4 bits and 2 weights per (token, expert), gates "
+                         f"{tuple(gates.shape)} over {tokens} tokens; got formats {formats}, {len(weights)} weights")
+    for i, w in enumerate(weights):
+        n, columns = (2 * intermediate, k) if i % 2 == 0 else (k, intermediate)
+        _check_packed(fn, f"weights[{i}]", w, n, columns, formats[i % 2])
     y = torch.empty(tokens, k, dtype=x.dtype)
     io = int(x.dtype == torch.bfloat16) * 0b11  # ls_experts_tokens' flags: bit 0 x is bf16, bit 1 y is
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
     _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
-          gates.data_ptr(), bits, *groups, y.data_ptr(), io, torch.get_num_threads())
+          gates.data_ptr(), *formats[0], *formats[1], y.data_ptr(), io, torch.get_num_threads())
     return y
 
 
-def _expert_weights(weights: list[torch.Tensor], bits: int, k: int, inter: int, groups: tuple[int, int]) -> None:
-    """Each expert's weights as `experts_tokens` reads them (int8: gate_up q `[2I, K]`, scale, qsum, down's `[K, I]`;
-    int4: the two in pack_int4's layout), or a ValueError naming the first that is not."""
-    fn = "experts_tokens"
-    if bits == 4:
-        for i in range(0, len(weights), 2):
-            _check_int4(fn, f"weights[{i}]", weights[i], 2 * inter, k, groups[0])
-            _check_int4(fn, f"weights[{i + 1}]", weights[i + 1], k, inter, groups[1])
-        return
-    for i in range(0, len(weights), 3):
-        n, columns = (2 * inter, k) if i % 6 == 0 else (k, inter)
-        tensor(fn, f"weights[{i}]", weights[i], I8, (n, columns))
-        tensor(fn, f"weights[{i + 1}]", weights[i + 1], F32, numel=n)
-        tensor(fn, f"weights[{i + 2}]", weights[i + 2], I32, numel=n)
+def _check_packed(fn: str, name: str, packed: torch.Tensor, n: int, k: int, fmt: Format) -> None:
+    if fmt[0] == 8:
+        _check_int8(fn, name, packed, n, k)
+    else:
+        _check_int4(fn, name, packed, n, k, fmt[1])
 
 
 def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, latent: int) -> torch.Tensor:
     """`[T, N, latent]` in q's dtype: absorbed MQA of q `[T, N, D]` over the paged cache `[blocks, block_size, D]`
-    (q fp32 or bf16, the cache `KV_CACHE_DTYPES`: fp8 dequantized as it is read), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
+    (q fp32 or bf16, the cache `KV_CACHE_DTYPES`: fp8 and int8 dequantized as they are read, an int8 cache's rows
+    `kv_cache_row_width` wide), read in place through `block_table` (int32 `[R, *]`); request r's query tokens are
     query_start_loc[r] .. query_start_loc[r + 1] (int32), its length seq_lens[r] (int32)."""
     fn = "mla_decode"
     q = q.contiguous()
     tokens, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None))
-    tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, dim))
+    tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, kv_cache_row_width(dim, kv_cache.dtype)))
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
     width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
@@ -399,7 +401,40 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     return out
 
 
-INT4_BLOCK = 16  # outputs per block of `pack_int4`'s layout
+INT4_BLOCK = INT8_BLOCK = 16  # outputs per block of `pack_int4`'s and `pack_int8`'s layouts
+INT8_HEADER = 128  # bytes before a `pack_int8` block's weights: 16 fp32 scales, 16 int32 sums of q
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 `[ceil(N / 16), 128 + 16 * K]` from q int8 `[N, K]` (K a multiple of 4) and its fp32 `scale` `[N]`: the
+    outputs in blocks of 16 (zero rows pad the last), each block the 16 scales, the 16 int32 sums of q's rows, then
+    per 4 columns 64 bytes whose byte 4j + i is output j's column 4c + i (`int8_lanes`; qgemm.c)."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or k % 4 or scale.shape != (n,):
+        raise ValueError(f"pack_int8 takes int8 q [N, K] with K % 4 == 0 and fp32 scale [N], not {q.dtype} "
+                         f"{tuple(q.shape)} and {tuple(scale.shape)}")
+    pad = -n % INT8_BLOCK
+    q, scale = torch.nn.functional.pad(q, (0, 0, 0, pad)), torch.nn.functional.pad(scale.float(), (0, pad))
+    blocks = (n + pad) // INT8_BLOCK
+    header = torch.cat([scale.view(blocks, INT8_BLOCK), q.sum(dim=1, dtype=torch.int32).view(torch.float32)
+                        .view(blocks, INT8_BLOCK)], dim=1).view(torch.int8)
+    return torch.cat([header, int8_lanes(q[None])[0].view(blocks, -1)], dim=1)
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q `[n, k]`, scale `[n]`) back from `pack_int8`'s layout."""
+    blocks = packed.shape[0]
+    scale = packed[:, :64].contiguous().view(torch.float32).reshape(-1)[:n]
+    lanes = packed[:, INT8_HEADER:].reshape(blocks, k // 4, INT8_BLOCK, 4)
+    return lanes.transpose(1, 2).reshape(blocks * INT8_BLOCK, k)[:n], scale
+
+
+def _check_int8(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_int8`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if k % 4:
+        raise ValueError(f"{fn}: the int8 kernels take K a multiple of 4; got K {k}")
+    tensor(fn, f"{name} (int8 weight of {n} outputs, {k} inputs in pack_int8's layout)", packed, I8,
+           (-(-n // INT8_BLOCK), INT8_HEADER + INT8_BLOCK * k))
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

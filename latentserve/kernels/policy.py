@@ -19,8 +19,6 @@ from latentserve.kernels.cpu import CpuFeatures, cpu_features
 # V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads; at 8 tokens 0.98-1.33x
 # fp32 and 1.06-1.53x bf16, where bf16 bmm also copies its strided operand; at 12 bmm wins bf16 and ties fp32).
 HEAD_TOKENS = 8
-# int8 linears: latentserve's kernel up to this many rows, torch._int_mm above (benchmarks/RESULTS.md).
-INT8_ROWS = 24
 
 
 @dataclass(frozen=True)
@@ -63,11 +61,6 @@ class KernelPolicy:
         """Up to how many tokens MLA's fp32/bf16 absorbed per-head products run latentserve's kernel; 0: never."""
         return HEAD_TOKENS if self.kernels is not None else 0
 
-    @property
-    def int8_rows(self) -> int:
-        """Up to how many rows an int8 linear runs latentserve's kernel (`torch._int_mm` above); 0: never."""
-        return INT8_ROWS if self.kernels is not None else 0
-
     def describe(self) -> str:
         """The policy in a few lines, as `latentserve backends` prints it."""
         build = f"built for {self.kernels.isa}" if self.kernels is not None else "not used"
@@ -79,7 +72,6 @@ class KernelPolicy:
             lines.append(f"fp32 / bf16 linears: latentserve's up to {fp32} fp32 rows and {bf16} bf16 rows ({short} "
                          "over inputs of <= 512), MKL / oneDNN above")
             lines.append(f"absorbed per-head products: latentserve's up to {self.head_tokens} tokens, bmm above")
-            lines.append(f"int8 linears: latentserve's up to {self.int8_rows} rows, torch._int_mm above")
         return "\n".join(lines)
 
 

@@ -22,14 +22,14 @@ static void rotate(const void *x, int xbf, int64_t R, const float *cos, const fl
     }
 }
 
-/* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is (bit 3: fp8, kv_rows.h), bit 2 w is (else fp32).
- * cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored), the others within the cache (bad_slot);
- * R at most LS_MAX_ROPE. */
+/* `io`: bit 0 q, kv, kv_c and k_pe are bf16, bit 1 the cache is (bit 3: fp8, bit 4: int8; kv_rows.h), bit 2 w is
+ * (else fp32). cos and sin `[T, R]` fp32; slots int64, < 0 = padding (not stored), the others within the cache
+ * (bad_slot); R at most LS_MAX_ROPE. */
 void mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
                   float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
                   const int64_t *slots, int io, int threads) {
     int bf = io & 1, cf = kv_format(io), wbf = (io >> 2) & 1;
-    int64_t size = bf ? 2 : 4, csize = kv_size(cf);
+    int64_t size = bf ? 2 : 4, row_bytes = kv_row_bytes(cf, L + R);
 #pragma omp parallel for num_threads(threads) if (T >= 16) schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const char *row = (const char *)kv + t * (L + R) * size;
@@ -41,8 +41,9 @@ void mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int6
             rotate(qh, bf, R, cos + t * R, sin + t * R, style, qh, bf);
         }
         if (slots[t] < 0) continue;
-        char *dst = (char *)cache + slots[t] * (L + R) * csize;
-        for (int64_t j = 0; j < L; j++) store_kv(dst, cf, j, load_act(c, bf, j));
-        for (int64_t j = 0; j < R; j++) store_kv(dst, cf, L + j, load_act(p, bf, j));
+        float out[L + R];
+        for (int64_t j = 0; j < L; j++) out[j] = load_act(c, bf, j);
+        for (int64_t j = 0; j < R; j++) out[L + j] = load_act(p, bf, j);
+        store_kv_row((char *)cache + slots[t] * row_bytes, cf, out, L, R);
     }
 }

@@ -28,9 +28,35 @@ QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits,
 QuantActs gather_acts(QuantActs a, const int64_t *rows, int64_t P, int64_t K, int bits, int64_t G);
 void free_acts(QuantActs a);
 
-/* int4.c: bytes of one block of 16 outputs in `pack_int4`'s layout, K inputs in groups of G. */
+/* The quantized weight formats, both in blocks of 16 outputs, each block one stream of bytes read once and
+ * self-contained (its scales inside): bits 8, `pack_int8`'s layout (qgemm.c); bits 4, `pack_int4`'s with K inputs
+ * in groups of G (int4.c). A driver (quant_blocks.c) needs of a format only these traits: the bytes of a block, how
+ * the activations are quantized for it, and the dot products of a block with some rows of them. */
+typedef struct {
+    int32_t bits;
+    int64_t group; /* int4's group size G */
+} Format;
+
+#define INT8_HEADER 128 /* pack_int8's block: 16 fp32 scales and 16 int32 sums of q before the weights */
+
 INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 * G); }
 
-/* int4.c: the 16 outputs of one block of `pack_int4`'s layout for rows first.. first + m of `a`, into
+INLINE int64_t block_bytes(Format f, int64_t K) {
+    return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
+}
+
+/* The 16 outputs of one block for rows first.. first + m of `a` (quantized for the block's format), into
  * dots[16 * i + j]. */
+void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots);
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots);
+
+INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const void *block, int64_t K, float *dots) {
+    if (f.bits == 8)
+        int8_block_dots(a, first, m, (const int8_t *)block, K, dots);
+    else
+        int4_block_dots(a, first, m, (const uint8_t *)block, K, f.group, dots);
+}
+
+INLINE QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K) {
+    return quantize_acts(x, bf16, M, K, f.bits, f.group);
+}

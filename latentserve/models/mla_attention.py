@@ -121,7 +121,7 @@ class DeepseekAttention(nn.Module):
                       q_resid: torch.Tensor | None) -> torch.Tensor:
         """`attend` for a layer reading its source layer's cache: the tokens' latents and rotated rope keys are the
         rows the source wrote; only q's rope dims rotate here."""
-        kv_c_normed, k_pe = (rows.to(q.dtype) for rows in self.attn.read_new_rows())  # (a cache of another dtype)
+        kv_c_normed, k_pe = self.attn.read_new_rows(q.dtype)  # (a cache of another dtype)
         q_pe = q[..., self.qk_nope_head_dim :]
         q_pe.copy_(self.rotary_emb.rotate(q_pe, cos[:, None], sin[:, None]))
         sparse = () if self.attn.index_topk is None else (IndexerInputs(hidden, q_resid, cos, sin),)

@@ -1,7 +1,8 @@
 """A decode step's DeepSeek MoE block, from the router to the residual, in one native call (kernels/moe_block.c)
 where every piece would run latentserve's kernels anyway: the router's fp32 product, the native routing, and either
 the stacked fp32/bf16 experts (up to 3 tokens, as far as the modules' router takes the same kernel; their shared
-experts folded in or none) or quantized int8/int4 experts and shared MLP (up to 8 tokens). The kernel chains those
+experts folded in or none) or quantized int8/int4 experts and shared MLP (up to 8 tokens; gate_up in one format and
+down in another where the checkpoint has them so). The kernel chains those
 same kernels, so the result is the modules' to the bit where they run them (stacked experts; quantized ones at one
 token); at 2-8 tokens quantized experts chosen by several tokens are read once for all of them, and each token's
 result is what it would be alone. Elsewhere (longer prefills, larger batches, expert parallelism, experts with a
@@ -20,56 +21,46 @@ from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE
 from latentserve.layers.normed_moe import NormedMoE
-from latentserve.layers.quant.int4 import NativeInt4Linear
-from latentserve.layers.quant.int8 import NativeInt8Linear
+from latentserve.layers.quant.experts import packed_format
 from latentserve.models.native_view import NativeView
 
 Built = tuple[native.MoEBlock, int, object]  # the kernel's view, up to how many tokens, what its pointers point into
 
 
 def _quantized_layers(mlp: nn.Module, kernels: native.NativeKernels) -> tuple[nn.Module, nn.Module] | None:
-    """(gate_up, down) of a gated MLP whose two layers are one of latentserve's quantized kinds, bias-free."""
+    """(gate_up, down) of a gated MLP whose two layers are latentserve's quantized kinds (each its own), bias-free."""
     layers = (getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-    kind = type(layers[0])
-    if kind not in (NativeInt8Linear, NativeInt4Linear) or any(
-            type(layer) is not kind or layer.bias is not None or layer.kernels.isa != kernels.isa for layer in layers):
+    if any(packed_format(layer) is None or layer.kernels.isa != kernels.isa for layer in layers):
         return None
     return layers
 
 
-def _pointers(layers: tuple[nn.Module, nn.Module]) -> list[torch.Tensor]:
-    """An expert's tensors in the order `experts_tokens` takes their addresses."""
-    if type(layers[0]) is NativeInt8Linear:
-        return [t for layer in layers for t in (layer.qweight, layer.scale, layer.qsum)]
-    return [layer.packed for layer in layers]
-
-
-def _groups(layers: tuple[nn.Module, nn.Module]) -> tuple[int, int]:
-    return getattr(layers[0], "group_size", 0), getattr(layers[1], "group_size", 0)
+def _formats(layers: tuple[nn.Module, nn.Module]) -> tuple[native.Format, native.Format]:
+    return packed_format(layers[0]), packed_format(layers[1])
 
 
 def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) -> tuple[int, object, list] | None:
     """Fills in the quantized experts: (tokens it runs, its pointer tables, their tensors), or None."""
     experts = [_quantized_layers(e, kernels) for e in moe.experts]
     shared = [] if moe.shared_experts is None else [_quantized_layers(moe.shared_experts, kernels)]
-    every = [layers for layers in experts + shared if layers is not None]
-    if len(every) != len(experts) + len(shared) or len({type(layers[0]) for layers in every}) != 1:
-        return None  # one quantized kind throughout
-    if len({_groups(layers) for layers in experts}) != 1:
-        return None  # the routed experts in one call: one pair of group sizes
-    block.bits = 8 if type(every[0][0]) is NativeInt8Linear else 4
-    block.int4_groups[:] = _groups(experts[0])
+    if any(layers is None for layers in experts + shared):
+        return None
+    if len({_formats(layers) for layers in experts}) != 1:
+        return None  # the routed experts in one call: one format for every gate_up, one for every down
+    formats = _formats(experts[0])
+    block.bits[:], block.group[:] = [f[0] for f in formats], [f[1] for f in formats]
     block.inter = experts[0][0].out_features // 2
     if any(layers[0].out_features != 2 * block.inter for layers in experts):
         return None
-    tensors = [t for layers in experts for t in _pointers(layers)]
+    tensors = [layer.packed for layers in experts for layer in layers]
     table = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
     block.table, tables = ctypes.addressof(table), [table]
     if shared:
-        shared_tensors = _pointers(shared[0])
-        tables.append((ctypes.c_void_p * len(shared_tensors))(*(t.data_ptr() for t in shared_tensors)))
+        shared_tensors = [layer.packed for layer in shared[0]]
+        tables.append((ctypes.c_void_p * 2)(*(t.data_ptr() for t in shared_tensors)))
         block.shared, block.shared_inter = ctypes.addressof(tables[-1]), shared[0][0].out_features // 2
-        block.shared_int4_groups[:] = _groups(shared[0])
+        shared_formats = _formats(shared[0])
+        block.shared_bits[:], block.shared_group[:] = [f[0] for f in shared_formats], [f[1] for f in shared_formats]
         tensors += shared_tensors
     return NATIVE_MAX_TOKENS, tables, tensors
 

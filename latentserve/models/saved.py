@@ -33,7 +33,7 @@ from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.loader import empty_model, process_weights_after_loading
 
 FORMAT = "latentserve-quantized"
-VERSION = 1
+VERSION = 2  # 2: int8 layers in `pack_int8`'s blocks of 16 outputs (1: plain rows)
 MANIFEST = "latentserve_quantized.json"
 WEIGHTS = "model.quantized.safetensors"
 ALIGN = 64  # every tensor starts on a cache line, as torch's own allocations do (the kernels load whole lines)
@@ -225,7 +225,7 @@ class SavedModel:
 
 def read_saved(model_dir: Path) -> SavedModel | None:
     """The saved model in `model_dir`, or None for a plain checkpoint; SavedModelError for one this build cannot
-    run (a newer format, another CPU's kernel layout)."""
+    run (an older or newer format, another CPU's kernel layout)."""
     path = Path(model_dir) / MANIFEST
     if not path.is_file():
         return None
@@ -240,6 +240,10 @@ def read_saved(model_dir: Path) -> SavedModel | None:
     if not isinstance(version, int) or version > VERSION:
         raise SavedModelError(f"{model_dir} was saved in format version {version}, newer than this latentserve reads "
                               f"({VERSION}): upgrade latentserve, or quantize the original checkpoint with this one")
+    if version < VERSION:
+        raise SavedModelError(f"{model_dir} was saved in format version {version}, whose packed weights this latentserve "
+                              f"no longer reads (it writes {VERSION}): quantize the original checkpoint again "
+                              "(`latentserve quantize`)")
     here = kernel_layout(classes)
     if here != layout:
         raise SavedModelError(f"{model_dir} was saved for kernel layout {layout}, and this machine uses "

@@ -123,7 +123,7 @@ def test_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match=r"q must be a CPU tensor, contiguous float32 or bfloat16"):
         backend.forward(torch.zeros(1, 4, 40, dtype=torch.float16), torch.zeros(2, 16, 40), md)
     with pytest.raises(ValueError, match=r"kv_cache must be a CPU tensor, contiguous float32 or bfloat16 or "
-                                         r"float8_e4m3fn \[\*, \*, 40\]"):
+                                         r"float8_e4m3fn or int8 \[\*, \*, 40\]"):
         backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
 
 
@@ -232,3 +232,59 @@ def test_long_contexts_split_in_chunks_give_each_token_the_same_result_in_any_ba
     ref = ReferenceDecodeBackend(mla.num_heads, 0.07, mla.kv_lora_rank, mla.qk_rope_head_dim).forward(
         q.float(), cache.float(), _decode_metadata([1, 1, 1], seq_lens, table))
     assert (outs[0].float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def int8_cache(blocks: int, block_size: int, latent: int, rope: int, g: torch.Generator) -> torch.Tensor:
+    """An int8 cache of random values and scales (kernels/kv_rows.h: [c_kv ‖ k_pe] int8, then their fp32 scales);
+    some rows all zeros at scale 0, as an all-zero part is stored."""
+    values = torch.randint(-127, 128, (blocks, block_size, latent + rope), generator=g, dtype=torch.int8)
+    scales = torch.empty(blocks, block_size, 2).uniform_(1e-3, 1.5e-2, generator=g)  # values below 2, as fp8_cache
+    values[0, :2], scales[0, :2] = 0, 0.0
+    return torch.cat([values, scales.view(torch.int8)], dim=-1)
+
+
+def naive_int8_dequantized(cache: torch.Tensor, latent: int) -> torch.Tensor:
+    """The cache in fp32: each value times its part's scale."""
+    scales = cache[..., -8:].contiguous().view(torch.float32)
+    values = cache[..., :-8].float()
+    return torch.cat([values[..., :latent] * scales[..., :1], values[..., latent:] * scales[..., 1:]], dim=-1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims, heads", [((48, 8), 5), ((512, 64), 20)])  # 56: past the vector blocks; 20: 3 groups
+def test_int8_cache_read_in_place_against_naive_fp32_over_the_dequantized_cache(isa, dtype, dims, heads):
+    """An int8 cache read in place (a tile dequantized at a time): the reference attends over the naive fp32
+    dequantization; with fp32 queries the kernel differs only in its summation order, with bf16 ones also by the
+    dequantized values' rounding to bf16. A chunked context (> 256 positions) included."""
+    latent, rope = dims
+    g = torch.Generator().manual_seed(latent + heads)
+    cache = int8_cache(40, 16, latent, rope, g)
+    table = torch.randperm(40, generator=g)[:36].to(torch.int32).view(2, 18)
+    table[0, 0] = 0  # the zero rows
+    md = _decode_metadata([1, 2], [281, 100], table)
+    q = torch.randn(3, heads, latent + rope, generator=g).to(dtype)
+    backend = NativeMQADecodeBackend(heads, 0.11, latent, rope)
+    backend.kernels = kernels(isa)
+    assert backend.runs_natively(cache)
+    out = backend.forward(q, cache, md)
+    ref = ReferenceDecodeBackend(heads, 0.11, latent, rope).forward(q.float(), naive_int8_dequantized(cache, latent),
+                                                                     md)
+    assert out.dtype == dtype
+    assert (out.float() - ref).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_int8_value_dequantizes_as_torch_does(isa, dtype):
+    """A one-position context: the output is that row's latent itself (weight 1), so each int8 value (-127 .. 127)
+    times its scale must come out as torch's fp32 product (rounded to bf16 for bf16 queries, as torch rounds it)."""
+    values = torch.cat([torch.arange(-127, 128), torch.zeros(1 + 64)]).to(torch.int8)
+    scales = torch.tensor([0.0123, 7.0])
+    cache = torch.cat([values, scales.view(torch.int8)]).expand(2, 1, -1).contiguous()
+    q = torch.randn(2, 3, 320, generator=torch.Generator().manual_seed(0)).to(dtype)
+    backend = NativeMQADecodeBackend(3, 0.1, 256, 64)
+    backend.kernels = kernels(isa)
+    out = backend.forward(q, cache, _decode_metadata([1, 1], [1, 1], torch.tensor([[0], [1]], dtype=torch.int32)))
+    expected = (values[:256].float() * scales[0]).to(dtype)
+    assert torch.equal(out, expected[None, None].expand(2, 3, 256))

@@ -138,12 +138,13 @@ def _moe_block(g: torch.Generator) -> tuple[native.MoEBlock, list[torch.Tensor]]
     held = [torch.randn(4, 32, generator=g), torch.randn(4, 32, 32, generator=g) * 0.1,
             torch.randn(4, 16, 32, generator=g) * 0.1]
     block = native.MoEBlock(hidden=32, experts=4, topk=2, groups=1, topk_groups=1, sigmoid=0, norm=1, scaling=1.0,
-                            router=held[0].data_ptr(), bias=None, bits=0, bf=0, inter=16, w13=held[1].data_ptr(),
+                            router=held[0].data_ptr(), bias=None, bf=0, inter=16, w13=held[1].data_ptr(),
                             w2t=held[2].data_ptr(), shared_chunks=0)
     return block, held
 
 
-@pytest.mark.parametrize("fault", [None, "router", "w13", "shared", "bits 8 without table", "topk", "x columns"])
+@pytest.mark.parametrize("fault", [None, "router", "w13", "shared", "bits 8 without table", "down bits 3", "topk",
+                                   "x columns"])
 def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
     block, (router, w13, w2t) = _moe_block(torch.Generator().manual_seed(1))
     x, residual = torch.randn(3, 33 if fault == "x columns" else 32), torch.randn(3, 32)
@@ -152,7 +153,9 @@ def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
     elif fault == "shared":
         block.shared_chunks = 1  # shared experts with no weights
     elif fault == "bits 8 without table":
-        block.bits = 8
+        block.bits[:] = [8, 8]
+    elif fault == "down bits 3":  # each projection its own format: one the kernels do not read
+        block.bits[:], block.table = [4, 3], w13.data_ptr()
     elif fault == "topk":
         block.topk = 5
     if fault is None:
@@ -166,7 +169,7 @@ def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
         return
     wrong = {"router": "router is NULL", "w13": "w13 or w2t is NULL", "shared": "sg, su or sd is NULL",
-             "bits 8 without table": "table is NULL", "topk": "5 of 4 experts", "x columns": "x must"}[fault]
+             "bits 8 without table": "table is NULL", "down bits 3": "bits 4, 3 .*not 8 or 4", "topk": "5 of 4 experts", "x columns": "x must"}[fault]
     with pytest.raises(ValueError, match=wrong):
         native.moe_block(kernels(ISA), block, x, residual)
 

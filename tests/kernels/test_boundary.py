@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from latentserve.kernels import native
+from latentserve.layers.quant.int4 import quantize_int4
 from latentserve.layers.quant.int8 import quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 
@@ -42,14 +43,18 @@ def test_rms_norm_checks_what_it_reads():
 
 def test_int8_linear_checks_what_it_reads():
     q, scale, qsum = _int8_weight()
+    packed = native.pack_int8(q, scale)
     with pytest.raises(ValueError, match=r"int8_linear: x must be .*float32 or bfloat16.*got cpu float16"):
-        native.int8_linear(_k(), torch.randn(1, 64).half(), q, scale, qsum)  # fp16 read as fp32
-    with pytest.raises(ValueError, match=r"int8_linear: q must be .* \[\*, 128\]; got cpu int8 \[8, 64\]"):
-        native.int8_linear(_k(), torch.randn(1, 128), q, scale, qsum)  # x wider than the weight
+        native.int8_linear(_k(), torch.randn(1, 64).half(), packed, 8)  # fp16 read as fp32
+    with pytest.raises(ValueError, match=r"int8_linear: packed \(int8 weight of 8 outputs, 128 inputs in pack_int8's "
+                                         r"layout\) must be .* \[1, 2176\]; got cpu int8 \[1, 1152\]"):
+        native.int8_linear(_k(), torch.randn(1, 128), packed, 8)  # x wider than the weight
+    with pytest.raises(ValueError, match=r"int8_linear: packed .* \[2, 1152\]; got cpu int8 \[1, 1152\]"):
+        native.int8_linear(_k(), torch.randn(1, 64), packed, 20)  # more outputs than the weight holds
     with pytest.raises(ValueError, match=r"int8_linear: x must be .* non-contiguous"):
-        native.int8_linear(_k(), torch.randn(64, 2).t(), q, scale, qsum)
-    with pytest.raises(ValueError, match=r"int8_linear: scale must be .* float32 of 8 elements; got cpu float64"):
-        native.int8_linear(_k(), torch.randn(1, 64), q, scale.double(), qsum)  # read as fp32: 200x off
+        native.int8_linear(_k(), torch.randn(64, 2).t(), packed, 8)
+    with pytest.raises(ValueError, match=r"int8_linear: the int8 kernels take K a multiple of 4; got K 66"):
+        native.int8_linear(_k(), torch.randn(1, 66), packed, 8)
     with pytest.raises(ValueError, match=r"int8_heads: scale must be .* of 24 elements; got cpu float32 \[8\]"):
         native.int8_heads(_k(), torch.randn(1, 3, 64), q.expand(3, 8, 64).contiguous(), scale, qsum)
 
@@ -134,12 +139,14 @@ def test_int4_linear_checks_its_activations():
 
 
 def test_experts_tokens_checks_each_weight():
-    q, scale, qsum = _int8_weight(32, 64)  # gate_up of I = 16 over K = 64
-    dq, dscale, dqsum = _int8_weight(64, 16)
-    good = [q, scale, qsum, dq, dscale, dqsum]
-    native.experts_tokens(_k(), torch.randn(1, 64), good, torch.ones(1, 1), 16, 8)
-    with pytest.raises(ValueError, match=r"experts_tokens: weights\[3\] must be .* int8 \[64, 16\]; got cpu int8 "
-                                         r"\[16, 64\]"):
-        native.experts_tokens(_k(), torch.randn(1, 64), good[:3] + [dq.t().contiguous()] + good[4:],
-                              torch.ones(1, 1), 16, 8)
-
+    """Each weight against its projection's own format: an int8 down beside int4 gate_up is read as int8."""
+    q, scale, _ = _int8_weight(64, 32)  # down of I = 32 to K = 64
+    gate_up = native.pack_int4(*quantize_int4(torch.randn(64, 64), 64))  # gate_up of I = 32 over K = 64
+    good = [gate_up, native.pack_int8(q, scale)]
+    native.experts_tokens(_k(), torch.randn(1, 64), good, torch.ones(1, 1), 32, ((4, 64), (8, 0)))
+    with pytest.raises(ValueError, match=r"experts_tokens: weights\[1\] \(int8 weight of 64 outputs, 32 inputs in "
+                                         r"pack_int8's layout\) must be .* \[4, 640\]; got cpu int8 \[2, 1152\]"):
+        native.experts_tokens(_k(), torch.randn(1, 64), [gate_up, native.pack_int8(q.t().contiguous(), scale[:32])],
+                              torch.ones(1, 1), 32, ((4, 64), (8, 0)))
+    with pytest.raises(ValueError, match=r"experts_tokens: int4 kernels take .* K a multiple of 64; got .* K 32"):
+        native.experts_tokens(_k(), torch.randn(1, 64), good, torch.ones(1, 1), 32, ((4, 64), (4, 32)))

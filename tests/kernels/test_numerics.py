@@ -7,7 +7,7 @@ import torch
 
 from latentserve.kernels import native
 from latentserve.layers.quant.int4 import quantize_int4
-from latentserve.layers.quant.int8 import int8_gemm, quantize_int8
+from latentserve.layers.quant.int8 import quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 
 pytestmark = needs_a_build
@@ -23,10 +23,9 @@ def test_int8_activations_keep_a_nan_row_nan(isa, bad):
     x = torch.randn(3, 100, generator=g)
     x[1, 37] = bad  # column 37: in a vector; 99: in the scalar tail
     x[2, 99] = bad
-    got = native.int8_linear(kernels(isa), x, q, scale, q.sum(dim=1, dtype=torch.int32))
-    assert torch.equal(got.isnan(), int8_gemm(x, q, scale).isnan())
+    got = native.int8_linear(kernels(isa), x, native.pack_int8(q, scale), 24)
     assert got[1:].isnan().all() and not got[0].isnan().any()
-    torch.testing.assert_close(got[0], int8_gemm(x[:1], q, scale)[0])
+    torch.testing.assert_close(got[0], native.int8_linear(kernels(isa), x[:1], native.pack_int8(q, scale), 24)[0])
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -51,7 +50,7 @@ def test_int8_weights_of_minus_128_multiply_right(isa):
     x = torch.randn(3, 96, generator=g)
     xs = x.abs().amax(dim=1, keepdim=True) / 127
     expected = (torch.div(x, xs).round().double() @ q.double().t()) * xs.double() * scale.double()
-    got = native.int8_linear(kernels(isa), x, q, scale, qsum)
+    got = native.int8_linear(kernels(isa), x, native.pack_int8(q, scale), 32)
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
     lanes = native.int8_heads_lanes(kernels(isa), x[:, None], native.int8_lanes(q[None]), scale, qsum)[:, 0]
     torch.testing.assert_close(lanes.double(), expected, rtol=1e-6, atol=1e-5)

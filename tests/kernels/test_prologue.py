@@ -3,6 +3,7 @@ bit, for each build this machine runs."""
 import pytest
 import torch
 
+from latentserve.attention.kv_cache import quantize_int8_rows
 from latentserve.kernels import native
 from latentserve.layers.rotary import ROPE_STYLES, RopeConfig, RotaryEmbedding
 from tests.kernels.builds import ISAS, kernels, needs_a_build
@@ -16,7 +17,8 @@ FP8 = torch.float8_e4m3fn
 @pytest.mark.parametrize("style", ROPE_STYLES)
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float32, torch.bfloat16), (torch.float32, FP8),
-                                                (torch.bfloat16, FP8)])
+                                                (torch.bfloat16, FP8), (torch.float32, torch.int8),
+                                                (torch.bfloat16, torch.int8)])
 @pytest.mark.parametrize("tokens", [1, 3, 20])  # 20: tokens shared out among threads
 def test_prologue_equals_the_torch_ops(isa, style, dtype, cache_dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
@@ -25,7 +27,8 @@ def test_prologue_equals_the_torch_ops(isa, style, dtype, cache_dtype, tokens):
     q = (torch.randn(tokens, HEADS, NOPE + ROPE, generator=g) * 3).to(dtype)
     kv = (torch.randn(tokens, LATENT + ROPE, generator=g) * 3).to(dtype)
     weight = torch.randn(LATENT, generator=g).to(dtype)
-    cache = torch.full((4, 8, LATENT + ROPE), 7.0).to(cache_dtype)
+    width = LATENT + ROPE + 8 * (cache_dtype == torch.int8)  # an int8 row's scales
+    cache = torch.full((4, 8, width), 7.0).to(cache_dtype)
     slots = torch.randperm(32, generator=g)[:tokens]
     slots[0] = -1  # padding: not written
 
@@ -38,7 +41,9 @@ def test_prologue_equals_the_torch_ops(isa, style, dtype, cache_dtype, tokens):
     rows = torch.cat([expected_c, expected_pe], dim=-1)
     if cache_dtype == FP8:  # torch's rounding (nearest even) of the rows clamped to e4m3's +-448; as bytes
         rows, expected_cache = rows.clamp(-448, 448).to(FP8).view(torch.uint8), expected_cache.view(torch.uint8)
-    expected_cache.view(-1, LATENT + ROPE)[slots[1:]] = rows[1:].to(expected_cache.dtype)
+    if cache_dtype == torch.int8:  # the torch write path's quantization, to the byte
+        rows = quantize_int8_rows(expected_c, expected_pe)
+    expected_cache.view(-1, width)[slots[1:]] = rows[1:].to(expected_cache.dtype)
 
     kv_c, k_pe = native.mla_prologue(kernels(isa), q, kv, weight, 1e-6, cos, sin, style, cache, slots)
     assert torch.equal(kv_c, expected_c) and torch.equal(k_pe, expected_pe)

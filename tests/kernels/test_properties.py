@@ -55,15 +55,15 @@ def test_dense_linear_is_an_error_or_the_product(data):
 @given(st.data())
 def test_int8_linear_is_an_error_or_the_integer_product(data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
-    m, k, n = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 130)), data.draw(st.integers(1, 20))
-    fault = data.draw(st.sampled_from([None, "x dtype", "x wider", "x strided", "scale dtype", "qsum rows"]))
-    x = _tensor(g, (m, k + 4 if fault == "x wider" else k), torch.float16 if fault == "x dtype" else torch.float32,
-                fault == "x strided")
+    m, k, n = data.draw(st.integers(1, 5)), 4 * data.draw(st.integers(1, 33)), data.draw(st.integers(1, 40))
+    fault = data.draw(st.sampled_from([None, "x dtype", "x wider", "x strided", "x odd", "more outputs"]))
+    columns = {"x wider": k + 4, "x odd": k + 1}.get(fault, k)
+    x = _tensor(g, (m, columns), torch.float16 if fault == "x dtype" else torch.float32, fault == "x strided")
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-    scale = torch.rand(n, generator=g, dtype=torch.float64 if fault == "scale dtype" else torch.float32) + 0.1
-    qsum = q.sum(dim=1, dtype=torch.int32)[: n - 1 if fault == "qsum rows" else n]
-    wrong = {None: None, "x dtype": "x must", "x wider": "q must", "x strided": "x must", "scale dtype": "scale must",
-             "qsum rows": "qsum must"}[fault]
+    scale = torch.rand(n, generator=g) + 0.1
+    outputs = n + 16 if fault == "more outputs" else n
+    wrong = {None: None, "x dtype": "x must", "x wider": "packed .* must", "x strided": "x must",
+             "x odd": "K a multiple of 4", "more outputs": "packed .* must"}[fault]
     wrong = None if fault == "x strided" and x.is_contiguous() else wrong
 
     def reference():
@@ -71,7 +71,8 @@ def test_int8_linear_is_an_error_or_the_integer_product(data):
         return (torch.div(x, s).round().double() @ q.double().t()) * s.double() * scale.double()
 
     isa = data.draw(st.sampled_from(ISAS))
-    _outcome(lambda: native.int8_linear(kernels(isa), x, q, scale, qsum), reference, wrong, 1e-5, 1e-5)
+    _outcome(lambda: native.int8_linear(kernels(isa), x, native.pack_int8(q, scale), outputs), reference, wrong,
+             1e-5, 1e-5)
 
 
 @SETTINGS

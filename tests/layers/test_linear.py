@@ -110,7 +110,7 @@ def test_dense_rows_by_build() -> None:
         assert with_dot.dense_rows(torch.float32, 2048) == without.dense_rows(torch.float32, 2048) == 3
         assert with_dot.dense_rows(torch.float16, 2048) == 0
         none = KernelPolicy(features, None, "test", threads)
-        assert none.dense_rows(torch.float32, 2048) == none.head_tokens == none.int8_rows == 0
+        assert none.dense_rows(torch.float32, 2048) == none.head_tokens == 0
 
 
 def test_a_linear_asks_its_policy_once(monkeypatch) -> None:

@@ -10,8 +10,7 @@ from latentserve.kernels import native
 from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NativeInt4Linear, quantize_int4
-from latentserve.kernels.policy import INT8_ROWS
-from latentserve.layers.quant.int8 import NativeInt8Linear, int8_gemm, quantize_int8
+from latentserve.layers.quant.int8 import NativeInt8Linear, quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 
 
@@ -30,27 +29,49 @@ def _data(rows: int, n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows, n, k", [(1, 37, 200), (2, 64, 2048), (5, 9, 64), (8, 130, 1408), (33, 12, 96)])
+@pytest.mark.parametrize("rows, n, k", [(1, 37, 200), (2, 64, 2048), (5, 9, 64), (8, 130, 1408), (33, 12, 96),
+                                     (300, 20, 36)])
 def test_int8_kernel_is_the_exact_integer_product(isa, rows, n, k):
-    """Tails of every kind: output rows past the last tile of 4, columns past the last 64, activation rows past the
-    last tile."""
+    """Tails of every kind: outputs past the last block of 16, columns past the last chains of 4 units, activation
+    rows past the last pass and past a chunk of 256."""
     w, x = _data(rows, n, k)
     q, scale = quantize_int8(w)
     xq, s = _quantized_rows(x)
     expected = (xq.double() @ q.double().t()) * s.double() * scale.double()
-    got = native.int8_linear(kernels(isa), x, q, scale, q.sum(dim=1, dtype=torch.int32))
+    got = native.int8_linear(kernels(isa), x, native.pack_int8(q, scale), n)
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6 * expected.abs().max().item())
 
 
-def test_int8_builds_and_the_int_mm_path_agree_bitwise():
-    """Integer sums are exact, and the three compute the same float products after them."""
+def test_int8_builds_and_the_rows_kernel_agree_bitwise():
+    """Integer sums are exact, and the blocks' and the rows' kernels compute the same float products after them."""
     w, x = _data(11, 70, 320, seed=1)
     q, scale = quantize_int8(w)
     qsum = q.sum(dim=1, dtype=torch.int32)
-    results = [native.int8_linear(kernels(isa), x, q, scale, qsum) for isa in ISAS]
-    results.append(int8_gemm(x, q, scale))
+    results = [native.int8_linear(kernels(isa), x, native.pack_int8(q, scale), 70) for isa in ISAS]
+    results += [native.int8_heads(kernels(isa), x[:, None], q[None], scale, qsum)[:, 0] for isa in ISAS]
     for other in results[1:]:
         assert torch.equal(results[0], other)
+
+
+def test_pack_int8_layout():
+    """Blocks of 16 outputs (the last padded with zeros): the 16 fp32 scales, the 16 int32 sums of q, then per 4
+    columns 64 bytes, byte 4j + i output j's column 4c + i; `unpack_int8` gives q and scale back."""
+    n, k = 20, 36
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(3))
+    scale = torch.rand(n) + 0.5
+    packed = native.pack_int8(q, scale)
+    assert packed.shape == (2, 128 + 16 * k) and packed.dtype == torch.int8
+    block1 = packed[1]  # outputs 16-19, then padding
+    assert block1[:64].view(torch.float32)[3].item() == scale[19].item()
+    assert block1[64:128].view(torch.int32)[3].item() == q[19].sum().item()
+    assert block1[:128].view(torch.int32)[4:16].eq(0).all()
+    unit5 = block1[128 + 5 * 64: 128 + 6 * 64]  # columns 20-23
+    assert unit5[4 * 3 + 1].item() == q[19, 21].item()
+    assert unit5[4 * 4:].eq(0).all()
+    back_q, back_scale = native.unpack_int8(packed, n, k)
+    assert torch.equal(back_q, q) and torch.equal(back_scale, scale)
+    with pytest.raises(ValueError, match=r"pack_int8 takes int8 q \[N, K\] with K % 4 == 0"):
+        native.pack_int8(q[:, :30].contiguous(), scale)
 
 
 def _int4_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
@@ -94,8 +115,8 @@ def test_int4_layer_runs_its_kernel_at_any_row_count(isa):
     assert layer(x[:2].bfloat16()).dtype == torch.bfloat16
 
 
-def test_int8_layer_switches_kernels_without_changing_the_result():
-    w, x = _data(INT8_ROWS + 5, 48, 128, seed=4)
+def test_int8_layer_gives_each_row_its_own_result():
+    w, x = _data(29, 48, 128, seed=4)
     q, scale = quantize_int8(w)
     bias = torch.randn(48)
     layer = NativeInt8Linear(q, scale, torch.nn.Parameter(bias), kernels(ISAS[0]))
@@ -183,10 +204,12 @@ def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("method, group", [("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)])
-def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, isa):
+@pytest.mark.parametrize("method, group, down_method", [("int8", None, "int8"), ("int4", 32, "int4"),
+                                                        ("int4", 64, "int4"), ("int4", 128, "int4"),
+                                                        ("int4", 32, "int8"), ("int8", None, "int4")])
+def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, down_method, isa):
     """Batch-1 decode's routed experts in one native call: the same as running each expert's layers, summed with
-    the routing weights in expert order."""
+    the routing weights in expert order; gate_up and down each in its own format."""
     from torch import nn
 
     from latentserve.layers.mlp import GatedMLP
@@ -201,7 +224,8 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, i
     for _ in range(8):
         mlp = GatedMLP(128, inter)
         mlp.fuse_gate_up(quantize_linear("gate_up", torch.randn(2 * inter, 128, generator=g) * 0.1, None, config, "cpu"))
-        mlp.down_proj = quantize_linear("down", torch.randn(128, inter, generator=g) * 0.1, None, config, "cpu")
+        mlp.down_proj = quantize_linear("down", torch.randn(128, inter, generator=g) * 0.1, None,
+                                        QuantConfig(down_method, group if down_method == method else None), "cpu")
         experts.append(mlp)
     if native.native_kernels(cpu_features())[0] is None:
         pytest.skip("no native kernels here")
@@ -229,10 +253,11 @@ def test_experts_tokens_refuse_what_they_cannot_read():
         pytest.skip("no native kernels here")
     x, packed = torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.uint8)
     k = native.native_kernels(cpu_features())[0]
-    with pytest.raises(ValueError, match="experts_tokens takes bits 8 or 4 .* got bits 4, 2 weights"):
-        native.experts_tokens(k, x, [packed, packed], torch.ones(2, 1), 2, 4, (64, 64))
-    with pytest.raises(ValueError, match="got bits 3"):
-        native.experts_tokens(k, x, [packed] * 4, torch.ones(2, 1), 2, 3)
+    with pytest.raises(ValueError, match=r"experts_tokens takes formats of 8 or 4 bits and 2 weights per \(token, "
+                                         r"expert\), .* got formats \(\(4, 64\), \(4, 64\)\), 2 weights"):
+        native.experts_tokens(k, x, [packed, packed], torch.ones(2, 1), 2, ((4, 64), (4, 64)))
+    with pytest.raises(ValueError, match=r"got formats \(\(8, 0\), \(3, 0\)\)"):
+        native.experts_tokens(k, x, [packed] * 4, torch.ones(2, 1), 2, ((8, 0), (3, 0)))
 
 
 @pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64), ("int4", None)])
@@ -265,10 +290,10 @@ def test_bf16_activations_and_outputs_go_in_and_out_as_they_are(isa):
     w, x = _data(3, 40, 128, seed=9)
     xb = x.bfloat16()
     q, scale = quantize_int8(w)
-    qsum = q.sum(dim=1, dtype=torch.int32)
-    fp32 = native.int8_linear(kernels(isa), xb.float(), q, scale, qsum)
-    assert torch.equal(native.int8_linear(kernels(isa), xb, q, scale, qsum), fp32)
-    assert torch.equal(native.int8_linear(kernels(isa), xb, q, scale, qsum, torch.bfloat16), fp32.bfloat16())
+    packed = native.pack_int8(q, scale)
+    fp32 = native.int8_linear(kernels(isa), xb.float(), packed, 40)
+    assert torch.equal(native.int8_linear(kernels(isa), xb, packed, 40), fp32)
+    assert torch.equal(native.int8_linear(kernels(isa), xb, packed, 40, torch.bfloat16), fp32.bfloat16())
     q4, s4, m4 = quantize_int4(w, 64)
     packed = native.pack_int4(q4, s4, m4)
     fp32 = native.int4_linear(kernels(isa), xb.float(), packed, 64, q4.shape[0])

@@ -19,8 +19,8 @@ class PagedRunner:
         self.model = model
         self.block_size = attn_config.block_size
         caches = allocate_kv_caches(model.static_forward_context, num_blocks, self.block_size, cache_dtype)
-        for cache in caches.values():
-            cache.fill_(float("nan"))  # a read of a slot nobody wrote poisons the output
+        for cache in caches.values():  # a read of a slot nobody wrote poisons the output (int8: NaN scales)
+            cache.fill_(-1 if cache.dtype == torch.int8 else float("nan"))
         self.builder = MLAMetadataBuilder(
             model.attention_layer_names, model.static_forward_context, attn_config
         )

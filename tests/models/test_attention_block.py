@@ -53,24 +53,25 @@ def test_fused_block_equals_the_modules(tmp_path, monkeypatch, variant, dtype, t
 
 @pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_block_over_an_fp8_cache_equals_the_modules(tmp_path, monkeypatch, dtype):
-    """The block writes and reads an fp8 (e4m3) cache as the prologue and decode kernels called one by one do."""
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_fused_block_over_a_quantized_cache_equals_the_modules(tmp_path, monkeypatch, dtype, cache_dtype):
+    """The block writes and reads an fp8 (e4m3) or int8 cache as the prologue and decode kernels called one by one
+    do."""
     path = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
                            moe_intermediate_size=64, q_lora_rank=64)
     calls = []
     monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
         a[3].shape[0]) or _f(*a))
-    fp8 = torch.float8_e4m3fn
-    fused, fused_runner = _run(path, dtype, None, fp8)
+    fused, fused_runner = _run(path, dtype, None, cache_dtype)
     assert calls
     monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
-    modules, module_runner = _run(path, dtype, None, fp8)
+    modules, module_runner = _run(path, dtype, None, cache_dtype)
     for a, b in zip(fused, modules):
         assert torch.equal(a, b)
     for name, layer in fused_runner.model.static_forward_context.items():
         other = module_runner.model.static_forward_context[name].kv_cache
-        assert layer.kv_cache.dtype == fp8 and torch.equal(layer.kv_cache.view(torch.uint8), other.view(torch.uint8))
-
+        assert layer.kv_cache.dtype == cache_dtype
+        assert torch.equal(layer.kv_cache.view(torch.uint8), other.view(torch.uint8))
 
 
 def _replace(o_proj: nn.Module) -> None:
@@ -78,8 +79,7 @@ def _replace(o_proj: nn.Module) -> None:
     if isinstance(o_proj, nn.Linear):
         o_proj.weight = nn.Parameter(torch.flip(o_proj.weight.detach(), dims=[0]))
         return
-    for name in ("qweight", "scale", "qsum"):
-        o_proj.register_buffer(name, torch.flip(getattr(o_proj, name), dims=[0]).contiguous())
+    o_proj.register_buffer("packed", torch.flip(o_proj.packed, dims=[0]).contiguous())  # its blocks of 16 reversed
 
 
 def _replaced_run(path, quantization: QuantConfig | None) -> tuple[list[torch.Tensor], list[int]]:

@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as T
 from latentserve import LLM, SamplingParams
 from latentserve.engine.detokenizer import load_tokenizer
 from latentserve.engine.llm import default_model_dir
+from latentserve.kernels import native
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
@@ -26,6 +27,7 @@ from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
 from latentserve.models.formats import gguf as gguf_format
 from latentserve.models.formats.gguf import read_tensors
+from latentserve.models.moe_block import build_moe_block
 from tests.checkpoints import make_checkpoint
 from tests.models.gguf_checkpoint import write_gguf
 from tests.models.test_formats import ATTN, PROMPTS, _logprobs, _portable_kernels, _reference, _write_plain
@@ -239,6 +241,9 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
     for ours, theirs in zip(_logprobs(model), reference):
         error = (ours - theirs).abs()
         assert error.max() < 0.3 and error.mean() < 0.06
+    if native.for_this_cpu() is not None:  # Q4_K gate and up beside Q8_0 down (int4 and int8): still the one-call block
+        built, _ = build_moe_block(model.model.layers[1].mlp, torch.float32)
+        assert built is not None and list(built[0].bits) == [4, 8] and list(built[0].group) == [32, 0]
 
 
 def test_expert_shard_converts_only_its_experts(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from latentserve.config import AttentionConfig
 from latentserve.kernels import native
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import QuantConfig
+from latentserve.layers.quant.linear import quantize_linear
 from latentserve.models import deepseek, load_model, moe_block
 from tests.checkpoints import make_checkpoint
 from tests.models.paged import PagedRunner
@@ -96,6 +97,34 @@ def test_fused_moe_without_shared_experts(tmp_path, monkeypatch, quantization):
         assert torch.equal(a, b)
 
 
+def _int8_downs(model) -> None:
+    """Every MoE layer's down projections (routed and shared) replaced by int8 ones, as llama.cpp's Q4_K_M files keep
+    some down projections at 8 bits beside 4-bit gate and up."""
+    g = torch.Generator().manual_seed(5)
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, MoE):
+            for mlp in [*layer.mlp.experts, layer.mlp.shared_experts]:
+                down = mlp.down_proj
+                w = torch.randn(down.out_features, down.in_features, generator=g) * 0.1
+                mlp.down_proj = quantize_linear("down_proj", w, None, QuantConfig("int8"), "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_fused_moe_takes_int4_gate_up_beside_int8_down(tmp_path, monkeypatch, dtype, threads):
+    """Each projection in its own format: the one call takes the layer, and equals the modules to the bit."""
+    path, quantization = _checkpoint(tmp_path, "v3"), QuantConfig("int4", 32)
+    calls = _calls(monkeypatch)
+    _as_the_modules(monkeypatch, quantization)
+    model, attn_config = _model(path, dtype, quantization)
+    _int8_downs(model)
+    fused = _run(model, attn_config)
+    assert calls and max(calls) == 1
+    monkeypatch.setattr(deepseek, "fused_moe", lambda *a: None)
+    for a, b in zip(fused, _run(model, attn_config)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("quantization", [None, QuantConfig("int4", 32)], ids=str)
 def test_a_replaced_weight_rebuilds_the_view(tmp_path, monkeypatch, quantization):
     _as_the_modules(monkeypatch, quantization)
@@ -117,11 +146,15 @@ def test_a_replaced_weight_rebuilds_the_view(tmp_path, monkeypatch, quantization
 
 @pytest.mark.parametrize("variant", ["v2_lite", "v3"])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("quantization", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
-def test_quantized_tokens_each_as_alone(tmp_path, variant, threads, quantization):
+@pytest.mark.parametrize("quantization, int8_downs", [(QuantConfig("int8"), False), (QuantConfig("int4", 32), False),
+                                                      (QuantConfig("int4", 32), True)], ids=str)
+def test_quantized_tokens_each_as_alone(tmp_path, variant, threads, quantization, int8_downs):
     """Up to 8 tokens through quantized experts in one call: each token's output equals that token's alone (experts
-    that several tokens chose are read once for all of them), and the modules' within their roundings."""
+    that several tokens chose are read once for all of them), and the modules' within their roundings; also with
+    int4 gate_up beside int8 down."""
     model, _ = _model(_checkpoint(tmp_path, variant), torch.bfloat16, quantization)
+    if int8_downs:
+        _int8_downs(model)
     layer = next(layer for layer in model.model.layers if isinstance(layer.mlp, MoE))
     g = torch.Generator().manual_seed(1)
     normed, hidden = (torch.randn(8, 64, generator=g).bfloat16() for _ in range(2))

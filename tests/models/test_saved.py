@@ -140,6 +140,15 @@ def test_newer_format_version_is_refused(saved, tmp_path):
         LLM(copy, **ENGINE)
 
 
+def test_older_format_version_is_refused(saved, tmp_path):
+    """Version 1 kept int8 weights in plain rows; this build reads only `pack_int8`'s blocks."""
+    copy = copy_saved(saved[1], tmp_path)
+    edit_manifest(copy, version=1)
+    with pytest.raises(SavedModelError, match="version 1, whose packed weights this latentserve no longer reads .*"
+                                              "quantize the original checkpoint again"):
+        LLM(copy, **ENGINE)
+
+
 def test_other_cpu_build_is_refused(saved, tmp_path):
     copy = copy_saved(saved[1], tmp_path)
     manifest = json.loads((copy / MANIFEST).read_text())

@@ -17,6 +17,7 @@ import torch
 
 from latentserve.attention.decode.base import MLADecodeBackend
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend
+from latentserve.attention.kv_cache import dequantize_rows
 from latentserve.attention.metadata import MLADecodeMetadata
 
 
@@ -106,7 +107,7 @@ class PagedMQADecodeBackend(MLADecodeBackend):
         blocks = kv_cache.view(kv_cache.shape[0], -1)
         q = q * self.scale  # scaling the queries once costs less than scaling every score
         for (q_start, q_end), pieces in zip(plan.query_ranges, plan.pieces):
-            rows = [self._rows(p, flat, blocks, q.dtype) for p in pieces]
+            rows = [dequantize_rows(self._rows(p, flat, blocks), latent, q.dtype) for p in pieces]
             q_r = q[q_start:q_end].view(-1, q.shape[-1])
             probs = self._probs(q_r, rows, q_end - q_start)
             out_r = out[q_start:q_end].view(-1, latent)
@@ -121,12 +122,10 @@ class PagedMQADecodeBackend(MLADecodeBackend):
         return out
 
     @staticmethod
-    def _rows(piece: Piece, flat: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _rows(piece: Piece, flat: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         if piece.block_ids is None:
-            rows = flat[piece.flat_start : piece.flat_start + piece.num_rows]
-        else:
-            rows = blocks.index_select(0, piece.block_ids).view(-1, flat.shape[-1])[: piece.num_rows]
-        return rows.to(dtype)
+            return flat[piece.flat_start : piece.flat_start + piece.num_rows]
+        return blocks.index_select(0, piece.block_ids).view(-1, flat.shape[-1])[: piece.num_rows]
 
     @staticmethod
     def _probs(q_r: torch.Tensor, rows: list[torch.Tensor], query_len: int) -> torch.Tensor:

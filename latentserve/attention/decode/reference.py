@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from latentserve.attention.decode.base import MLADecodeBackend
-from latentserve.attention.kv_cache import slots_for_positions
+from latentserve.attention.kv_cache import dequantize_rows, slots_for_positions
 from latentserve.attention.metadata import MLADecodeMetadata
 
 
@@ -25,7 +25,8 @@ class ReferenceDecodeBackend(MLADecodeBackend):
                 visible = seq_len - q_len + j + 1
                 first = 0 if self.sliding_window is None else max(0, visible - self.sliding_window)
                 positions = torch.arange(first, visible, device=q.device)
-                rows = flat[slots_for_positions(metadata.block_table[r], positions, kv_cache.shape[1])].float()
+                rows = flat[slots_for_positions(metadata.block_table[r], positions, kv_cache.shape[1])]
+                rows = dequantize_rows(rows, self.kv_lora_rank, torch.float32)
                 scores = q[qsl[r] + j].float() @ rows.T * self.scale
                 out[qsl[r] + j] = (torch.softmax(scores, dim=-1) @ rows[:, : self.kv_lora_rank]).to(q.dtype)
         return out

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from latentserve.attention.decode.base import MLADecodeBackend
+from latentserve.attention.kv_cache import dequantize_rows
 from latentserve.attention.metadata import MLADecodeMetadata
 
 REDUCED_PRECISION = (torch.bfloat16, torch.float16)
@@ -58,7 +59,8 @@ class TorchMQADecodeBackend(MLADecodeBackend):
         # index_select of whole blocks is a plain row copy, several times faster on CPU than indexing. The rows
         # are kept padded to whole blocks: cutting them to the longest request would make the batch
         # non-contiguous, and bmm would copy it again.
-        kv = kv_cache.index_select(0, group.blocks).view(num_reqs, -1, kv_cache.shape[-1]).to(q.dtype)
+        kv = kv_cache.index_select(0, group.blocks).view(num_reqs, -1, kv_cache.shape[-1])
+        kv = dequantize_rows(kv, self.kv_lora_rank, q.dtype)
         # Rows past a request's end may hold anything (even NaN), and a 0 weight times NaN is NaN: zero them.
         kv[:, group.first :].masked_fill_(group.past_end.unsqueeze(-1), 0.0)
         # Reduced-precision bmm (oneDNN) copies a strided operand: multiplying the whole rows (values and

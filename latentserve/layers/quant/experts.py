@@ -74,35 +74,39 @@ def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 TOKENS_PER_CALL = 64
 
 
+def packed_format(layer: nn.Module) -> native.Format | None:
+    """A layer's weight format as the native experts read it ((8, 0): `pack_int8`; (4, G): `pack_int4`), or None
+    where it is not one of latentserve's bias-free quantized layers."""
+    if getattr(layer, "bias", None) is not None:
+        return None
+    if type(layer) is NativeInt8Linear:
+        return 8, 0
+    if type(layer) is NativeInt4Linear:
+        return 4, layer.group_size
+    return None
+
+
 def _native_tokens(chosen: list[list[nn.Module]], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
     """Token t through its experts `chosen[t]` (one count for all) with `native.experts_tokens` where each is a fused
-    gate_up and a down of latentserve's kernels, bias-free; None otherwise."""
+    gate_up and a down of latentserve's kernels, bias-free, every gate_up in one format and every down in one
+    (the two may differ); None otherwise."""
     if any(getattr(e, "swiglu_limit", None) is not None for row in chosen for e in row):
         return None  # the kernel has no clamp
     layers = [[(getattr(e, "gate_up_proj", None), e.down_proj) for e in row] for row in chosen]
     flat = [pair for row in layers for pair in row]
-    kind = type(flat[0][0])
-    if kind not in (NativeInt8Linear, NativeInt4Linear) or any(
-        type(gu) is not kind or type(d) is not kind or gu.bias is not None or d.bias is not None for gu, d in flat
-    ):
-        return None
-    groups = (0, 0) if kind is NativeInt8Linear else (flat[0][0].group_size, flat[0][1].group_size)
-    if kind is NativeInt4Linear and any((gu.group_size, d.group_size) != groups for gu, d in flat):
+    formats = {(packed_format(gu), packed_format(d)) for gu, d in flat}
+    if len(formats) != 1 or None in next(iter(formats)):
         return None
     gate_up = flat[0][0]
-    bits = 8 if kind is NativeInt8Linear else 4
     x = native.activations(xa, xa.shape[-1])
     gates = gates.float().contiguous()
     outs = [native.experts_tokens(gate_up.kernels, x[t : t + TOKENS_PER_CALL].contiguous(),
-                                  _pointers(layers[t : t + TOKENS_PER_CALL], bits), gates[t : t + TOKENS_PER_CALL],
-                                  gate_up.out_features // 2, bits, groups)
+                                  _pointers(layers[t : t + TOKENS_PER_CALL]), gates[t : t + TOKENS_PER_CALL],
+                                  gate_up.out_features // 2, next(iter(formats)))
             for t in range(0, len(chosen), TOKENS_PER_CALL)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def _pointers(layers: list[list[tuple[nn.Module, nn.Module]]], bits: int) -> list[torch.Tensor]:
+def _pointers(layers: list[list[tuple[nn.Module, nn.Module]]]) -> list[torch.Tensor]:
     """The weights `experts_tokens` reads per (token, expert), in its order."""
-    pairs = [pair for row in layers for pair in row]
-    if bits == 8:
-        return [t for gu, d in pairs for t in (gu.qweight, gu.scale, gu.qsum, d.qweight, d.scale, d.qsum)]
-    return [t for gu, d in pairs for t in (gu.packed, d.packed)]
+    return [layer.packed for row in layers for pair in row for layer in pair]

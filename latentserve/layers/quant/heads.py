@@ -4,22 +4,22 @@ from __future__ import annotations
 import torch
 
 from latentserve.kernels import native
-from latentserve.kernels.policy import INT8_ROWS
 from latentserve.layers.quant.int8 import quantize_int8
 
 
 # W_UK's [16, 512, 128] per-head product at one token: 1.7-1.85x faster in lanes (68 -> 38 us, weights streamed);
 # W_UV's [16, 128, 512]: 1.22-1.35x (AVX2 1.07-1.25x) once the lanes sum in four chains (benchmarks/RESULTS.md).
 LANES_COLUMNS = 512
+HEAD_TOKENS = 24  # tokens the per-head products take in int8; callers keep the full-precision weight for more
 
 
 class Int8HeadProducts:
     """y[t, h] = x[t, h] @ w[h]^T with w `[H, N, K]` in int8 per output row, activations quantized per (t, h): one
-    kernel call for all heads. Up to INT8_ROWS tokens: callers keep the full-precision weight for more.
+    kernel call for all heads. Up to HEAD_TOKENS tokens: callers keep the full-precision weight for more.
     Rows of at most LANES_COLUMNS (MLA's W_UK: 128, W_UV: 512), N % 16 == 0 and K % 4 == 0 keep `q` in
     `native.int8_lanes`' layout (`lanes`): the same outputs, read as one stream instead of one row at a time."""
 
-    max_tokens = INT8_ROWS
+    max_tokens = HEAD_TOKENS
 
     def __init__(self, w: torch.Tensor, kernels: native.NativeKernels) -> None:
         heads, n, k = w.shape

@@ -10,7 +10,6 @@ from torch import nn
 
 from latentserve.layers.linear import linear
 from latentserve.kernels import native
-from latentserve.kernels.policy import INT8_ROWS
 
 
 # Elements converted at a time: a block's fp32 temporary (512 KB) stays in L2 through the element-wise passes, which
@@ -91,46 +90,33 @@ class FbgemmInt8Linear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
 
-def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 x `[M, K]` times the int8 weight q `[N, K]` (per-row `scale`), the activations quantized per row as the
-    native kernel does, through `torch._int_mm` (oneDNN's int8 GEMM: within ~10 % of fbgemm's from 64 rows, on the
-    plain weight the native kernel reads: benchmarks/RESULTS.md)."""
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
-    xq = torch.div(x, s).round_().to(torch.int8)
-    return torch._int_mm(xq, q.t()).float().mul_(s).mul_(scale)
-
-
 class NativeInt8Linear(nn.Module):
-    """latentserve's int8 kernel (`native.py`) up to `INT8_ROWS` rows, `torch._int_mm` from there: one plain
-    int8 weight for both, activations quantized per row (symmetric, 8 bits). fp32 and bf16 activations go in as
-    they are; out in `out_dtype` (None: the activations' dtype)."""
+    """latentserve's int8 kernel (`native.py`) at every row count, the weight in blocks of 16 outputs
+    (`native.pack_int8`), activations quantized per row (symmetric, 8 bits): one 64-byte load feeds 16 outputs and
+    every row of a pass, so at many rows the activations are read once per block, not once per output (2x faster
+    than the one-row-at-a-time kernel at 512 rows and above oneDNN's `_int_mm`: benchmarks/RESULTS.md). fp32 and
+    bf16 activations go in as they are; out in `out_dtype` (None: the activations' dtype)."""
 
-    kernel = "latentserve int8 + _int_mm"
+    kernel = "latentserve int8"
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, kernels: native.NativeKernels,
                  out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.kernels, self.out_dtype = kernels, out_dtype
-        self.register_buffer("qweight", q)
-        self.register_buffer("scale", scale)
-        self.register_buffer("qsum", q.sum(dim=1, dtype=torch.int32))
+        self.register_buffer("packed", native.pack_int8(q, scale))
         self.bias = bias
 
-    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, int] | None:
-        """(this layer as a one-call block reads it, up to how many rows it runs latentserve's kernel) where it runs
-        `kernels` on `dtype` activations, out in the same dtype, without a bias; else None."""
+    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, None] | None:
+        """(this layer as a one-call block reads it, None: it runs latentserve's kernel at any row count) where it
+        runs `kernels` on `dtype` activations, out in the same dtype, without a bias; else None."""
         if self.kernels != kernels or self.bias is not None or self.out_dtype not in (None, dtype):
             return None
-        return native.Weight(kind=native.INT8, w=self.qweight.data_ptr(), scale=self.scale.data_ptr(),
-                             qsum=self.qsum.data_ptr()), INT8_ROWS
+        return native.Weight(kind=native.INT8_BLOCKS, w=self.packed.data_ptr()), None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
         dtype = self.out_dtype or x.dtype
-        if x2.shape[0] <= INT8_ROWS:
-            y = native.int8_linear(self.kernels, x2, self.qweight, self.scale, self.qsum, dtype)
-        else:
-            y = int8_gemm(x2.float(), self.qweight, self.scale)
+        y = native.int8_linear(self.kernels, x2, self.packed, self.out_features, dtype)
         y = y.view(*x.shape[:-1], self.out_features).to(dtype)
         return y if self.bias is None else y.add_(self.bias)

@@ -28,14 +28,16 @@ class KernelChoice:
     reason: str
 
 
-def int8_kernel(policy: KernelPolicy, device: torch.device) -> KernelChoice:
+def int8_kernel(policy: KernelPolicy, device: torch.device, in_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int8Linear.kernel, "not a CPU")
     kernels, why, features = policy.kernels, policy.why, policy.features
+    if kernels is not None and (in_features is None or in_features % 4 == 0):
+        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); at every row count, the weight "
+                            "in blocks of 16 outputs (faster than oneDNN's int8 GEMM at 512 rows: "
+                            "benchmarks/RESULTS.md)")
     if kernels is not None:
-        return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); its own kernel up to "
-                            f"{policy.int8_rows} rows (1.1-1.6x fbgemm at 1-2 rows, slower at 4-24: "
-                            "benchmarks/RESULTS.md), oneDNN's int8 GEMM above, one int8 weight for both")
+        why = f"{in_features} inputs, latentserve's int8 kernel needs a multiple of 4"
     if features.fbgemm:
         return KernelChoice(FbgemmInt8Linear.kernel, f"latentserve's kernels: {why}; fbgemm is the fastest int8 "
                             "linear torch ships")
@@ -83,7 +85,7 @@ def quantize_linear(
     features = policy.features
     if config.method == "int8":
         q, scale = (weight.q, weight.scale) if isinstance(weight, Int8Weight) else quantize_int8(weight)
-        kernel = int8_kernel(policy, device).kernel
+        kernel = int8_kernel(policy, device, weight.shape[1]).kernel
         # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
         out_dtype = torch.float32 if name == LM_HEAD else None
         if kernel == NativeInt8Linear.kernel:

@@ -1,0 +1,117 @@
+/* The drivers of the quantized formats (quant.h's Format: int8 in `pack_int8`'s layout, int4 in `pack_int4`'s):
+ * a linear layer at any row count, and a few tokens' routed experts whose gate_up and down may each have their own
+ * format (llama.cpp's Q4_K_M files keep some down projections at 8 bits beside 4-bit gate and up). Both walk
+ * blocks of 16 outputs, each block one stream of bytes read once for all the rows it meets; what differs between
+ * formats is the format's own business (block_bytes, quantize_for, block_dots). */
+#include "quant.h"
+
+#define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
+
+/* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each thread a contiguous share of the blocks,
+ * in order: a block is already a long stream (16 K bytes in int8), and alternating two halves of the share
+ * (`two_streams`, which helps rows of a few KB) measured up to 1.2x slower at one row (benchmarks/RESULTS.md).
+ * Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever rows it is computed with. */
+void quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
+                  int io, int threads) {
+    Format f = {bits, G};
+    QuantActs a = quantize_for(f, x, io & 1, M, K);
+    int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K);
+#pragma omp parallel num_threads(threads)
+    {
+        float *dots = malloc((M < ROW_CHUNK ? M : ROW_CHUNK) * 16 * sizeof(float));
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+            for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
+                         len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+                int64_t b = begin + idx, outputs = N - 16 * b < 16 ? N - 16 * b : 16;
+                block_dots(f, a, m0, rows, (const char *)w + b * bytes, K, dots);
+                for (int64_t m = 0; m < rows; m++)
+                    for (int64_t j = 0; j < outputs; j++)
+                        store_out(y, io & 2, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
+            }
+        }
+        free(dots);
+    }
+    free_acts(a);
+}
+
+/* The experts' pairs grouped by expert (groups of them, pairs start[g] .. start[g + 1]; order[i]: the i-th pair's
+ * position in `weights`, two pointers each: gate_up, down). */
+typedef struct {
+    int64_t groups;
+    const int64_t *start, *order;
+    void *const *weights;
+} ExpertGroups;
+
+/* This thread's share of one layer (which: 0 gate_up, 1 down, in format f) of every group: `rows` outputs from K
+ * inputs in blocks of 16, dst[pair, rows] = the pair's outputs. Each pair's arithmetic is the same whatever pairs
+ * share its expert. */
+static void expert_layer(ExpertGroups e, int which, Format f, QuantActs a, int64_t rows, int64_t K, float *dots,
+                         float *dst) {
+    int64_t units = (rows + 15) / 16, total = e.groups * units, bytes = block_bytes(f, K);
+    int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    for (int64_t begin = total * part / parts, len = total * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+        int64_t r = begin + idx, g = r / units, u = r - g * units; /* in order, as ls_quant_linear */
+        int64_t first = e.start[g], m = e.start[g + 1] - first, outputs = rows - u * 16 < 16 ? rows - u * 16 : 16;
+        const char *w = e.weights[2 * e.order[first] + which];
+        block_dots(f, a, first, m, w + u * bytes, K, dots);
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < outputs; j++) dst[(first + i) * rows + u * 16 + j] = dots[i * 16 + j];
+    }
+}
+
+/* T tokens, each through `count` routed experts: y[t] = sum_j gates[t, j] * down_j(silu(gate_j(x[t])) * up_j(x[t]))
+ * in the order given, in one parallel region. Per expert, `weights` holds two pointers: its gate and up as one fused
+ * weight of 2 * I rows (gate's first) in format (bits, G), its down projection in format (down_bits, GD). x is
+ * quantized once per token. The (token, expert) pairs are grouped by expert, so an expert that several tokens chose
+ * is read once for all of them; every pair's arithmetic is the same as for its token alone, so each token's result
+ * does not depend on the batch around it. */
+LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                              const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
+                              int threads) {
+    Format gate_up = {bits, G}, down = {down_bits, GD};
+    int64_t P = T * count, groups = 0;
+    int64_t *order = malloc(P * sizeof(int64_t)), *slot = malloc(P * sizeof(int64_t));
+    int64_t *start = malloc((P + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) { /* insertion sort of the pairs by expert, stable */
+        int64_t j = p;
+        for (; j > 0 && (uintptr_t)weights[order[j - 1] * 2] > (uintptr_t)weights[p * 2]; j--) order[j] = order[j - 1];
+        order[j] = p;
+    }
+    for (int64_t i = 0; i < P; i++) {
+        slot[order[i]] = i;
+        if (i == 0 || weights[order[i] * 2] != weights[order[i - 1] * 2]) start[groups++] = i;
+    }
+    start[groups] = P;
+    int64_t *token = malloc(P * sizeof(int64_t)); /* each pair's token, in grouped order */
+    for (int64_t i = 0; i < P; i++) token[i] = order[i] / count;
+    float *h = malloc(P * 2 * I * sizeof(float)), *a = malloc(P * I * sizeof(float));
+    float *o = malloc(P * K * sizeof(float));
+    QuantActs xt = quantize_for(gate_up, x, io & 1, T, K), xa = gather_acts(xt, token, P, K, bits, G);
+    QuantActs aa = {NULL, NULL, NULL};
+    ExpertGroups e = {groups, start, order, weights};
+#pragma omp parallel num_threads(threads)
+    {
+        float dots[16 * P]; /* an expert's pairs (at most one per token), a block of outputs each */
+        expert_layer(e, 0, gate_up, xa, 2 * I, K, dots, h);
+#pragma omp barrier
+#pragma omp single
+        {
+            for (int64_t i = 0; i < P; i++) silu_mul(h + i * 2 * I, I, a + i * I);
+            aa = quantize_for(down, a, 0, P, I);
+        }
+        expert_layer(e, 1, down, aa, K, I, dots, o);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t tk = 0; tk < T * K; tk++) {
+            int64_t t = tk / K, k = tk - t * K;
+            float sum = 0.f;
+            for (int64_t j = 0; j < count; j++) sum += gates[t * count + j] * o[slot[t * count + j] * K + k];
+            store_out(y, io & 2, tk, sum);
+        }
+    }
+    free_acts(xt);
+    free_acts(xa);
+    free_acts(aa);
+    free(order), free(slot), free(start), free(token), free(h), free(a), free(o);
+}
