@@ -1,10 +1,13 @@
-"""Timing helpers shared by the benchmarks."""
+"""Timing helpers shared by the benchmarks, and latentserve's `linear` as its layers run it."""
 from __future__ import annotations
 
 import time
 from typing import Callable
 
 import torch
+
+from latentserve.kernels.policy import default_policy
+from latentserve.layers.linear import linear
 
 
 def best_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
@@ -24,3 +27,10 @@ def copy_bandwidth(num_bytes: int = 256 << 20) -> float:
     src = torch.empty(num_bytes // 4, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
     return 2 * num_bytes / best_time(lambda: dst.copy_(src))
+
+
+def policy_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`linear` as a layer with this weight runs it under the default kernel policy (this process's setting and
+    thread count)."""
+    policy = default_policy()
+    return linear(x, weight, None, policy.kernels, policy.dense_rows(weight.dtype, weight.shape[1]))

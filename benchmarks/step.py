@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import policy_linear  # noqa: E402
 from benchmarks.vs_transformers import FULL, QUICK, Gemm, make_checkpoint, step_gemms  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
 from latentserve.attention.decode.paged import PagedMQADecodeBackend  # noqa: E402
@@ -37,7 +38,6 @@ from latentserve.attention.metadata import CommonAttentionMetadata, MLADecodeMet
 from latentserve.engine.input_buffers import InputBuffers  # noqa: E402
 from latentserve.engine.model_runner import ModelRunnerOutput  # noqa: E402
 from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput  # noqa: E402
-from latentserve.layers.linear import linear  # noqa: E402
 
 V2_LITE = dict(
     vocab_size=32000, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=2,
@@ -76,7 +76,7 @@ def time_streamed_gemms(gemms: list[Gemm], dtype: torch.dtype) -> float:
                 ops += [(torch.mm, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype))
                         for _ in range(g.count)]
             else:
-                ops += [(linear, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype))
+                ops += [(policy_linear, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype))
                         for _ in range(g.count)]
         sets.append(ops)
     cycle = itertools.cycle(sets)

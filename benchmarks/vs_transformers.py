@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import best_time  # noqa: E402
+from benchmarks.common import best_time, policy_linear  # noqa: E402
 from latentserve import LLM, SamplingParams  # noqa: E402
-from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS, linear  # noqa: E402
+from latentserve.layers.linear import SKINNY_ROWS, SPLIT_ROWS  # noqa: E402
 
 # ~200M parameters: 8 layers (first dense), 16 routed experts top-4 + 1 shared, vocab 16k.
 FULL = dict(
@@ -205,7 +205,7 @@ class Floors:
 def measure_floors(c: dict, prompt_len: int, batch: int) -> Floors:
     decode = step_gemms(c, batch, batch, decode=True)
     return Floors(time_gemms(step_gemms(c, prompt_len, 1, decode=False)) * batch, time_gemms(decode),
-                  time_gemms(decode, linear))
+                  time_gemms(decode, policy_linear))
 
 
 def expert_formulations(c: dict, batch: int, compile_too: bool) -> dict[str, float]:
@@ -225,7 +225,8 @@ def expert_formulations(c: dict, batch: int, compile_too: bool) -> dict[str, flo
         return [F.linear(F.silu(F.linear(x[e], w1[e])) * F.linear(x[e], w3[e]), w2[e]) for e in range(active)]
 
     def ours() -> list[torch.Tensor]:  # latentserve's `linear` (layout picked by row count and threads)
-        return [linear(F.silu(linear(x[e], w1[e])) * linear(x[e], w3[e]), w2[e]) for e in range(active)]
+        return [policy_linear(F.silu(policy_linear(x[e], w1[e])) * policy_linear(x[e], w3[e]), w2[e])
+                for e in range(active)]
 
     def fused() -> list[torch.Tensor]:  # gate and up as one GEMM
         out = []

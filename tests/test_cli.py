@@ -354,29 +354,32 @@ def test_serve_and_scale_out_flags_parse():
     assert (args.port, args.api_key, args.data_parallel_size, args.enable_expert_parallel) == (9001, "k", 2, True)
 
 
-def test_backends_shows_the_weight_kernels_chosen_here_and_why(capsys, monkeypatch):
-    from latentserve.kernels.cpu import AUTO_DTYPE_ENV, cpu_features
-    from latentserve.kernels.native import native_kernels
+def test_backends_prints_the_kernel_policy_and_the_weight_kernels_it_gives(capsys, monkeypatch):
+    from latentserve.kernels.cpu import AUTO_DTYPE_ENV
+    from latentserve.kernels.policy import KernelPolicy
 
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
     code, out, _ = run_cli(["backends"], capsys)
-    features = cpu_features()
-    weights = out.split("weights:\n", 1)[1]
-    assert code == 0 and f"cpu: {features.describe()}" in weights
-    auto = "bfloat16 (native bf16" if features.native_bf16 else "float32 (no native bf16"
+    policy = KernelPolicy.detect()  # what the engine hands its loader
+    weights = out.split("weights (", 1)[1]
+    assert code == 0 and f"  cpu:\n    features: {policy.features.describe()}\n" in weights
+    assert f"    threads: {policy.threads}\n" in weights
+    assert all(f"    {line}\n" in weights for line in policy.describe().splitlines())
+    auto = "bfloat16 (native bf16" if policy.features.native_bf16 else "float32 (no native bf16"
     assert f"dtype auto: {auto}" in weights
-    kernels, why = native_kernels(features)
+    kernels, why = policy.kernels, policy.why
     if kernels is not None:
-        assert f"int8: latentserve int8 + _int_mm (built for {kernels.isa} ({why})" in weights
+        assert f"latentserve's kernels: built for {kernels.isa} ({why})" in weights
+        assert f"int8: latentserve int8 (built for {kernels.isa} ({why})" in weights
         assert f"int4: latentserve int4 (built for {kernels.isa}" in weights
-        assert f"fp32 / bf16 linears: latentserve's (built for {kernels.isa}) up to 3 fp32 rows" in weights
+        assert "fp32 / bf16 linears: latentserve's up to 3 fp32 rows" in weights
         assert "decode attention block: one native call per layer" in weights
         assert "decode MoE block: one native call per layer" in weights
     else:
-        assert f"fp32 / bf16 linears: PyTorch's (latentserve's kernels: {why})" in weights
+        assert f"latentserve's kernels: not used ({why})" in weights and "linears: latentserve's" not in weights
         assert f"decode attention block: the layer's modules one by one ({why})" in weights
         assert f"decode MoE block: the layer's modules one by one ({why})" in weights
-        assert ("int8: fbgemm int8 linear_dynamic" if features.fbgemm else "int8: int8 dequantize") in weights
+        assert ("int8: fbgemm int8 linear_dynamic" if policy.features.fbgemm else "int8: int8 dequantize") in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
 
 

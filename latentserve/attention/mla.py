@@ -16,6 +16,7 @@ from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.forward_context import StaticForwardContext, get_forward_context
 from latentserve.kernels import native
 from latentserve.kernels.native import KERNEL_DTYPES, KV_CACHE_DTYPES, NativeKernels
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.linear import Linear, head_products
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.quant.heads import Int8HeadProducts
@@ -78,11 +79,21 @@ class MLAAttention(nn.Module):
         self.W_UV: torch.Tensor | None = None
         # (q_nope -> latent, latent -> values) in int8 for few decode tokens, under int8/int4 weights.
         self.int8_absorbed: tuple[Int8HeadProducts, Int8HeadProducts] | None = None
+        # latentserve's kernels for the prologue and the absorbed products, and up to how many tokens those products
+        # take them: asked once, in process_weights_after_loading.
+        self.kernels: NativeKernels | None = None
+        self.head_tokens = 0
         static_ctx.register(layer_name, self)
 
-    def process_weights_after_loading(self, int8_kernels: NativeKernels | None = None) -> None:
-        """Split kv_b_proj into the absorbed decode weights W_UK_T `[N, P, L]` and W_UV `[N, L, V]`, and with
-        `int8_kernels` their int8 copies."""
+    def process_weights_after_loading(self, policy: KernelPolicy | None = None, int8_absorbed: bool = False) -> None:
+        """Choose the layer's kernels from `policy` (None: the default one), and split kv_b_proj into the absorbed
+        decode weights W_UK_T `[N, P, L]` and W_UV `[N, L, V]`, with their int8 copies where `int8_absorbed` (int8 /
+        int4 weights) and the policy has kernels."""
+        policy = policy or default_policy()
+        self.kernels, self.head_tokens = policy.kernels, policy.head_tokens
+        if self.W_UK_T is not None:
+            return  # split once (a saved model maps them)
+        int8_kernels = policy.kernels if int8_absorbed and self.kv_b_proj.weight.device.type == "cpu" else None
         m = self.mla
         w = self.kv_b_proj.weight.detach().view(m.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         self.W_UK_T = w[:, : m.qk_nope_head_dim, :].contiguous()
@@ -90,6 +101,20 @@ class MLAAttention(nn.Module):
         if int8_kernels is not None:
             self.int8_absorbed = (Int8HeadProducts(self.W_UK_T.transpose(1, 2).float(), int8_kernels),
                                   Int8HeadProducts(self.W_UV.transpose(1, 2).float(), int8_kernels))
+
+    def native_products(self, dtype: torch.dtype) -> tuple[native.Weight, native.Weight, int] | None:
+        """The absorbed per-head products (to the latent, to the values) as a one-call block reads them, and up to
+        how many tokens `_forward_decode` runs them on latentserve's kernels; None where it does not."""
+        if self.kernels is None:
+            return None
+        if self.int8_absorbed is not None:
+            uk, uv = self.int8_absorbed
+            return uk.native_weight(), uv.native_weight(), uk.max_tokens
+        weights, m = (self.W_UK_T, self.W_UV), self.mla
+        if (any(w is None or w.dtype != dtype or not w.is_contiguous() for w in weights) or m.kv_lora_rank % 16
+                or m.v_head_dim % 16):
+            return None
+        return (*(native.Weight(kind=native.DENSE, w=w.data_ptr()) for w in weights), self.head_tokens)
 
     def forward(self, q: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
         """q `[T, N, P+R]`, kv_c_normed `[T, L]`, k_pe `[T, R]` (rope applied) -> `[T, N*V]`."""
@@ -117,11 +142,10 @@ class MLAAttention(nn.Module):
                 or latent_norm.weight.dtype != dtype or self.kv_cache is None
                 or self.kv_cache.dtype not in KV_CACHE_DTYPES):
             return None
-        kernels = native.for_this_cpu()
-        if kernels is None:
+        if self.kernels is None:
             return None
         md = self.checked_metadata(q)
-        kv_c_normed, k_pe = native.mla_prologue(kernels, q, kv, latent_norm.weight, latent_norm.eps, cos, sin,
+        kv_c_normed, k_pe = native.mla_prologue(self.kernels, q, kv, latent_norm.weight, latent_norm.eps, cos, sin,
                                                 rotary.style, self.kv_cache, md.slot_mapping)
         return self._attend(q, kv_c_normed, k_pe, md)
 
@@ -205,6 +229,6 @@ class MLAAttention(nn.Module):
             to_latent, to_values = self.int8_absorbed
             o_latent = self.decode_backend.forward(torch.cat([to_latent(q_nope), q_pe], dim=-1), self.kv_cache, md)
             return to_values(o_latent)
-        q_latent = head_products(q_nope, self.W_UK_T)
+        q_latent = head_products(q_nope, self.W_UK_T, self.kernels, self.head_tokens)
         o_latent = self.decode_backend.forward(torch.cat([q_latent, q_pe], dim=-1), self.kv_cache, md)
-        return head_products(o_latent, self.W_UV)
+        return head_products(o_latent, self.W_UV, self.kernels, self.head_tokens)

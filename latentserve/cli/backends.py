@@ -14,9 +14,8 @@ from latentserve.attention.prefill import selector as prefill_selector
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.args import HelpFormatter, dtype_name, write
 from latentserve.engine.llm_engine import parse_dtype
-from latentserve.kernels import native
-from latentserve.kernels.cpu import auto_dtype, cpu_features
-from latentserve.layers.linear import NATIVE_HEAD_TOKENS, native_rows
+from latentserve.kernels.cpu import auto_dtype
+from latentserve.kernels.policy import KernelPolicy
 from latentserve.layers.quant.linear import int4_kernel, int8_kernel
 from latentserve.models import arch
 
@@ -69,57 +68,40 @@ def _first_valid(priority: tuple[BackendEnum, ...], device: str, config: Selecto
     return None
 
 
-def describe_weights(device: str) -> str:
-    """dtype="auto" and the int8 / int4 kernels on `device`, each with why."""
-    features = cpu_features()
+def describe_weights(device: str, policy: KernelPolicy) -> str:
+    """dtype="auto" and the kernels `policy` gives layers on `device`, each with why."""
     dtype, why = auto_dtype(device)
-    int8, int4 = int8_kernel(torch.device(device), features), int4_kernel(torch.device(device), features)
+    int8, int4 = int8_kernel(policy, torch.device(device)), int4_kernel(policy, torch.device(device))
+    cpu = device == "cpu"
     return "\n".join([
-        f"  {device}: {features.describe() if device == 'cpu' else ''}".rstrip(),
+        f"  {device}:",
+        *(f"    {line}" for line in (policy.describe().splitlines() if cpu else [])),
         f"    dtype auto: {str(dtype).removeprefix('torch.')} ({why})",
         f"    int8: {int8.kernel} ({int8.reason})",
         f"    int4: {int4.kernel} ({int4.reason}; layers it cannot take: int4pack_mm, or dequantize where the "
         "outputs are not a multiple of 16)",
         f"    lm_head under int8 and int4: {int8.kernel} (--no-lm-head-quantized keeps the compute dtype)",
         "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
-        f"    fp32 / bf16 linears: {_dense(device)}",
-        f"    decode attention block: {_block(device)}",
-        f"    decode MoE block: {_moe_block(device)}",
+        f"    decode attention block: {_block(policy if cpu else None, device)}",
+        f"    decode MoE block: {_moe_block(policy if cpu else None, device)}",
     ]) + "\n"
 
 
-def _block(device: str) -> str:
+def _block(policy: KernelPolicy | None, device: str) -> str:
     """Whether a decode layer's attention runs as one native call (models/attention_block.py)."""
-    kernels, why = native.native_kernels(cpu_features()) if device == "cpu" else (None, f"device {device}")
-    if kernels is None:
-        return f"the layer's modules one by one ({why})"
+    if policy is None or policy.kernels is None:
+        return f"the layer's modules one by one ({policy.why if policy else f'device {device}'})"
     return ("one native call per layer where its projections run latentserve's kernels (fp32/bf16, int8, int4, no "
             "bias), the NATIVE decode backend takes the step and its tokens are few enough; the modules elsewhere")
 
 
-def _moe_block(device: str) -> str:
+def _moe_block(policy: KernelPolicy | None, device: str) -> str:
     """Whether a decode layer's MoE runs as one native call (models/moe_block.py)."""
-    kernels, why = native.native_kernels(cpu_features()) if device == "cpu" else (None, f"device {device}")
-    if kernels is None:
-        return f"the layer's modules one by one ({why})"
+    if policy is None or policy.kernels is None:
+        return f"the layer's modules one by one ({policy.why if policy else f'device {device}'})"
     return ("one native call per layer (router, routing, routed and shared experts, residual) at up to 3 tokens over "
             "stacked fp32/bf16 experts, up to 8 over int8 / int4 ones; the modules elsewhere (and under expert "
             "parallelism)")
-
-
-def _dense(device: str) -> str:
-    """Which kernel the skinny fp32/bf16 products of a decode step take, and up to how many rows."""
-    if device != "cpu":
-        return "PyTorch's"
-    kernels, why = native.native_kernels(cpu_features())
-    if kernels is None:
-        return f"PyTorch's (latentserve's kernels: {why})"
-    threads = torch.get_num_threads()
-    fp32, bf16, short = (native_rows(dtype, width, threads, kernels)
-                         for dtype, width in ((torch.float32, 2048), (torch.bfloat16, 2048), (torch.bfloat16, 512)))
-    return (f"latentserve's (built for {kernels.isa}) up to {fp32} fp32 rows and {bf16} bf16 rows at {threads} "
-            f"thread(s) ({short} over inputs of <= 512), MLA's absorbed per-head products up to {NATIVE_HEAD_TOKENS} "
-            "tokens; MKL / oneDNN above")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,9 +111,10 @@ def run(args: argparse.Namespace) -> int:
     write(describe(MLAPrefillBackendEnum, prefill_selector.PRIORITY, config))
     write(f"decode backends (dtype {dtype}):\n")
     write(describe(MLADecodeBackendEnum, decode_selector.PRIORITY, config))
-    write("weights:\n")
+    write("weights (the kernel policy each layer asks once, as its weights load):\n")
+    policy = KernelPolicy.detect()
     for device in devices():
-        write(describe_weights(device))
+        write(describe_weights(device, policy))
     write("architectures (config.json's model_type: its architectures names):\n")
     write("".join(f"  {line}\n" for line in arch.supported()))
     return 0

@@ -33,7 +33,8 @@ from latentserve.engine.spec_decode.metrics import SpecDecodingStats
 from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
 from latentserve.kernels import native
-from latentserve.kernels.cpu import auto_dtype, cpu_features, last_level_cache_bytes
+from latentserve.kernels.cpu import auto_dtype, last_level_cache_bytes
+from latentserve.kernels.policy import KernelPolicy
 from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
 from latentserve.models.loader import load_model, weight_bytes
@@ -156,15 +157,13 @@ def dbo_config(config: EngineConfig) -> DBOConfig:
 
 
 def check_batch_invariant(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
-                          cache_dtype: torch.dtype) -> None:
+                          cache_dtype: torch.dtype, policy: KernelPolicy) -> None:
     """Batch-invariant mode runs on latentserve's CPU kernels; a setting that would take another path fails here."""
     problems = []
     if torch.device(config.device).type != "cpu":
         problems.append(f"device {config.device!r} (it needs the CPU)")
-    else:
-        kernels, why = native.native_kernels(cpu_features())
-        if kernels is None:
-            problems.append(f"latentserve's CPU kernels ({why})")
+    elif policy.kernels is None:
+        problems.append(f"latentserve's CPU kernels ({policy.why})")
     for name, value in (("dtype", dtype), ("kv_cache_dtype", cache_dtype)):
         if value not in native.KERNEL_DTYPES:
             problems.append(f"{name} {value} (it needs float32 or bfloat16)")
@@ -253,6 +252,8 @@ class LLMEngine:
             # In a data-parallel rank this overrides the front end's even share of the cores.
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
+        # Every layer's kernels, chosen once from this (its threads included) as the weights are loaded.
+        self.kernel_policy = KernelPolicy.detect()
         saved = read_saved(model_dir)  # None: a checkpoint to load (and maybe quantize)
         if saved is not None:
             saved.check_settings(config.dtype, config.quantization, config.quantization_group_size,
@@ -273,7 +274,7 @@ class LLMEngine:
         # Settings that cannot work fail here, before any weight is read.
         model_config = ModelConfig.from_pretrained(model_dir)
         if config.batch_invariant:
-            check_batch_invariant(config, model_config, dtype, cache_dtype)
+            check_batch_invariant(config, model_config, dtype, cache_dtype, self.kernel_policy)
         if spec is not None and model_config.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
                              "declares none (num_nextn_predict_layers is 0)")
@@ -303,8 +304,9 @@ class LLMEngine:
             prepare = functools.partial(shard_experts, group=expert_group, link=link)
         if saved is not None and prepare is not None:
             raise ValueError(f"{model_dir} is a saved quantized model: expert parallelism needs the original checkpoint")
-        self.model = (load_saved(saved, attn_config) if saved is not None
-                      else load_model(model_dir, dtype, attn_config, config.device, prepare, quantization))
+        self.model = (load_saved(saved, attn_config, self.kernel_policy) if saved is not None
+                      else load_model(model_dir, dtype, attn_config, config.device, prepare, quantization,
+                                      self.kernel_policy))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -319,7 +321,7 @@ class LLMEngine:
         )
         spec_decoder = None
         if spec is not None:
-            mtp = load_mtp(model_dir, self.model, attn_config, dtype, config.device)
+            mtp = load_mtp(model_dir, self.model, attn_config, dtype, config.device, self.kernel_policy)
             proposer = MTPProposer(mtp, attn_config, num_blocks, cache_dtype, num_spec, config.device)
             policy = spec.drafting_policy(weight_bytes(self.model, mtp), config.device, last_level_cache_bytes())
             if policy.max_batch_size == 0:

@@ -5,24 +5,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from latentserve import batch_invariant
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
-from latentserve.layers.linear import Linear, linear
+from latentserve.kernels.policy import KernelPolicy, default_policy
+from latentserve.layers.linear import linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.quant.experts import run_expert_loop
+from latentserve.layers.stacked_experts import NATIVE_MAX_TOKENS, StackedExperts
 
-# At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
-PER_EXPERT_MAX_PAIRS = 4
-# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, in one call (each token
-# reads its experts' weights on its own). Measured against the batched paths with
-# weights streamed, 2 threads (benchmarks/RESULTS.md): even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's
-# experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
-# paths win, reading each expert once.
-NATIVE_MAX_TOKENS = 8
 # scoring function -> the top-k methods paired with it: DeepSeek's, Mistral 4's group_limited_top2 (softmax scores, a
 # group scored by its best two experts as noaux_tc does) and LongCat-Flash's softmax noaux_tc (the correction bias
 # steers the choice, over one group)
@@ -144,7 +137,11 @@ def select_experts(
 
 
 class Router(nn.Module):
-    """The gate: fp32 logits over routed experts, then `select_experts`."""
+    """The gate: fp32 logits over routed experts, then `select_experts`; its kernels asked once
+    (`process_weights_after_loading`; built outside a loader: `default_policy()` at the first call)."""
+
+    kernels: native.NativeKernels | None = None
+    native_rows: int | None = None  # the fp32 product's rows on `kernels` (`linear`); None: not asked yet
 
     def __init__(self, hidden_size: int, cfg: RoutingConfig) -> None:
         super().__init__()
@@ -156,12 +153,37 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def process_weights_after_loading(self, policy: KernelPolicy) -> None:
+        self.kernels = policy.kernels
+        self.native_rows = policy.dense_rows(torch.float32, self.weight.shape[1])
+
+    @property
+    def route_kernels(self) -> native.NativeKernels | None:
+        """The kernels that route a few tokens (route.c), where they compute this routing."""
+        return self.kernels if self.cfg.native_routing else None
+
+    def native_router(self, dtype: torch.dtype) -> tuple[native.MoEBlock, int, list[torch.Tensor]] | None:
+        """(this router and its routing as moe_block.c reads them, in a block of `dtype` activations whose experts
+        are still to fill in; up to how many rows its product runs latentserve's kernel, past which `linear` takes
+        MKL's sums; the tensors read by address), or None where they do not run latentserve's kernels."""
+        kernels, cfg, bias = self.route_kernels, self.cfg, self.e_score_correction_bias
+        if kernels is None or self.weight.dtype != torch.float32 or not self.weight.is_contiguous():
+            return None
+        block = native.MoEBlock(
+            hidden=self.weight.shape[1], experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok,
+            groups=cfg.num_groups, topk_groups=cfg.kept_groups, sigmoid=int(cfg.scoring_func == "sigmoid"),
+            norm=int(cfg.norm_topk_prob), scaling=cfg.routed_scaling_factor, router=self.weight.data_ptr(),
+            bias=None if bias is None else bias.data_ptr(), bf=int(dtype == torch.bfloat16))
+        return block, self.native_rows, [self.weight] + ([] if bias is None else [bias])
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native_rows is None:
+            self.process_weights_after_loading(default_policy())
         # `linear`: latentserve's kernel at a few rows, whose sums round differently from MKL's only in the last bits.
-        logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight.float())
+        logits = linear(x if x.dtype == torch.float32 else x.float(), self.weight.float(), None, self.kernels,
+                        self.native_rows)
         few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
-        native_here = logits.device.type == "cpu" and few and self.cfg.native_routing
-        kernels = native.for_this_cpu() if native_here else None
+        kernels = self.route_kernels if logits.device.type == "cpu" and few else None
         if kernels is None:
             return select_experts(logits, self.cfg, self.e_score_correction_bias)
         cfg = self.cfg  # a few decode tokens: one native call where select_experts takes a dozen small ops
@@ -233,136 +255,3 @@ class MoE(nn.Module):
     def _run_expert_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """One batched call per expert that got tokens (experts that cannot be stacked: quantized, or biased)."""
         return run_expert_loop(self.experts, x, weights, ids)
-
-
-def _is_plain(expert: nn.Module) -> bool:
-    return isinstance(expert, GatedMLP) and expert.gate_up_proj is None and expert.swiglu_limit is None and all(
-        type(p) is Linear and p.bias is None for p in (expert.gate_proj, expert.up_proj, expert.down_proj)
-    )
-
-
-class StackedExperts(nn.Module):
-    """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
-    `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them). Up to `NATIVE_MAX_TOKENS`
-    tokens run through latentserve's kernel instead, with the shared experts (`shared`) where they are plain."""
-
-    def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor, shared: GatedMLP | None = None) -> None:
-        super().__init__()
-        self.first = first
-        # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
-        self.register_buffer("w13", w13, persistent=False)  # [E, 2I, H]: gate rows, then up rows
-        # [E, I, H]: down projections stored transposed. A product of a few rows with [H, I] reads rows of I
-        # (short: 384-2048) at about half the memory bandwidth of one with [I, H] (2x faster at batch 1).
-        self.register_buffer("w2t", w2t, persistent=False)
-        # The shared experts (S = a multiple of the routed experts' I, down projection stored transposed), run as S / I
-        # more experts of gate 1 after the routed ones. In a tuple: the MoE owns the module, not the stack.
-        self.shared = (shared,) if shared is not None else None
-
-    @property
-    def w2(self) -> torch.Tensor:
-        """The down projections as the checkpoint has them, [E, H, I] (a view)."""
-        return self.w2t.transpose(1, 2)
-
-    @classmethod
-    def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None,
-              shared: nn.Module | None = None) -> StackedExperts | None:
-        """The stack of the local experts (a contiguous range: expert parallelism owns one), or None where one is
-        quantized or has a bias. Weights already there (not on meta) are copied in, one expert at a time."""
-        local = [(i, e) for i, e in enumerate(experts) if isinstance(e, GatedMLP)]
-        if not local or not all(_is_plain(e) for _, e in local) or local[-1][0] - local[0][0] + 1 != len(local):
-            return None
-        like = local[0][1].down_proj.weight
-        hidden, inter = like.shape
-        device = like.device if device is None else device
-        w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
-        w2t = torch.empty(len(local), inter, hidden, dtype=like.dtype, device=device)
-        for k, (_, e) in enumerate(local):
-            _place(e.gate_proj, w13[k, :inter])
-            _place(e.up_proj, w13[k, inter:])
-            _place(e.down_proj, w2t[k].t())
-        fold = (shared is not None and _is_plain(shared) and shared.down_proj.weight.dtype == like.dtype
-                and shared.down_proj.in_features % inter == 0)
-        if fold:
-            d = shared.down_proj.weight
-            _place(shared.down_proj, torch.empty(d.shape[1], d.shape[0], dtype=d.dtype, device=device).t())
-        return cls(local[0][0], w13, w2t, shared if fold else None)
-
-    def _kernels(self, x: torch.Tensor) -> native.NativeKernels | None:
-        """latentserve's kernels where they run these tokens, else None."""
-        on_cpu = x.device.type == "cpu" and x.dtype == self.w13.dtype in native.KERNEL_DTYPES
-        few = x.shape[0] <= NATIVE_MAX_TOKENS or batch_invariant.is_enabled()
-        return native.for_this_cpu() if on_cpu and 0 < x.shape[0] and few else None
-
-    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
-        """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""
-        if self.shared is None or not stacked_layout(self.shared[0]):
-            return None
-        kernels = self._kernels(x)
-        return None if kernels is None else self._native(kernels, x, weights, ids, with_shared=True)
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        kernels = self._kernels(x)
-        if kernels is not None:
-            return self._native(kernels, x, weights, ids, with_shared=False)
-        top_k = ids.shape[1]
-        flat_ids = ids.flatten() - self.first if self.first else ids.flatten()
-        order = torch.argsort(flat_ids, stable=True)
-        tokens = order // top_k
-        counts = torch.bincount(flat_ids, minlength=len(self.w13))
-        rows = x.index_select(0, tokens)
-        if per_expert_wins(x, len(flat_ids)):
-            y = self._per_expert(rows, counts.tolist())
-        else:
-            # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
-            offs = counts.cumsum(0, dtype=torch.int32)
-            gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            y = torch._grouped_mm(F.silu(gate) * up, self.w2t, offs=offs)
-        y = y * weights.flatten().index_select(0, order)[:, None]
-        # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
-        return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
-
-    def _native(self, kernels: native.NativeKernels, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                with_shared: bool) -> torch.Tensor:
-        """Every token's experts (in expert order, then the shared ones) in one kernel call, for decode and the few
-        tokens of a speculative verification: each token's result is the same however the batch around it is
-        split. Each token reads its experts' weights on its own (the batched paths read each expert once)."""
-        shared = None
-        if with_shared:
-            mlp = self.shared[0]
-            shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight.t())
-        return native.stacked_experts(kernels, x.contiguous(), self.w13, self.w2t, self.first, ids,
-                                      weights.float(), shared)
-
-    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The sorted rows through their experts with `linear`, one expert with tokens at a time."""
-        out = rows.new_empty(rows.shape[0], self.w2.shape[1])
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                gate, up = linear(rows[start : start + count], self.w13[expert]).chunk(2, dim=-1)
-                out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t())
-                start += count
-        return out
-
-
-def stacked_layout(mlp: GatedMLP) -> bool:
-    """Whether the shared experts' weights are still laid out as the stack reads them (gate and up contiguous, down
-    transposed): replacing a parameter afterwards must not make the kernel read the wrong rows."""
-    gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-    return gate.is_contiguous() and up.is_contiguous() and down.t().is_contiguous()
-
-
-def _place(layer: Linear, view: torch.Tensor) -> None:
-    """Make `layer`'s weight the `view` (of a stack), copying in the values it already holds (not on meta)."""
-    if not layer.weight.is_meta:
-        with torch.no_grad():
-            view.copy_(layer.weight)
-    layer.weight = nn.Parameter(view, requires_grad=layer.weight.requires_grad)
-
-
-def per_expert_wins(x: torch.Tensor, num_pairs: int) -> bool:
-    """Whether a few (token, expert) pairs run faster expert by expert through `linear` than in `_grouped_mm`: on a
-    CPU with several threads, at one token's top-4 (whole decode steps on a quiet machine: 10 % faster at 4 pairs,
-    13-45 % slower at 8 and 32; benchmarks/RESULTS.md); on one thread the two are even, and the grouped call makes
-    fewer dispatches."""
-    return x.device.type == "cpu" and num_pairs <= PER_EXPERT_MAX_PAIRS and torch.get_num_threads() > 1

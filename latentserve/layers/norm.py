@@ -6,20 +6,30 @@ import torch.nn.functional as F
 from torch import nn
 
 from latentserve.kernels import native
-
+from latentserve.kernels.policy import KernelPolicy, default_policy
 
 class RMSNorm(nn.Module):
+    """Through latentserve's kernel where the policy has one, asked once by `process_weights_after_loading` (a norm
+    built outside a loader asks `default_policy()` at its first call)."""
+
+    kernels: native.NativeKernels | None = None
+    asked = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
+    def process_weights_after_loading(self, policy: KernelPolicy) -> None:
+        self.kernels, self.asked = policy.kernels, True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.asked:
+            self.process_weights_after_loading(default_policy())
         shape = (x.shape[-1],)
-        if x.device.type == "cpu" and x.dtype == self.weight.dtype in native.KERNEL_DTYPES:
-            kernels = native.for_this_cpu()
-            if kernels is not None:  # one call, where torch's composite norm runs half a dozen small ops
-                return native.rms_norm(kernels, x, self.weight, self.eps)
+        if self.kernels is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype in native.KERNEL_DTYPES:
+            # one call, where torch's composite norm runs half a dozen small ops
+            return native.rms_norm(self.kernels, x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, shape, self.weight, self.eps)  # one call: the same math, op for op
         # The reference casts back before the weight multiply; keep that rounding order.

@@ -13,10 +13,7 @@ from torch import nn
 
 from latentserve.attention.decode.native import NativeMQADecodeBackend
 from latentserve.kernels import native
-from latentserve.layers.linear import NATIVE_HEAD_TOKENS, Linear, native_rows
 from latentserve.layers.norm import RMSNorm
-from latentserve.layers.quant.int4 import NativeInt4Linear
-from latentserve.layers.quant.int8 import NativeInt8Linear
 
 if TYPE_CHECKING:
     from latentserve.models.mla_attention import DeepseekAttention
@@ -25,55 +22,27 @@ Norms = tuple[RMSNorm, RMSNorm]  # a layer's input and post-attention norms
 Built = tuple[native.MLABlock, int]  # the kernel's view of a layer, and up to how many tokens it runs it
 
 
-def _projection(layer: nn.Module, dtype: torch.dtype, kernels: native.NativeKernels,
-                threads: int) -> tuple[native.Weight, int | None] | None:
-    """(the kernel's view of a projection, up to how many rows its layer runs its native kernel (None: any)), or
-    None."""
-    if type(layer) is Linear:
-        w = layer.weight
-        if layer.bias is not None or w.dtype != dtype or not w.is_contiguous():
-            return None
-        rows = native_rows(dtype, layer.in_features, threads, kernels)
-        return native.Weight(kind=native.DENSE, w=w.data_ptr()), rows
-    if getattr(layer, "bias", True) is not None or getattr(getattr(layer, "kernels", None), "isa", None) != kernels.isa:
-        return None  # (the same build loads the same library, whichever object holds it)
-    if isinstance(layer, NativeInt8Linear) and layer.out_dtype in (None, dtype):
-        return native.Weight(kind=native.INT8_BLOCKS, w=layer.packed.data_ptr()), None
-    if isinstance(layer, NativeInt4Linear):
-        return native.Weight(kind=native.INT4, w=layer.packed.data_ptr(), group=layer.group_size), None
-    return None
+def _projection(layer: nn.Module, dtype: torch.dtype,
+                kernels: native.NativeKernels) -> tuple[native.Weight, int | None] | None:
+    """The layer's own descriptor (`native_weight`: what the kernel reads, up to how many rows its layer runs it,
+    None: any), or None where the layer is not one of latentserve's kernels."""
+    describe = getattr(layer, "native_weight", None)
+    return None if describe is None else describe(dtype, kernels)
 
 
-def _absorbed(attn: DeepseekAttention, dtype: torch.dtype,
-              kernels: native.NativeKernels) -> tuple[native.Weight, native.Weight, int] | None:
-    """The per-head products (to the latent, to the values) as `MLAAttention._forward_decode` runs them natively."""
+def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype) -> Built | None:
+    """The layer's attention as the kernel reads it, chained from its modules' own descriptors (each chosen once
+    from the loader's `KernelPolicy`), or None where a piece does not run latentserve's kernels."""
     core, m = attn.attn, attn.attn.mla
-    if core.int8_absorbed is not None:
-        uk, uv = core.int8_absorbed
-        if uk.kernels.isa != kernels.isa or uv.kernels.isa != kernels.isa:
-            return None
-        return (*(native.Weight(kind=native.INT8_LANES if h.lanes else native.INT8, w=h.q.data_ptr(),
-                                scale=h.scale.data_ptr(), qsum=h.qsum.data_ptr()) for h in (uk, uv)), uk.max_tokens)
-    weights = (core.W_UK_T, core.W_UV)
-    if (any(w is None or w.dtype != dtype or not w.is_contiguous() for w in weights) or m.kv_lora_rank % 16
-            or m.v_head_dim % 16):
-        return None
-    return (*(native.Weight(kind=native.DENSE, w=w.data_ptr()) for w in weights), NATIVE_HEAD_TOKENS)
-
-
-def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kernels: native.NativeKernels,
-                threads: int) -> Built | None:
-    """The layer's attention as the kernel reads it, or None where a piece does not run latentserve's kernels."""
-    core, m = attn.attn, attn.attn.mla
+    kernels = core.kernels
     all_norms = [*norms, attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora else [])
-    if (not isinstance(core.decode_backend, NativeMQADecodeBackend) or m.qk_rope_head_dim > 1024
+    if (kernels is None or not isinstance(core.decode_backend, NativeMQADecodeBackend) or m.qk_rope_head_dim > 1024
             or not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in all_norms)):
         return None
     names = ("q_a", "q_b", "kv_a", "o_proj") if attn.q_lora else ("q_b", "kv_a", "o_proj")
     layers = (attn.q_a_proj, attn.q_b_proj) if attn.q_lora else (attn.q_proj,)
-    projections = [_projection(layer, dtype, kernels, threads)
-                   for layer in (*layers, attn.kv_a_proj_with_mqa, attn.o_proj)]
-    absorbed = _absorbed(attn, dtype, kernels)
+    projections = [_projection(layer, dtype, kernels) for layer in (*layers, attn.kv_a_proj_with_mqa, attn.o_proj)]
+    absorbed = core.native_products(dtype)
     if absorbed is None or any(p is None for p in projections):
         return None
     uk, uv, head_rows = absorbed
@@ -89,25 +58,35 @@ def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kerne
     return block, min([head_rows, *(rows for _, rows in projections if rows is not None)])
 
 
+def native_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype) -> Built | None:
+    """The layer's attention block as the kernel reads it for `dtype` activations (cached in `attn.fused_block`:
+    built once after the weights are loaded and again only when one is replaced), or None where the modules run
+    it."""
+    if not attn.native_block or not all(type(n) is RMSNorm for n in norms):
+        return None  # a module variant the kernel does not compute (an output gate, a gated norm)
+    if dtype not in native.KERNEL_DTYPES or attn.attn.kernels is None:
+        return None
+    return _cached_block(attn, norms, dtype)
+
+
 def fused_attention(attn: DeepseekAttention, norms: Norms, cos: torch.Tensor, sin: torch.Tensor,
                     hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(h, post_norm(h)) with h = hidden + attn(input_norm(hidden)) in one native call (`norms`: input, post), or
     None where the modules must run it."""
-    tokens, dtype = hidden.shape[0], hidden.dtype
-    if hidden.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or tokens == 0:
+    tokens = hidden.shape[0]
+    if hidden.device.type != "cpu" or tokens == 0:
         return None
-    if not attn.native_block or not all(type(n) is RMSNorm for n in norms):
-        return None  # a module variant the kernel does not compute (an output gate, a gated norm)
-    kernels = native.for_this_cpu()
+    built = native_block(attn, norms, hidden.dtype)
+    if built is None or tokens > built[1]:
+        return None
     core = attn.attn
     md = core.checked_metadata(hidden)
-    if kernels is None or md.prefill is not None or md.decode is None or md.dsa is not None:
+    if md.prefill is not None or md.decode is None or md.dsa is not None:
         return None  # (DSA: the kernel attends every position and has no indexer)
-    built = _cached_block(attn, norms, dtype, kernels, torch.get_num_threads())
-    if built is None or tokens > built[1] or not core.decode_backend.runs_natively(core.kv_cache):
+    if not core.decode_backend.runs_natively(core.kv_cache):
         return None
     d = md.decode
-    return native.mla_attention_block(kernels, built[0], hidden.contiguous(), cos.contiguous(), sin.contiguous(),
+    return native.mla_attention_block(core.kernels, built[0], hidden.contiguous(), cos.contiguous(), sin.contiguous(),
                                       core.kv_cache, d.block_table, d.query_start_loc, d.seq_lens, md.slot_mapping)
 
 
@@ -126,9 +105,8 @@ def _absorbed_tensors(attn: DeepseekAttention) -> list[torch.Tensor]:
             if t is not None]
 
 
-def _cached_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype, kernels: native.NativeKernels,
-                  threads: int) -> Built | None:
-    """`build_block`, rebuilt whenever the dtype, the thread count or a weight changed."""
+def _cached_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype) -> Built | None:
+    """`build_block`, rebuilt whenever the dtype or a weight changed."""
     absorbed = _absorbed_tensors(attn)
-    return attn.fused_block.get((dtype, kernels.isa, threads, *(t.data_ptr() for t in absorbed)), lambda: (
-        build_block(attn, norms, dtype, kernels, threads), _module_tensors(attn, norms) + absorbed))
+    return attn.fused_block.get((dtype, *(t.data_ptr() for t in absorbed)), lambda: (
+        build_block(attn, norms, dtype), _module_tensors(attn, norms) + absorbed))

@@ -16,6 +16,7 @@ from torch import nn
 from latentserve.attention.linear.kda import KimiDeltaAttention
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
+from latentserve.kernels.policy import KernelPolicy
 from latentserve.layers.embedding import ScaledEmbedding
 from latentserve.layers.gated_norm import GatedRMSNorm
 from latentserve.layers.hyper_connection import HyperConnection, HyperHead, add_to_streams
@@ -28,12 +29,12 @@ from latentserve.layers.norm import RMSNorm
 from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.query_scaling import Llama4QueryScaling, log_positions
 from latentserve.layers.rotary import RotaryEmbedding
-from latentserve.models.attention_block import fused_attention
+from latentserve.models.attention_block import fused_attention, native_block
 from latentserve.models.config import ModelConfig
 from latentserve.models.dots_attention import Dots3Attention
 from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
-from latentserve.models.moe_block import fused_moe
+from latentserve.models.moe_block import fused_moe, native_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
 
@@ -92,6 +93,19 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(c, gated=c.is_moe_layer(layer_idx))
         self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
 
+    native_blocks = True  # its forward takes the one-call decode blocks (attention_block.py, moe_block.py)
+
+    def process_weights_after_loading(self, policy: KernelPolicy) -> None:
+        """Builds the one-call decode blocks of this layer once, chaining what its modules chose from `policy` (the
+        loader processes them first); a weight replaced later rebuilds them (`NativeView`)."""
+        if policy.kernels is None or not self.native_blocks:
+            return
+        dtype = next(self.input_layernorm.parameters()).dtype  # the activations' (a gated norm has no `weight`)
+        if isinstance(self.self_attn, DeepseekAttention):
+            native_block(self.self_attn, (self.input_layernorm, self.post_attention_layernorm), dtype)
+        if isinstance(self.mlp, MoE):
+            native_moe(self.mlp, self.moe_view, dtype)
+
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
         norms = (self.input_layernorm, self.post_attention_layernorm)
@@ -111,6 +125,8 @@ class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
     """MiniCPM3's layer: each sublayer's output scaled before its residual add. The one-call decode blocks add it
     unscaled, so this layer runs its modules."""
 
+    native_blocks = False
+
     def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
         super().__init__(config, layer_idx, attention)
         self.residual_scale = config.residual_scale
@@ -124,6 +140,8 @@ class ScaledResidualDecoderLayer(DeepseekDecoderLayer):
 class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
     """A decoder layer over hyper-connected residual streams `[T, n, H]` (layers/hyper_connection.py). It never
     takes the one-call decode blocks, which add their block's output to one plain residual."""
+
+    native_blocks = False
 
     def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention) -> None:
         super().__init__(config, layer_idx, attention)
@@ -141,6 +159,8 @@ class HyperConnectedDecoderLayer(DeepseekDecoderLayer):
 class MHCDecoderLayer(DeepseekDecoderLayer):
     """A decoder layer over mHC streams `[T, n, H]` (layers/mhc.py): hyper-connections whose streams are also mixed
     with each other. Like `HyperConnectedDecoderLayer`, it never takes the one-call decode blocks."""
+
+    native_blocks = False
 
     def __init__(self, config: ModelConfig, layer_idx: int, attention: DeepseekAttention | KimiDeltaAttention) -> None:
         super().__init__(config, layer_idx, attention)

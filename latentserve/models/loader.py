@@ -15,13 +15,15 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from latentserve.attention.mla import MLAAttention
 from latentserve.config import AttentionConfig
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
-from latentserve.layers.quant.linear import absorbed_kernels, quantize_linear
+from latentserve.layers.quant.linear import quantize_linear
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, concat
 from latentserve.models.arch import ARCHITECTURES
 from latentserve.models.config import ModelConfig
@@ -182,8 +184,9 @@ def _quantization_job(
     return name, [weight], model.get_submodule(name).bias, partial(setattr, model.get_submodule(parent), child)
 
 
-def _quantize(name: str, parts: list[torch.Tensor], bias, config: QuantConfig, device) -> nn.Module:
-    return quantize_linear(name, concat(parts) if len(parts) > 1 else parts[0], bias, config, device)
+def _quantize(name: str, parts: list[torch.Tensor], bias, config: QuantConfig, device,
+              policy: KernelPolicy) -> nn.Module:
+    return quantize_linear(name, concat(parts) if len(parts) > 1 else parts[0], bias, config, device, policy)
 
 
 class _Quantizer:
@@ -191,15 +194,15 @@ class _Quantizer:
     torch on one) while the loader reads the next tensors; at most two jobs per worker wait, so a few tensors are
     in flight at a time."""
 
-    def __init__(self, config: QuantConfig, device) -> None:
-        self.config, self.device = config, device
+    def __init__(self, config: QuantConfig, device, policy: KernelPolicy) -> None:
+        self.config, self.device, self.policy = config, device, policy
         self.threads = torch.get_num_threads()
         self.workers = min(MAX_QUANTIZE_WORKERS, max(1, self.threads))
         self.pool = ThreadPoolExecutor(self.workers, initializer=torch.set_num_threads, initargs=(1,))
         self.pending: deque[tuple[Future, Callable[[nn.Module], None]]] = deque()
 
     def submit(self, name: str, parts: list[torch.Tensor], bias, install: Callable[[nn.Module], None]) -> None:
-        job = self.pool.submit(_quantize, name, parts, bias, self.config, self.device)
+        job = self.pool.submit(_quantize, name, parts, bias, self.config, self.device, self.policy)
         self.pending.append((job, install))
         while len(self.pending) > 2 * self.workers:
             self._install_oldest()
@@ -237,10 +240,10 @@ def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None, 
 
 def load_weights(
     model: DeepseekForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]], quantization: QuantConfig | None = None,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", policy: KernelPolicy | None = None,
 ) -> None:
-    """Copy checkpoint tensors into the model, casting to each parameter's dtype, or quantize them into their layer;
-    strict about names and shapes."""
+    """Copy checkpoint tensors into the model, casting to each parameter's dtype, or quantize them into their layer
+    with the kernels `policy` (None: the default one) chooses; strict about names and shapes."""
     targets = model.state_dict(keep_vars=True)
     quantized = ({f"{name}.weight": name for name in quantizable_linears(model, quantization.lm_head)}
                  if quantization else {})
@@ -252,7 +255,7 @@ def load_weights(
             targets.pop(name)
     loaded: set[str] = set()
     halves: dict[str, dict] = {}  # gate or up weights waiting for the other half
-    quantizer = _Quantizer(quantization, device) if quantized else None
+    quantizer = _Quantizer(quantization, device, policy or default_policy()) if quantized else None
     try:
         for name, tensor in tensors:
             _check_tensor(name, tensor, targets.get(param_name(name)), loaded)
@@ -333,6 +336,7 @@ def load_model(
     device: torch.device | str = "cpu",
     prepare: Callable[[DeepseekForCausalLM], None] | None = None,
     quantization: QuantConfig | None = None,
+    policy: KernelPolicy | None = None,
 ) -> DeepseekForCausalLM:
     """Read `path/config.json` and its safetensors weights (or the GGUF file `path`) into a ready model (weights
     cast to `dtype`, an FP8 checkpoint's dequantized as published, a GPTQ / AWQ / compressed-tensors / GGUF one's
@@ -340,8 +344,10 @@ def load_model(
 
     `prepare(model)` runs after the model is built and before any weight is allocated or read. Parameters of the
     modules it replaces (expert parallelism swaps other ranks' routed experts for stand-ins) are then neither
-    allocated nor read from the checkpoint, nor required in it."""
+    allocated nor read from the checkpoint, nor required in it. `policy` (the engine's; None: the default one) chooses
+    every layer's kernels, once, as its weights are in place (`process_weights_after_loading`)."""
     model_dir = model_folder(path)
+    policy = policy or default_policy()
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
     config = ModelConfig.from_pretrained(model_dir)
@@ -366,11 +372,20 @@ def load_model(
         tensors = dequantized(tensors)
     if dropped:  # a converted tensor may hold dropped parameters too (Mistral 4's experts, stored as one)
         tensors = ((name, tensor) for name, tensor in tensors if param_name(name) not in dropped)
-    load_weights(model, tensors, quantization, device)
-    kernels = absorbed_kernels(quantization, device)
-    for layer in model.static_forward_context.values():
-        layer.process_weights_after_loading(kernels)
+    load_weights(model, tensors, quantization, device, policy)
+    process_weights_after_loading(model, policy, quantization is not None and quantization.method in ("int8", "int4"))
     return model.eval()
+
+
+def process_weights_after_loading(model: nn.Module, policy: KernelPolicy, int8_absorbed: bool = False) -> None:
+    """Each layer of `model` that has a `process_weights_after_loading` asks `policy` which kernels it runs, once,
+    its weights in place; children before their parents, whose native blocks chain the children's choices. The
+    attention layers split their absorbed weights too, in int8 where `int8_absorbed` (int8 / int4 models)."""
+    for module in reversed(list(model.modules())):
+        if isinstance(module, MLAAttention):
+            module.process_weights_after_loading(policy, int8_absorbed)
+        elif hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading(policy)
 
 
 def weight_bytes(*modules: nn.Module) -> int:

@@ -19,9 +19,7 @@ from torch import nn
 
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
-from latentserve.layers.linear import native_rows
-from latentserve.layers.mlp import GatedMLP
-from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE, stacked_layout
+from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE
 from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.quant.experts import packed_format
 from latentserve.models.native_view import NativeView
@@ -67,44 +65,19 @@ def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) 
     return NATIVE_MAX_TOKENS, tables, tensors
 
 
-def _stacked(moe: MoE, block: native.MoEBlock, dtype: torch.dtype) -> tuple[int, list] | None:
-    """Fills in the stacked experts: (tokens it runs, their tensors), or None."""
-    stack = moe.stacked
-    if stack is None or stack.first or stack.w13.shape[0] != len(moe.experts) or stack.w13.dtype != dtype:
-        return None
-    block.inter, block.w13, block.w2t = stack.w2t.shape[1], stack.w13.data_ptr(), stack.w2t.data_ptr()
-    tensors = [stack.w13, stack.w2t]
-    if moe.shared_experts is not None:
-        mlp = stack.shared[0] if stack.shared else None
-        if not isinstance(mlp, GatedMLP) or not stacked_layout(mlp):
-            return None
-        shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight.t())
-        block.shared_chunks = shared[0].shape[0] // block.inter
-        block.sg, block.su, block.sd = (t.data_ptr() for t in shared)
-        tensors += shared
-    return NATIVE_MAX_TOKENS, tensors
-
-
-def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
-                    threads: int) -> tuple[Built | None, list[torch.Tensor]]:
-    """(the layer's MoE as the kernel reads it, or None where a piece does not run latentserve's kernels; every
+def build_moe_block(moe: MoE, dtype: torch.dtype) -> tuple[Built | None, list[torch.Tensor]]:
+    """(the layer's MoE as the kernel reads it, chained from its router's and its experts' own descriptions (each
+    chosen once from the loader's `KernelPolicy`), or None where a piece does not run latentserve's kernels; every
     tensor it reads by address)."""
-    router, cfg = moe.gate, moe.gate.cfg
-    bias = router.e_score_correction_bias
-    if router.weight.dtype != torch.float32 or not router.weight.is_contiguous() or not cfg.native_routing:
+    router = moe.gate.native_router(dtype)
+    if router is None:
         return None, []
-    block = native.MoEBlock(
-        hidden=router.weight.shape[1], experts=cfg.n_routed_experts, topk=cfg.num_experts_per_tok,
-        groups=cfg.num_groups, topk_groups=cfg.kept_groups, sigmoid=int(cfg.scoring_func == "sigmoid"),
-        norm=int(cfg.norm_topk_prob), scaling=cfg.routed_scaling_factor, router=router.weight.data_ptr(),
-        bias=None if bias is None else bias.data_ptr(), bf=int(dtype == torch.bfloat16))
-    tensors = [router.weight] + ([] if bias is None else [bias])
-    # The router's product takes latentserve's kernel up to native_rows rows (`linear`); past them, MKL's sums.
-    router_rows = native_rows(torch.float32, block.hidden, threads, kernels)
-    stacked = _stacked(moe, block, dtype)
-    if stacked is not None:
-        tokens, held = stacked
-        return (block, min(tokens, router_rows), held), tensors + held
+    block, router_rows, tensors = router
+    kernels, stack = moe.gate.route_kernels, moe.stacked
+    if stack is not None and stack.w13.shape[0] == len(moe.experts):  # every expert in this one stack
+        held = stack.native_stack(block, dtype, kernels, with_shared=moe.shared_experts is not None)
+        if held is not None:
+            return (block, min(NATIVE_MAX_TOKENS, router_rows), held), tensors + held
     quantized = _quantized(moe, block, kernels)
     if quantized is None:
         return None, tensors
@@ -112,25 +85,29 @@ def build_moe_block(moe: MoE, dtype: torch.dtype, kernels: native.NativeKernels,
     return (block, tokens, tables), tensors + held
 
 
+def native_moe(moe: MoE, view: NativeView, dtype: torch.dtype) -> Built | None:
+    """The layer's MoE block as the kernel reads it for `dtype` activations (`view`: cached, built once after the
+    weights are loaded and again only when one is replaced), or None where the modules run it."""
+    if (dtype not in native.KERNEL_DTYPES or moe.expert_parallel is not None or moe.swiglu_limit is not None
+            or moe.gate.route_kernels is None):  # (the kernel has no clamp)
+        return None
+    return view.get((dtype,), lambda: build_moe_block(moe, dtype))
+
+
 def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
-    """hidden + moe(normed) in one native call (`view`: the layer's cached `build_moe_block`), or None where the
-    modules must run it."""
-    tokens, dtype = normed.shape[0], normed.dtype
-    if (normed.device.type != "cpu" or dtype not in native.KERNEL_DTYPES or not 0 < tokens <= NATIVE_MAX_TOKENS
-            or moe.expert_parallel is not None or moe.swiglu_limit is not None):  # (the kernel has no clamp)
+    """hidden + moe(normed) in one native call (`view`: the layer's `native_moe`), or None where the modules must
+    run it."""
+    tokens = normed.shape[0]
+    if normed.device.type != "cpu" or not 0 < tokens <= NATIVE_MAX_TOKENS:
         return None
-    kernels = native.for_this_cpu()
-    if kernels is None:
-        return None
-    threads = torch.get_num_threads()
-    built = view.get((dtype, kernels.isa, threads), lambda: build_moe_block(moe, dtype, kernels, threads))
+    built = native_moe(moe, view, normed.dtype)
     if built is None or tokens > built[1]:
         return None
     # An output norm sits between the experts' sum and the residual: the block adds a zero residual (exactly the
     # sum) and the norm and residual follow, as in the modules.
     norm = moe.post_mlp_layernorm if isinstance(moe, NormedMoE) else None
     dbo_yield()  # where MoE.forward yields: before its experts, after them
-    y = native.moe_block(kernels, built[0], normed.contiguous(),
+    y = native.moe_block(moe.gate.route_kernels, built[0], normed.contiguous(),
                          hidden.contiguous() if norm is None else torch.zeros_like(hidden))
     dbo_yield()
     return y if norm is None else hidden + norm(y)

@@ -22,6 +22,7 @@ from torch import nn
 
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import StaticForwardContext
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.linear import Linear
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
@@ -44,6 +45,7 @@ from latentserve.models.loader import (
     dequantized,
     open_checkpoint,
     param_name,
+    process_weights_after_loading,
 )
 
 
@@ -161,9 +163,11 @@ def load_mtp(
     attn_config: AttentionConfig = AttentionConfig(),
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    policy: KernelPolicy | None = None,
 ) -> DeepseekMTP:
     """The MTP layer of the checkpoint at `path`, whose main model is `main`; refuses a checkpoint without one.
-    An FP8 checkpoint's layer is dequantized as the main model's is; int8/int4 quantization leaves it alone."""
+    An FP8 checkpoint's layer is dequantized as the main model's is; int8/int4 quantization leaves it alone. Its
+    kernels: `policy`'s (the engine's; None: the default one)."""
     model_dir = Path(path)
     config = main.config
     if config.num_nextn_predict_layers < 1:
@@ -184,6 +188,5 @@ def load_mtp(
     # Dequantized as the main model's weights are read (FP8, GPTQ, ...); int8/int4 leave the layer alone.
     tensors = dequantized(open_checkpoint(model_dir, config, lambda name: name.startswith(prefix)))
     _copy_weights(mtp, prefix, tensors)
-    for layer in mtp.static_forward_context.values():
-        layer.process_weights_after_loading()
+    process_weights_after_loading(mtp, policy or default_policy())
     return mtp.eval()

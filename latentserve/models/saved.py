@@ -22,15 +22,15 @@ from torch import nn
 
 from latentserve.attention.mla import MLAAttention
 from latentserve.config import DTYPES, AttentionConfig
-from latentserve.kernels.cpu import cpu_features
-from latentserve.kernels.native import NativeKernels, native_kernels
+from latentserve.kernels.native import NativeKernels
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n
 from latentserve.layers.quant.int8 import Int8Linear, NativeInt8Linear
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
-from latentserve.models.loader import empty_model
+from latentserve.models.loader import empty_model, process_weights_after_loading
 
 FORMAT = "latentserve-quantized"
 VERSION = 2  # 2: int8 layers in `pack_int8`'s blocks of 16 outputs (1: plain rows)
@@ -55,7 +55,7 @@ class SavedModelError(ValueError):
 def kernel_layout(modules: set[str]) -> dict[str, Any]:
     """What the packed weights' layout depends on: the kernels' instruction set and, where int4pack_mm's layout is
     used, its block of output rows on this CPU."""
-    kernels, _ = native_kernels(cpu_features())
+    kernels = default_policy().kernels
     layout = {"kernels": kernels.isa if kernels is not None else None}
     if Int4PackLinear.__name__ in modules:
         layout["int4pack_block_n"] = int4pack_block_n()
@@ -300,10 +300,13 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         raise SavedModelError(f"the saved file has {name!r}, which the model does not")
 
 
-def load_saved(saved: SavedModel, attn_config: AttentionConfig = AttentionConfig()) -> DeepseekForCausalLM:
-    """The model of a saved folder, every weight a view of the mapped file."""
+def load_saved(saved: SavedModel, attn_config: AttentionConfig = AttentionConfig(),
+               policy: KernelPolicy | None = None) -> DeepseekForCausalLM:
+    """The model of a saved folder, every weight a view of the mapped file; its layers' kernels chosen by `policy`
+    (the engine's; None: the default one)."""
     manifest = saved.manifest
-    kernels, _ = native_kernels(cpu_features())
+    policy = policy or default_policy()
+    kernels = policy.kernels
     views = _views(saved.path / manifest["weights"], manifest["file_bytes"])
     model = empty_model(ModelConfig.from_pretrained(saved.path), attn_config, saved.dtype, "cpu")
     for name, spec in manifest["modules"].items():
@@ -335,6 +338,7 @@ def load_saved(saved: SavedModel, attn_config: AttentionConfig = AttentionConfig
     missing = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
     if missing:
         raise SavedModelError(f"the saved file lacks {missing[:5]}: save the model again")
+    process_weights_after_loading(model, policy)  # (the absorbed weights are mapped: nothing is split again)
     return model.eval()
 
 

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from latentserve.kernels.policy import KernelPolicy
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.norm import RMSNorm
 from latentserve.layers.zero_expert_moe import ZeroExpertMoE
-from latentserve.models.attention_block import fused_attention
+from latentserve.models.attention_block import fused_attention, native_block
 
 if TYPE_CHECKING:
     from latentserve.models.config import ModelConfig
@@ -30,6 +31,15 @@ class ShortcutMoEDecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.ModuleList(RMSNorm(c.hidden_size, eps=c.rms_norm_eps) for _ in attentions)
         self.mlp = (ZeroExpertMoE(c.hidden_size, c.moe_intermediate_size, c.routing, c.zero_expert_num)
                     if c.zero_expert_num else MoE(c.hidden_size, c.moe_intermediate_size, c.routing, 0))
+
+    def process_weights_after_loading(self, policy: KernelPolicy) -> None:
+        """Builds each attention sublayer's one-call decode block once, chaining what its modules chose from `policy`
+        (the loader processes them first); a weight replaced later rebuilds it."""
+        if policy.kernels is None:
+            return
+        for j, attn in enumerate(self.self_attn):
+            norms = (self.input_layernorm[j], self.post_attention_layernorm[j])
+            native_block(attn, norms, norms[0].weight.dtype)
 
     def _attention(self, j: int, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                    q_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,9 @@ from latentserve import LLM, SamplingParams
 from latentserve.cli.args import add_engine_args, build_llm
 from latentserve.config import DBOConfig
 from latentserve.engine.llm_engine import CPU_DBO_DECODE_TOKEN_THRESHOLD, EngineConfig, dbo_config
+from latentserve.kernels.policy import KernelPolicy
+from latentserve.layers.linear import Linear
+from latentserve.layers.norm import RMSNorm
 from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import make_checkpoint
 
@@ -70,6 +73,17 @@ def test_num_threads_sets_torch_threads(checkpoint, threads):
     torch.set_num_threads(3)
     LLM(model=str(checkpoint), num_kv_blocks=64, **ENGINE)  # None: torch's setting stays
     assert torch.get_num_threads() == 3
+
+
+def test_the_engine_builds_one_kernel_policy_for_its_threads_and_every_layer_asks_it(checkpoint, threads):
+    engine = LLM(model=str(checkpoint), num_kv_blocks=64, num_threads=2, **ENGINE).engine
+    policy = engine.kernel_policy
+    assert policy == KernelPolicy.detect(2) and policy.threads == 2
+    linears = [m for m in engine.model.modules() if type(m) is Linear]
+    assert linears and all(m.kernels is policy.kernels for m in linears)
+    assert all(m.native_rows == policy.dense_rows(m.weight.dtype, m.in_features) for m in linears)
+    norms = [m for m in engine.model.modules() if type(m) is RMSNorm]
+    assert norms and all(n.asked and n.kernels is policy.kernels for n in norms)
 
 
 @pytest.mark.parametrize("name", ["num_threads", "num_kv_blocks"])

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from latentserve import batch_invariant
-from latentserve.kernels import native
 from latentserve.layers.linear import head_products, linear
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, RoutingConfig, Router
+from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant.int8 import NativeInt8Linear, quantize_int8
 
-pytestmark = pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's CPU kernels do not build here")
 ROWS = (1, 2, 5, 9, 31, 70)
 
 
@@ -25,16 +25,19 @@ def test_linear_and_head_products(dtype):
     torch.manual_seed(0)
     x, w, bias = torch.randn(70, 96, dtype=dtype), torch.randn(80, 96, dtype=dtype), torch.randn(80, dtype=dtype)
     xh, wh = torch.randn(70, 4, 32, dtype=dtype), torch.randn(4, 32, 64, dtype=dtype)
+    policy = default_policy()
     with batch_invariant.enabled_during(True):
-        _each_row_as_alone(lambda rows: linear(rows, w, bias), x)
-        _each_row_as_alone(lambda rows: head_products(rows, wh), xh)
+        _each_row_as_alone(lambda rows: linear(rows, w, bias, policy.kernels, policy.dense_rows(dtype, 96)), x)
+        _each_row_as_alone(lambda rows: head_products(rows, wh, policy.kernels, policy.head_tokens), xh)
+        with pytest.raises(RuntimeError, match="batch-invariant mode runs linears on latentserve's CPU kernels"):
+            linear(x, w, bias)  # no kernels: no path whose rows are independent of the batch
 
 
 def test_int8_linear_at_many_rows():
     """One kernel at every row count, each row's sums its own."""
     torch.manual_seed(0)
     q, scale = quantize_int8(torch.randn(80, 128))
-    layer = NativeInt8Linear(q, scale, None, native.for_this_cpu())
+    layer = NativeInt8Linear(q, scale, None, default_policy().kernels)
     with batch_invariant.enabled_during(True):
         _each_row_as_alone(layer, torch.randn(70, 128))
 

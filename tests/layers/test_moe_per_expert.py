@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from latentserve.layers import moe as moe_module
+from latentserve.layers import stacked_experts
 from latentserve.layers.moe import MoE, RoutingConfig
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 3
@@ -50,12 +50,12 @@ def test_per_expert_path_matches_grouped_and_naive(
         grouped = moe.run_experts(x, weights, ids)
         torch.set_num_threads(2)
         try:
-            limit = max(tokens * TOP_K, moe_module.PER_EXPERT_MAX_PAIRS)
-            monkeypatch.setattr(moe_module, "PER_EXPERT_MAX_PAIRS", limit)
-            assert moe_module.per_expert_wins(x, tokens * TOP_K)
+            limit = max(tokens * TOP_K, stacked_experts.PER_EXPERT_MAX_PAIRS)
+            monkeypatch.setattr(stacked_experts, "PER_EXPERT_MAX_PAIRS", limit)
+            assert stacked_experts.per_expert_wins(x, tokens * TOP_K)
             per_expert = moe.run_experts(x, weights, ids)
-            monkeypatch.setattr(moe_module, "PER_EXPERT_MAX_PAIRS", tokens * TOP_K - 1)
-            assert not moe_module.per_expert_wins(x, tokens * TOP_K)
+            monkeypatch.setattr(stacked_experts, "PER_EXPERT_MAX_PAIRS", tokens * TOP_K - 1)
+            assert not stacked_experts.per_expert_wins(x, tokens * TOP_K)
         finally:
             torch.set_num_threads(threads)
     expected = _naive(moe, x, weights, ids)
@@ -70,8 +70,8 @@ def test_one_thread_and_many_pairs_take_the_grouped_call() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert not moe_module.per_expert_wins(x, moe_module.PER_EXPERT_MAX_PAIRS + 1)
+        assert not stacked_experts.per_expert_wins(x, stacked_experts.PER_EXPERT_MAX_PAIRS + 1)
         torch.set_num_threads(1)
-        assert not moe_module.per_expert_wins(x, 1)
+        assert not stacked_experts.per_expert_wins(x, 1)
     finally:
         torch.set_num_threads(threads)

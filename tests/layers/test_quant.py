@@ -11,7 +11,8 @@ import torch
 
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import Fp8Config, QuantConfig, int4_group, resolve_quantization
-from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.cpu import CpuFeatures, cpu_features
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS,
@@ -163,36 +164,47 @@ def test_int4_fallback_matches_the_dequantized_weight():
     torch.testing.assert_close(no_bias(x.bfloat16()).float(), full, rtol=2e-2, atol=2e-2 * full.abs().max().item())
 
 
-def test_kernels_are_chosen_by_what_the_cpu_has(monkeypatch):
+def _policy(features: CpuFeatures, kernels: bool = True) -> KernelPolicy:
+    """The policy of a CPU with `features`, with the kernels that build for it (or none)."""
+    built, why = native_kernels(features) if kernels else (None, "test")
+    return KernelPolicy(features, built, why, 1)
+
+
+def test_kernels_are_chosen_by_the_policy():
     w, _, _ = _layer(48, 64)
-    here = cpu_features()
-    kernels = native_kernels(here)[0]
-    int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
-    int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
-    if kernels is not None:
+    here = _policy(cpu_features())
+    int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu", here)
+    int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", here)
+    if here.kernels is not None:
         assert isinstance(int8, NativeInt8Linear) and isinstance(int4, NativeInt4Linear)
+        assert int8.kernels is here.kernels and int4.kernels is here.kernels
         w96 = torch.randn(48, 96)  # latentserve's int4 kernel takes inputs in multiples of 64
-        assert isinstance(quantize_linear("l", w96, None, QuantConfig("int4", 32), "cpu"), Int4PackLinear)
-        avx2 = dataclasses.replace(here, capability="AVX2", fbgemm=False)
-        monkeypatch.setattr(quant_linear, "cpu_features", lambda: avx2)
-        int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
+        assert isinstance(quantize_linear("l", w96, None, QuantConfig("int4", 32), "cpu", here), Int4PackLinear)
+        avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", fbgemm=False))
+        int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu", avx2)
         assert isinstance(int8, NativeInt8Linear) and int8.kernels.isa == "avx2"
-        int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
+        int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", avx2)
         assert isinstance(int4, NativeInt4Linear) and int4.kernels.isa == "avx2"
-        monkeypatch.undo()
-    monkeypatch.setenv(NATIVE_ENV, "0")  # PyTorch's kernels
-    int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu")
-    assert isinstance(int8, FbgemmInt8Linear if here.fbgemm else Int8Linear)
-    assert isinstance(quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu"), Int4PackLinear)
-    assert isinstance(quantize_linear("l", w[:40], None, QuantConfig("int4", 32), "cpu"), Int4Linear)  # 40 % 16
-    avx2 = dataclasses.replace(here, capability="AVX2", fbgemm=False)
-    monkeypatch.setattr(quant_linear, "cpu_features", lambda: avx2)
-    assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu"), Int8Linear)
-    int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu")
+    torch_only = _policy(here.features, kernels=False)  # PyTorch's kernels
+    int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu", torch_only)
+    assert isinstance(int8, FbgemmInt8Linear if here.features.fbgemm else Int8Linear)
+    assert isinstance(quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", torch_only), Int4PackLinear)
+    assert isinstance(quantize_linear("l", w[:40], None, QuantConfig("int4", 32), "cpu", torch_only),
+                      Int4Linear)  # 40 % 16
+    avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", fbgemm=False), kernels=False)
+    assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu", avx2), Int8Linear)
+    int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", avx2)
     assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.bfloat16
     assert int4.gemm_dtype == torch.float32  # its many-row GEMM: bf16 is emulated on AVX2
     with pytest.raises(ValueError, match="model.layers.3.mlp.down_proj: int4 group size 128 does not divide its 64"):
-        quantize_linear("model.layers.3.mlp.down_proj", w, None, QuantConfig("int4", 128), "cpu")
+        quantize_linear("model.layers.3.mlp.down_proj", w, None, QuantConfig("int4", 128), "cpu", here)
+
+
+def test_without_a_policy_quantize_linear_takes_the_default_one(monkeypatch):
+    w, _, _ = _layer(48, 64)
+    monkeypatch.setenv(NATIVE_ENV, "0")  # the default policy then has no kernels
+    assert default_policy().kernels is None
+    assert type(quantize_linear("l", w, None, QuantConfig("int8"), "cpu")) in (FbgemmInt8Linear, Int8Linear)
 
 
 @pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")
@@ -253,7 +265,7 @@ def test_lm_head_is_quantized_to_int8_unless_kept(tmp_path, method):
     stored = load_file(src / SINGLE_FILE)["lm_head.weight"]
     group = 32 if method == "int4" else None
     model = load_model(src, quantization=QuantConfig(method, group, lm_head=True))
-    assert type(model.lm_head).kernel == quant_linear.int8_kernel(torch.device("cpu"), cpu_features()).kernel
+    assert type(model.lm_head).kernel == quant_linear.int8_kernel(default_policy(), torch.device("cpu")).kernel
     hidden = torch.randn(3, stored.shape[1], generator=torch.Generator().manual_seed(2))
     q, scale = quantize_int8(stored)
     expected = hidden @ (q.float() * scale[:, None]).t()

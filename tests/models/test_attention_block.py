@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from latentserve.config import AttentionConfig
 from latentserve.kernels import native
@@ -71,3 +72,40 @@ def test_fused_block_over_a_quantized_cache_equals_the_modules(tmp_path, monkeyp
         other = module_runner.model.static_forward_context[name].kv_cache
         assert layer.kv_cache.dtype == cache_dtype
         assert torch.equal(layer.kv_cache.view(torch.uint8), other.view(torch.uint8))
+
+
+def _replace(o_proj: nn.Module) -> None:
+    """A new o_proj weight (its rows reversed), installed through the module as a loader would."""
+    if isinstance(o_proj, nn.Linear):
+        o_proj.weight = nn.Parameter(torch.flip(o_proj.weight.detach(), dims=[0]))
+        return
+    o_proj.register_buffer("packed", torch.flip(o_proj.packed, dims=[0]).contiguous())  # its blocks of 16 reversed
+
+
+def _replaced_run(path, quantization: QuantConfig | None) -> tuple[list[torch.Tensor], list[int]]:
+    """A prefill and a decode, o_proj of layer 0 replaced, another decode: the logits, and layer 0's block builds
+    after loading, after the first decode and after the replacement."""
+    attn_config = AttentionConfig(block_size=4)
+    model = load_model(path, dtype=torch.float32, attn_config=attn_config, quantization=quantization)
+    runner, attn = PagedRunner(model, attn_config), model.model.layers[0].self_attn
+    builds = [attn.fused_block.builds]
+    logits = [runner.step([(0, [1, 2, 3]), (1, [4, 5])]), runner.step([(0, [6]), (1, [7])])]
+    builds.append(attn.fused_block.builds)
+    _replace(attn.o_proj)
+    logits.append(runner.step([(0, [8]), (1, [9])]))
+    return logits, builds + [attn.fused_block.builds]
+
+
+@pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+@pytest.mark.parametrize("quantization", [None, QuantConfig("int8")], ids=str)
+def test_a_replaced_weight_rebuilds_the_block(tmp_path, monkeypatch, quantization):
+    """Each layer's block is built once, after its weights are loaded, and reused; a projection replaced afterwards
+    rebuilds it, and the rebuilt block equals the modules over the new weight."""
+    path = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
+                           moe_intermediate_size=64, q_lora_rank=64)
+    fused, builds = _replaced_run(path, quantization)
+    assert builds == [1, 1, 2]
+    monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
+    modules, _ = _replaced_run(path, quantization)
+    for a, b in zip(fused, modules):
+        assert torch.equal(a, b)

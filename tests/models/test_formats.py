@@ -16,10 +16,11 @@ from latentserve.layers.linear import Linear
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.quant.int4 import Int4Linear, quantize_int4
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
 from latentserve.kernels.native import NATIVE_ENV
-from latentserve.models import load_model
+from latentserve.models import load_model, loader
 from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import load_reference, make_checkpoint
 from tests.models.paged import PagedRunner
@@ -155,8 +156,8 @@ def _portable_kernels(monkeypatch) -> None:
     """Kernels whose arithmetic is exact fp32: the dequantizing ones (latentserve's and fbgemm quantize
     activations, int4pack runs them in bf16)."""
     monkeypatch.setenv(NATIVE_ENV, "0")
-    features = dataclasses.replace(cpu_features(), fbgemm=False)
-    monkeypatch.setattr(quant_linear, "cpu_features", lambda: features)
+    policy = KernelPolicy(dataclasses.replace(cpu_features(), fbgemm=False), None, "test", 1)
+    monkeypatch.setattr(loader, "default_policy", lambda: policy)
     portable = quant_linear.KernelChoice(Int4Linear.kernel, "test")
     monkeypatch.setattr(quant_linear, "int4_kernel", lambda *args: portable)
 
@@ -184,8 +185,8 @@ def test_quantized_model_with_this_cpus_kernels_stays_close(tmp_path, method):
     src = make_checkpoint(tmp_path, "v3", **INT4_SHAPES, hidden_size=64)  # latentserve's int4 kernel: 64 inputs
     reference = _reference(_quantized_reference(src, tmp_path / "ref", config))
     model = load_model(src, dtype=torch.float32, attn_config=ATTN, quantization=config)
-    chosen = (quant_linear.int8_kernel(torch.device("cpu"), cpu_features()) if method == "int8" else
-              quant_linear.int4_kernel(torch.device("cpu"), cpu_features(), 64, 64))
+    chosen = (quant_linear.int8_kernel(default_policy(), torch.device("cpu")) if method == "int8" else
+              quant_linear.int4_kernel(default_policy(), torch.device("cpu"), 64, 64))
     assert type(model.model.layers[1].mlp.experts[0].gate_up_proj).kernel == chosen.kernel  # gate, up fused at load
     for ours, theirs in zip(_logprobs(model), reference):
         # Quantized activations or bf16 ones (int4pack on a bf16 CPU) on top of the same weights: close.

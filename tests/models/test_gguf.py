@@ -241,9 +241,8 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
     for ours, theirs in zip(_logprobs(model), reference):
         error = (ours - theirs).abs()
         assert error.max() < 0.3 and error.mean() < 0.06
-    kernels = native.for_this_cpu()
-    if kernels is not None:  # Q4_K gate and up beside Q8_0 down (int4 and int8): still the one-call MoE block
-        built, _ = build_moe_block(model.model.layers[1].mlp, torch.float32, kernels, torch.get_num_threads())
+    if native.for_this_cpu() is not None:  # Q4_K gate and up beside Q8_0 down (int4 and int8): still the one-call block
+        built, _ = build_moe_block(model.model.layers[1].mlp, torch.float32)
         assert built is not None and list(built[0].bits) == [4, 8] and list(built[0].group) == [32, 0]
 
 

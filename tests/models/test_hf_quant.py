@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear, quantize_int4
@@ -275,7 +275,7 @@ def test_llm_loads_a_gptq_checkpoint_in_int4(tmp_path):
     kwargs = dict(num_kv_blocks=16, block_size=4, max_model_len=64)
     llm = LLM(model=str(path), **kwargs)
     down = llm.engine.model.model.layers[1].mlp.experts[0].down_proj
-    assert down.kernel == quant_linear.int4_kernel(torch.device("cpu"), cpu_features(), 128, 128).kernel
+    assert down.kernel == quant_linear.int4_kernel(default_policy(), torch.device("cpu"), 128, 128).kernel
     out = llm.generate([[5, 17, 33]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="quantization='fp8' needs a DeepSeek FP8 checkpoint .* stored as gptq"):

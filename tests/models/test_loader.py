@@ -280,3 +280,46 @@ def test_damaged_safetensors_file_is_named(v2_checkpoint, tmp_path, damage, erro
     (path / SINGLE_FILE).write_bytes(damage((v2_checkpoint / SINGLE_FILE).read_bytes()))
     with pytest.raises(ValueError, match=error):
         load_model(path)
+
+
+def _native_calls(monkeypatch) -> list[str]:
+    """The names of latentserve's kernel wrappers called from here on."""
+    from latentserve.kernels import native
+
+    calls: list[str] = []
+    for name in ("dense_linear", "dense_heads", "rms_norm", "mla_prologue", "route", "stacked_experts",
+                 "mla_attention_block", "moe_block"):
+        monkeypatch.setattr(native, name, lambda *a, _f=getattr(native, name), _n=name: calls.append(_n) or _f(*a))
+    return calls
+
+
+def test_every_layer_runs_the_kernels_of_the_policy_it_is_loaded_with(tmp_path, monkeypatch) -> None:
+    """The loader hands its policy to each layer once: a policy without kernels keeps every layer on PyTorch's, in
+    the fused blocks too, whatever the process's default; the default one's layers run latentserve's kernels."""
+    from latentserve.config import AttentionConfig
+    from latentserve.kernels.policy import KernelPolicy, default_policy
+    from latentserve.layers.linear import Linear
+    from tests.models.paged import PagedRunner
+
+    default = default_policy()
+    if default.kernels is None:
+        pytest.skip("latentserve's kernels do not build here")
+    attn_config = AttentionConfig(block_size=4)
+    # Shapes the one-call blocks take: the per-head kernel's multiples of 16.
+    path = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
+                           moe_intermediate_size=64, q_lora_rank=64)
+    calls = _native_calls(monkeypatch)
+    logits = {}
+    for name, policy in (("none", KernelPolicy(default.features, None, "test", default.threads)),
+                         ("default", default)):
+        model = load_model(path, attn_config=attn_config, policy=policy)
+        linears = [m for m in model.modules() if type(m) is Linear]
+        assert linears and all(m.kernels is policy.kernels for m in linears)
+        assert all(m.native_rows == policy.dense_rows(m.weight.dtype, m.in_features) for m in linears)
+        runner = PagedRunner(model, attn_config, cache_dtype=torch.float32)
+        calls.clear()
+        logits[name] = [runner.step([(0, [3, 5, 7])]), runner.step([(0, [9])])]
+        assert bool(calls) == (name == "default"), calls
+    assert {"mla_attention_block", "moe_block"} <= set(calls)
+    for a, b in zip(logits["none"], logits["default"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -129,9 +129,10 @@ def test_fused_moe_takes_int4_gate_up_beside_int8_down(tmp_path, monkeypatch, dt
 def test_a_replaced_weight_rebuilds_the_view(tmp_path, monkeypatch, quantization):
     _as_the_modules(monkeypatch, quantization)
     model, attn_config = _model(_checkpoint(tmp_path, "v3"), torch.float32, quantization)
-    before = _run(model, attn_config)
     layers = [layer for layer in model.model.layers if isinstance(layer.mlp, MoE)]
-    assert all(layer.moe_view.builds == 1 for layer in layers)  # built once, reused every step
+    assert all(layer.moe_view.builds == 1 for layer in layers)  # built once, after the weights were loaded
+    before = _run(model, attn_config)
+    assert all(layer.moe_view.builds == 1 for layer in layers)  # reused every step
     router = layers[0].mlp.gate
     router.weight = nn.Parameter(torch.flip(router.weight.detach(), dims=[0]))  # other experts win
     after = _run(model, attn_config)

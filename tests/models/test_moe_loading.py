@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
-from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.policy import KernelPolicy
 from latentserve.layers.quant.int8 import quantize_int8
 from latentserve.models import load_model
 from latentserve.models.loader import SINGLE_FILE
@@ -32,14 +32,14 @@ def test_plain_experts_are_stacked_from_the_checkpoint(tmp_path, dtype) -> None:
     assert torch.equal(stacked.w2[5], tensors[f"{prefix}.down_proj.weight"].to(dtype))
 
 
-def test_quantized_gate_and_up_are_one_layer_quantized_as_the_two(tmp_path, monkeypatch) -> None:
+def test_quantized_gate_and_up_are_one_layer_quantized_as_the_two(tmp_path) -> None:
     """Every bias-free MLP (dense, shared, routed) gets one gate_up layer; per-row int8 of the fused weight equals
     the two halves' own quantization."""
-    features = dataclasses.replace(cpu_features(), fbgemm=False)  # the portable kernel keeps its int8 weight readable
-    monkeypatch.setattr(quant_linear, "cpu_features", lambda: features)
+    # Neither latentserve's kernels nor fbgemm: the portable kernel keeps its int8 weight readable.
+    policy = KernelPolicy(dataclasses.replace(cpu_features(), fbgemm=False), None, "test", 1)
     src = make_checkpoint(tmp_path, "v3")
     tensors = load_file(src / SINGLE_FILE)
-    model = load_model(src, dtype=torch.float32, quantization=QuantConfig("int8"))
+    model = load_model(src, dtype=torch.float32, quantization=QuantConfig("int8"), policy=policy)
     mlps = {name: m for name, m in model.named_modules() if isinstance(m, GatedMLP)}
     assert mlps and all(m.gate_up_proj is not None and not hasattr(m, "gate_proj") for m in mlps.values())
     assert all(m.stacked is None for m in model.modules() if isinstance(m, MoE))

@@ -61,10 +61,10 @@ class SparseMLAAttention(MLAAttention):
         slots = dsa.state.load(dsa, self.layer_name)
         m = self.mla
         q_nope, q_pe = q.split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        q_absorbed = torch.cat([head_products(q_nope, self.W_UK_T), q_pe], dim=-1)
+        q_absorbed = torch.cat([head_products(q_nope, self.W_UK_T, self.kernels, self.head_tokens), q_pe], dim=-1)
         out = sparse_mla_attention(q_absorbed, self.kv_cache, slots, self.scale, m.kv_lora_rank, dsa.workspace,
                                    self.sinks)
-        return head_products(out, self.W_UV).flatten(1)
+        return head_products(out, self.W_UV, self.kernels, self.head_tokens).flatten(1)
 
     def forward_projected(self, *args, **kwargs) -> None:
         """Never native: the one-call prologue has no place for the indexer between the cache write and attention."""

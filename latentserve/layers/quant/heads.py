@@ -30,6 +30,11 @@ class Int8HeadProducts:
         self.scale = scale
         self.qsum = q.sum(dim=1, dtype=torch.int32)
 
+    def native_weight(self) -> native.Weight:
+        """The products as a one-call block reads them."""
+        return native.Weight(kind=native.INT8_LANES if self.lanes else native.INT8, w=self.q.data_ptr(),
+                             scale=self.scale.data_ptr(), qsum=self.qsum.data_ptr())
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[T, H, K]` -> `[T, H, N]` in x's dtype."""
         xa = native.activations(x, x.shape[-1]).view(x.shape)

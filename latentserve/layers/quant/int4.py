@@ -170,6 +170,13 @@ class NativeInt4Linear(nn.Module):
         self.register_buffer("packed", native.pack_int4(q, scale, minimum))
         self.bias = bias
 
+    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, None] | None:
+        """(this layer as a one-call block reads it, None: it runs latentserve's kernel at any row count) where it
+        runs `kernels` without a bias; else None."""
+        if self.kernels != kernels or self.bias is not None:
+            return None
+        return native.Weight(kind=native.INT4, w=self.packed.data_ptr(), group=self.group_size), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
         y = native.int4_linear(self.kernels, x2, self.packed, self.group_size, self.out_features, x.dtype)

@@ -107,6 +107,13 @@ class NativeInt8Linear(nn.Module):
         self.register_buffer("packed", native.pack_int8(q, scale))
         self.bias = bias
 
+    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, None] | None:
+        """(this layer as a one-call block reads it, None: it runs latentserve's kernel at any row count) where it
+        runs `kernels` on `dtype` activations, out in the same dtype, without a bias; else None."""
+        if self.kernels != kernels or self.bias is not None or self.out_dtype not in (None, dtype):
+            return None
+        return native.Weight(kind=native.INT8_BLOCKS, w=self.packed.data_ptr()), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = native.activations(x, self.in_features)
         dtype = self.out_dtype or x.dtype

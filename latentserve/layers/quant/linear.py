@@ -1,4 +1,6 @@
-"""Quantize a linear layer's weight as it is loaded, with the fastest kernel this device offers for its shape."""
+"""Quantize a linear layer's weight as it is loaded, with the fastest kernel the `KernelPolicy` offers for its shape:
+each format's candidates in order, the first that can take the layer wins, with its reason (as vLLM chooses its
+mixed-precision linear kernels)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,7 +9,7 @@ import torch
 from torch import nn
 
 from latentserve.layers.quant.config import QuantConfig, int4_group
-from latentserve.kernels.cpu import CpuFeatures, cpu_features
+from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
 )
@@ -15,7 +17,6 @@ from latentserve.layers.quant.int8 import (
     FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
 )
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, QuantizedWeight
-from latentserve.kernels.native import NativeKernels, native_kernels
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
 LM_HEAD = "lm_head"
@@ -27,10 +28,10 @@ class KernelChoice:
     reason: str
 
 
-def int8_kernel(device: torch.device, features: CpuFeatures, in_features: int | None = None) -> KernelChoice:
+def int8_kernel(policy: KernelPolicy, device: torch.device, in_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int8Linear.kernel, "not a CPU")
-    kernels, why = native_kernels(features)
+    kernels, why, features = policy.kernels, policy.why, policy.features
     if kernels is not None and (in_features is None or in_features % 4 == 0):
         return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); at every row count, the weight "
                             "in blocks of 16 outputs (faster than oneDNN's int8 GEMM at 512 rows: "
@@ -43,11 +44,11 @@ def int8_kernel(device: torch.device, features: CpuFeatures, in_features: int | 
     return KernelChoice(Int8Linear.kernel, f"latentserve's kernels: {why}; torch has no fbgemm quantized engine here")
 
 
-def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int | None = None,
+def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | None = None,
                 in_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int4Linear.kernel, "not a CPU")
-    kernels, why = native_kernels(features)
+    kernels, why, features = policy.kernels, policy.why, policy.features
     gemm = "bf16" if features.native_bf16 else "fp32 (bf16 is emulated here)"
     if kernels is not None and (in_features is None or in_features % 64 == 0):
         return KernelChoice(NativeInt4Linear.kernel, f"built for {kernels.isa} ({why}); at every row count (faster than "
@@ -65,46 +66,38 @@ def int4_kernel(device: torch.device, features: CpuFeatures, out_features: int |
                         f"{many_rows}")
 
 
-def absorbed_kernels(config: QuantConfig | None, device: torch.device | str) -> NativeKernels | None:
-    """The kernels for MLA's absorbed decode products (kv_b_proj's halves per head) under int8 and int4 weights on a
-    CPU that builds them; None keeps those products in the compute dtype."""
-    if config is None or config.method not in ("int8", "int4") or torch.device(device).type != "cpu":
-        return None
-    return native_kernels(cpu_features())[0]
-
-
 def quantize_linear(
     name: str, weight: torch.Tensor | QuantizedWeight, bias: nn.Parameter | None, config: QuantConfig,
-    device: torch.device | str
+    device: torch.device | str, policy: KernelPolicy | None = None
 ) -> nn.Module:
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
     says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
     layers). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
     int4pack_mm's cost grows with every 4 rows (one row per sequence here), fbgemm's barely
-    (benchmarks/RESULTS.md), and the logits keep int8's accuracy."""
-    device = torch.device(device)
+    (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default one)."""
+    device, policy = torch.device(device), policy or default_policy()
     if name == LM_HEAD and config.method == "int4":
         config = QuantConfig("int8")
         if isinstance(weight, Int4Weight):
             weight = weight.dequantize()
     if isinstance(weight, (Int4Weight, Int8Weight)):
         config = QuantConfig(weight.method, getattr(weight, "group_size", None))
-    features = cpu_features()
+    features = policy.features
     if config.method == "int8":
         q, scale = (weight.q, weight.scale) if isinstance(weight, Int8Weight) else quantize_int8(weight)
-        kernel = int8_kernel(device, features, weight.shape[1]).kernel
+        kernel = int8_kernel(policy, device, weight.shape[1]).kernel
         # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
         out_dtype = torch.float32 if name == LM_HEAD else None
         if kernel == NativeInt8Linear.kernel:
-            return NativeInt8Linear(q, scale, bias, native_kernels(features)[0], out_dtype)
+            return NativeInt8Linear(q, scale, bias, policy.kernels, out_dtype)
         if kernel == FbgemmInt8Linear.kernel:
             return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
     q, scale, minimum = ((weight.q, weight.scale, weight.minimum) if isinstance(weight, Int4Weight)
                          else quantize_int4(weight, int4_group(config, name, weight.shape[1])))
-    kernel = int4_kernel(device, features, *weight.shape).kernel
+    kernel = int4_kernel(policy, device, *weight.shape).kernel
     if kernel == NativeInt4Linear.kernel:
-        return NativeInt4Linear(q, scale, minimum, bias, native_kernels(features)[0])
+        return NativeInt4Linear(q, scale, minimum, bias, policy.kernels)
     if kernel == Int4PackLinear.kernel:
         return Int4PackLinear(q, scale, minimum, bias, torch.bfloat16,
                               torch.bfloat16 if features.native_bf16 else torch.float32)
