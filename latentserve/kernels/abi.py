@@ -101,8 +101,8 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_route": (_status, [_T, _i32, _i64, _i64, _T, _i32, _f32, _T, _T]),
     "ls_mla_attention_block": (_status, [ctypes.POINTER(MLABlock), _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
     "ls_moe_block": (_status, [ctypes.POINTER(MoEBlock), _T, _T, _T, _i32]),
-    "ls_dense_experts": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i32, _i32]),
-    "ls_experts_tokens": (None, [_p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _i32, _i64, _p, _i32, _i32]),
+    "ls_dense_experts": (_status, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i32, _i32]),
+    "ls_experts_tokens": (_status, [_p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _i32, _i64, _p, _i32, _i32]),
     "ls_stacked_experts": (_i32, [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p, _p, _p, _i32,
                                   _i32]),
 }

@@ -108,9 +108,8 @@ static int int8_call(const ls_tensor *x, const ls_tensor *q, const ls_tensor *sc
         return refuse(LS_BAD_TENSOR, "scale and qsum: %lld and %lld values, not %lld", (long long)numel(scale),
                       (long long)numel(qsum), (long long)(H * N));
     TENSORS(bad_size("y", y, 0, M) || (heads && bad_size("y", y, 1, H)) || bad_size("y", y, heads + 1, N));
-    (lanes ? int8_heads_lanes : int8_heads)(x->data, M, H, K, q->data, scale->data, qsum->data, N, y->data,
-                                            bf(x) | bf(y) << 1, threads);
-    return LS_OK;
+    return (lanes ? int8_heads_lanes : int8_heads)(x->data, M, H, K, q->data, scale->data, qsum->data, N, y->data,
+                                                   bf(x) | bf(y) << 1, threads);
 }
 
 LS_API int ls_int8_heads(const ls_tensor *x, const ls_tensor *q, const ls_tensor *scale, const ls_tensor *qsum,
@@ -131,8 +130,7 @@ LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t g
     if ((group != 32 && group != 64 && group != 128) || K % 64 || K % group)
         return refuse(LS_BAD_TENSOR, "group size %lld with K %lld", (long long)group, (long long)K);
     TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, K / group * (64 + 8 * group)));
-    quant_linear(x->data, DIM(x, 0), K, packed->data, 4, group, N, y->data, bf(x) | bf(y) << 1, threads);
-    return LS_OK;
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, 4, group, N, y->data, bf(x) | bf(y) << 1, threads);
 }
 
 LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
@@ -141,8 +139,7 @@ LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_
     int64_t K = DIM(x, 1), N = DIM(y, 1);
     if (K % 4) return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of 4", (long long)K);
     TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, 128 + 16 * K));
-    quant_linear(x->data, DIM(x, 0), K, packed->data, 8, 0, N, y->data, bf(x) | bf(y) << 1, threads);
-    return LS_OK;
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, 8, 0, N, y->data, bf(x) | bf(y) << 1, threads);
 }
 
 LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads) {

@@ -11,17 +11,12 @@
 static int product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t K, int64_t N, void *y, int bf,
                    int threads) {
     int io = bf ? 0b11 : 0;
-    if (w->kind == LS_INT8)
-        int8_heads(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
-    else if (w->kind == LS_INT8_LANES)
-        int8_heads_lanes(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
-    else if (w->kind == LS_INT8_BLOCKS || w->kind == LS_INT4)
-        quant_linear(x, M, K, w->w, w->kind == LS_INT4 ? 4 : 8, w->group, N, y, io, threads);
-    else if (H == 1)
-        return dense_linear(x, M, K, w->w, N, y, io | bf << 2, threads);
-    else
-        return dense_heads(x, M, H, K, w->w, N, y, io | bf << 2, threads);
-    return LS_OK;
+    if (w->kind == LS_INT8) return int8_heads(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
+    if (w->kind == LS_INT8_LANES) return int8_heads_lanes(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
+    if (w->kind == LS_INT8_BLOCKS || w->kind == LS_INT4)
+        return quant_linear(x, M, K, w->w, w->kind == LS_INT4 ? 4 : 8, w->group, N, y, io, threads);
+    if (H == 1) return dense_linear(x, M, K, w->w, N, y, io | bf << 2, threads);
+    return dense_heads(x, M, H, K, w->w, N, y, io | bf << 2, threads);
 }
 
 /* The block's temporaries: `size`-byte elements. */

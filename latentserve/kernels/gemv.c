@@ -98,18 +98,20 @@ int dense_linear(const void *x, int64_t M, int64_t K, const void *w, int64_t N, 
  * every down row, summing rows in order, so that a result does not depend on the thread count (splitting the rows
  * instead summed partial sums per thread). A token's result does not depend on the others in the call either (its
  * own rows, sums in the same order). */
-LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
-                             const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
-                             int threads) {
+LS_API int ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
+                            const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+                            int threads) {
     int wbf = (io >> 2) & 1;
     int64_t wsize = wbf ? 2 : 4, P = T * count;
-    float *xf = malloc(T * K * sizeof(float)), *h = malloc(P * 2 * I * sizeof(float));
-    float *a = malloc(P * I * sizeof(float)), *down = malloc(P * K * sizeof(float));
 #ifdef LS_BF16DOT
     int dot = wbf && (io & 1); /* bf16 x and weights: gate and up through vdpbf16ps, x read as it is */
 #else
     int dot = 0;
 #endif
+    ScratchMark mark = scratch_mark();
+    float *xf = dot ? NULL : scratch(T * K * sizeof(float)), *h = scratch(P * 2 * I * sizeof(float));
+    float *a = scratch(P * I * sizeof(float)), *down = scratch(P * K * sizeof(float));
+    if ((!dot && !xf) || !h || !a || !down) return scratch_release(mark), LS_NO_MEMORY;
     if (!dot)
         for (int64_t i = 0; i < T * K; i++) xf[i] = load_act(x, io & 1, i);
     int64_t units = (K + DOWN_UNIT - 1) / DOWN_UNIT;
@@ -157,17 +159,16 @@ LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int
             store_out(y, io & 2, tk, sum);
         }
     }
-    free(xf);
-    free(h);
-    free(a);
-    free(down);
+    scratch_release(mark);
+    return LS_OK;
 }
 
 /* A MoE layer's stacked experts for T tokens through `ls_dense_experts`: token t's top-k experts ids[t] (global
  * ids: the stack holds the E experts first..) with gates weights[t] (fp32), in expert order, then the `shared`
  * I-wide chunks of the shared experts with gate 1. w13 `[E, 2I, K]` (gate rows, then up rows) and w2t `[E, I, K]`
  * (down projections transposed) in the weights' dtype (bit 2 of `io`), as are the shared experts' gate sg, up su
- * and transposed down sd `[shared * I, K]`. Returns 1, computing nothing, where an id lies outside the stack. */
+ * and transposed down sd `[shared * I, K]`. Returns 1, computing nothing, where an id lies outside the stack,
+ * LS_NO_MEMORY where the scratch arena could not grow. */
 LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
                               const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
                               int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
@@ -175,9 +176,11 @@ LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, in
     for (int64_t i = 0; i < T * topk; i++)
         if (ids[i] < first || ids[i] >= first + E) return 1;
     int64_t count = topk + shared, P = T * count, block = I * K * (((io >> 2) & 1) ? 2 : 4);
-    const void **gate = malloc(3 * P * sizeof(void *)), **up = gate + P, **down = up + P;
-    float *gates = malloc(P * sizeof(float));
-    int64_t *order = malloc(topk * sizeof(int64_t));
+    ScratchMark mark = scratch_mark();
+    const void **gate = scratch(3 * P * sizeof(void *)), **up = gate + P, **down = up + P;
+    float *gates = scratch(P * sizeof(float));
+    int64_t *order = scratch(topk * sizeof(int64_t));
+    if (!gate || !gates || !order) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++) {
         const int64_t *e = ids + t * topk;
         sort_ids(e, topk, order);
@@ -197,11 +200,9 @@ LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, in
             }
         }
     }
-    ls_dense_experts(x, T, K, I, count, gate, up, down, gates, y, io, threads);
-    free(gate);
-    free(gates);
-    free(order);
-    return 0;
+    int bad = ls_dense_experts(x, T, K, I, count, gate, up, down, gates, y, io, threads);
+    scratch_release(mark);
+    return bad;
 }
 
 /* One head's tile of NV vectors of outputs for mb (1 or 2) activation rows: y[i][:] = sum_k x[i][k] * w[k][:],

@@ -143,14 +143,15 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
 LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tensor *residual, const ls_tensor *y,
                         int threads);
 
-/* The experts' kernels (gemv.c, qgemm.c), still with raw pointers and `io` bits (bit 0 x is bf16, bit 1 y is,
- * bit 2 the weights are). */
-LS_API void ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
-                             const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+/* The experts' kernels (gemv.c, quant_blocks.c), still with raw pointers and `io` bits (bit 0 x is bf16, bit 1 y
+ * is, bit 2 the weights are). Each returns an ls_status (LS_NO_MEMORY where the scratch arena could not grow);
+ * ls_stacked_experts 1 where an id lies outside the stack. */
+LS_API int ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
+                            const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
+                            int threads);
+LS_API int ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                             const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
                              int threads);
-LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                              const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
-                              int threads);
 LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
                               const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
                               int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,

@@ -27,19 +27,19 @@ static int quantized_tokens(const MoEBlock *b, const void *x, int64_t T, const f
             memcpy(chosen + (t * k + c) * per, b->table + e[order[c]] * per, per * sizeof(void *));
         }
     }
-    ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits[0], b->group[0], b->bits[1], b->group[1], out, io,
-                      threads);
-    if (b->shared) {
+    int bad = ls_experts_tokens(x, T, K, b->inter, k, chosen, gates, b->bits[0], b->group[0], b->bits[1], b->group[1],
+                                out, io, threads);
+    if (!bad && b->shared) {
         for (int64_t t = 0; t < T; t++) {
             memcpy(shared + t * per, b->shared, per * sizeof(void *));
             ones[t] = 1.f;
         }
-        ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->shared_bits[0], b->shared_group[0],
-                          b->shared_bits[1], b->shared_group[1], y, io, threads);
-        for (int64_t i = 0; i < T * K; i++)
+        bad = ls_experts_tokens(x, T, K, b->shared_inter, 1, shared, ones, b->shared_bits[0], b->shared_group[0],
+                                b->shared_bits[1], b->shared_group[1], y, io, threads);
+        for (int64_t i = 0; !bad && i < T * K; i++)
             store_out(out, b->bf, i, load_act(out, b->bf, i) + load_act(y, b->bf, i));
     }
-    return LS_OK;
+    return bad;
 }
 
 /* Returns LS_BAD_EXPERT (nothing written) where the stacked experts' kernel refuses the chosen ids, LS_NO_MEMORY
@@ -55,11 +55,13 @@ int moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T,
     if (!bad)
         bad = route(logits, T, E, k, b->sigmoid, b->groups, b->topk_groups, b->bias, b->norm, b->scaling, weights,
                     ids);
-    if (!bad && b->bits[0])
+    if (!bad && b->bits[0]) {
         bad = quantized_tokens(b, x, T, weights, ids, moe, threads);
-    else if (!bad && ls_stacked_experts(x, T, K, b->inter, k, ids, weights, 0, E, b->w13, b->w2t, b->shared_chunks,
-                                        b->sg, b->su, b->sd, moe, b->bf ? 0b111 : 0, threads))
-        bad = LS_BAD_EXPERT;
+    } else if (!bad) {
+        bad = ls_stacked_experts(x, T, K, b->inter, k, ids, weights, 0, E, b->w13, b->w2t, b->shared_chunks, b->sg,
+                                 b->su, b->sd, moe, b->bf ? 0b111 : 0, threads);
+        bad = bad == 1 ? LS_BAD_EXPERT : bad;
+    }
     if (!bad)
         for (int64_t i = 0; i < T * K; i++) /* the residual, rounded as torch's add rounds it */
             store_out(y, b->bf, i, load_act(residual, b->bf, i) + load_act(moe, b->bf, i));

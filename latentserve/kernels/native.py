@@ -166,6 +166,8 @@ def stacked_experts(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, 
     bad = _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, topk, ids.data_ptr(),
                 weights.data_ptr(), first, experts, w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd,
                 y.data_ptr(), int(x.dtype == torch.bfloat16) * 0b111, torch.get_num_threads())
+    if bad == abi.NO_MEMORY:
+        _refused(kernels, fn, bad)
     if bad:
         raise ValueError(f"stacked_experts: the stack holds experts {first}..{first + experts - 1}, got ids "
                          f"{ids.tolist()}")
@@ -367,8 +369,8 @@ def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.
     y = torch.empty(tokens, k, dtype=x.dtype)
     io = int(x.dtype == torch.bfloat16) * 0b11  # ls_experts_tokens' flags: bit 0 x is bf16, bit 1 y is
     pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
-    _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
-          gates.data_ptr(), *formats[0], *formats[1], y.data_ptr(), io, torch.get_num_threads())
+    _refused(kernels, fn, _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
+                                gates.data_ptr(), *formats[0], *formats[1], y.data_ptr(), io, torch.get_num_threads()))
     return y
 
 

@@ -67,9 +67,11 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
  * (m, h) row. */
-void int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+               const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+    ScratchMark mark = scratch_mark();
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
+    if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
     {
         /* Each thread a contiguous share of the H * N weight rows, read as two streams (`two_streams`): a cursor
@@ -95,7 +97,8 @@ void int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w,
             }
         }
     }
-    free_acts(a);
+    scratch_release(mark);
+    return LS_OK;
 }
 
 #ifdef LS_AVX512
@@ -157,9 +160,11 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
  * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
  * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
  * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
-void int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-                      const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+                     const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+    ScratchMark mark = scratch_mark();
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
+    if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
     int64_t per_head = N / 16, blocks = H * per_head;
 #pragma omp parallel num_threads(threads)
     for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
@@ -177,7 +182,8 @@ void int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8
                 }
         }
     }
-    free_acts(a);
+    scratch_release(mark);
+    return LS_OK;
 }
 
 /* pack_int8's block: 16 fp32 scales, 16 int32 sums of q, then the 16 outputs in the lanes layout. The integer sums

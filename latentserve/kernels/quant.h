@@ -24,9 +24,12 @@ typedef struct {
     float *s, *corr;
 } QuantActs;
 
+/* All from the scratch arena (the caller holds a mark); q NULL where it could not grow. take_acts: room only, for
+ * quantize_into to fill (from another thread than the arena's, e.g. inside a parallel region). */
+QuantActs take_acts(int64_t M, int64_t K, int bits, int64_t G);
+void quantize_into(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, QuantActs a);
 QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G);
 QuantActs gather_acts(QuantActs a, const int64_t *rows, int64_t P, int64_t K, int bits, int64_t G);
-void free_acts(QuantActs a);
 
 /* The quantized weight formats, both in blocks of 16 outputs, each block one stream of bytes read once and
  * self-contained (its scales inside): bits 8, `pack_int8`'s layout (qgemm.c); bits 4, `pack_int4`'s with K inputs

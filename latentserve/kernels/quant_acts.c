@@ -61,32 +61,37 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     }
 }
 
-QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G) {
-    QuantActs a = {malloc(M * K), malloc(M * (K / XBLOCK + 1) * sizeof(float)), NULL};
-    if (bits == 8) {
-        quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, a.q, a.s);
-    } else {
-        a.corr = malloc(M * 2 * (K / G) * sizeof(float));
-        int4_prepare(x, bf16, M, K, G, a.q, a.s, a.corr);
-    }
+/* Room in the scratch arena for M rows of K columns quantized for (bits, G); q NULL where the arena could not grow.
+ * The caller holds a scratch mark. */
+QuantActs take_acts(int64_t M, int64_t K, int bits, int64_t G) {
+    QuantActs a = {scratch(M * K), scratch(M * (K / XBLOCK + 1) * sizeof(float)),
+                   bits == 8 ? NULL : scratch(M * 2 * (K / G) * sizeof(float))};
+    if (!a.s || (bits != 8 && !a.corr)) a.q = NULL;
     return a;
 }
 
-/* Rows rows[0..P) of `a` (quantized as quantize_acts did, K columns, group size G) copied in that order. */
+void quantize_into(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, QuantActs a) {
+    if (bits == 8)
+        quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, a.q, a.s);
+    else
+        int4_prepare(x, bf16, M, K, G, a.q, a.s, a.corr);
+}
+
+QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G) {
+    QuantActs a = take_acts(M, K, bits, G);
+    if (a.q) quantize_into(x, bf16, M, K, bits, G, a);
+    return a;
+}
+
+/* Rows rows[0..P) of `a` (quantized as quantize_acts did, K columns, group size G) copied in that order, into the
+ * scratch arena (q NULL where it could not grow). */
 QuantActs gather_acts(QuantActs a, const int64_t *rows, int64_t P, int64_t K, int bits, int64_t G) {
     int64_t scales = bits == 8 ? 1 : K / XBLOCK, corrs = bits == 8 ? 0 : 2 * (K / G);
-    QuantActs g = {malloc(P * K), malloc(P * (K / XBLOCK + 1) * sizeof(float)),
-                   corrs ? malloc(P * corrs * sizeof(float)) : NULL};
-    for (int64_t i = 0; i < P; i++) {
+    QuantActs g = take_acts(P, K, bits, G);
+    for (int64_t i = 0; g.q && i < P; i++) {
         memcpy(g.q + i * K, a.q + rows[i] * K, K);
         memcpy(g.s + i * scales, a.s + rows[i] * scales, scales * sizeof(float));
         if (corrs) memcpy(g.corr + i * corrs, a.corr + rows[i] * corrs, corrs * sizeof(float));
     }
     return g;
-}
-
-void free_acts(QuantActs a) {
-    free(a.q);
-    free(a.s);
-    free(a.corr);
 }

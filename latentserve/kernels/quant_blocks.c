@@ -11,28 +11,31 @@
  * in order: a block is already a long stream (16 K bytes in int8), and alternating two halves of the share
  * (`two_streams`, which helps rows of a few KB) measured up to 1.2x slower at one row (benchmarks/RESULTS.md).
  * Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever rows it is computed with. */
-void quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
-                  int io, int threads) {
+int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
+                 int io, int threads) {
     Format f = {bits, G};
+    int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K), per = (M < ROW_CHUNK ? M : ROW_CHUNK) * 16;
+    ScratchMark mark = scratch_mark();
     QuantActs a = quantize_for(f, x, io & 1, M, K);
-    int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K);
+    float *dots = scratch(threads * per * sizeof(float)); /* each thread's slice: the arena is the caller's */
+    if (!a.q || !dots) return scratch_release(mark), LS_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
     {
-        float *dots = malloc((M < ROW_CHUNK ? M : ROW_CHUNK) * 16 * sizeof(float));
+        float *mine = dots + omp_get_thread_num() * per;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
             int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
             for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
                          len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
                 int64_t b = begin + idx, outputs = N - 16 * b < 16 ? N - 16 * b : 16;
-                block_dots(f, a, m0, rows, (const char *)w + b * bytes, K, dots);
+                block_dots(f, a, m0, rows, (const char *)w + b * bytes, K, mine);
                 for (int64_t m = 0; m < rows; m++)
                     for (int64_t j = 0; j < outputs; j++)
-                        store_out(y, io & 2, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
+                        store_out(y, io & 2, (m0 + m) * N + 16 * b + j, mine[16 * m + j]);
             }
         }
-        free(dots);
     }
-    free_acts(a);
+    scratch_release(mark);
+    return LS_OK;
 }
 
 /* The experts' pairs grouped by expert (groups of them, pairs start[g] .. start[g + 1]; order[i]: the i-th pair's
@@ -66,13 +69,20 @@ static void expert_layer(ExpertGroups e, int which, Format f, QuantActs a, int64
  * quantized once per token. The (token, expert) pairs are grouped by expert, so an expert that several tokens chose
  * is read once for all of them; every pair's arithmetic is the same as for its token alone, so each token's result
  * does not depend on the batch around it. */
-LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                              const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
-                              int threads) {
+LS_API int ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
+                             const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
+                             int threads) {
     Format gate_up = {bits, G}, down = {down_bits, GD};
     int64_t P = T * count, groups = 0;
-    int64_t *order = malloc(P * sizeof(int64_t)), *slot = malloc(P * sizeof(int64_t));
-    int64_t *start = malloc((P + 1) * sizeof(int64_t));
+    ScratchMark mark = scratch_mark();
+    int64_t *order = scratch(P * sizeof(int64_t)), *slot = scratch(P * sizeof(int64_t));
+    int64_t *start = scratch((P + 1) * sizeof(int64_t)), *token = scratch(P * sizeof(int64_t));
+    float *h = scratch(P * 2 * I * sizeof(float)), *a = scratch(P * I * sizeof(float));
+    float *o = scratch(P * K * sizeof(float));
+    float *dots = scratch(threads * 16 * P * sizeof(float)); /* per thread: an expert's pairs, 16 outputs each */
+    QuantActs aa = take_acts(P, I, down_bits, GD); /* filled in the region by whichever thread runs the single */
+    if (!order || !slot || !start || !token || !h || !a || !o || !dots || !aa.q)
+        return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t p = 0; p < P; p++) { /* insertion sort of the pairs by expert, stable */
         int64_t j = p;
         for (; j > 0 && (uintptr_t)weights[order[j - 1] * 2] > (uintptr_t)weights[p * 2]; j--) order[j] = order[j - 1];
@@ -83,24 +93,21 @@ LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, in
         if (i == 0 || weights[order[i] * 2] != weights[order[i - 1] * 2]) start[groups++] = i;
     }
     start[groups] = P;
-    int64_t *token = malloc(P * sizeof(int64_t)); /* each pair's token, in grouped order */
-    for (int64_t i = 0; i < P; i++) token[i] = order[i] / count;
-    float *h = malloc(P * 2 * I * sizeof(float)), *a = malloc(P * I * sizeof(float));
-    float *o = malloc(P * K * sizeof(float));
-    QuantActs xt = quantize_for(gate_up, x, io & 1, T, K), xa = gather_acts(xt, token, P, K, bits, G);
-    QuantActs aa = {NULL, NULL, NULL};
+    for (int64_t i = 0; i < P; i++) token[i] = order[i] / count; /* each pair's token, in grouped order */
+    QuantActs xt = quantize_for(gate_up, x, io & 1, T, K), xa = xt.q ? gather_acts(xt, token, P, K, bits, G) : xt;
+    if (!xa.q) return scratch_release(mark), LS_NO_MEMORY;
     ExpertGroups e = {groups, start, order, weights};
 #pragma omp parallel num_threads(threads)
     {
-        float dots[16 * P]; /* an expert's pairs (at most one per token), a block of outputs each */
-        expert_layer(e, 0, gate_up, xa, 2 * I, K, dots, h);
+        float *mine = dots + omp_get_thread_num() * 16 * P;
+        expert_layer(e, 0, gate_up, xa, 2 * I, K, mine, h);
 #pragma omp barrier
 #pragma omp single
         {
             for (int64_t i = 0; i < P; i++) silu_mul(h + i * 2 * I, I, a + i * I);
-            aa = quantize_for(down, a, 0, P, I);
+            quantize_into(a, 0, P, I, down_bits, GD, aa);
         }
-        expert_layer(e, 1, down, aa, K, I, dots, o);
+        expert_layer(e, 1, down, aa, K, I, mine, o);
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int64_t tk = 0; tk < T * K; tk++) {
@@ -110,8 +117,6 @@ LS_API void ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, in
             store_out(y, io & 2, tk, sum);
         }
     }
-    free_acts(xt);
-    free_acts(xa);
-    free_acts(aa);
-    free(order), free(slot), free(start), free(token), free(h), free(a), free(o);
+    scratch_release(mark);
+    return LS_OK;
 }

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from latentserve.kernels import abi, build, native
+from latentserve.layers.quant.int4 import quantize_int4
+from latentserve.layers.quant.int8 import quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 
 pytestmark = needs_a_build
@@ -193,3 +195,40 @@ def test_an_exhausted_scratch_arena_is_a_memory_error_and_nothing_is_lost(scratc
     scratch_limit(0)
     for got, want in zip(native.route(kernels(ISA), logits, 6, False, 1, 1, None, True, 1.0), expected):
         assert torch.equal(got, want)
+
+
+def _quantized_calls():
+    """The kernels whose temporaries (quantized activations, per-thread dot buffers, the experts' tables and
+    intermediates) come from the scratch arena, each as a call returning its result."""
+    g = torch.Generator().manual_seed(1)
+    x, k = torch.randn(3, 64, generator=g), kernels(ISA)
+    int8 = native.pack_int8(*quantize_int8(torch.randn(40, 64, generator=g)))
+    int4 = native.pack_int4(*quantize_int4(torch.randn(40, 64, generator=g), 64))
+    heads_q, heads_scale = quantize_int8(torch.randn(2 * 16, 64, generator=g))
+    heads = (torch.randn(3, 2, 64, generator=g), heads_q.view(2, 16, 64), heads_scale,
+             heads_q.sum(dim=1, dtype=torch.int32))
+    gate_up = [native.pack_int4(*quantize_int4(torch.randn(64, 64, generator=g), 64)) for _ in range(2)]
+    down = [native.pack_int8(*quantize_int8(torch.randn(64, 32, generator=g))) for _ in range(2)]
+    chosen = [w for t in range(3) for e in (t % 2, 1 - t % 2) for w in (gate_up[e], down[e])]
+    gates = torch.rand(3, 2, generator=g)
+    w13, w2t = torch.randn(4, 64, 64, generator=g), torch.randn(4, 32, 64, generator=g)
+    ids = torch.tensor([[0, 3], [2, 1], [3, 0]])
+    return {
+        "int8_linear": lambda: native.int8_linear(k, x, int8, 40),
+        "int4_linear": lambda: native.int4_linear(k, x, int4, 64, 40),
+        "int8_heads": lambda: native.int8_heads(k, *heads),
+        "experts_tokens": lambda: native.experts_tokens(k, x, chosen, gates, 32, ((4, 64), (8, 0))),
+        "stacked_experts": lambda: native.stacked_experts(k, x, w13, w2t, 0, ids, gates),
+    }
+
+
+@pytest.mark.parametrize("name", ["int8_linear", "int4_linear", "int8_heads", "experts_tokens", "stacked_experts"])
+def test_the_quantized_and_experts_kernels_take_their_temporaries_from_the_arena(scratch_limit, name):
+    """An exhausted arena is a MemoryError naming the call; lifted, the same call gives the same bits as before."""
+    call = _quantized_calls()[name]
+    expected = call()
+    scratch_limit(64)  # one allocation's smallest unit: every one of these calls takes more
+    with pytest.raises(MemoryError, match=name):
+        call()
+    scratch_limit(0)
+    assert torch.equal(call(), expected)
