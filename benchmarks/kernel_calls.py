@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from latentserve.kernels import native  # noqa: E402
+from latentserve.kernels.policy import default_policy  # noqa: E402
 
 HEADS, HIDDEN, NOPE, ROPE, LATENT, V_DIM = 16, 2048, 128, 64, 512, 128
 
@@ -42,7 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    kernels = native.for_this_cpu()
+    kernels = default_policy().kernels
     if kernels is None:
         sys.exit("latentserve's kernels do not build here")
     x, weight, linear, logits = torch.randn(1, HIDDEN), torch.randn(HIDDEN), torch.randn(512, HIDDEN), torch.randn(1, 64)

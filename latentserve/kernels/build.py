@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from latentserve.kernels import abi
 from latentserve.kernels.cpu import CpuFeatures
@@ -244,16 +243,3 @@ def native_kernels(features: CpuFeatures) -> tuple[NativeKernels | None, str]:
         return None, why
     _log_once(logging.INFO, f"latentserve kernels: the {isa} build runs ({why})")
     return kernels, why
-
-
-@functools.cache
-def _for(setting: str | None, capability: str) -> NativeKernels | None:
-    from latentserve.kernels.cpu import cpu_features
-
-    return native_kernels(cpu_features())[0]
-
-
-def for_this_cpu() -> NativeKernels | None:
-    """The kernels for this CPU as torch dispatches on it and `LATENTSERVE_NATIVE_KERNELS` says, or None; looked up
-    once per setting (cheap enough to ask on every call)."""
-    return _for(os.environ.get(NATIVE_ENV), torch.backends.cpu.get_cpu_capability())

@@ -12,7 +12,7 @@ import torch
 
 from latentserve.config import kv_cache_row_width
 # The kernels are reached through this module: callers ask it for them and for their build.
-from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels, for_this_cpu,  # noqa: F401
+from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels,  # noqa: F401
                                        kernel_isa, load, native_kernels)
 from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_BLOCKS, INT8_LANES, ROPE_STYLES,  # noqa: F401
                                      MLABlock, MoEBlock, Weight, desc)

@@ -9,9 +9,9 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.engine.llm import default_model_dir
-from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
 
-pytestmark = pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's CPU kernels do not build here")
+pytestmark = pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's CPU kernels do not build here")
 
 TARGET = "And God said, Let there be light: and there was light. And God saw the light, that it was good"
 WORDS = ("the Lord spake unto Moses saying and the children of Israel went into the land of Egypt and God said "

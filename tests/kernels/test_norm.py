@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
 from latentserve.layers.norm import RMSNorm
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 
@@ -28,7 +29,7 @@ def test_rms_norm_matches_torch(isa, rows, n):
 
 
 def test_the_layer_runs_it_in_one_call(monkeypatch):
-    if native.for_this_cpu() is None:
+    if default_policy().kernels is None:
         pytest.skip("latentserve's kernels do not build here")
     calls = []
     monkeypatch.setattr(native, "rms_norm", lambda *a, _f=native.rms_norm: calls.append(1) or _f(*a))
@@ -37,4 +38,4 @@ def test_the_layer_runs_it_in_one_call(monkeypatch):
     torch.testing.assert_close(norm(x), F.rms_norm(x, (32,), norm.weight, 1e-6))
     assert calls == [1]
     with pytest.raises(ValueError, match="weight must be a CPU tensor, contiguous float32 "):
-        native.rms_norm(native.for_this_cpu(), x, norm.weight.half(), 1e-6)
+        native.rms_norm(default_policy().kernels, x, norm.weight.half(), 1e-6)

@@ -219,9 +219,9 @@ def test_routing_config_rejects_bad_values(kwargs: dict, field: str) -> None:
 @pytest.mark.parametrize("tokens", [1, 3, 8])  # up to NATIVE_MAX_TOKENS the router routes in one native call
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_native_routing_matches_select_experts(case: str, tokens: int) -> None:
-    from latentserve.kernels import native
+    from latentserve.kernels.policy import default_policy
 
-    if native.for_this_cpu() is None:
+    if default_policy().kernels is None:
         pytest.skip("latentserve's kernels do not build here")
     variant, overrides = CASES[case]
     cfg = _routing(_hf_config(variant, **overrides))
@@ -244,8 +244,9 @@ def test_native_routing_matches_select_experts(case: str, tokens: int) -> None:
 
 def test_native_routing_refuses_choices_it_cannot_make() -> None:
     from latentserve.kernels import native
+    from latentserve.kernels.policy import default_policy
 
-    kernels = native.for_this_cpu()
+    kernels = default_policy().kernels
     if kernels is None:
         pytest.skip("latentserve's kernels do not build here")
     logits = torch.randn(2, 8)

@@ -17,6 +17,7 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
 from latentserve.models import deepseek
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 77, 12, 60], [3, 88], list(range(10, 40)), [70, 71, 72, 73, 74]]
@@ -148,7 +149,7 @@ class ArchSuite:
             torch.testing.assert_close(torch.tensor(prompt_logprobs(b)), torch.tensor(prompt_logprobs(a)),
                                        rtol=0, atol=1e-5)
 
-    @pytest.mark.skipif(native.for_this_cpu() is None, reason="batch-invariant mode runs latentserve's kernels")
+    @pytest.mark.skipif(default_policy().kernels is None, reason="batch-invariant mode runs latentserve's kernels")
     def test_batch_invariant_mode(self, checkpoint) -> None:
         """batch_invariant=True: a request alone and among others (its prefill chunked beside theirs) gives the same
         tokens and log-probs, to the bit."""
@@ -169,7 +170,7 @@ class ArchSuite:
         error = (quantized - full).abs().mean().item()
         assert 0 < error <= self.case.int4_error / (1 if method == "int4" else 4), error
 
-    @pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+    @pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
     def test_decode_fast_path(self, checkpoint, greedy, monkeypatch) -> None:
         """The one-call attention and MoE blocks run a decode step where the layers are of a kind they take (and
         give the modules' tokens), and decline the others."""

@@ -8,6 +8,7 @@ from torch import nn
 
 from latentserve.config import AttentionConfig
 from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.models import deepseek, load_model
 from tests.checkpoints import make_checkpoint
@@ -28,7 +29,7 @@ def _run(path, dtype: torch.dtype, quantization: QuantConfig | None,
     return [runner.step(batch) for batch in batches], runner
 
 
-@pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+@pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("variant", ["v2_lite", "v3"])  # no q_lora / q_lora
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -51,7 +52,7 @@ def test_fused_block_equals_the_modules(tmp_path, monkeypatch, variant, dtype, t
         assert torch.equal(cache.kv_cache.nan_to_num(), other.nan_to_num())
 
 
-@pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+@pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 def test_fused_block_over_a_quantized_cache_equals_the_modules(tmp_path, monkeypatch, dtype, cache_dtype):
@@ -96,7 +97,7 @@ def _replaced_run(path, quantization: QuantConfig | None) -> tuple[list[torch.Te
     return logits, builds + [attn.fused_block.builds]
 
 
-@pytest.mark.skipif(native.for_this_cpu() is None, reason="latentserve's kernels do not build here")
+@pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("quantization", [None, QuantConfig("int8")], ids=str)
 def test_a_replaced_weight_rebuilds_the_block(tmp_path, monkeypatch, quantization):
     """Each layer's block is built once, after its weights are loaded, and reused; a projection replaced afterwards

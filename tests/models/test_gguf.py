@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 from latentserve import LLM, SamplingParams
 from latentserve.engine.detokenizer import load_tokenizer
 from latentserve.engine.llm import default_model_dir
-from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
@@ -241,7 +241,7 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
     for ours, theirs in zip(_logprobs(model), reference):
         error = (ours - theirs).abs()
         assert error.max() < 0.3 and error.mean() < 0.06
-    if native.for_this_cpu() is not None:  # Q4_K gate and up beside Q8_0 down (int4 and int8): still the one-call block
+    if default_policy().kernels is not None:  # Q4_K gate and up beside Q8_0 down (int4 and int8): still the one-call block
         built, _ = build_moe_block(model.model.layers[1].mlp, torch.float32)
         assert built is not None and list(built[0].bits) == [4, 8] and list(built[0].group) == [32, 0]
 
