@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from latentserve.kernels import abi
 from latentserve.kernels.cpu import CpuFeatures
 
