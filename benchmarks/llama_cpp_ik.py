@@ -23,7 +23,10 @@ there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py.
 Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/llama.cpp --llama-build /tmp/llbuild
 --ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
 $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
-best round of each counts, so all three saw the same noise. --long adds a 4096-token prefill and decode at a
+best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
+right after our points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB L3, on the
+--threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times the bytes of
+weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py). --long adds a 4096-token prefill and decode at a
 4096-token depth (slow). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
 """
 from __future__ import annotations
@@ -39,6 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import copy_bandwidth  # noqa: E402
+from benchmarks.decode_bytes import decode_bytes_per_token  # noqa: E402
 from benchmarks.llama_cpp import _best, load_average, make_ggufs, our_round, run  # noqa: E402
 from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
@@ -136,6 +141,7 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
                              key.startswith("prefill"))
     if engine == "latentserve":
         out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len) for b in args.batches})
+        out["copy_gb_s"] = copy_bandwidth() / 1e9
     else:
         build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
         rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.batched_context, args.decode_len,
@@ -144,21 +150,36 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
     return out
 
 
-def measure(gguf: Path, name: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    """{engine: {point: best tok/s}} of one format: its engine loaded once and warmed up, then `args.rounds`
-    alternating rounds."""
+def measure(gguf: Path, name: str, args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+    """({engine: {point: best tok/s}} of one format, plus our "copy_gb_s"; {part: bytes} one batch-1 decode token
+    reads): its engine loaded once and warmed up, then `args.rounds` alternating rounds."""
     import gc
 
     llm = our_engine(gguf, args)
+    weights = decode_bytes_per_token(llm.engine.model)
     our_round(llm.engine, args.prefill_len, 2)  # first-call costs, as llama-bench's own warm-up run
     best: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
         for engine in ENGINES:
-            best[engine] = _best(best.get(engine), one_round(engine, llm, gguf, args))
-        print(f"{name} round {r + 1}: load average {load_average()}", flush=True)
+            this = one_round(engine, llm, gguf, args)
+            best[engine] = _best(best.get(engine), this)
+            if engine == "latentserve":
+                ratio = this["decode"] * sum(weights.values()) / 1e9 / this["copy_gb_s"]
+        print(f"{name} round {r + 1}: load average {load_average()}; batch-1 decode at {ratio:.0%} of this round's "
+              "copy bandwidth", flush=True)
     del llm
     gc.collect()
-    return best
+    return best, weights
+
+
+def report_bandwidth(ours: dict[str, float], weights: dict[str, int]) -> None:
+    """Batch-1 decode's weight bandwidth beside the copy bandwidth (each the best of its rounds)."""
+    per_token = sum(weights.values())
+    effective = ours["decode"] * per_token / 1e9
+    parts = ", ".join(f"{part} {n / 1e6:.1f}" for part, n in weights.items())
+    print(f"batch-1 decode: {ours['decode']:.1f} tok/s x {per_token / 1e6:.1f} MB of weights per token ({parts}) = "
+          f"{effective:.1f} GB/s; copy bandwidth {ours['copy_gb_s']:.1f} GB/s (read + write); ratio "
+          f"**{effective / ours['copy_gb_s']:.0%}**", flush=True)
 
 
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
@@ -242,7 +263,9 @@ def main() -> None:
           f"{args.rounds} rounds; load average {load_average()}", flush=True)
     torch.set_num_threads(args.threads)
     for name, kind in args.pairs:  # each format's table as soon as it is measured
-        report(measure(ggufs[kind], name, args), name, kind, ggufs[kind], args)
+        best, weights = measure(ggufs[kind], name, args)
+        report(best, name, kind, ggufs[kind], args)
+        report_bandwidth(best["latentserve"], weights)
     print(f"\nload average after: {load_average()}")
 
 
