@@ -26,8 +26,9 @@ $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then ma
 best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
 right after our points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB L3, on the
 --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times the bytes of
-weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py). --long adds a 4096-token prefill and decode at a
-4096-token depth (slow). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
+weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py). --long adds a
+4096-token prefill and decode at a 4096-token depth (slow). ik's batched-bench batch-1 row is printed beside its
+llama-bench decode as a check.
 """
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ def test_fp32_decode_bytes_are_the_checkpoints_tensors_a_token_reads(tmp_path):
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_decode_reads_the_int8_absorbed_products_not_the_full_precision_ones(tmp_path, quantization):
-    checkpoint = make_checkpoint(tmp_path, "v3", intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32)  # int4: K % 32 == 0
+    # int4 takes input widths in multiples of 32
+    checkpoint = make_checkpoint(tmp_path, "v3", intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32)
     llm = LLM(model=str(checkpoint), dtype="float32", quantization=quantization, block_size=4, num_kv_blocks=16,
               max_model_len=32)
     model = llm.engine.model
