@@ -268,11 +268,12 @@ INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0,
         for (int s = 0; s < 2; s++)
             for (int64_t c = c0; c < c0 + PAIR_CHUNK && c < units; c++)
                 for (int h = 0; h < 2; h++) {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h)), aw = _mm256_abs_epi8(wv);
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h));
+                    __m256i aw = _mm256_abs_epi8(wv);
                     for (int i = 0; i < mb; i++) {
                         __m256i xv = _mm256_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
-                        acc[s][i][h] = _mm256_add_epi32(acc[s][i][h],
-                                                        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), ones));
+                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
+                        acc[s][i][h] = _mm256_add_epi32(acc[s][i][h], _mm256_madd_epi16(p, ones));
                     }
                 }
     for (int s = 0; s < 2; s++)

@@ -17,11 +17,14 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
 
 /* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each
  * thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a
- * thread is not enough: int8 up to PAIR_ROWS rows reads two blocks at once, the i-th of each half of the share, in
- * turns of 2 KB (int8_block_pair_dots), which measured 1.1-1.2x faster than walking the blocks in order at 1-8 rows
- * (benchmarks/RESULTS.md, "Weight streaming"). More rows are bound by the arithmetic and walk the blocks in order;
- * so does int4, whose few rows already stream at the copy bandwidth. Above ROW_CHUNK rows, ROW_CHUNK rows a pass.
- * Each row's result is the same whatever rows it is computed with, and whatever the thread count. */
+ * thread keeps too few reads in flight: int8 up to PAIR_ROWS rows reads two blocks at once, the i-th of each half of
+ * the share (int8_block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by
+ * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): 1.04-1.28x faster at 1-2 rows
+ * and 1.6-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head. An earlier measurement under load, by wall time and whole
+ * blocks alternating (`two_streams`), had found two streams up to 1.2x slower: wall time there measured the other
+ * processes. More rows are bound by the arithmetic and walk the blocks in order, as int4 does at every row count
+ * (its few rows stream at 75-105 % of the copy bandwidth). Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's
+ * result is the same whatever rows it is computed with, and whatever the thread count. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
                  int io, int threads) {
     Format f = {bits, G};
