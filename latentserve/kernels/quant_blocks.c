@@ -22,9 +22,9 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
  * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): 1.04-1.28x faster at 1-2 rows
  * and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head. An earlier measurement under load, by wall time and whole
  * blocks alternating (`two_streams`), had found two streams up to 1.2x slower; wall time under that load mostly
- * measured the other processes. More rows are bound by the arithmetic and walk the blocks in order, as int4 does at every row count
- * (at one row it streams at 72-114 % of the copy bandwidth). Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's
- * result is the same whatever rows it is computed with, and whatever the thread count. */
+ * measured the other processes. More rows are bound by the arithmetic and walk the blocks in order, as int4 does
+ * at every row count (at one row it streams at 72-114 % of the copy bandwidth). Above ROW_CHUNK rows, ROW_CHUNK rows
+ * a pass. Each row's result is the same whatever rows it is computed with, and whatever the thread count. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
                  int io, int threads) {
     Format f = {bits, G};
