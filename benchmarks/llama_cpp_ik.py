@@ -27,8 +27,8 @@ best round of each counts, so all three saw the same noise. Each round also meas
 right after our points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB L3, on the
 --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times the bytes of
 weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py). --long adds a
-4096-token prefill and decode at a 4096-token depth (slow). ik's batched-bench batch-1 row is printed beside its
-llama-bench decode as a check.
+4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone (and no bandwidth
+figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
 """
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([
 
 def points(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
     """(key, label, tokens, depth) of each measured point: prefill of `tokens`, or `tokens` decode steps at `depth`."""
-    out = [("prefill", f"prefill {args.prefill_len} tok/s", args.prefill_len, 0),
-           ("decode", f"decode b1 tok/s ({args.decode_len} after {args.context})", args.decode_len, args.context)]
+    out = [] if args.only_long else [
+        ("prefill", f"prefill {args.prefill_len} tok/s", args.prefill_len, 0),
+        ("decode", f"decode b1 tok/s ({args.decode_len} after {args.context})", args.decode_len, args.context)]
     if args.long:
         out += [("prefill_long", f"prefill {LONG} tok/s", LONG, 0),
                 ("decode_long", f"decode b1 tok/s ({args.decode_len} after {LONG})", args.decode_len, LONG)]
@@ -140,6 +141,8 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
             build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
             out[key] = bench(build, gguf, args.threads, engine == "ik_llama.cpp", tokens, depth,
                              key.startswith("prefill"))
+    if args.only_long:
+        return out
     if engine == "latentserve":
         out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len) for b in args.batches})
         out["copy_gb_s"] = copy_bandwidth() / 1e9
@@ -161,13 +164,14 @@ def measure(gguf: Path, name: str, args: argparse.Namespace) -> tuple[dict[str, 
     our_round(llm.engine, args.prefill_len, 2)  # first-call costs, as llama-bench's own warm-up run
     best: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
+        bandwidth = ""
         for engine in ENGINES:
             this = one_round(engine, llm, gguf, args)
             best[engine] = _best(best.get(engine), this)
-            if engine == "latentserve":
+            if "copy_gb_s" in this:
                 ratio = this["decode"] * sum(weights.values()) / 1e9 / this["copy_gb_s"]
-        print(f"{name} round {r + 1}: load average {load_average()}; batch-1 decode at {ratio:.0%} of this round's "
-              "copy bandwidth", flush=True)
+                bandwidth = f"; batch-1 decode at {ratio:.0%} of this round's copy bandwidth"
+        print(f"{name} round {r + 1}: load average {load_average()}{bandwidth}", flush=True)
     del llm
     gc.collect()
     return best, weights
@@ -186,12 +190,14 @@ def report_bandwidth(ours: dict[str, float], weights: dict[str, int]) -> None:
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
     rows = [(key, label) for key, label, _, _ in points(args)]
     rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.batched_context}")
-             for b in args.batches]
+             for b in ([] if args.only_long else args.batches)]
     print(f"\n{name} / {kind} ({gguf.stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp | ik_llama.cpp "
           "| vs ik | vs llama.cpp |\n|---|---|---|---|---|---|")
     for key, label in rows:
         ours, main, ik = (best[e][key] for e in ENGINES)
         print(f"| {label} | {ours:.1f} | {main:.1f} | {ik:.1f} | **{ours / ik:.2f}x** | {ours / main:.2f}x |")
+    if args.only_long:
+        return
     ik, main = best["ik_llama.cpp"], best["llama.cpp"]
     print(f"check: llama-batched-bench batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}, "
           f"mainline {main['b1']:.1f} / {main['decode']:.1f} tok/s", flush=True)
@@ -226,7 +232,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per format; best counts")
     parser.add_argument("--long", action="store_true", help=f"also prefill {LONG} and decode at {LONG} depth (slow)")
+    parser.add_argument("--only-long", action="store_true", help=f"only prefill {LONG} and decode at {LONG} depth: "
+                        "no short or batched points")
     args = parser.parse_args()
+    args.long = args.long or args.only_long
     names = args.formats.split(",")
     args.pairs = [(name, kind) for name, kind in PAIRS if name in names]
     if len(args.pairs) != len(set(names)):
@@ -266,7 +275,8 @@ def main() -> None:
     for name, kind in args.pairs:  # each format's table as soon as it is measured
         best, weights = measure(ggufs[kind], name, args)
         report(best, name, kind, ggufs[kind], args)
-        report_bandwidth(best["latentserve"], weights)
+        if not args.only_long:
+            report_bandwidth(best["latentserve"], weights)
     print(f"\nload average after: {load_average()}")
 
 
