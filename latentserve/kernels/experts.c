@@ -68,19 +68,20 @@ static Set make_set(const ExpertTable *t, int64_t begin, int64_t end, int64_t h0
     return s;
 }
 
-/* order[0..P): the pairs in grouped order (routed ones by gate_up's address, stably; then the shared ones); w[p]:
- * pair p's two weights. Returns the number of groups written to `group`. */
-static int64_t group_pairs(int64_t R, int64_t P, void *const **w, int64_t *order, Group *group) {
-    int64_t groups = 0;
-    for (int64_t p = 0; p < R; p++) {
-        int64_t j = p;
-        for (; j > 0 && (uintptr_t)w[order[j - 1]][0] > (uintptr_t)w[p][0]; j--) order[j] = order[j - 1];
-        order[j] = p;
-    }
+/* order[0..P): the pairs in grouped order, the routed ones by expert (a counting sort, stable: count[E] its room),
+ * then the shared ones; w[p]: pair p's two weights, e[p] its routed expert. Returns the number of groups written to
+ * `group`. */
+static int64_t group_pairs(int64_t R, int64_t P, int64_t E, const int64_t *e, void *const **w, int64_t *count,
+                           int64_t *order, Group *group) {
+    memset(count, 0, (E + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < R; p++) count[e[p] + 1]++;
+    for (int64_t i = 0; i < E; i++) count[i + 1] += count[i];
+    for (int64_t p = 0; p < R; p++) order[count[e[p]]++] = p;
     for (int64_t p = R; p < P; p++) order[p] = p;
+    int64_t groups = 0;
     for (int64_t i = 0; i < P; i++) {
         int64_t set = i >= R;
-        if (i == 0 || set != group[groups - 1].set || w[order[i]][0] != group[groups - 1].w[0])
+        if (i == 0 || set != group[groups - 1].set || w[order[i]] != group[groups - 1].w)
             group[groups++] = (Group){set, i, i, w[order[i]]};
         group[groups - 1].end = i + 1;
     }
@@ -96,23 +97,26 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     ScratchMark mark = scratch_mark();
     int64_t *order = scratch(P * sizeof(int64_t)), *slot = scratch(P * sizeof(int64_t));
     int64_t *token = scratch(P * sizeof(int64_t)), *sorted = scratch(k * sizeof(int64_t));
+    int64_t *expert = scratch(R * sizeof(int64_t)), *count = scratch((routed->experts + 1) * sizeof(int64_t));
     int64_t *units = scratch(2 * (P + 1) * sizeof(int64_t));
     void *const **w = scratch(P * sizeof(void *const *));
     float *gate = scratch(R * sizeof(float));
     Group *group = scratch(P * sizeof(Group));
     float *h = scratch((R * 2 * I + T * 2 * S) * sizeof(float)), *a = scratch((R * I + T * S) * sizeof(float));
     float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * P * sizeof(float));
-    if (!order || !slot || !token || !sorted || !units || !w || !gate || !group || !h || !a || !o || !dots)
+    if (!order || !slot || !token || !sorted || !expert || !count || !units || !w || !gate || !group || !h || !a ||
+        !o || !dots)
         return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++) { /* each token's experts in id order, as the modules sum them */
         sort_ids(ids + t * k, k, sorted);
         for (int64_t c = 0; c < k; c++) {
-            w[t * k + c] = routed->weights + 2 * ids[t * k + sorted[c]];
+            expert[t * k + c] = ids[t * k + sorted[c]];
+            w[t * k + c] = routed->weights + 2 * expert[t * k + c];
             gate[t * k + c] = weights[t * k + sorted[c]];
         }
         if (has_shared) w[R + t] = shared->weights;
     }
-    int64_t groups = group_pairs(R, P, w, order, group);
+    int64_t groups = group_pairs(R, P, routed->experts, expert, w, count, order, group);
     for (int64_t i = 0; i < P; i++) {
         slot[order[i]] = i;
         token[i] = order[i] < R ? order[i] / k : order[i] - R;

@@ -1,5 +1,5 @@
-"""Routed experts stacked into two weights (`StackedExperts`): grouped GEMMs for many tokens, latentserve's kernel
-for a few, expert by expert for a couple of (token, expert) pairs."""
+"""Routed experts stacked into two weights (`StackedExperts`): grouped GEMMs for many tokens, latentserve's experts
+kernel for a few, expert by expert for a couple of (token, expert) pairs."""
 from __future__ import annotations
 
 import torch
@@ -14,11 +14,11 @@ from latentserve.layers.mlp import GatedMLP
 
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
 PER_EXPERT_MAX_PAIRS = 4
-# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, in one call (each token
-# reads its experts' weights on its own). Measured against the batched paths with
-# weights streamed, 2 threads (benchmarks/RESULTS.md): even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's
-# experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
-# paths win, reading each expert once.
+# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's experts kernel, in one call (an
+# expert several tokens chose read once for all of them). Measured with the kernel before it, which read each
+# token's experts on its own, against the batched paths with weights streamed, 2 threads (benchmarks/RESULTS.md):
+# even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's experts (16, top-4) and V2-Lite's (64, top-6) in fp32
+# and bf16; from 12 (bf16) or 16 (fp32) tokens the batched paths win.
 NATIVE_MAX_TOKENS = 8
 
 def _is_plain(expert: nn.Module) -> bool:

@@ -151,3 +151,17 @@ def test_the_experts_entry_point_names_a_table_it_cannot_read():
     assert lib.ls_experts(ctypes.byref(routed.table), ctypes.byref(two), *descs, 1) == native.abi.BAD_TENSOR
     assert lib.ls_last_error() == b"shared: 2 experts, not 0 or 1"
     assert lib.ls_experts(ctypes.byref(routed.table), None, *descs, 1) == native.abi.OK
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_many_tokens_sharing_few_experts_each_get_their_own_result(isa):
+    """40 tokens over 3 experts (batch-invariant mode sends a whole prefill): each expert's group holds many pairs,
+    and each token's result is still what it is alone."""
+    g = torch.Generator().manual_seed(5)
+    routed, _ = _experts(g, ("bf16", "bf16"), 3, 64, 48)
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    ids, weights = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(40)]), torch.rand(40, 2, generator=g)
+    got = native.experts(kernels(isa), x, routed, ids, weights)
+    for t in (0, 17, 39):
+        alone = native.experts(kernels(isa), x[t : t + 1].contiguous(), routed, ids[t : t + 1], weights[t : t + 1])
+        assert torch.equal(alone[0], got[t])

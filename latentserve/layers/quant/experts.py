@@ -73,7 +73,7 @@ def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None if out is None else out.view_as(x).to(x.dtype)
 
 
-# Tokens per `native.experts` call: the kernel's temporaries grow with the (token, expert) pairs.
+# Tokens per `native.experts` call: its temporaries grow with the (token, expert) pairs.
 TOKENS_PER_CALL = 64
 
 
