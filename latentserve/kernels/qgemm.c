@@ -186,18 +186,113 @@ int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_
     return LS_OK;
 }
 
-/* pack_int8's block: 16 fp32 scales, 16 int32 sums of q, then the 16 outputs in the lanes layout. The integer sums
- * and the float epilogue are ls_int8_heads', so the outputs are equal. */
-void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
+/* pack_int8's block: 16 fp32 scales, 16 int32 sums of q, then the 16 outputs in the lanes layout. */
+INLINE void block_epilogue(const int8_t *block, QuantActs a, int64_t r, int mb, int32_t (*out)[16], float *dots) {
     const float *scale = (const float *)block;
     const int32_t *wsum = (const int32_t *)(block + 64);
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < 16; j++)
+            dots[16 * i + j] = (float)(out[i][j] - INT8_OFFSET * wsum[j]) * a.s[r + i] * scale[j];
+}
+
+/* The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
+void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
-        int64_t r = first + m0;
         int32_t out[MB][16];
-        FOR_ROWS(lanes_sums, a.q + r * K, K, block + INT8_HEADER, K)
-        for (int i = 0; i < mb; i++)
-            for (int j = 0; j < 16; j++)
-                dots[16 * (m0 + i) + j] = (float)(out[i][j] - INT8_OFFSET * wsum[j]) * a.s[r + i] * scale[j];
+        FOR_ROWS(lanes_sums, a.q + (first + m0) * K, K, block + INT8_HEADER, K)
+        block_epilogue(block, a, first + m0, mb, out, dots + 16 * m0);
+    }
+}
+
+#define PAIR_CHUNK 32 /* units (64 bytes) read from one block of a pair before the other's: 2 KB, an old row's */
+
+#ifdef LS_AVX512
+/* lanes_sums of two blocks at once, each with its own accumulators: two streams of weights in flight. One or two
+ * rows (bound by the loads) take turns of PAIR_CHUNK units, two chains a block; more rows (bound by the arithmetic)
+ * go unit by unit, each broadcast of x feeding both blocks. */
+INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0, const int8_t *w1, int64_t K,
+                            int mb, int32_t (*out)[MB][16]) {
+    enum { CHAINS_MAX = 2 };
+    const int chains = mb <= 2 ? 2 : 1;
+    const int8_t *w[2] = {w0, w1};
+    __m512i acc[2][CHAINS_MAX][MB];
+    for (int s = 0; s < 2; s++)
+        for (int h = 0; h < chains; h++)
+            for (int i = 0; i < mb; i++) acc[s][h][i] = _mm512_setzero_si512();
+    int64_t units = K / 4;
+    if (mb > 2) {
+        for (int64_t c = 0; c < units; c++) {
+            __m512i wv[2] = {_mm512_loadu_si512(w0 + 64 * c), _mm512_loadu_si512(w1 + 64 * c)};
+            for (int i = 0; i < mb; i++) {
+                __m512i xv = _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
+                for (int s = 0; s < 2; s++) acc[s][0][i] = _mm512_dpbusd_epi32(acc[s][0][i], xv, wv[s]);
+            }
+        }
+    } else {
+        for (int64_t c0 = 0; c0 < units; c0 += PAIR_CHUNK)
+            for (int s = 0; s < 2; s++) {
+                int64_t end = c0 + PAIR_CHUNK < units ? c0 + PAIR_CHUNK : units, c = c0;
+                for (; c + chains <= end; c += chains)
+                    for (int h = 0; h < chains; h++) {
+                        __m512i wv = _mm512_loadu_si512(w[s] + 64 * (c + h));
+                        for (int i = 0; i < mb; i++)
+                            acc[s][h][i] = _mm512_dpbusd_epi32(
+                                acc[s][h][i], _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * (c + h))), wv);
+                    }
+                for (; c < end; c++) {
+                    __m512i wv = _mm512_loadu_si512(w[s] + 64 * c);
+                    for (int i = 0; i < mb; i++)
+                        acc[s][0][i] = _mm512_dpbusd_epi32(
+                            acc[s][0][i], _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * c)), wv);
+                }
+            }
+    }
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < mb; i++) {
+            for (int h = 1; h < chains; h++) acc[s][0][i] = _mm512_add_epi32(acc[s][0][i], acc[s][h][i]);
+            _mm512_storeu_si512(out[s][i], acc[s][0][i]);
+        }
+}
+#else
+/* As the AVX-512 version's turns of PAIR_CHUNK units at every row count (not measured: AVX-512 machines run the other
+ * build), each unit as lanes_sums' two halves of 8 outputs. */
+INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0, const int8_t *w1, int64_t K,
+                            int mb, int32_t (*out)[MB][16]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *w[2] = {w0, w1};
+    __m256i acc[2][MB][2];
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < mb; i++) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_si256();
+    for (int64_t units = K / 4, c0 = 0; c0 < units; c0 += PAIR_CHUNK)
+        for (int s = 0; s < 2; s++)
+            for (int64_t c = c0; c < c0 + PAIR_CHUNK && c < units; c++)
+                for (int h = 0; h < 2; h++) {
+                    __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h));
+                    __m256i aw = _mm256_abs_epi8(wv);
+                    for (int i = 0; i < mb; i++) {
+                        __m256i xv = _mm256_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
+                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
+                        acc[s][i][h] = _mm256_add_epi32(acc[s][i][h], _mm256_madd_epi16(p, ones));
+                    }
+                }
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < mb; i++) {
+            _mm256_storeu_si256((__m256i *)out[s][i], acc[s][i][0]);
+            _mm256_storeu_si256((__m256i *)(out[s][i] + 8), acc[s][i][1]);
+        }
+}
+#endif
+
+/* int8_block_dots of two blocks read side by side (lanes_sums_pair), into dots0 and dots1: the same sums and the
+ * same epilogue, so the same outputs. */
+void int8_block_pair_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block0, const int8_t *block1, int64_t K,
+                          float *dots0, float *dots1) {
+    for (int64_t m0 = 0; m0 < m; m0 += MB) {
+        int mb = m - m0 < MB ? (int)(m - m0) : MB;
+        int32_t out[2][MB][16];
+        FOR_ROWS(lanes_sums_pair, a.q + (first + m0) * K, K, block0 + INT8_HEADER, block1 + INT8_HEADER, K)
+        block_epilogue(block0, a, first + m0, mb, out[0], dots0 + 16 * m0);
+        block_epilogue(block1, a, first + m0, mb, out[1], dots1 + 16 * m0);
     }
 }

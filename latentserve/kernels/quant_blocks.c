@@ -5,31 +5,57 @@
 #include "quant.h"
 
 #define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
+#define PAIR_ROWS 8    /* up to this many rows int8 reads two blocks at once (int8_block_pair_dots) */
 
-/* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each thread a contiguous share of the blocks,
- * in order: a block is already a long stream (16 K bytes in int8), and alternating two halves of the share
- * (`two_streams`, which helps rows of a few KB) measured up to 1.2x slower at one row (benchmarks/RESULTS.md).
- * Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever rows it is computed with. */
+/* y[m0 .. m0 + rows, block b's outputs] = dots[16 * m + j]. */
+static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, int64_t b, const float *dots) {
+    int64_t outputs = N - 16 * b < 16 ? N - 16 * b : 16;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < outputs; j++) store_out(y, bf16, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
+}
+
+/* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each
+ * thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a
+ * thread keeps too few reads in flight: int8 up to PAIR_ROWS rows reads two blocks at once, the i-th of each half of
+ * the share (int8_block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by
+ * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): 1.04-1.28x faster at 1-2 rows
+ * and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head. An earlier measurement under load, by wall time and whole
+ * blocks alternating (`two_streams`), had found two streams up to 1.2x slower; wall time under that load mostly
+ * measured the other processes. More rows are bound by the arithmetic and walk the blocks in order, as int4 does
+ * at every row count (at one row it streams at 72-114 % of the copy bandwidth). Above ROW_CHUNK rows, ROW_CHUNK rows
+ * a pass. Each row's result is the same whatever rows it is computed with, and whatever the thread count. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
                  int io, int threads) {
     Format f = {bits, G};
     int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K), per = (M < ROW_CHUNK ? M : ROW_CHUNK) * 16;
     ScratchMark mark = scratch_mark();
     QuantActs a = quantize_for(f, x, io & 1, M, K);
-    float *dots = scratch(threads * per * sizeof(float)); /* each thread's slice: the arena is the caller's */
+    float *dots = scratch(threads * 2 * per * sizeof(float)); /* each thread's slice: the arena is the caller's */
     if (!a.q || !dots) return scratch_release(mark), LS_NO_MEMORY;
+    const char *wb = w;
 #pragma omp parallel num_threads(threads)
     {
-        float *mine = dots + omp_get_thread_num() * per;
+        float *mine = dots + omp_get_thread_num() * 2 * per, *other = mine + per;
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts;
+        int64_t len = blocks * (part + 1) / parts - begin, half = (len + 1) / 2;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
             int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-            for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                         len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-                int64_t b = begin + idx, outputs = N - 16 * b < 16 ? N - 16 * b : 16;
-                block_dots(f, a, m0, rows, (const char *)w + b * bytes, K, mine);
-                for (int64_t m = 0; m < rows; m++)
-                    for (int64_t j = 0; j < outputs; j++)
-                        store_out(y, io & 2, (m0 + m) * N + 16 * b + j, mine[16 * m + j]);
+            if (bits == 8 && rows <= PAIR_ROWS) {
+                for (int64_t b = begin; b < begin + half; b++) {
+                    if (b + half < begin + len) {
+                        int8_block_pair_dots(a, m0, rows, (const int8_t *)(wb + b * bytes),
+                                             (const int8_t *)(wb + (b + half) * bytes), K, mine, other);
+                        store_block(y, io & 2, N, m0, rows, b + half, other);
+                    } else {
+                        block_dots(f, a, m0, rows, wb + b * bytes, K, mine);
+                    }
+                    store_block(y, io & 2, N, m0, rows, b, mine);
+                }
+            } else {
+                for (int64_t b = begin; b < begin + len; b++) {
+                    block_dots(f, a, m0, rows, wb + b * bytes, K, mine);
+                    store_block(y, io & 2, N, m0, rows, b, mine);
+                }
             }
         }
     }

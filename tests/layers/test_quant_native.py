@@ -53,6 +53,26 @@ def test_int8_builds_and_the_rows_kernel_agree_bitwise():
         assert torch.equal(results[0], other)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_few_rows_read_two_blocks_at_once_and_keep_the_row_kernels_results(isa):
+    """Up to 8 rows a thread reads two blocks side by side (the i-th of each half of its share): at every row count
+    and thread count (shares of odd length leave a block without a partner) each row's result is the row kernel's,
+    bit for bit. 117 outputs: 8 blocks, the last partial; 51 units of 4 columns: a tail after the 2-KB turns and
+    after the chains."""
+    w, x = _data(9, 117, 204, seed=6)
+    q, scale = quantize_int8(w)
+    packed = native.pack_int8(q, scale)
+    expected = native.int8_heads(kernels(isa), x[:, None], q[None], scale, q.sum(dim=1, dtype=torch.int32))[:, 0]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in range(1, 10):
+                assert torch.equal(native.int8_linear(kernels(isa), x[:rows], packed, 117), expected[:rows])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_pack_int8_layout():
     """Blocks of 16 outputs (the last padded with zeros): the 16 fp32 scales, the 16 int32 sums of q, then per 4
     columns 64 bytes, byte 4j + i output j's column 4c + i; `unpack_int8` gives q and scale back."""
