@@ -7,12 +7,12 @@
  * one thread's dot product, each sum one thread's, in a fixed order), so a token's result is what it is alone. */
 #include "quant.h"
 
-/* The pairs of one table (routed or shared): grouped order begin..end, their rows of h (2 I wide) and a (I wide)
- * from row offsets h0 and a0, x prepared for gate_up's format (its pairs' rows) and a for down's. */
+/* The pairs of one table (routed or shared): grouped order begin..end, in groups g0..g1, their rows of h (2 I wide)
+ * and a (I wide) from row offsets h0 and a0, x prepared for gate_up's format (its pairs' rows) and a for down's. */
 typedef struct {
     const ExpertTable *table;
     Format f[2];
-    int64_t begin, end, h0, a0;
+    int64_t begin, end, g0, g1, h0, a0;
     QuantActs x, a;
 } Set;
 
@@ -25,7 +25,7 @@ typedef struct {
 /* Everything the region reads: the groups, their first block of each layer (units[which][g], ending with the
  * total), the sets, the buffers. */
 typedef struct {
-    int64_t groups, K;
+    int64_t K;
     const Group *group;
     const int64_t *units[2];
     const Set *set;
@@ -34,22 +34,27 @@ typedef struct {
 
 INLINE float rounded(float v, int bf) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
 
-/* This thread's share of layer `which` (0 gate_up, 1 down) of every group, in blocks of 16 outputs, in order: pair
- * i's outputs to h (gate_up) or o (down). */
+/* This thread's share of layer `which` (0 gate_up, 1 down) of each set's groups, in blocks of 16 outputs, in
+ * order: pair i's outputs to h (gate_up) or o (down). Each set shared out on its own: the shared experts' blocks
+ * meet every token, the routed ones' a few, so one split of both would load the threads unevenly. */
 static void layer(const Plan *p, int which, float *dots) {
-    int64_t total = p->units[which][p->groups], parts = omp_get_num_threads(), part = omp_get_thread_num();
-    for (int64_t r = total * part / parts, end = total * (part + 1) / parts, g = 0; r < end; r++) {
-        while (p->units[which][g + 1] <= r) g++;
-        const Group *e = p->group + g;
-        const Set *s = p->set + e->set;
-        int64_t I = s->table->inter, u = r - p->units[which][g], m = e->end - e->begin, first = e->begin - s->begin;
-        int64_t N = which ? p->K : 2 * I, in = which ? I : p->K, outputs = N - 16 * u < 16 ? N - 16 * u : 16;
-        Format f = s->f[which];
-        const char *block = (const char *)e->w[which] + u * block_bytes(f, in);
-        format_dots(f, which ? s->a : s->x, first, m, block, in, outputs, dots);
-        for (int64_t i = 0; i < m; i++) {
-            float *dst = which ? p->o + (e->begin + i) * p->K : p->h + (s->h0 + (first + i) * 2 * I);
-            for (int64_t j = 0; j < outputs; j++) dst[16 * u + j] = dots[16 * i + j];
+    int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    const int64_t *units = p->units[which];
+    for (int set = 0; set < 2; set++) {
+        const Set *s = p->set + set;
+        int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0;
+        for (int64_t r = lo + n * part / parts, end = lo + n * (part + 1) / parts; r < end; r++) {
+            while (units[g + 1] <= r) g++;
+            const Group *e = p->group + g;
+            int64_t I = s->table->inter, u = r - units[g], m = e->end - e->begin, first = e->begin - s->begin;
+            int64_t N = which ? p->K : 2 * I, in = which ? I : p->K, outputs = N - 16 * u < 16 ? N - 16 * u : 16;
+            Format f = s->f[which];
+            const char *block = (const char *)e->w[which] + u * block_bytes(f, in);
+            format_dots(f, which ? s->a : s->x, first, m, block, in, outputs, dots);
+            for (int64_t i = 0; i < m; i++) {
+                float *dst = which ? p->o + (e->begin + i) * p->K : p->h + (s->h0 + (first + i) * 2 * I);
+                for (int64_t j = 0; j < outputs; j++) dst[16 * u + j] = dots[16 * i + j];
+            }
         }
     }
 }
@@ -63,8 +68,9 @@ static void activate(const Plan *p, int64_t i) {
     quantize_into(s->f[1], a, 0, 1, I, acts_row(s->f[1], s->a, row, I));
 }
 
-static Set make_set(const ExpertTable *t, int64_t begin, int64_t end, int64_t h0, int64_t a0) {
-    Set s = {t, {{t->bits[0], t->group[0]}, {t->bits[1], t->group[1]}}, begin, end, h0, a0, {0}, {0}};
+static Set make_set(const ExpertTable *t, int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t h0,
+                    int64_t a0) {
+    Set s = {t, {{t->bits[0], t->group[0]}, {t->bits[1], t->group[1]}}, begin, end, g0, g1, h0, a0, {0}, {0}};
     return s;
 }
 
@@ -121,7 +127,9 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
         slot[order[i]] = i;
         token[i] = order[i] < R ? order[i] / k : order[i] - R;
     }
-    Set set[2] = {make_set(routed, 0, R, 0, 0), make_set(has_shared ? shared : routed, R, P, R * 2 * I, R * I)};
+    int64_t routed_groups = groups - (has_shared && T > 0);
+    Set set[2] = {make_set(routed, 0, R, 0, routed_groups, 0, 0),
+                  make_set(has_shared ? shared : routed, R, P, routed_groups, groups, R * 2 * I, R * I)};
     int missing = 0;
     for (int s = 0; s < 1 + has_shared; s++) {
         int64_t n = set[s].end - set[s].begin, width = set[s].table->inter;
@@ -137,7 +145,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
         units[g + 1] = units[g] + (2 * width + 15) / 16;
         units[P + 1 + g + 1] = units[P + 1 + g] + (K + 15) / 16;
     }
-    Plan plan = {groups, K, group, {units, units + P + 1}, set, h, a, o};
+    Plan plan = {K, group, {units, units + P + 1}, set, h, a, o};
     int ybf = (io >> 1) & 1;
 #pragma omp parallel num_threads(threads)
     {
