@@ -12,7 +12,7 @@ ratios hold on a busy machine.
 perplexity: the embedded model (bf16 compute) scores a KJV passage with chunked prefill of `--chunk` tokens a step,
 so every chunk after the first attends the cache's (quantized) latents; exp(mean negative log-likelihood).
 Run: `.venv/bin/python benchmarks/kv_cache_dtypes.py [--context 4096] [--repeats 7] [--threads N] [--layers N]
-[--clock thread]`.
+[--clock thread] [--shapes 16x1,128x1]`.
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def time_decode(args) -> None:
           f"caches, {args.clock} ms per layer (fastest of {args.repeats})")
     print("| heads x requests | bf16 cache | fp8 cache | int8 cache | fp8 / bf16 | int8 / bf16 |")
     print("|---|---|---|---|---|---|")
-    for heads, batch in ((16, 1), (16, 8), (16, 32), (128, 1)):
+    for heads, batch in args.shapes:
         cases = {name: decode_case(dtype, heads, batch, args.context, args.layers) for name, dtype in DTYPES.items()}
         best = {name: math.inf for name in cases}
         for _ in range(args.repeats):
@@ -119,8 +119,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    parser.add_argument("--shapes", default="16x1,16x8,16x32,128x1", help="heads x requests, comma-separated")
     parser.add_argument("--skip-perplexity", action="store_true")
     args = parser.parse_args()
+    try:
+        args.shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    except ValueError:
+        parser.error(f"--shapes {args.shapes!r}: want HEADSxREQUESTS, comma-separated (e.g. 16x1,128x1)")
+    if any(len(shape) != 2 or min(shape) < 1 for shape in args.shapes):
+        parser.error(f"--shapes {args.shapes}: each must be two positive integers, HEADSxREQUESTS")
     if args.clock == "thread" and args.threads != 1:
         parser.error("--clock thread times the calling thread alone: it needs --threads 1")
     torch.set_num_threads(args.threads)

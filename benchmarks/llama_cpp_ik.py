@@ -24,7 +24,8 @@ Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/lla
 --ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
 $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
 best round of each counts, so all three saw the same noise. --long adds a 4096-token prefill and decode at a
-4096-token depth (slow). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
+4096-token depth (slow); --only-long runs those two alone. ik's batched-bench batch-1 row is printed beside its
+llama-bench decode as a check.
 """
 from __future__ import annotations
 
@@ -54,8 +55,9 @@ BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([
 
 def points(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
     """(key, label, tokens, depth) of each measured point: prefill of `tokens`, or `tokens` decode steps at `depth`."""
-    out = [("prefill", f"prefill {args.prefill_len} tok/s", args.prefill_len, 0),
-           ("decode", f"decode b1 tok/s ({args.decode_len} after {args.context})", args.decode_len, args.context)]
+    out = [] if args.only_long else [
+        ("prefill", f"prefill {args.prefill_len} tok/s", args.prefill_len, 0),
+        ("decode", f"decode b1 tok/s ({args.decode_len} after {args.context})", args.decode_len, args.context)]
     if args.long:
         out += [("prefill_long", f"prefill {LONG} tok/s", LONG, 0),
                 ("decode_long", f"decode b1 tok/s ({args.decode_len} after {LONG})", args.decode_len, LONG)]
@@ -134,6 +136,8 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
             build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
             out[key] = bench(build, gguf, args.threads, engine == "ik_llama.cpp", tokens, depth,
                              key.startswith("prefill"))
+    if args.only_long:
+        return out
     if engine == "latentserve":
         out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len) for b in args.batches})
     else:
@@ -164,12 +168,14 @@ def measure(gguf: Path, name: str, args: argparse.Namespace) -> dict[str, dict[s
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
     rows = [(key, label) for key, label, _, _ in points(args)]
     rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.batched_context}")
-             for b in args.batches]
+             for b in ([] if args.only_long else args.batches)]
     print(f"\n{name} / {kind} ({gguf.stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp | ik_llama.cpp "
           "| vs ik | vs llama.cpp |\n|---|---|---|---|---|---|")
     for key, label in rows:
         ours, main, ik = (best[e][key] for e in ENGINES)
         print(f"| {label} | {ours:.1f} | {main:.1f} | {ik:.1f} | **{ours / ik:.2f}x** | {ours / main:.2f}x |")
+    if args.only_long:
+        return
     ik, main = best["ik_llama.cpp"], best["llama.cpp"]
     print(f"check: llama-batched-bench batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}, "
           f"mainline {main['b1']:.1f} / {main['decode']:.1f} tok/s", flush=True)
@@ -204,7 +210,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per format; best counts")
     parser.add_argument("--long", action="store_true", help=f"also prefill {LONG} and decode at {LONG} depth (slow)")
+    parser.add_argument("--only-long", action="store_true", help=f"only prefill {LONG} and decode at {LONG} depth: "
+                        "no short or batched points")
     args = parser.parse_args()
+    args.long = args.long or args.only_long
     names = args.formats.split(",")
     args.pairs = [(name, kind) for name, kind in PAIRS if name in names]
     if len(args.pairs) != len(set(names)):

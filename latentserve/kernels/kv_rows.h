@@ -120,16 +120,18 @@ INLINE void dequantize_row_f32(const char *row, int format, int64_t D, int64_t L
 }
 
 #ifdef LS_BF16DOT
-/* n int8 values times `scale` rounded to bf16 (nearest even), 32 at a time. */
+/* 32 int8 values times `scale` rounded to bf16 (nearest even). */
+INLINE __m512i int8x32_to_bf16(const int8_t *x, __m512 scale) {
+    __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)x));
+    __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + 16)));
+    __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(a), scale), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(b), scale);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+/* n int8 values times `scale` rounded to bf16, 32 at a time. */
 INLINE void int8_to_bf16(const int8_t *x, int64_t n, float scale, uint16_t *y) {
     int64_t i = 0;
-    __m512 s = _mm512_set1_ps(scale);
-    for (; i + 32 <= n; i += 32) {
-        __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i)));
-        __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(x + i + 16)));
-        __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(a), s), hi = _mm512_mul_ps(_mm512_cvtepi32_ps(b), s);
-        _mm512_storeu_si512(y + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
+    for (; i + 32 <= n; i += 32) _mm512_storeu_si512(y + i, int8x32_to_bf16(x + i, _mm512_set1_ps(scale)));
     for (; i < n; i++) y[i] = float_to_bf16((float)x[i] * scale);
 }
 
@@ -161,22 +163,31 @@ static const uint8_t FP8_BF16_ORDER[64] = {
     16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55,
     24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
 
-/* 64 fp8 values at a time -> bf16 through two 128-entry byte tables (vpermi2b, AVX512-VBMI): the magnitude's bf16
- * high and low bytes looked up, the sign or'ed into the high one, the bytes interleaved into words; exact, subnormals
- * included. unpack{lo,hi} pair the bytes of each 128-bit lane's low (high) half, so the 64 inputs are first
- * reordered (FP8_BF16_ORDER) for the words to come out in order. Returns the values done (a multiple of 64). */
-__attribute__((target("avx512vbmi"))) static int64_t fp8_to_bf16_vbmi(const uint8_t *x, int64_t n, uint16_t *y) {
+#define VBMI __attribute__((target("avx512vbmi")))
+
+/* 64 fp8 values -> bf16 (y[0] the first 32, y[1] the others) through two 128-entry byte tables (vpermi2b,
+ * AVX512-VBMI): the magnitude's bf16 high and low bytes looked up, the sign or'ed into the high one, the bytes
+ * interleaved into words; exact, subnormals included. unpack{lo,hi} pair the bytes of each 128-bit lane's low (high)
+ * half, so the 64 inputs are first reordered (FP8_BF16_ORDER) for the words to come out in order. */
+VBMI INLINE void fp8x64_to_bf16(const uint8_t *x, __m512i y[2]) {
     const __m512i hi_table_0 = _mm512_loadu_si512(FP8_BF16_HI), hi_table_1 = _mm512_loadu_si512(FP8_BF16_HI + 64);
     const __m512i lo_table_0 = _mm512_loadu_si512(FP8_BF16_LO), lo_table_1 = _mm512_loadu_si512(FP8_BF16_LO + 64);
-    const __m512i reorder = _mm512_loadu_si512(FP8_BF16_ORDER), sign = _mm512_set1_epi8((char)0x80);
+    __m512i b = _mm512_permutexvar_epi8(_mm512_loadu_si512(FP8_BF16_ORDER), _mm512_loadu_si512(x));
+    __m512i hi = _mm512_permutex2var_epi8(hi_table_0, b, hi_table_1); /* index bits 0-6: the magnitude */
+    __m512i lo = _mm512_permutex2var_epi8(lo_table_0, b, lo_table_1);
+    hi = _mm512_ternarylogic_epi32(_mm512_set1_epi8((char)0x80), b, hi, 0xca); /* sign ? b : hi, bit by bit */
+    y[0] = _mm512_unpacklo_epi8(lo, hi);
+    y[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* fp8x64_to_bf16 over x, 64 values at a time. Returns the values done (a multiple of 64). */
+VBMI static int64_t fp8_to_bf16_vbmi(const uint8_t *x, int64_t n, uint16_t *y) {
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
-        __m512i b = _mm512_permutexvar_epi8(reorder, _mm512_loadu_si512(x + i));
-        __m512i hi = _mm512_permutex2var_epi8(hi_table_0, b, hi_table_1); /* index bits 0-6: the magnitude */
-        __m512i lo = _mm512_permutex2var_epi8(lo_table_0, b, lo_table_1);
-        hi = _mm512_ternarylogic_epi32(sign, b, hi, 0xca); /* sign ? b : hi, bit by bit */
-        _mm512_storeu_si512(y + i, _mm512_unpacklo_epi8(lo, hi));
-        _mm512_storeu_si512(y + i + 32, _mm512_unpackhi_epi8(lo, hi));
+        __m512i v[2];
+        fp8x64_to_bf16(x + i, v);
+        _mm512_storeu_si512(y + i, v[0]);
+        _mm512_storeu_si512(y + i + 32, v[1]);
     }
     return i;
 }

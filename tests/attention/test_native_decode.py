@@ -288,3 +288,31 @@ def test_every_int8_value_dequantizes_as_torch_does(isa, dtype):
     out = backend.forward(q, cache, _decode_metadata([1, 1], [1, 1], torch.tensor([[0], [1]], dtype=torch.int32)))
     expected = (values[:256].float() * scales[0]).to(dtype)
     assert torch.equal(out, expected[None, None].expand(2, 3, 256))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
+def test_quantized_rows_scored_as_dequantized_give_the_bits_of_a_dequantized_tile(isa, cache_dtype):
+    """With 8 heads or more a work item's first 8 heads score fp8 / int8 rows as they convert them (AVX512-BF16 and
+    VBMI); with fewer the tile is converted first. One token over 201 positions (one chunk, an odd last tile): on one
+    thread its item takes all 16 heads, on three an item takes 6, so the two orders meet on every head and must
+    agree bit for bit; both against the reference over the dequantized cache."""
+    g = torch.Generator().manual_seed(9)
+    latent, rope, heads = 512, 64, 16
+    cache = fp8_cache((16, 16, latent + rope), g) if cache_dtype == "fp8" else int8_cache(16, 16, latent, rope, g)
+    table = torch.randperm(16, generator=g)[:13].to(torch.int32)[None]
+    md = _decode_metadata([1], [201], table)
+    q = torch.randn(1, heads, latent + rope, generator=g).bfloat16()
+    backend = NativeMQADecodeBackend(heads, 0.07, latent, rope)
+    backend.kernels = kernels(isa)
+    previous, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            outs.append(backend.forward(q, cache, md))
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1])
+    dequantized = cache.float() if cache_dtype == "fp8" else naive_int8_dequantized(cache, latent)
+    ref = ReferenceDecodeBackend(heads, 0.07, latent, rope).forward(q.float(), dequantized, md)
+    assert (outs[0].float() - ref).abs().max().item() <= 2e-2
