@@ -60,30 +60,35 @@ class MLABlock(ctypes.Structure):
         ("style", ctypes.c_int32), ("bf", ctypes.c_int32)]
 
 
+class ExpertTable(ctypes.Structure):
+    """A set of experts of one shape and one format per projection (experts.c): how many, their intermediate size,
+    gate_up's and down's format (bits: 32 fp32 rows, 16 bf16 rows, 8 `pack_int8`'s layout, 4 `pack_int4`'s; int4's
+    group size) and the address of a table of two weight addresses per expert (gate_up `[2 * inter, hidden]`, down
+    `[hidden, inter]`)."""
+
+    _fields_ = [("experts", ctypes.c_int64), ("inter", ctypes.c_int64), ("bits", ctypes.c_int32 * 2),
+                ("group", ctypes.c_int64 * 2), ("weights", ctypes.c_void_p)]
+
+
 class MoEBlock(ctypes.Structure):
     """One layer's MoE as moe_block.c reads it: shapes and routing (`ls_route`'s arguments), the fp32 router weight
-    `[experts, hidden]` and correction bias (or None), then the experts: stacked fp32/bf16 (bits[0] 0: w13, w2t, the
-    shared experts folded in as `shared_chunks` more) or quantized (a table of each expert's packed gate_up and down
-    as `experts_tokens` takes them, their formats in bits and group (gate_up's, down's), the shared MLP as one more
-    expert of `shared_inter` in its own formats, or None)."""
+    `[experts, hidden]` and correction bias (or None), whether activations are bf16, then the routed experts and the
+    shared ones as one expert of their whole width (`shared.experts` 0: none)."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("hidden", "experts", "topk", "groups", "topk_groups")] + [
         ("sigmoid", ctypes.c_int32), ("norm", ctypes.c_int32), ("scaling", ctypes.c_float),
         ("router", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("bf", ctypes.c_int32),
-        ("inter", ctypes.c_int64), ("w13", ctypes.c_void_p), ("w2t", ctypes.c_void_p),
-        ("shared_chunks", ctypes.c_int64), ("sg", ctypes.c_void_p), ("su", ctypes.c_void_p), ("sd", ctypes.c_void_p),
-        ("table", ctypes.c_void_p), ("shared", ctypes.c_void_p), ("bits", ctypes.c_int32 * 2),
-        ("shared_bits", ctypes.c_int32 * 2), ("group", ctypes.c_int64 * 2), ("shared_group", ctypes.c_int64 * 2),
-        ("shared_inter", ctypes.c_int64)]
+        ("routed", ExpertTable), ("shared", ExpertTable)]
 
 
 class Field(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("offset", ctypes.c_int64), ("size", ctypes.c_int64)]
 
 
-STRUCTS = {"ls_tensor": Tensor, "Weight": Weight, "MLABlock": MLABlock, "MoEBlock": MoEBlock}
+STRUCTS = {"ls_tensor": Tensor, "Weight": Weight, "MLABlock": MLABlock, "ExpertTable": ExpertTable,
+           "MoEBlock": MoEBlock}
 
-_p, _i32, _i64, _f32, _status = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
+_i32, _i64, _f32, _status = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_int32
 _T = ctypes.c_char_p  # a const ls_tensor *: `desc`'s bytes, or None
 SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_struct_layout": (ctypes.POINTER(Field), []),
@@ -101,10 +106,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_route": (_status, [_T, _i32, _i64, _i64, _T, _i32, _f32, _T, _T]),
     "ls_mla_attention_block": (_status, [ctypes.POINTER(MLABlock), _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
     "ls_moe_block": (_status, [ctypes.POINTER(MoEBlock), _T, _T, _T, _i32]),
-    "ls_dense_experts": (_status, [_p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i32, _i32]),
-    "ls_experts_tokens": (_status, [_p, _i64, _i64, _i64, _i64, _p, _p, _i32, _i64, _i32, _i64, _p, _i32, _i32]),
-    "ls_stacked_experts": (_i32, [_p, _i64, _i64, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _p, _p, _p, _p, _i32,
-                                  _i32]),
+    "ls_experts": (_status, [ctypes.POINTER(ExpertTable), ctypes.POINTER(ExpertTable), _T, _T, _T, _T, _i32]),
 }
 
 

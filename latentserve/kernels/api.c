@@ -3,6 +3,7 @@
  * before it calls, with messages naming torch's terms; these checks keep a caller that skips native.py from reading
  * or writing out of bounds, and cost a few comparisons a call. */
 #include <stddef.h>
+#include <stdio.h>
 
 #include "simd.h"
 
@@ -284,28 +285,57 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
                                y_normed->data, threads);
 }
 
+/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4) or 4 (group 32, 64 or 128 dividing in, in
+ * a multiple of 64). */
+static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
+    if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
+        (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0))
+        return LS_OK;
+    return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, or 4 with "
+                  "group 32, 64 or 128 dividing them and inputs a multiple of 64)", name, bits, (long long)group,
+                  (long long)in);
+}
+
+/* An ExpertTable of `experts` experts (-1: 0 or 1) of hidden size K, every weight pointer set; `code` on failure. */
+static int bad_table(int code, const char *name, const ExpertTable *t, int64_t experts, int64_t K) {
+    if (!t) return refuse(code, "%s: no ExpertTable", name);
+    if (experts >= 0 ? t->experts != experts : t->experts != 0 && t->experts != 1)
+        return refuse(code, "%s: %lld experts, not %s%lld", name, (long long)t->experts, experts < 0 ? "0 or " : "",
+                      (long long)(experts < 0 ? 1 : experts));
+    if (!t->experts) return LS_OK;
+    if (t->inter <= 0) return refuse(code, "%s: inter %lld", name, (long long)t->inter);
+    char what[64];
+    snprintf(what, sizeof what, "%s gate_up", name);
+    CHECK(bad_format(code, what, t->bits[0], t->group[0], K));
+    snprintf(what, sizeof what, "%s down", name);
+    CHECK(bad_format(code, what, t->bits[1], t->group[1], t->inter));
+    if (!t->weights) return refuse(code, "%s: weights is NULL", name);
+    for (int64_t i = 0; i < 2 * t->experts; i++)
+        if (!t->weights[i]) return refuse(code, "%s: weights[%lld] is NULL", name, (long long)i);
+    return LS_OK;
+}
+
+LS_API int ls_experts(const ExpertTable *routed, const ExpertTable *shared, const ls_tensor *x, const ls_tensor *ids,
+                      const ls_tensor *weights, const ls_tensor *y, int threads) {
+    TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("ids", ids, BIT(LS_I64), 2, 0));
+    int64_t T = DIM(x, 0), K = DIM(x, 1), k = DIM(ids, 1);
+    TENSORS(bad_size("ids", ids, 0, T) || bad_tensor("weights", weights, BIT(LS_F32), 2, 0));
+    TENSORS(bad_size("weights", weights, 0, T) || bad_size("weights", weights, 1, k));
+    TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, T) || bad_size("y", y, 1, K));
+    if (!routed) return refuse(LS_BAD_TENSOR, "routed: no ExpertTable");
+    CHECK(bad_table(LS_BAD_TENSOR, "routed", routed, routed->experts > 0 ? routed->experts : 1, K));
+    CHECK(shared ? bad_table(LS_BAD_TENSOR, "shared", shared, -1, K) : LS_OK);
+    return experts(routed, shared, x->data, T, K, k, ids->data, weights->data, y->data, bf(x) | bf(y) << 1, threads);
+}
+
 static int bad_moe_block(const MoEBlock *b) {
     if (!b) return refuse(LS_BAD_BLOCK, "no MoEBlock");
-    if (b->hidden <= 0 || b->inter <= 0) return refuse(LS_BAD_BLOCK, "sizes hidden %lld, inter %lld",
-                                                       (long long)b->hidden, (long long)b->inter);
+    if (b->hidden <= 0) return refuse(LS_BAD_BLOCK, "hidden %lld", (long long)b->hidden);
     if (bad_routing(b->experts, b->topk, b->groups, b->topk_groups)) return LS_BAD_BLOCK;
     if (!b->router) return refuse(LS_BAD_BLOCK, "router is NULL");
     if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
-    if (b->bits[0] == 0) {
-        if (!b->w13 || !b->w2t) return refuse(LS_BAD_BLOCK, "stacked experts: w13 or w2t is NULL");
-        if (b->shared_chunks < 0 || (b->shared_chunks && (!b->sg || !b->su || !b->sd)))
-            return refuse(LS_BAD_BLOCK, "%lld shared chunks: sg, su or sd is NULL", (long long)b->shared_chunks);
-        return LS_OK;
-    }
-    for (int i = 0; i < 2; i++) {
-        if ((b->bits[i] != 8 && b->bits[i] != 4) || (b->shared && b->shared_bits[i] != 8 && b->shared_bits[i] != 4))
-            return refuse(LS_BAD_BLOCK, "bits %d, %d (shared %d, %d): not 8 or 4", b->bits[0], b->bits[1],
-                          b->shared_bits[0], b->shared_bits[1]);
-    }
-    if (!b->table) return refuse(LS_BAD_BLOCK, "quantized experts: table is NULL");
-    if (b->shared && b->shared_inter <= 0)
-        return refuse(LS_BAD_BLOCK, "a shared expert of shared_inter %lld", (long long)b->shared_inter);
-    return LS_OK;
+    CHECK(bad_table(LS_BAD_BLOCK, "routed", &b->routed, b->experts, b->hidden));
+    return bad_table(LS_BAD_BLOCK, "shared", &b->shared, -1, b->hidden);
 }
 
 LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tensor *residual, const ls_tensor *y,
@@ -335,13 +365,12 @@ static const ls_field LAYOUT[] = {
     FIELD(MLABlock, kv_a_norm), FIELD(MLABlock, post_norm), FIELD(MLABlock, eps), FIELD(MLABlock, q_a_eps),
     FIELD(MLABlock, kv_a_eps), FIELD(MLABlock, post_eps), FIELD(MLABlock, scale), FIELD(MLABlock, style),
     FIELD(MLABlock, bf),
+    STRUCT(ExpertTable), FIELD(ExpertTable, experts), FIELD(ExpertTable, inter), FIELD(ExpertTable, bits),
+    FIELD(ExpertTable, group), FIELD(ExpertTable, weights),
     STRUCT(MoEBlock), FIELD(MoEBlock, hidden), FIELD(MoEBlock, experts), FIELD(MoEBlock, topk),
     FIELD(MoEBlock, groups), FIELD(MoEBlock, topk_groups), FIELD(MoEBlock, sigmoid), FIELD(MoEBlock, norm),
     FIELD(MoEBlock, scaling), FIELD(MoEBlock, router), FIELD(MoEBlock, bias), FIELD(MoEBlock, bf),
-    FIELD(MoEBlock, inter), FIELD(MoEBlock, w13), FIELD(MoEBlock, w2t), FIELD(MoEBlock, shared_chunks),
-    FIELD(MoEBlock, sg), FIELD(MoEBlock, su), FIELD(MoEBlock, sd), FIELD(MoEBlock, table), FIELD(MoEBlock, shared),
-    FIELD(MoEBlock, bits), FIELD(MoEBlock, shared_bits), FIELD(MoEBlock, group), FIELD(MoEBlock, shared_group),
-    FIELD(MoEBlock, shared_inter),
+    FIELD(MoEBlock, routed), FIELD(MoEBlock, shared),
     {NULL, 0, 0},
 };
 

@@ -65,24 +65,26 @@ typedef struct {
     int32_t style, bf;
 } MLABlock;
 
-/* One layer's MoE. bits[0] 0: fp32/bf16 experts stacked as StackedExperts holds them (w13 [E, 2I, K], w2t
- * [E, I, K]), the shared ones folded in as `shared_chunks` more experts (sg, su, sd) or none. Else quantized
- * experts, each projection in its own format (bits 8: `pack_int8`'s layout; 4: `pack_int4`'s with a group size):
- * gate_up's bits[0], group[0], down's bits[1], group[1]; two pointers each in `table` (the packed gate_up and down),
- * the shared MLP as one more such expert of `shared_inter` in its own formats (shared_bits, shared_group) or NULL. */
+/* A set of experts of one shape and one format per projection: `experts` of them, intermediate size `inter`; per
+ * expert two pointers in `weights`: gate_up `[2 * inter, K]` (gate's rows, then up's) and down `[K, inter]`. bits:
+ * gate_up's, down's (32 fp32 rows, 16 bf16 rows, 8 `pack_int8`'s layout, 4 `pack_int4`'s with group size group). */
+typedef struct {
+    int64_t experts, inter;
+    int32_t bits[2];
+    int64_t group[2];
+    void *const *weights;
+} ExpertTable;
+
+/* One layer's MoE: shapes and routing (ls_route's arguments), the fp32 router `[experts, hidden]`, the bias or
+ * NULL, whether activations are bf16, the routed experts (`experts` of them) and the shared ones (as one expert of
+ * their whole width; shared.experts 0: none). */
 typedef struct {
     int64_t hidden, experts, topk, groups, topk_groups;
     int32_t sigmoid, norm;
     float scaling;
     const float *router, *bias;
     int32_t bf;
-    int64_t inter;
-    const void *w13, *w2t;
-    int64_t shared_chunks;
-    const void *sg, *su, *sd;
-    void *const *table, *const *shared;
-    int32_t bits[2], shared_bits[2];
-    int64_t group[2], shared_group[2], shared_inter;
+    ExpertTable routed, shared;
 } MoEBlock;
 
 /* One row of the layout table: "Struct" with its size, or "Struct.field" with its offset and size. */
@@ -143,16 +145,9 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
 LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tensor *residual, const ls_tensor *y,
                         int threads);
 
-/* The experts' kernels (gemv.c, quant_blocks.c), still with raw pointers and `io` bits (bit 0 x is bf16, bit 1 y
- * is, bit 2 the weights are). Each returns an ls_status (LS_NO_MEMORY where the scratch arena could not grow);
- * ls_stacked_experts 1 where an id lies outside the stack. */
-LS_API int ls_dense_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, const void *const *gate,
-                            const void *const *up, const void *const *down_t, const float *gates, void *y, int io,
-                            int threads);
-LS_API int ls_experts_tokens(const void *x, int64_t T, int64_t K, int64_t I, int64_t count, void *const *weights,
-                             const float *gates, int bits, int64_t G, int down_bits, int64_t GD, void *y, int io,
-                             int threads);
-LS_API int ls_stacked_experts(const void *x, int64_t T, int64_t K, int64_t I, int64_t topk, const int64_t *ids,
-                              const float *weights, int64_t first, int64_t E, const void *w13, const void *w2t,
-                              int64_t shared, const void *sg, const void *su, const void *sd, void *y, int io,
-                              int threads);
+/* The experts (experts.c): y [T, K] = for each token of x [T, K], round(round(sum_j weights[t, j] *
+ * routed[ids[t, j]](x[t])) + round(shared(x[t]))), the routed experts in increasing id order, rounding to y's dtype
+ * (as torch adds the two; no shared experts: round(routed sum)). ids int64 and weights fp32 [T, k]; shared NULL or
+ * of experts 0: none, else 1. LS_BAD_EXPERT where an id is outside the table. */
+LS_API int ls_experts(const ExpertTable *routed, const ExpertTable *shared, const ls_tensor *x, const ls_tensor *ids,
+                      const ls_tensor *weights, const ls_tensor *y, int threads);

@@ -1,12 +1,13 @@
-"""latentserve's own CPU kernels, called through ctypes (qgemm.c, int4.c, quant_blocks.c: quantized linears and
-experts; gemv.c: fp32/bf16 linears for few rows; mla_decode.c: decode attention over the paged cache; norm.c:
-RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write; attention_block.c: a decode step's whole MLA attention
+"""latentserve's own CPU kernels, called through ctypes (qgemm.c, int4.c, quant_blocks.c: quantized linears;
+experts.c: the experts in every format; gemv.c: fp32/bf16 linears for few rows; mla_decode.c: decode attention over
+the paged cache; norm.c: RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write; attention_block.c: a decode step's whole MLA attention
 block; route.c: MoE routing; moe_block.c: a decode step's whole MoE block). Built and loaded by build.py; the
 interface is latentserve.h, mirrored by abi.py; every wrapper here checks what it passes first (checks.py's boundary
 rule) and passes tensors as descriptors."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +16,7 @@ from latentserve.config import kv_cache_row_width
 from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels,  # noqa: F401
                                        kernel_isa, load, native_kernels)
 from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_BLOCKS, INT8_LANES, ROPE_STYLES,  # noqa: F401
-                                     MLABlock, MoEBlock, Weight, desc)
+                                     ExpertTable, MLABlock, MoEBlock, Weight, desc)
 from latentserve.kernels import abi
 from latentserve.kernels.checks import tensor
 
@@ -135,42 +136,6 @@ def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
     y = torch.empty(m, h, n, dtype=_out(out_dtype))
     _refused(kernels, "dense_heads", _call(kernels, "ls_dense_heads", desc(x), desc(w), desc(y),
                                            torch.get_num_threads()))
-    return y
-
-
-def stacked_experts(kernels: NativeKernels, x: torch.Tensor, w13: torch.Tensor, w2t: torch.Tensor, first: int,
-                    ids: torch.Tensor, weights: torch.Tensor,
-                    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`[T, K]` in x's dtype: each token of x `[T, K]` through its routed experts ids `[T, k]` (int64, global: the
-    stack holds experts first..) in expert order, summed in fp32 with weights `[T, k]` (fp32), then through the shared
-    experts (gate, up, transposed down `[S, K]`, S a multiple of I) with gate 1. w13 `[E, 2I, K]` (gate rows, then up
-    rows), w2t `[E, I, K]`. x and every weight contiguous, of one dtype, fp32 or bf16."""
-    fn = "stacked_experts"
-    tokens, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
-    dtype = (x.dtype,)
-    experts, inter, _ = tensor(fn, "w2t", w2t, dtype, (None, None, k))
-    tensor(fn, "w13", w13, dtype, (experts, 2 * inter, k))
-    chunks = 0
-    if shared is not None:
-        rows = tensor(fn, "shared gate", shared[0], dtype, (None, k))[0]
-        chunks = rows // inter if inter else 0
-        if chunks * inter != rows:
-            raise ValueError(f"{fn}: the shared experts' {rows} rows are not a multiple of the experts' {inter}")
-        for name, t in zip(("shared up", "shared down"), shared[1:]):
-            tensor(fn, name, t, dtype, (rows, k))
-    ids, weights = ids.contiguous(), weights.contiguous()  # held here: a temporary's memory goes with its last use
-    topk = tensor(fn, "ids", ids, I64, (tokens, None))[1]
-    tensor(fn, "weights", weights, F32, (tokens, topk))
-    sg, su, sd = (t.data_ptr() for t in shared) if shared else (None, None, None)
-    y = torch.empty(tokens, k, dtype=x.dtype)
-    bad = _call(kernels, "ls_stacked_experts", x.data_ptr(), tokens, k, inter, topk, ids.data_ptr(),
-                weights.data_ptr(), first, experts, w13.data_ptr(), w2t.data_ptr(), chunks, sg, su, sd,
-                y.data_ptr(), int(x.dtype == torch.bfloat16) * 0b111, torch.get_num_threads())
-    if bad == abi.NO_MEMORY:
-        _refused(kernels, fn, bad)
-    if bad:
-        raise ValueError(f"stacked_experts: the stack holds experts {first}..{first + experts - 1}, got ids "
-                         f"{ids.tolist()}")
     return y
 
 
@@ -348,29 +313,65 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     return y
 
 
-Format = tuple[int, int]  # a quantized weight's format: (bits, int4's group size; 0 for int8)
+# A weight's format as the experts read it: (32, 0) fp32 rows, (16, 0) bf16 rows, (8, 0) `pack_int8`'s layout,
+# (4, group size) `pack_int4`'s.
+Format = tuple[int, int]
+DENSE_FORMATS = {torch.float32: (32, 0), torch.bfloat16: (16, 0)}
 
 
-def experts_tokens(kernels: NativeKernels, x: torch.Tensor, weights: list[torch.Tensor], gates: torch.Tensor,
-                   intermediate: int, formats: tuple[Format, Format]) -> torch.Tensor:
-    """`[T, K]` in x's dtype (fp32 or bf16): each token of x `[T, K]` (contiguous) through its gates.shape[1] routed
-    experts, summed in fp32 with `gates` `[T, count]` (fp32) in their order; each token's result as it would be
-    alone. `weights` per (token, expert): the packed gate_up and down, in `formats` (gate_up's, down's: (8, 0) for
-    `pack_int8`'s layout, (4, group size) for `pack_int4`'s)."""
-    fn = "experts_tokens"
-    tokens, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
-    count = tensor(fn, "gates", gates, F32, (tokens, None))[1]
-    if any(bits not in (8, 4) for bits, _ in formats) or len(weights) != tokens * count * 2:
-        raise ValueError(f"experts_tokens takes formats of 8 or 4 bits and 2 weights per (token, expert), gates "
-                         f"{tuple(gates.shape)} over {tokens} tokens; got formats {formats}, {len(weights)} weights")
-    for i, w in enumerate(weights):
-        n, columns = (2 * intermediate, k) if i % 2 == 0 else (k, intermediate)
-        _check_packed(fn, f"weights[{i}]", w, n, columns, formats[i % 2])
-    y = torch.empty(tokens, k, dtype=x.dtype)
-    io = int(x.dtype == torch.bfloat16) * 0b11  # ls_experts_tokens' flags: bit 0 x is bf16, bit 1 y is
-    pointers = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
-    _refused(kernels, fn, _call(kernels, "ls_experts_tokens", x.data_ptr(), tokens, k, intermediate, count, pointers,
-                                gates.data_ptr(), *formats[0], *formats[1], y.data_ptr(), io, torch.get_num_threads()))
+@dataclass
+class Experts:
+    """A set of experts as `experts` reads them: the table, their hidden size and what the table points into."""
+
+    table: ExpertTable
+    hidden: int
+    held: list
+
+
+def expert_table(weights: list[tuple[torch.Tensor, torch.Tensor]], hidden: int, inter: int,
+                 formats: tuple[Format, Format]) -> Experts:
+    """The experts whose (gate_up, down) are `weights`: gate_up `[2 * inter, hidden]` (gate's rows, then up's) and
+    down `[hidden, inter]`, each projection of every expert in its one format (`formats`: gate_up's, down's; dense
+    ones as `[N, K]` contiguous rows of the format's dtype, quantized ones packed), each checked here."""
+    fn = "expert_table"
+    if not weights or any(f not in (*DENSE_FORMATS.values(), (8, 0)) and f[0] != 4 for f in formats):
+        raise ValueError(f"{fn} takes at least one expert in formats (32, 0), (16, 0), (8, 0) or (4, group size); got "
+                         f"{len(weights)} experts, formats {formats}")
+    dense = {f: (d,) for d, f in DENSE_FORMATS.items()}
+    for e, pair in enumerate(weights):
+        for which, (w, fmt) in enumerate(zip(pair, formats)):
+            n, k = (2 * inter, hidden) if which == 0 else (hidden, inter)
+            name = f"experts[{e}].{('gate_up', 'down')[which]}"
+            if fmt in dense:
+                tensor(fn, name, w, dense[fmt], (n, k))
+            else:
+                _check_packed(fn, name, w, n, k, fmt)
+    pointers = (ctypes.c_void_p * (2 * len(weights)))(*(w.data_ptr() for pair in weights for w in pair))
+    table = ExpertTable(len(weights), inter, (ctypes.c_int32 * 2)(*(f[0] for f in formats)),
+                        (ctypes.c_int64 * 2)(*(f[1] for f in formats)), ctypes.addressof(pointers))
+    return Experts(table, hidden, [pointers, *(w for pair in weights for w in pair)])
+
+
+def experts(kernels: NativeKernels, x: torch.Tensor, routed: Experts, ids: torch.Tensor, weights: torch.Tensor,
+            shared: Experts | None = None) -> torch.Tensor:
+    """`[T, K]` in x's dtype (fp32 or bf16): each token of x `[T, K]` (contiguous) through its routed experts ids
+    `[T, k]` (int64, rows of `routed`) in increasing id order, summed in fp32 with `weights` `[T, k]` (fp32), rounded
+    to x's dtype; plus, rounded too, the `shared` experts' output (one expert), as torch adds the two. Each token's
+    result is what it would be alone."""
+    fn = "experts"
+    tokens = tensor(fn, "x", x, KERNEL_DTYPES, (None, routed.hidden))[0]
+    ids, weights = ids.contiguous(), weights.contiguous()  # held here: a temporary's memory goes with its last use
+    k = tensor(fn, "ids", ids, I64, (tokens, None))[1]
+    tensor(fn, "weights", weights, F32, (tokens, k))
+    if shared is not None and (shared.table.experts != 1 or shared.hidden != routed.hidden):
+        raise ValueError(f"{fn}: the shared experts must be one expert of hidden size {routed.hidden}; got "
+                         f"{shared.table.experts} of {shared.hidden}")
+    y = torch.empty(tokens, routed.hidden, dtype=x.dtype)
+    code = _call(kernels, "ls_experts", ctypes.byref(routed.table), None if shared is None else ctypes.byref(
+        shared.table), desc(x), desc(ids), desc(weights), desc(y), torch.get_num_threads())
+    if code == abi.BAD_EXPERT:
+        raise ValueError(f"{fn}: the table holds experts 0..{routed.table.experts - 1}, got ids {ids.tolist()}")
+    _refused(kernels, fn, code)
     return y
 
 

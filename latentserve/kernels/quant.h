@@ -1,4 +1,5 @@
-/* Activations quantized for the int8 and int4 kernels (quant_acts.c), shared by qgemm.c and int4.c. */
+/* The experts' and quantized linears' weight formats and their activations (quant_acts.c), shared by qgemm.c,
+ * int4.c, gemv.c's dense blocks and the drivers (quant_blocks.c, experts.c). */
 #pragma once
 
 #include "simd.h"
@@ -18,44 +19,58 @@ INLINE int32_t four_bytes(const int8_t *x) {
 }
 
 /* For int8 weights: q = round(x / s) + INT8_OFFSET per row, scale s one a row. For int4: q = round(x / s) per
- * XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see int4.c). */
+ * XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see int4.c). For dense
+ * weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps takes both. */
 typedef struct {
     int8_t *q;
     float *s, *corr;
+    void *rows;
+    int32_t bf16;
 } QuantActs;
 
-/* All from the scratch arena (the caller holds a mark); q NULL where it could not grow. take_acts: room only, for
- * quantize_into to fill (from another thread than the arena's, e.g. inside a parallel region). */
-QuantActs take_acts(int64_t M, int64_t K, int bits, int64_t G);
-void quantize_into(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, QuantActs a);
-QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G);
-QuantActs gather_acts(QuantActs a, const int64_t *rows, int64_t P, int64_t K, int bits, int64_t G);
-
-/* The quantized weight formats, both in blocks of 16 outputs, each block one stream of bytes read once and
- * self-contained (its scales inside): bits 8, `pack_int8`'s layout (qgemm.c); bits 4, `pack_int4`'s with K inputs
- * in groups of G (int4.c). A driver (quant_blocks.c) needs of a format only these traits: the bytes of a block, how
- * the activations are quantized for it, and the dot products of a block with some rows of them. */
+/* The weight formats, all in blocks of 16 outputs, each block one stream of bytes read once and self-contained
+ * (its scales inside): bits 32 or 16, dense fp32 or bf16 rows `[N, K]`, a block 16 consecutive rows (the last one
+ * N % 16 where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups
+ * of G (int4.c). A driver (quant_blocks.c, experts.c) needs of a format only these traits: the bytes of a block,
+ * how the activations are prepared for it, and the dot products of a block with some rows of them. */
 typedef struct {
     int32_t bits;
     int64_t group; /* int4's group size G */
 } Format;
+
+INLINE int dense(Format f) { return f.bits == 32 || f.bits == 16; }
+
+/* All from the scratch arena (the caller holds a mark); q (dense: rows) NULL where it could not grow. quantize_acts:
+ * the quantized formats' (bits, G). take_acts: room only, for quantize_into to fill (from another thread than the
+ * arena's, e.g. inside a parallel region); `bf16`: whether the rows quantize_into will read are bf16. acts_row: row
+ * `row` of `a` as acts of its own (quantize_into with M = 1 fills it). */
+QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G);
+QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K);
+void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, QuantActs a);
+QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K);
+QuantActs gather_acts(Format f, QuantActs a, const int64_t *rows, int64_t P, int64_t K);
+QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K);
 
 #define INT8_HEADER 128 /* pack_int8's block: 16 fp32 scales and 16 int32 sums of q before the weights */
 
 INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 * G); }
 
 INLINE int64_t block_bytes(Format f, int64_t K) {
+    if (dense(f)) return 16 * K * (f.bits / 8);
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
 }
 
-/* The 16 outputs of one block for rows first.. first + m of `a` (quantized for the block's format), into
- * dots[16 * i + j]. */
+/* The 16 outputs of one block for rows first.. first + m of `a` (prepared for the block's format), into
+ * dots[16 * i + j]; dense blocks: their first `outputs` rows. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots);
 /* int8_block_dots of two blocks at once, into dots0 and dots1: two streams of weights in flight (a few rows). */
 void int8_block_pair_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block0, const int8_t *block1, int64_t K,
                           float *dots0, float *dots1);
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots);
+void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, int wbf, int64_t K, int64_t outputs,
+                      float *dots);
 
+/* The quantized formats' blocks (every block 16 outputs, padded). */
 INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const void *block, int64_t K, float *dots) {
     if (f.bits == 8)
         int8_block_dots(a, first, m, (const int8_t *)block, K, dots);
@@ -63,6 +78,11 @@ INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const vo
         int4_block_dots(a, first, m, (const uint8_t *)block, K, f.group, dots);
 }
 
-INLINE QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K) {
-    return quantize_acts(x, bf16, M, K, f.bits, f.group);
+/* Any format's block: `outputs` of its rows hold weights (dense blocks end with the weight). */
+INLINE void format_dots(Format f, QuantActs a, int64_t first, int64_t m, const void *block, int64_t K,
+                        int64_t outputs, float *dots) {
+    if (dense(f))
+        dense_block_dots(a, first, m, block, f.bits == 16, K, outputs, dots);
+    else
+        block_dots(f, a, first, m, block, K, dots);
 }

@@ -1,4 +1,5 @@
-/* Activations quantized to int8 for the integer dot products of the int8 and int4 kernels (quant.h). */
+/* Activations prepared for each weight format (quant.h): quantized to int8 for the integer dot products of the int8
+ * and int4 kernels, fp32 or bf16 rows for the dense ones. */
 #include "quant.h"
 
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
@@ -7,22 +8,21 @@
  * vmax and fmaxf would drop the NaN. */
 static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64_t block, int offset, int8_t *xq,
                             float *s) {
-    float r[block];
-    for (int64_t b = 0; b < M * K / block; b++) {
+    for (int64_t b = 0; b < M * K / block; b++) { /* two passes over the block's x: the second reads it from L1 */
         int8_t *q = xq + b * block;
+        int64_t at = b * block;
         vfloat m = vset1(0.f), finite = vset1(0.f); /* finite: sums of v - v, NaN once a v is not finite */
         int64_t k = 0;
         for (; k + LANES <= block; k += LANES) {
-            vfloat v = vload(x, bf16, b * block + k);
-            vstore(r + k, v);
+            vfloat v = vload(x, bf16, at + k);
             m = vmax(m, vabs(v));
             finite = vadd(finite, vsub(v, v));
         }
         float amax = fmaxf(1e-12f, vmax_reduce(m)), check = vreduce_add(finite);
         for (; k < block; k++) {
-            r[k] = load_act(x, bf16, b * block + k);
-            amax = fmaxf(amax, fabsf(r[k]));
-            check += r[k] - r[k];
+            float v = load_act(x, bf16, at + k);
+            amax = fmaxf(amax, fabsf(v));
+            check += v - v;
         }
         if (check != 0.f) {
             memset(q, 0, block);
@@ -31,8 +31,8 @@ static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64
         }
         float sb = amax / 127.f;
         vfloat sv = vset1(sb);
-        for (k = 0; k + LANES <= block; k += LANES) vquantize(vload(r, 0, k), sv, offset, q + k);
-        for (; k < block; k++) q[k] = (int8_t)(uint8_t)((int)nearbyintf(r[k] / sb) + offset);
+        for (k = 0; k + LANES <= block; k += LANES) vquantize(vload(x, bf16, at + k), sv, offset, q + k);
+        for (; k < block; k++) q[k] = (int8_t)(uint8_t)((int)nearbyintf(load_act(x, bf16, at + k) / sb) + offset);
         s[b] = sb;
     }
 }
@@ -61,37 +61,80 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     }
 }
 
-/* Room in the scratch arena for M rows of K columns quantized for (bits, G); q NULL where the arena could not grow.
- * The caller holds a scratch mark. */
-QuantActs take_acts(int64_t M, int64_t K, int bits, int64_t G) {
-    QuantActs a = {scratch(M * K), scratch(M * (K / XBLOCK + 1) * sizeof(float)),
-                   bits == 8 ? NULL : scratch(M * 2 * (K / G) * sizeof(float))};
-    if (!a.s || (bits != 8 && !a.corr)) a.q = NULL;
+/* Dense weights: bf16 rows for vdpbf16ps where x and the weights are bf16 and the build has it, else fp32. */
+static int dense_bf16(Format f, int bf16) {
+#ifdef LS_BF16DOT
+    return f.bits == 16 && bf16;
+#else
+    (void)f, (void)bf16;
+    return 0;
+#endif
+}
+
+/* The scales and corrections one row holds (quantized formats). */
+static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
+static int64_t row_corrs(Format f, int64_t K) { return f.bits == 4 ? 2 * (K / f.group) : 0; }
+
+QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K) {
+    QuantActs a = {0};
+    if (dense(f)) {
+        a.bf16 = dense_bf16(f, bf16);
+        a.rows = scratch(M * K * (a.bf16 ? 2 : 4));
+        a.q = a.rows; /* q non-NULL: the room was taken */
+        return a;
+    }
+    a.q = scratch(M * K);
+    a.s = scratch(M * (K / XBLOCK + 1) * sizeof(float));
+    a.corr = f.bits == 8 ? NULL : scratch(M * row_corrs(f, K) * sizeof(float));
+    if (!a.s || (f.bits != 8 && !a.corr)) a.q = NULL;
     return a;
 }
 
-void quantize_into(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, QuantActs a) {
-    if (bits == 8)
+void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, QuantActs a) {
+    if (dense(f) && a.bf16)
+        memcpy(a.rows, x, M * K * 2);
+    else if (dense(f))
+        for (int64_t i = 0; i < M * K; i++) ((float *)a.rows)[i] = load_act(x, bf16, i);
+    else if (f.bits == 8)
         quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, a.q, a.s);
     else
-        int4_prepare(x, bf16, M, K, G, a.q, a.s, a.corr);
+        int4_prepare(x, bf16, M, K, f.group, a.q, a.s, a.corr);
+}
+
+QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K) {
+    QuantActs a = take_acts(f, bf16, M, K);
+    if (a.q) quantize_into(f, x, bf16, M, K, a);
+    return a;
 }
 
 QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G) {
-    QuantActs a = take_acts(M, K, bits, G);
-    if (a.q) quantize_into(x, bf16, M, K, bits, G, a);
-    return a;
+    return quantize_for((Format){bits, G}, x, bf16, M, K);
 }
 
-/* Rows rows[0..P) of `a` (quantized as quantize_acts did, K columns, group size G) copied in that order, into the
- * scratch arena (q NULL where it could not grow). */
-QuantActs gather_acts(QuantActs a, const int64_t *rows, int64_t P, int64_t K, int bits, int64_t G) {
-    int64_t scales = bits == 8 ? 1 : K / XBLOCK, corrs = bits == 8 ? 0 : 2 * (K / G);
-    QuantActs g = take_acts(P, K, bits, G);
+QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K) {
+    QuantActs r = a;
+    if (dense(f)) {
+        r.rows = (char *)a.rows + row * K * (a.bf16 ? 2 : 4);
+        r.q = r.rows;
+        return r;
+    }
+    r.q = a.q + row * K;
+    r.s = a.s + row * row_scales(f, K);
+    r.corr = a.corr ? a.corr + row * row_corrs(f, K) : NULL;
+    return r;
+}
+
+/* Rows rows[0..P) of `a` (prepared as quantize_for did, K columns) copied in that order, into the scratch arena (q
+ * NULL where it could not grow). */
+QuantActs gather_acts(Format f, QuantActs a, const int64_t *rows, int64_t P, int64_t K) {
+    int64_t bytes = dense(f) ? K * (a.bf16 ? 2 : 4) : K, scales = row_scales(f, K), corrs = row_corrs(f, K);
+    QuantActs g = take_acts(f, a.bf16, P, K);
     for (int64_t i = 0; g.q && i < P; i++) {
-        memcpy(g.q + i * K, a.q + rows[i] * K, K);
-        memcpy(g.s + i * scales, a.s + rows[i] * scales, scales * sizeof(float));
-        if (corrs) memcpy(g.corr + i * corrs, a.corr + rows[i] * corrs, corrs * sizeof(float));
+        QuantActs to = acts_row(f, g, i, K), from = acts_row(f, a, rows[i], K);
+        memcpy(to.q, from.q, bytes);
+        if (dense(f)) continue;
+        memcpy(to.s, from.s, scales * sizeof(float));
+        if (corrs) memcpy(to.corr, from.corr, corrs * sizeof(float));
     }
     return g;
 }

@@ -230,7 +230,7 @@ class MoE(nn.Module):
         """Run the local routed experts stacked (`StackedExperts`, on `device`; None: their weights' device). Their
         parameters become views of the stack, so a checkpoint loaded afterwards fills it in place. Quantized
         experts, whose kernels take one weight each, keep the per-expert loop. Plain shared experts join the stack's
-        few-token kernel calls (their down projection is then stored transposed, as the routed ones are)."""
+        few-token kernel calls (their gate and up then views of one fused weight, as the routed ones are)."""
         self.stacked = StackedExperts.stack(self.experts, device, self.shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

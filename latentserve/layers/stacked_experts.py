@@ -1,5 +1,5 @@
-"""Routed experts stacked into two weights (`StackedExperts`): grouped GEMMs for many tokens, latentserve's kernel
-for a few, expert by expert for a couple of (token, expert) pairs."""
+"""Routed experts stacked into two weights (`StackedExperts`): grouped GEMMs for many tokens, latentserve's experts
+kernel for a few, expert by expert for a couple of (token, expert) pairs."""
 from __future__ import annotations
 
 import torch
@@ -14,11 +14,11 @@ from latentserve.layers.mlp import GatedMLP
 
 # At most this many (token, expert) pairs run expert by expert on a multi-threaded CPU (`per_expert_wins`).
 PER_EXPERT_MAX_PAIRS = 4
-# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's kernel, in one call (each token
-# reads its experts' weights on its own). Measured against the batched paths with
-# weights streamed, 2 threads (benchmarks/RESULTS.md): even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's
-# experts (16, top-4) and V2-Lite's (64, top-6) in fp32 and bf16; from 12 (bf16) or 16 (fp32) tokens the batched
-# paths win, reading each expert once.
+# Up to this many tokens run their stacked fp32/bf16 experts through latentserve's experts kernel, in one call (an
+# expert several tokens chose read once for all of them). Measured with the kernel before it, which read each
+# token's experts on its own, against the batched paths with weights streamed, 2 threads (benchmarks/RESULTS.md):
+# even at 1-4 tokens, 1.04-1.63x at 6-8 on both the 94M V3's experts (16, top-4) and V2-Lite's (64, top-6) in fp32
+# and bf16; from 12 (bf16) or 16 (fp32) tokens the batched paths win.
 NATIVE_MAX_TOKENS = 8
 
 def _is_plain(expert: nn.Module) -> bool:
@@ -30,29 +30,25 @@ def _is_plain(expert: nn.Module) -> bool:
 class StackedExperts(nn.Module):
     """Routed experts `first`.. as two stacked weights, gate and up fused: every expert runs in two
     `torch._grouped_mm` calls, whatever the number of experts (no Python loop over them). Up to `NATIVE_MAX_TOKENS`
-    tokens run through latentserve's kernel instead, with the shared experts (`shared`) where they are plain; its
-    kernels asked once (`process_weights_after_loading`; built outside a loader: `default_policy()` at the first
-    call)."""
+    tokens run through latentserve's experts kernel instead (`native.experts`), with the shared experts (`shared`)
+    where they are plain; its kernels asked once (`process_weights_after_loading`; built outside a loader:
+    `default_policy()` at the first call)."""
 
     kernels: native.NativeKernels | None = None
-    native_rows: tuple[int, int] | None = None  # `linear`'s rows over (w13, w2t) expert by expert; None: not asked
+    native_rows: tuple[int, int] | None = None  # `linear`'s rows over (w13, w2) expert by expert; None: not asked
+    _tables: tuple[tuple, native.Experts, native.Experts | None] | None = None  # (addresses, routed, shared)
 
-    def __init__(self, first: int, w13: torch.Tensor, w2t: torch.Tensor, shared: GatedMLP | None = None) -> None:
+    def __init__(self, first: int, w13: torch.Tensor, w2: torch.Tensor, shared: GatedMLP | None = None,
+                 shared_gate_up: torch.Tensor | None = None) -> None:
         super().__init__()
         self.first = first
         # Not persistent: the state dict keeps the checkpoint's per-expert names (views of these).
         self.register_buffer("w13", w13, persistent=False)  # [E, 2I, H]: gate rows, then up rows
-        # [E, I, H]: down projections stored transposed. A product of a few rows with [H, I] reads rows of I
-        # (short: 384-2048) at about half the memory bandwidth of one with [I, H] (2x faster at batch 1).
-        self.register_buffer("w2t", w2t, persistent=False)
-        # The shared experts (S = a multiple of the routed experts' I, down projection stored transposed), run as S / I
-        # more experts of gate 1 after the routed ones. In a tuple: the MoE owns the module, not the stack.
+        self.register_buffer("w2", w2, persistent=False)  # [E, H, I], as the checkpoint has them
+        # The shared experts (any width S), their gate and up views of one [2S, H] weight (`shared_gate_up`), run
+        # as one more expert of gate 1. In a tuple: the MoE owns the module, not the stack.
         self.shared = (shared,) if shared is not None else None
-
-    @property
-    def w2(self) -> torch.Tensor:
-        """The down projections as the checkpoint has them, [E, H, I] (a view)."""
-        return self.w2t.transpose(1, 2)
+        self.register_buffer("shared_gate_up", shared_gate_up, persistent=False)
 
     @classmethod
     def stack(cls, experts: nn.ModuleList, device: torch.device | str | None = None,
@@ -66,21 +62,22 @@ class StackedExperts(nn.Module):
         hidden, inter = like.shape
         device = like.device if device is None else device
         w13 = torch.empty(len(local), 2 * inter, hidden, dtype=like.dtype, device=device)
-        w2t = torch.empty(len(local), inter, hidden, dtype=like.dtype, device=device)
+        w2 = torch.empty(len(local), hidden, inter, dtype=like.dtype, device=device)
         for k, (_, e) in enumerate(local):
             _place(e.gate_proj, w13[k, :inter])
             _place(e.up_proj, w13[k, inter:])
-            _place(e.down_proj, w2t[k].t())
-        fold = (shared is not None and _is_plain(shared) and shared.down_proj.weight.dtype == like.dtype
-                and shared.down_proj.in_features % inter == 0)
-        if fold:
-            d = shared.down_proj.weight
-            _place(shared.down_proj, torch.empty(d.shape[1], d.shape[0], dtype=d.dtype, device=device).t())
-        return cls(local[0][0], w13, w2t, shared if fold else None)
+            _place(e.down_proj, w2[k])
+        if shared is None or not _is_plain(shared) or shared.down_proj.weight.dtype != like.dtype:
+            return cls(local[0][0], w13, w2)
+        width = shared.down_proj.in_features
+        gate_up = torch.empty(2 * width, hidden, dtype=like.dtype, device=device)
+        _place(shared.gate_proj, gate_up[:width])
+        _place(shared.up_proj, gate_up[width:])
+        return cls(local[0][0], w13, w2, shared, gate_up)
 
     def process_weights_after_loading(self, policy: KernelPolicy) -> None:
         self.kernels = policy.kernels
-        hidden, inter = self.w13.shape[2], self.w2t.shape[1]
+        hidden, inter = self.w13.shape[2], self.w2.shape[2]
         self.native_rows = (policy.dense_rows(self.w13.dtype, hidden), policy.dense_rows(self.w13.dtype, inter))
 
     def _kernels(self, x: torch.Tensor) -> native.NativeKernels | None:
@@ -93,7 +90,7 @@ class StackedExperts(nn.Module):
 
     def with_shared(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor | None:
         """Routed plus shared experts' output in one kernel call, or None where the stack cannot take them."""
-        if self.shared is None or not stacked_layout(self.shared[0]):
+        if not self._shared_in_place():
             return None
         kernels = self._kernels(x)
         return None if kernels is None else self._native(kernels, x, weights, ids, with_shared=True)
@@ -114,7 +111,7 @@ class StackedExperts(nn.Module):
             # Group g of the sorted rows ends at offs[g]; experts without tokens are empty groups.
             offs = counts.cumsum(0, dtype=torch.int32)
             gate, up = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            y = torch._grouped_mm(F.silu(gate) * up, self.w2t, offs=offs)
+            y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
         y = y * weights.flatten().index_select(0, order)[:, None]
         # Contributions add up in (expert, token) order, as in the loop and under expert parallelism.
         return torch.zeros_like(x).index_add_(0, tokens, y if y.dtype == x.dtype else y.to(x.dtype))
@@ -123,32 +120,54 @@ class StackedExperts(nn.Module):
                 with_shared: bool) -> torch.Tensor:
         """Every token's experts (in expert order, then the shared ones) in one kernel call, for decode and the few
         tokens of a speculative verification: each token's result is the same however the batch around it is
-        split. Each token reads its experts' weights on its own (the batched paths read each expert once)."""
-        shared = None
-        if with_shared:
-            mlp = self.shared[0]
-            shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight.t())
-        return native.stacked_experts(kernels, x.contiguous(), self.w13, self.w2t, self.first, ids,
-                                      weights.float(), shared)
+        split."""
+        routed, shared = self.tables()
+        return native.experts(kernels, x.contiguous(), routed, ids - self.first if self.first else ids,
+                              weights.float(), shared if with_shared else None)
+
+    def tables(self) -> tuple[native.Experts, native.Experts | None]:
+        """The stack (and the shared experts where they are in place) as the experts kernel reads them; rebuilt
+        where a weight was replaced."""
+        shared = self.shared[0] if self._shared_in_place() else None
+        tensors = (self.w13, self.w2) + ((self.shared_gate_up, shared.down_proj.weight) if shared else ())
+        addresses = tuple(t.data_ptr() for t in tensors)
+        if self._tables is None or self._tables[0] != addresses:
+            fmt = native.DENSE_FORMATS[self.w13.dtype]
+            hidden, inter = self.w2.shape[1:]
+            routed = native.expert_table(list(zip(self.w13, self.w2)), hidden, inter, (fmt, fmt))
+            held = None if shared is None else native.expert_table(
+                [(self.shared_gate_up, shared.down_proj.weight)], hidden, shared.down_proj.in_features, (fmt, fmt))
+            self._tables = (addresses, routed, held)
+        return self._tables[1], self._tables[2]
+
+    def _shared_in_place(self) -> bool:
+        """Whether the shared experts' gate and up are still the views of `shared_gate_up` the kernel reads and their
+        down projection a contiguous weight of this stack's dtype: replacing a parameter afterwards must not make the
+        kernel read the wrong rows."""
+        if self.shared is None:
+            return False
+        mlp, width = self.shared[0], self.shared_gate_up.shape[0] // 2
+        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        return (gate.data_ptr() == self.shared_gate_up.data_ptr() and up.data_ptr() == self.shared_gate_up[width:]
+                .data_ptr() and gate.shape == up.shape == self.shared_gate_up[width:].shape and down.is_contiguous()
+                and down.dtype == self.w13.dtype)
 
     def native_stack(self, block: native.MoEBlock, dtype: torch.dtype, kernels: native.NativeKernels,
-                     with_shared: bool) -> list[torch.Tensor] | None:
-        """Fills in `block`'s experts (moe_block.c) with this stack, the folded shared experts too where
-        `with_shared`: the tensors it reads by address, or None where the kernel `kernels` on `dtype` activations
-        does not run them (the stack's own choice: `_native`)."""
+                     with_shared: bool) -> list | None:
+        """Fills in `block`'s experts (moe_block.c) with this stack, the shared experts too where `with_shared`:
+        what the block reads by address, or None where the kernel `kernels` on `dtype` activations does not run them
+        (the stack's own choice: `_native`)."""
         if self.kernels != kernels or self.first or self.w13.dtype != dtype:
             return None
-        block.inter, block.w13, block.w2t = self.w2t.shape[1], self.w13.data_ptr(), self.w2t.data_ptr()
-        tensors = [self.w13, self.w2t]
+        if with_shared and not self._shared_in_place():
+            return None
+        routed, shared = self.tables()
+        block.routed = routed.table
+        held = [routed]
         if with_shared:
-            if self.shared is None or not stacked_layout(self.shared[0]):
-                return None
-            mlp = self.shared[0]
-            shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight.t())
-            block.shared_chunks = shared[0].shape[0] // block.inter
-            block.sg, block.su, block.sd = (t.data_ptr() for t in shared)
-            tensors += shared
-        return tensors
+            block.shared = shared.table
+            held.append(shared)
+        return held
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """The sorted rows through their experts with `linear`, one expert with tokens at a time."""
@@ -158,17 +177,10 @@ class StackedExperts(nn.Module):
             if count:
                 gate, up = linear(rows[start : start + count], self.w13[expert], None, self.kernels,
                                   self.native_rows[0]).chunk(2, dim=-1)
-                out[start : start + count] = linear(F.silu(gate) * up, self.w2t[expert].t(), None, self.kernels,
+                out[start : start + count] = linear(F.silu(gate) * up, self.w2[expert], None, self.kernels,
                                                     self.native_rows[1])
                 start += count
         return out
-
-
-def stacked_layout(mlp: GatedMLP) -> bool:
-    """Whether the shared experts' weights are still laid out as the stack reads them (gate and up contiguous, down
-    transposed): replacing a parameter afterwards must not make the kernel read the wrong rows."""
-    gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
-    return gate.is_contiguous() and up.is_contiguous() and down.t().is_contiguous()
 
 
 def _place(layer: Linear, view: torch.Tensor) -> None:

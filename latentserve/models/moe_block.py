@@ -1,18 +1,15 @@
 """A decode step's DeepSeek MoE block, from the router to the residual, in one native call (kernels/moe_block.c)
 where every piece would run latentserve's kernels anyway: the router's fp32 product, the native routing, and either
-the stacked fp32/bf16 experts (up to 3 tokens, as far as the modules' router takes the same kernel; their shared
-experts folded in or none) or quantized int8/int4 experts and shared MLP (up to 8 tokens; gate_up in one format and
-down in another where the checkpoint has them so). The kernel chains those
-same kernels, so the result is the modules' to the bit where they run them (stacked experts; quantized ones at one
-token); at 2-8 tokens quantized experts chosen by several tokens are read once for all of them, and each token's
-result is what it would be alone. Elsewhere (longer prefills, larger batches, expert parallelism, experts with a
-bias) the modules run.
+the experts kernel over the stacked fp32/bf16 experts (as far as the modules' router takes the same kernel; their
+shared experts folded in or none) or the quantized int8/int4 experts and shared MLP (gate_up in one format and down
+in another where the checkpoint has them so), up to 8 tokens. The kernel chains those same kernels, so the result is
+the modules' to the bit where they run them; experts chosen by several tokens are read once for all of them, and each
+token's result is what it would be alone. Elsewhere (longer prefills, larger batches, expert parallelism, experts
+with a bias) the modules run.
 The view is cached per layer (`NativeView`); the layer's tensors are parameters and buffers, so any replacement
 rebuilds it.
 """
 from __future__ import annotations
-
-import ctypes
 
 import torch
 from torch import nn
@@ -21,48 +18,24 @@ from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE
 from latentserve.layers.normed_moe import NormedMoE
-from latentserve.layers.quant.experts import packed_format
+from latentserve.layers.quant.experts import quantized_table
 from latentserve.models.native_view import NativeView
 
 Built = tuple[native.MoEBlock, int, object]  # the kernel's view, up to how many tokens, what its pointers point into
 
 
-def _quantized_layers(mlp: nn.Module, kernels: native.NativeKernels) -> tuple[nn.Module, nn.Module] | None:
-    """(gate_up, down) of a gated MLP whose two layers are latentserve's quantized kinds (each its own), bias-free."""
-    layers = (getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-    if any(packed_format(layer) is None or layer.kernels.isa != kernels.isa for layer in layers):
+def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) -> list | None:
+    """Fills in the quantized experts and shared MLP (`quantized_table`'s kinds, on `kernels`' build): what the block
+    reads by address, or None."""
+    shared = [] if moe.shared_experts is None else [moe.shared_experts]
+    tables = [quantized_table(list(moe.experts)), *(quantized_table(shared) for _ in shared)]
+    if None in tables or any(layer.kernels.isa != kernels.isa for mlp in (*moe.experts, *shared)
+                             for layer in (mlp.gate_up_proj, mlp.down_proj)):
         return None
-    return layers
-
-
-def _formats(layers: tuple[nn.Module, nn.Module]) -> tuple[native.Format, native.Format]:
-    return packed_format(layers[0]), packed_format(layers[1])
-
-
-def _quantized(moe: MoE, block: native.MoEBlock, kernels: native.NativeKernels) -> tuple[int, object, list] | None:
-    """Fills in the quantized experts: (tokens it runs, its pointer tables, their tensors), or None."""
-    experts = [_quantized_layers(e, kernels) for e in moe.experts]
-    shared = [] if moe.shared_experts is None else [_quantized_layers(moe.shared_experts, kernels)]
-    if any(layers is None for layers in experts + shared):
-        return None
-    if len({_formats(layers) for layers in experts}) != 1:
-        return None  # the routed experts in one call: one format for every gate_up, one for every down
-    formats = _formats(experts[0])
-    block.bits[:], block.group[:] = [f[0] for f in formats], [f[1] for f in formats]
-    block.inter = experts[0][0].out_features // 2
-    if any(layers[0].out_features != 2 * block.inter for layers in experts):
-        return None
-    tensors = [layer.packed for layers in experts for layer in layers]
-    table = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
-    block.table, tables = ctypes.addressof(table), [table]
+    block.routed = tables[0].table
     if shared:
-        shared_tensors = [layer.packed for layer in shared[0]]
-        tables.append((ctypes.c_void_p * 2)(*(t.data_ptr() for t in shared_tensors)))
-        block.shared, block.shared_inter = ctypes.addressof(tables[-1]), shared[0][0].out_features // 2
-        shared_formats = _formats(shared[0])
-        block.shared_bits[:], block.shared_group[:] = [f[0] for f in shared_formats], [f[1] for f in shared_formats]
-        tensors += shared_tensors
-    return NATIVE_MAX_TOKENS, tables, tensors
+        block.shared = tables[1].table
+    return tables
 
 
 def build_moe_block(moe: MoE, dtype: torch.dtype) -> tuple[Built | None, list[torch.Tensor]]:
@@ -78,11 +51,10 @@ def build_moe_block(moe: MoE, dtype: torch.dtype) -> tuple[Built | None, list[to
         held = stack.native_stack(block, dtype, kernels, with_shared=moe.shared_experts is not None)
         if held is not None:
             return (block, min(NATIVE_MAX_TOKENS, router_rows), held), tensors + held
-    quantized = _quantized(moe, block, kernels)
-    if quantized is None:
+    held = _quantized(moe, block, kernels)
+    if held is None:
         return None, tensors
-    tokens, tables, held = quantized
-    return (block, tokens, tables), tensors + held
+    return (block, NATIVE_MAX_TOKENS, held), tensors + held
 
 
 def native_moe(moe: MoE, view: NativeView, dtype: torch.dtype) -> Built | None:

@@ -135,29 +135,35 @@ def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
         _attend(block, x)
 
 
-def _moe_block(g: torch.Generator) -> tuple[native.MoEBlock, list[torch.Tensor]]:
-    """Four fp32 stacked experts, top 2, hidden 32, intermediate 16."""
+def _moe_block(g: torch.Generator) -> tuple[native.MoEBlock, list]:
+    """Four fp32 experts, top 2, hidden 32, intermediate 16."""
     held = [torch.randn(4, 32, generator=g), torch.randn(4, 32, 32, generator=g) * 0.1,
-            torch.randn(4, 16, 32, generator=g) * 0.1]
+            torch.randn(4, 32, 16, generator=g) * 0.1]
+    table = native.expert_table(list(zip(held[1], held[2])), 32, 16, ((32, 0), (32, 0)))
     block = native.MoEBlock(hidden=32, experts=4, topk=2, groups=1, topk_groups=1, sigmoid=0, norm=1, scaling=1.0,
-                            router=held[0].data_ptr(), bias=None, bf=0, inter=16, w13=held[1].data_ptr(),
-                            w2t=held[2].data_ptr(), shared_chunks=0)
-    return block, held
+                            router=held[0].data_ptr(), bias=None, bf=0, routed=table.table)
+    return block, held + [table]
 
 
-@pytest.mark.parametrize("fault", [None, "router", "w13", "shared", "bits 8 without table", "down bits 3", "topk",
-                                   "x columns"])
+@pytest.mark.parametrize("fault", [None, "router", "weights", "one weight", "shared", "down bits 3", "int4 group",
+                                   "topk", "x columns"])
 def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
-    block, (router, w13, w2t) = _moe_block(torch.Generator().manual_seed(1))
+    block, (router, w13, w2, table) = _moe_block(torch.Generator().manual_seed(1))
     x, residual = torch.randn(3, 33 if fault == "x columns" else 32), torch.randn(3, 32)
-    if fault in ("router", "w13"):
-        setattr(block, fault, None)
+    pointers = (ctypes.c_void_p * 8)(*table.held[0])
+    if fault == "router":
+        block.router = None
+    elif fault == "weights":
+        block.routed.weights = None
+    elif fault == "one weight":
+        pointers[5] = None
+        block.routed.weights = ctypes.addressof(pointers)
     elif fault == "shared":
-        block.shared_chunks = 1  # shared experts with no weights
-    elif fault == "bits 8 without table":
-        block.bits[:] = [8, 8]
+        block.shared = native.ExpertTable(experts=1, inter=16, bits=(32, 32))  # a shared expert with no weights
     elif fault == "down bits 3":  # each projection its own format: one the kernels do not read
-        block.bits[:], block.table = [4, 3], w13.data_ptr()
+        block.routed.bits[:] = [4, 3]
+    elif fault == "int4 group":  # int4 over 32 inputs: not a multiple of 64
+        block.routed.bits[:], block.routed.group[:] = [32, 4], [0, 32]
     elif fault == "topk":
         block.topk = 5
     if fault is None:
@@ -167,11 +173,13 @@ def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
         for t in range(3):
             for weight, e in zip(weights[t], ids[t]):
                 h = w13[e] @ x[t]
-                expected[t] += weight * (torch.nn.functional.silu(h[:16]) * h[16:]) @ w2t[e]
+                expected[t] += weight * w2[e] @ (torch.nn.functional.silu(h[:16]) * h[16:])
         torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
         return
-    wrong = {"router": "router is NULL", "w13": "w13 or w2t is NULL", "shared": "sg, su or sd is NULL",
-             "bits 8 without table": "table is NULL", "down bits 3": "bits 4, 3 .*not 8 or 4", "topk": "5 of 4 experts", "x columns": "x must"}[fault]
+    wrong = {"router": "router is NULL", "weights": "routed: weights is NULL",
+             "one weight": r"routed: weights\[5\] is NULL", "shared": "shared: weights is NULL",
+             "down bits 3": "routed gate_up: bits 4", "int4 group": "routed down: bits 4, group 32 over 16 inputs",
+             "topk": "5 of 4 experts", "x columns": "x must"}[fault]
     with pytest.raises(ValueError, match=wrong):
         native.moe_block(kernels(ISA), block, x, residual)
 
@@ -207,22 +215,23 @@ def _quantized_calls():
     heads_q, heads_scale = quantize_int8(torch.randn(2 * 16, 64, generator=g))
     heads = (torch.randn(3, 2, 64, generator=g), heads_q.view(2, 16, 64), heads_scale,
              heads_q.sum(dim=1, dtype=torch.int32))
-    gate_up = [native.pack_int4(*quantize_int4(torch.randn(64, 64, generator=g), 64)) for _ in range(2)]
-    down = [native.pack_int8(*quantize_int8(torch.randn(64, 32, generator=g))) for _ in range(2)]
-    chosen = [w for t in range(3) for e in (t % 2, 1 - t % 2) for w in (gate_up[e], down[e])]
+    quantized = native.expert_table(
+        [(native.pack_int4(*quantize_int4(torch.randn(64, 64, generator=g), 64)),
+          native.pack_int8(*quantize_int8(torch.randn(64, 32, generator=g)))) for _ in range(2)], 64, 32,
+        ((4, 64), (8, 0)))
+    shared = native.expert_table([(torch.randn(96, 64, generator=g), torch.randn(64, 48, generator=g))], 64, 48,
+                                 ((32, 0), (32, 0)))
     gates = torch.rand(3, 2, generator=g)
-    w13, w2t = torch.randn(4, 64, 64, generator=g), torch.randn(4, 32, 64, generator=g)
     ids = torch.tensor([[0, 3], [2, 1], [3, 0]])
     return {
         "int8_linear": lambda: native.int8_linear(k, x, int8, 40),
         "int4_linear": lambda: native.int4_linear(k, x, int4, 64, 40),
         "int8_heads": lambda: native.int8_heads(k, *heads),
-        "experts_tokens": lambda: native.experts_tokens(k, x, chosen, gates, 32, ((4, 64), (8, 0))),
-        "stacked_experts": lambda: native.stacked_experts(k, x, w13, w2t, 0, ids, gates),
+        "experts": lambda: native.experts(k, x, quantized, ids % 2, gates, shared),
     }
 
 
-@pytest.mark.parametrize("name", ["int8_linear", "int4_linear", "int8_heads", "experts_tokens", "stacked_experts"])
+@pytest.mark.parametrize("name", ["int8_linear", "int4_linear", "int8_heads", "experts"])
 def test_the_quantized_and_experts_kernels_take_their_temporaries_from_the_arena(scratch_limit, name):
     """An exhausted arena is a MemoryError naming the call; lifted, the same call gives the same bits as before."""
     call = _quantized_calls()[name]

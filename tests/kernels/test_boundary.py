@@ -59,14 +59,10 @@ def test_int8_linear_checks_what_it_reads():
         native.int8_heads(_k(), torch.randn(1, 3, 64), q.expand(3, 8, 64).contiguous(), scale, qsum)
 
 
-def test_stacked_experts_check_their_ids_cover_every_token():
-    w13, w2t = torch.randn(2, 16, 16), torch.randn(2, 8, 16)
-    with pytest.raises(ValueError, match=r"stacked_experts: ids must be .* \[4, \*\]; got cpu int64 \[1, 2\]"):
-        native.stacked_experts(_k(), torch.randn(4, 16), w13, w2t, 0, torch.zeros(1, 2).long(), torch.ones(1, 2))
-    with pytest.raises(ValueError, match=r"shared experts' 12 rows are not a multiple of the experts' 8"):
-        shared = tuple(torch.randn(12, 16) for _ in range(3))
-        native.stacked_experts(_k(), torch.randn(1, 16), w13, w2t, 0, torch.zeros(1, 1).long(), torch.ones(1, 1),
-                               shared)
+def test_experts_check_their_ids_cover_every_token():
+    table = native.expert_table(list(zip(torch.randn(2, 16, 16), torch.randn(2, 16, 8))), 16, 8, ((32, 0), (32, 0)))
+    with pytest.raises(ValueError, match=r"experts: ids must be .* \[4, \*\]; got cpu int64 \[1, 2\]"):
+        native.experts(_k(), torch.randn(4, 16), table, torch.zeros(1, 2).long(), torch.ones(1, 2))
 
 
 HEADS, NOPE, LATENT, ROPE, BLOCK = 2, 16, 32, 16, 4
@@ -138,15 +134,14 @@ def test_int4_linear_checks_its_activations():
         native.int4_linear(_k(), torch.randn(1, 64).double(), torch.zeros(1, 128, dtype=torch.uint8), 64, 16)
 
 
-def test_experts_tokens_checks_each_weight():
+def test_expert_tables_check_each_weight_in_its_projections_format():
     """Each weight against its projection's own format: an int8 down beside int4 gate_up is read as int8."""
     q, scale, _ = _int8_weight(64, 32)  # down of I = 32 to K = 64
     gate_up = native.pack_int4(*quantize_int4(torch.randn(64, 64), 64))  # gate_up of I = 32 over K = 64
-    good = [gate_up, native.pack_int8(q, scale)]
-    native.experts_tokens(_k(), torch.randn(1, 64), good, torch.ones(1, 1), 32, ((4, 64), (8, 0)))
-    with pytest.raises(ValueError, match=r"experts_tokens: weights\[1\] \(int8 weight of 64 outputs, 32 inputs in "
+    table = native.expert_table([(gate_up, native.pack_int8(q, scale))], 64, 32, ((4, 64), (8, 0)))
+    native.experts(_k(), torch.randn(1, 64), table, torch.zeros(1, 1).long(), torch.ones(1, 1))
+    with pytest.raises(ValueError, match=r"expert_table: experts\[0\].down \(int8 weight of 64 outputs, 32 inputs in "
                                          r"pack_int8's layout\) must be .* \[4, 640\]; got cpu int8 \[2, 1152\]"):
-        native.experts_tokens(_k(), torch.randn(1, 64), [gate_up, native.pack_int8(q.t().contiguous(), scale[:32])],
-                              torch.ones(1, 1), 32, ((4, 64), (8, 0)))
-    with pytest.raises(ValueError, match=r"experts_tokens: int4 kernels take .* K a multiple of 64; got .* K 32"):
-        native.experts_tokens(_k(), torch.randn(1, 64), good, torch.ones(1, 1), 32, ((4, 64), (4, 32)))
+        native.expert_table([(gate_up, native.pack_int8(q.t().contiguous(), scale[:32]))], 64, 32, ((4, 64), (8, 0)))
+    with pytest.raises(ValueError, match=r"expert_table: int4 kernels take .* K a multiple of 64; got .* K 32"):
+        native.expert_table([(gate_up, native.pack_int8(q, scale))], 64, 32, ((4, 64), (4, 32)))

@@ -63,28 +63,3 @@ def test_bf16_rounding_keeps_nan_a_nan(isa):
     x[0, 3] = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
     got = native.dense_linear(kernels(isa), x, torch.ones(4, 32), torch.bfloat16)
     assert got.isnan().all()
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 3])
-def test_stacked_experts_do_not_depend_on_the_thread_count(isa, dtype, tokens):
-    """The down projections were split by rows among the threads and each thread's partial sums added: the result
-    moved with the thread count (~1e-3). Columns are split now; every sum runs in the same order."""
-    g = torch.Generator().manual_seed(tokens)
-    inter, k = 160, 96  # a tail of columns past the last unit of 32, rows enough for three threads' shares
-    w13 = (torch.randn(4, 2 * inter, k, generator=g) * 0.2).to(dtype)
-    w2t = (torch.randn(4, inter, k, generator=g) * 0.2).to(dtype)
-    shared = tuple((torch.randn(inter, k, generator=g) * 0.2).to(dtype) for _ in range(3))
-    x = (torch.randn(tokens, k, generator=g) * 2).to(dtype)
-    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(tokens)])
-    weights = torch.rand(tokens, 2, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native.stacked_experts(kernels(isa), x, w13, w2t, 0, ids, weights, shared))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(results[0], r) for r in results[1:])

@@ -55,6 +55,15 @@ CASES = {
         table, qsl, lens = (torch.tensor(v, dtype=torch.int32) for v in ([[3]], [0, 1], [4]))
         lib.ls_mla_decode(d(q), lie(cache, 1 << 20, 4, 48), d(table), d(qsl), d(lens), 0.1, d(out), 1)
     """,
+    # experts whose table says them wider than their weights: reads past gate_up's end.
+    "experts": """
+        w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)
+        table = native.expert_table(list(zip(w13, w2)), 16, 8, ((32, 0), (32, 0)))
+        table.table.inter = 64
+        x, y = torch.randn(1, 16), torch.empty(1, 16)
+        ids, weights = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
+        lib.ls_experts(table.table, None, d(x), d(ids), d(weights), d(y), 1)
+    """,
 }
 
 

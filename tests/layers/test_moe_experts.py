@@ -167,13 +167,14 @@ def test_stacked_moe_still_yields_twice() -> None:
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("tokens", [1, 3, 8, 9])  # 9: past the few-token kernel, shared experts on their own
 def test_shared_experts_join_the_stack_as_gate_one_experts(dtype: torch.dtype, tol: float, tokens: int) -> None:
-    """Two I-wide shared experts (S = 2I) ride in the routed experts' kernel call; the sum is the naive one."""
+    """Two I-wide shared experts (one MLP of 2I) ride in the routed experts' kernel call; the sum is the naive one."""
     moe = _moe(dtype, shared=2)
     experts = _full_precision_weights(moe)
     shared = [p.weight.detach().float().clone() for p in (moe.shared_experts.gate_proj, moe.shared_experts.up_proj,
                                                           moe.shared_experts.down_proj)]
     moe.stack_experts()
-    assert moe.stacked.shared is not None and moe.shared_experts.down_proj.weight.t().is_contiguous()
+    fused = moe.stacked.shared_gate_up  # the shared gate and up: views of one weight, as the kernel reads them
+    assert moe.stacked.shared is not None and moe.shared_experts.gate_proj.weight.data_ptr() == fused.data_ptr()
     x, weights, ids = _routing(tokens)
     x = x.to(dtype)
     gate, up, down = shared
@@ -185,6 +186,10 @@ def test_shared_experts_join_the_stack_as_gate_one_experts(dtype: torch.dtype, t
             torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol * scale)
         else:
             assert got is None
-        # A shared weight replaced in the checkpoint's layout is not read as the stack's: the separate path runs.
-        moe.shared_experts.down_proj.weight = torch.nn.Parameter(moe.shared_experts.down_proj.weight.contiguous())
+        # A down projection replaced is read at its new address; a gate no longer in the fused weight is not read
+        # as the stack's: the separate path runs.
+        moe.shared_experts.down_proj.weight = torch.nn.Parameter(moe.shared_experts.down_proj.weight.clone())
+        again = moe.stacked.with_shared(x, weights, ids)
+        assert (again is None and got is None) or torch.equal(again, got)
+        moe.shared_experts.gate_proj.weight = torch.nn.Parameter(moe.shared_experts.gate_proj.weight.clone())
         assert moe.stacked.with_shared(x, weights, ids) is None

@@ -253,7 +253,7 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, d
         if hasattr(layer, "kernels"):
             layer.kernels = kernels(isa)  # each build's SiLU and kernels
     calls = []
-    monkeypatch.setattr(native, "experts_tokens", lambda *a, _f=native.experts_tokens, **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(native, "experts", lambda *a, _f=native.experts, **k: calls.append(1) or _f(*a, **k))
     x = torch.randn(1, 128, generator=g) * 3  # SiLU over a wide range
     ids, weights = torch.tensor([[5, 2, 7]]), torch.tensor([[0.5, 0.3, 0.2]])
     got = run_expert_loop(experts, x, weights, ids)
@@ -265,19 +265,6 @@ def test_one_token_through_its_experts_in_one_call(monkeypatch, method, group, d
 
     expected = sum(w * layer_by_layer(experts[e]) for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_experts_tokens_refuse_what_they_cannot_read():
-    """A pointer list that does not match the gates would be read past its end: refused, named."""
-    if native.native_kernels(cpu_features())[0] is None:
-        pytest.skip("no native kernels here")
-    x, packed = torch.randn(2, 64), torch.zeros(4, 64, dtype=torch.uint8)
-    k = native.native_kernels(cpu_features())[0]
-    with pytest.raises(ValueError, match=r"experts_tokens takes formats of 8 or 4 bits and 2 weights per \(token, "
-                                         r"expert\), .* got formats \(\(4, 64\), \(4, 64\)\), 2 weights"):
-        native.experts_tokens(k, x, [packed, packed], torch.ones(2, 1), 2, ((4, 64), (4, 64)))
-    with pytest.raises(ValueError, match=r"got formats \(\(8, 0\), \(3, 0\)\)"):
-        native.experts_tokens(k, x, [packed] * 4, torch.ones(2, 1), 2, ((8, 0), (3, 0)))
 
 
 @pytest.mark.parametrize("method, group", [("int8", None), ("int4", 64), ("int4", None)])
@@ -297,7 +284,7 @@ def test_one_token_gated_mlp_in_one_call(monkeypatch, method, group):
     mlp.down_proj = quantize_linear("down", torch.randn(128, 64, generator=g) * 0.1, None, config, "cpu")
     x = torch.randn(2, 128, generator=g).bfloat16()
     calls = []
-    monkeypatch.setattr(native, "experts_tokens", lambda *a, _f=native.experts_tokens, **k: calls.append(1) or _f(*a, **k))
+    monkeypatch.setattr(native, "experts", lambda *a, _f=native.experts, **k: calls.append(1) or _f(*a, **k))
     one = mlp(x[:1])
     assert calls == [1] and one.dtype == torch.bfloat16
     # Layer by layer in fp32 (two rows), as the one call computes inside: the same up to the output's bf16 rounding.

@@ -243,7 +243,8 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
         assert error.max() < 0.3 and error.mean() < 0.06
     if default_policy().kernels is not None:  # Q4_K gate and up beside Q8_0 down (int4 and int8): still the one-call block
         built, _ = build_moe_block(model.model.layers[1].mlp, torch.float32)
-        assert built is not None and list(built[0].bits) == [4, 8] and list(built[0].group) == [32, 0]
+        routed = built[0].routed if built is not None else None
+        assert routed is not None and list(routed.bits) == [4, 8] and list(routed.group) == [32, 0]
 
 
 def test_expert_shard_converts_only_its_experts(tmp_path, monkeypatch):

@@ -287,7 +287,7 @@ def _native_calls(monkeypatch) -> list[str]:
     from latentserve.kernels import native
 
     calls: list[str] = []
-    for name in ("dense_linear", "dense_heads", "rms_norm", "mla_prologue", "route", "stacked_experts",
+    for name in ("dense_linear", "dense_heads", "rms_norm", "mla_prologue", "route", "experts",
                  "mla_attention_block", "moe_block"):
         monkeypatch.setattr(native, name, lambda *a, _f=getattr(native, name), _n=name: calls.append(_n) or _f(*a))
     return calls

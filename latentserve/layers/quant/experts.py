@@ -49,28 +49,31 @@ def _each_token(experts: nn.ModuleList, x: torch.Tensor, xa: torch.Tensor, weigh
     """Batch-1 decode, or every token in batch-invariant mode: each token's top-k experts straight from its ids,
     without the sort, gathers and scatters; with latentserve's kernels, all of them in one call, each token's result
     as it would be alone."""
-    ids_sorted, order = ids.sort(dim=-1)
-    chosen = [[experts[e] for e in row] for row in ids_sorted.tolist()]
-    native_out = _native_tokens(chosen, xa, weights.gather(1, order))
+    chosen = sorted(set(ids.flatten().tolist()))  # table order = id order: the kernel sums a token's experts by it
+    position = {e: i for i, e in enumerate(chosen)}
+    local = torch.tensor([[position[e] for e in row] for row in ids.tolist()], dtype=torch.int64)
+    native_out = _native_tokens([experts[e] for e in chosen], local, xa, weights)
     if native_out is not None:
         return native_out.view_as(x).to(x.dtype)
     if x.shape[0] > 1:
         raise RuntimeError("batch-invariant mode runs quantized experts on latentserve's kernels, which do not take "
                            f"these ({type(experts[0]).__name__})")
+    ids_sorted, order = ids.sort(dim=-1)
     out = torch.zeros_like(x)
-    for expert, weight in zip(chosen[0], weights[0][order[0]]):
-        out.add_((expert(xa) * weight).to(x.dtype))
+    for e, weight in zip(ids_sorted[0].tolist(), weights[0][order[0]]):
+        out.add_((experts[e](xa) * weight).to(x.dtype))
     return out
 
 
 def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """A gated MLP (dense or shared experts) over the tokens x `[T, K]` in native calls, each token's result as it
     would be alone, or None where its layers are not latentserve's kernels."""
-    out = _native_tokens([[mlp]] * x.shape[0], x, torch.ones(x.shape[0], 1))
+    tokens = x.shape[0]
+    out = _native_tokens([mlp], torch.zeros(tokens, 1, dtype=torch.int64), x, torch.ones(tokens, 1))
     return None if out is None else out.view_as(x).to(x.dtype)
 
 
-# Tokens per `experts_tokens` call: each thread keeps 64 bytes per (token, expert) pair on its stack.
+# Tokens per `native.experts` call: its temporaries grow with the (token, expert) pairs.
 TOKENS_PER_CALL = 64
 
 
@@ -86,27 +89,41 @@ def packed_format(layer: nn.Module) -> native.Format | None:
     return None
 
 
-def _native_tokens(chosen: list[list[nn.Module]], xa: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
-    """Token t through its experts `chosen[t]` (one count for all) with `native.experts_tokens` where each is a fused
-    gate_up and a down of latentserve's kernels, bias-free, every gate_up in one format and every down in one
-    (the two may differ); None otherwise."""
-    if any(getattr(e, "swiglu_limit", None) is not None for row in chosen for e in row):
-        return None  # the kernel has no clamp
-    layers = [[(getattr(e, "gate_up_proj", None), e.down_proj) for e in row] for row in chosen]
-    flat = [pair for row in layers for pair in row]
-    formats = {(packed_format(gu), packed_format(d)) for gu, d in flat}
-    if len(formats) != 1 or None in next(iter(formats)):
+def expert_layers(mlp: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """(gate_up, down) of a gated MLP whose two layers are latentserve's quantized kinds, bias-free and unclamped
+    (the kernel has no clamp), else None."""
+    layers = (getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    if getattr(mlp, "swiglu_limit", None) is not None or any(packed_format(layer) is None for layer in layers):
         return None
-    gate_up = flat[0][0]
+    return layers
+
+
+def quantized_table(experts: list[nn.Module]) -> native.Experts | None:
+    """`experts` as the experts kernel reads them, or None where one is not `expert_layers`' kind or they differ in
+    format or width (one table: one format per projection, one intermediate size)."""
+    layers = [expert_layers(e) for e in experts]
+    if any(pair is None for pair in layers):
+        return None
+    formats = {(packed_format(gate_up), packed_format(down), gate_up.out_features, down.out_features)
+               for gate_up, down in layers}
+    if len(formats) != 1:
+        return None
+    gate_up, down = layers[0]
+    return native.expert_table([(g.packed, d.packed) for g, d in layers], down.out_features,
+                               gate_up.out_features // 2, (packed_format(gate_up), packed_format(down)))
+
+
+def _native_tokens(experts: list[nn.Module], ids: torch.Tensor, xa: torch.Tensor,
+                   gates: torch.Tensor) -> torch.Tensor | None:
+    """Token t through experts[ids[t, j]] weighted gates[t, j] with `native.experts` where they are one
+    `quantized_table`; None otherwise."""
+    table = quantized_table(experts)
+    if table is None:
+        return None
+    kernels = experts[0].gate_up_proj.kernels
     x = native.activations(xa, xa.shape[-1])
     gates = gates.float().contiguous()
-    outs = [native.experts_tokens(gate_up.kernels, x[t : t + TOKENS_PER_CALL].contiguous(),
-                                  _pointers(layers[t : t + TOKENS_PER_CALL]), gates[t : t + TOKENS_PER_CALL],
-                                  gate_up.out_features // 2, next(iter(formats)))
-            for t in range(0, len(chosen), TOKENS_PER_CALL)]
+    outs = [native.experts(kernels, x[t : t + TOKENS_PER_CALL].contiguous(), table, ids[t : t + TOKENS_PER_CALL],
+                           gates[t : t + TOKENS_PER_CALL])
+            for t in range(0, x.shape[0], TOKENS_PER_CALL)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _pointers(layers: list[list[tuple[nn.Module, nn.Module]]]) -> list[torch.Tensor]:
-    """The weights `experts_tokens` reads per (token, expert), in its order."""
-    return [layer.packed for row in layers for pair in row for layer in pair]

@@ -1,0 +1,171 @@
+/* The experts' one driver, for every weight format (quant.h's Format: dense fp32 or bf16 rows, `pack_int8`'s and
+ * `pack_int4`'s blocks), each projection in its own (llama.cpp's Q4_K_M files keep some down projections at 8 bits
+ * beside 4-bit gate and up). A few tokens' routed experts and their shared ones run in one parallel region: the
+ * (token, expert) pairs grouped by expert, so that an expert several tokens chose is read once for all of them,
+ * gate_up's blocks of 16 outputs of every group shared out among the threads, then down's, then the weighted sums.
+ * Every pair's arithmetic is the same whatever pairs share its expert and whatever the thread count (each output is
+ * one thread's dot product, each sum one thread's, in a fixed order), so a token's result is what it is alone. */
+#include "quant.h"
+
+/* The pairs of one table (routed or shared): grouped order begin..end, in groups g0..g1, their rows of h (2 I wide)
+ * and a (I wide) from row offsets h0 and a0, x prepared for gate_up's format (its pairs' rows) and a for down's. */
+typedef struct {
+    const ExpertTable *table;
+    Format f[2];
+    int64_t begin, end, g0, g1, h0, a0;
+    QuantActs x, a;
+} Set;
+
+/* One expert's pairs begin..end (grouped order) of set `set`, its two weights w. */
+typedef struct {
+    int64_t set, begin, end;
+    void *const *w;
+} Group;
+
+/* Everything the region reads: the groups, their first block of each layer (units[which][g], ending with the
+ * total), the sets, the buffers. */
+typedef struct {
+    int64_t K;
+    const Group *group;
+    const int64_t *units[2];
+    const Set *set;
+    float *h, *a, *o;
+} Plan;
+
+INLINE float rounded(float v, int bf) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
+
+/* This thread's share of layer `which` (0 gate_up, 1 down) of each set's groups, in blocks of 16 outputs, in
+ * order: pair i's outputs to h (gate_up) or o (down). Each set shared out on its own: the shared experts' blocks
+ * meet every token, the routed ones' a few, so one split of both would load the threads unevenly. */
+static void layer(const Plan *p, int which, float *dots) {
+    int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+    const int64_t *units = p->units[which];
+    for (int set = 0; set < 2; set++) {
+        const Set *s = p->set + set;
+        int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0;
+        for (int64_t r = lo + n * part / parts, end = lo + n * (part + 1) / parts; r < end; r++) {
+            while (units[g + 1] <= r) g++;
+            const Group *e = p->group + g;
+            int64_t I = s->table->inter, u = r - units[g], m = e->end - e->begin, first = e->begin - s->begin;
+            int64_t N = which ? p->K : 2 * I, in = which ? I : p->K, outputs = N - 16 * u < 16 ? N - 16 * u : 16;
+            Format f = s->f[which];
+            const char *block = (const char *)e->w[which] + u * block_bytes(f, in);
+            format_dots(f, which ? s->a : s->x, first, m, block, in, outputs, dots);
+            for (int64_t i = 0; i < m; i++) {
+                float *dst = which ? p->o + (e->begin + i) * p->K : p->h + (s->h0 + (first + i) * 2 * I);
+                for (int64_t j = 0; j < outputs; j++) dst[16 * u + j] = dots[16 * i + j];
+            }
+        }
+    }
+}
+
+/* Pair i's a = silu(gate) * up, prepared for down's format. */
+static void activate(const Plan *p, int64_t i) {
+    const Set *s = p->set + (i < p->set[0].end ? 0 : 1);
+    int64_t I = s->table->inter, row = i - s->begin;
+    float *a = p->a + s->a0 + row * I;
+    silu_mul(p->h + s->h0 + row * 2 * I, I, a);
+    quantize_into(s->f[1], a, 0, 1, I, acts_row(s->f[1], s->a, row, I));
+}
+
+static Set make_set(const ExpertTable *t, int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t h0,
+                    int64_t a0) {
+    Set s = {t, {{t->bits[0], t->group[0]}, {t->bits[1], t->group[1]}}, begin, end, g0, g1, h0, a0, {0}, {0}};
+    return s;
+}
+
+/* order[0..P): the pairs in grouped order, the routed ones by expert (a counting sort, stable: count[E] its room),
+ * then the shared ones; w[p]: pair p's two weights, e[p] its routed expert. Returns the number of groups written to
+ * `group`. */
+static int64_t group_pairs(int64_t R, int64_t P, int64_t E, const int64_t *e, void *const **w, int64_t *count,
+                           int64_t *order, Group *group) {
+    memset(count, 0, (E + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < R; p++) count[e[p] + 1]++;
+    for (int64_t i = 0; i < E; i++) count[i + 1] += count[i];
+    for (int64_t p = 0; p < R; p++) order[count[e[p]]++] = p;
+    for (int64_t p = R; p < P; p++) order[p] = p;
+    int64_t groups = 0;
+    for (int64_t i = 0; i < P; i++) {
+        int64_t set = i >= R;
+        if (i == 0 || set != group[groups - 1].set || w[order[i]] != group[groups - 1].w)
+            group[groups++] = (Group){set, i, i, w[order[i]]};
+        group[groups - 1].end = i + 1;
+    }
+    return groups;
+}
+
+int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x, int64_t T, int64_t K, int64_t k,
+            const int64_t *ids, const float *weights, void *y, int io, int threads) {
+    for (int64_t i = 0; i < T * k; i++)
+        if (ids[i] < 0 || ids[i] >= routed->experts) return LS_BAD_EXPERT;
+    int has_shared = shared && shared->experts > 0;
+    int64_t R = T * k, P = R + (has_shared ? T : 0), I = routed->inter, S = has_shared ? shared->inter : 0;
+    ScratchMark mark = scratch_mark();
+    int64_t *order = scratch(P * sizeof(int64_t)), *slot = scratch(P * sizeof(int64_t));
+    int64_t *token = scratch(P * sizeof(int64_t)), *sorted = scratch(k * sizeof(int64_t));
+    int64_t *expert = scratch(R * sizeof(int64_t)), *count = scratch((routed->experts + 1) * sizeof(int64_t));
+    int64_t *units = scratch(2 * (P + 1) * sizeof(int64_t));
+    void *const **w = scratch(P * sizeof(void *const *));
+    float *gate = scratch(R * sizeof(float));
+    Group *group = scratch(P * sizeof(Group));
+    float *h = scratch((R * 2 * I + T * 2 * S) * sizeof(float)), *a = scratch((R * I + T * S) * sizeof(float));
+    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * P * sizeof(float));
+    if (!order || !slot || !token || !sorted || !expert || !count || !units || !w || !gate || !group || !h || !a ||
+        !o || !dots)
+        return scratch_release(mark), LS_NO_MEMORY;
+    for (int64_t t = 0; t < T; t++) { /* each token's experts in id order, as the modules sum them */
+        sort_ids(ids + t * k, k, sorted);
+        for (int64_t c = 0; c < k; c++) {
+            expert[t * k + c] = ids[t * k + sorted[c]];
+            w[t * k + c] = routed->weights + 2 * expert[t * k + c];
+            gate[t * k + c] = weights[t * k + sorted[c]];
+        }
+        if (has_shared) w[R + t] = shared->weights;
+    }
+    int64_t groups = group_pairs(R, P, routed->experts, expert, w, count, order, group);
+    for (int64_t i = 0; i < P; i++) {
+        slot[order[i]] = i;
+        token[i] = order[i] < R ? order[i] / k : order[i] - R;
+    }
+    int64_t routed_groups = groups - (has_shared && T > 0);
+    Set set[2] = {make_set(routed, 0, R, 0, routed_groups, 0, 0),
+                  make_set(has_shared ? shared : routed, R, P, routed_groups, groups, R * 2 * I, R * I)};
+    int missing = 0;
+    for (int s = 0; s < 1 + has_shared; s++) {
+        int64_t n = set[s].end - set[s].begin, width = set[s].table->inter;
+        QuantActs xt = quantize_for(set[s].f[0], x, io & 1, T, K);
+        set[s].x = xt.q ? gather_acts(set[s].f[0], xt, token + set[s].begin, n, K) : xt;
+        set[s].a = take_acts(set[s].f[1], 0, n, width);
+        missing |= !set[s].x.q || !set[s].a.q;
+    }
+    if (missing) return scratch_release(mark), LS_NO_MEMORY;
+    units[0] = units[P + 1] = 0;
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t width = set[group[g].set].table->inter;
+        units[g + 1] = units[g] + (2 * width + 15) / 16;
+        units[P + 1 + g + 1] = units[P + 1 + g] + (K + 15) / 16;
+    }
+    Plan plan = {K, group, {units, units + P + 1}, set, h, a, o};
+    int ybf = (io >> 1) & 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *mine = dots + omp_get_thread_num() * 16 * P;
+        layer(&plan, 0, mine);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < P; i++) activate(&plan, i);
+        layer(&plan, 1, mine);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t tk = 0; tk < T * K; tk++) {
+            int64_t t = tk / K, c = tk - t * K;
+            float sum = 0.f;
+            for (int64_t j = 0; j < k; j++) sum += gate[t * k + j] * o[slot[t * k + j] * K + c];
+            if (has_shared) /* rounded as torch adds the routed and the shared experts' outputs */
+                sum = rounded(sum, ybf) + rounded(o[slot[R + t] * K + c], ybf);
+            store_out(y, ybf, tk, sum);
+        }
+    }
+    scratch_release(mark);
+    return LS_OK;
+}
