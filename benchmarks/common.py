@@ -1,6 +1,7 @@
 """Timing helpers shared by the benchmarks, and latentserve's `linear` as its layers run it."""
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Callable
 
@@ -34,3 +35,15 @@ def policy_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     thread count)."""
     policy = default_policy()
     return linear(x, weight, None, policy.kernels, policy.dense_rows(weight.dtype, weight.shape[1]))
+
+
+def batch_sizes(parser: argparse.ArgumentParser, text: str, least: int, why: str = "") -> list[int]:
+    """The comma-separated batch sizes of a `--batches` option, sorted, each at least `least`; a usage error
+    otherwise (`why` says why the least)."""
+    try:
+        sizes = sorted({int(b) for b in text.split(",")})
+    except ValueError:
+        parser.error(f"--batches {text!r}: want comma-separated integers")
+    if sizes[0] < least:
+        parser.error(f"--batches {sizes}: each must be >= {least}{why}")
+    return sizes

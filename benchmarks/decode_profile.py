@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import copy_bandwidth  # noqa: E402
+from benchmarks.common import batch_sizes, copy_bandwidth  # noqa: E402
 from benchmarks.decode_bytes import decode_bytes_per_token  # noqa: E402
 from benchmarks.llama_cpp import load_average  # noqa: E402
 
@@ -190,12 +190,7 @@ def main() -> None:
     names = args.formats.split(",")
     if any(n not in FILES for n in names):
         parser.error(f"--formats {args.formats!r}: each must be one of {list(FILES)}")
-    try:
-        args.batches = sorted({int(b) for b in args.batches.split(",")})
-    except ValueError:
-        parser.error(f"--batches {args.batches!r}: want comma-separated integers")
-    if args.batches[0] < 1:
-        parser.error(f"--batches {args.batches}: each must be >= 1")
+    args.batches = batch_sizes(parser, args.batches, 1)
     missing = [str(args.gguf_dir / FILES[n]) for n in names if not (args.gguf_dir / FILES[n]).is_file()]
     if missing:
         parser.error(f"--gguf-dir: missing {', '.join(missing)} (benchmarks/llama_cpp_ik.py writes them)")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import copy_bandwidth  # noqa: E402
+from benchmarks.common import batch_sizes, copy_bandwidth  # noqa: E402
 from benchmarks.decode_bytes import decode_bytes_per_token  # noqa: E402
 from benchmarks.llama_cpp import _best, load_average, make_ggufs, our_round, run  # noqa: E402
 from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
@@ -240,12 +240,7 @@ def parse_args() -> argparse.Namespace:
     args.pairs = [(name, kind) for name, kind in PAIRS if name in names]
     if len(args.pairs) != len(set(names)):
         parser.error(f"--formats {args.formats!r}: each must be one of {[name for name, _ in PAIRS]}")
-    try:
-        args.batches = sorted({int(b) for b in args.batches.split(",")})
-    except ValueError:
-        parser.error(f"--batches {args.batches!r}: want comma-separated integers")
-    if args.batches[0] < 2:
-        parser.error(f"--batches {args.batches}: each must be >= 2 (batch 1 is the decode point)")
+    args.batches = batch_sizes(parser, args.batches, 2, " (batch 1 is the decode point)")
     if args.ik_build is None:
         parser.error("--ik-build (or $IK_LLAMA_BUILD) is required: the ik_llama.cpp build directory")
     if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
