@@ -34,27 +34,72 @@ typedef struct {
 
 INLINE float rounded(float v, int bf) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
 
-/* This thread's share of layer `which` (0 gate_up, 1 down) of each set's groups, in blocks of 16 outputs, in
- * order: pair i's outputs to h (gate_up) or o (down). Each set shared out on its own: the shared experts' blocks
- * meet every token, the routed ones' a few, so one split of both would load the threads unevenly. */
+/* Block u of layer `which` (0 gate_up, 1 down) of group e, of set s: its rows of the activations and its weights. */
+typedef struct {
+    const Group *e;
+    int64_t u, m, first, in, outputs;
+    const char *block;
+} Unit;
+
+/* Unit r of layer `which` of set s; *g: its group, advanced from an earlier unit's (units come in increasing r). */
+static Unit find_unit(const Plan *p, const Set *s, int which, int64_t r, int64_t *g) {
+    const int64_t *units = p->units[which];
+    while (units[*g + 1] <= r) ++*g;
+    const Group *e = p->group + *g;
+    int64_t I = s->table->inter, u = r - units[*g], N = which ? p->K : 2 * I, in = which ? I : p->K;
+    Unit t = {e, u, e->end - e->begin, e->begin - s->begin, in, N - 16 * u < 16 ? N - 16 * u : 16,
+              (const char *)e->w[which] + u * block_bytes(s->f[which], in)};
+    return t;
+}
+
+/* The unit's pair i's outputs dots[16 * i + j] to h (gate_up) or o (down). */
+static void store_unit(const Plan *p, const Set *s, int which, Unit t, const float *dots) {
+    int64_t I = s->table->inter;
+    for (int64_t i = 0; i < t.m; i++) {
+        float *dst = which ? p->o + (t.e->begin + i) * p->K : p->h + (s->h0 + (t.first + i) * 2 * I);
+        for (int64_t j = 0; j < t.outputs; j++) dst[16 * t.u + j] = dots[16 * i + j];
+    }
+}
+
+static void unit_dots(const Plan *p, const Set *s, int which, Unit t, float *dots) {
+    format_dots(s->f[which], which ? s->a : s->x, t.first, t.m, t.block, t.in, t.outputs, dots);
+    store_unit(p, s, which, t, dots);
+}
+
+/* This thread's share of layer `which` of each set's groups, in blocks of 16 outputs. Each set shared out on its
+ * own: the shared experts' blocks meet every token, the routed ones' a few, so one split of both would load the
+ * threads unevenly. int8 reads two blocks at once, the i-th of each half of the share, where both have the same
+ * few rows (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be different
+ * experts', met by different tokens, so each block takes its own rows. `dots`: room for 16 * (P + PAIR_ROWS)
+ * floats. */
 static void layer(const Plan *p, int which, float *dots) {
     int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
     const int64_t *units = p->units[which];
     for (int set = 0; set < 2; set++) {
         const Set *s = p->set + set;
-        int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0;
-        for (int64_t r = lo + n * part / parts, end = lo + n * (part + 1) / parts; r < end; r++) {
-            while (units[g + 1] <= r) g++;
-            const Group *e = p->group + g;
-            int64_t I = s->table->inter, u = r - units[g], m = e->end - e->begin, first = e->begin - s->begin;
-            int64_t N = which ? p->K : 2 * I, in = which ? I : p->K, outputs = N - 16 * u < 16 ? N - 16 * u : 16;
-            Format f = s->f[which];
-            const char *block = (const char *)e->w[which] + u * block_bytes(f, in);
-            format_dots(f, which ? s->a : s->x, first, m, block, in, outputs, dots);
-            for (int64_t i = 0; i < m; i++) {
-                float *dst = which ? p->o + (e->begin + i) * p->K : p->h + (s->h0 + (first + i) * 2 * I);
-                for (int64_t j = 0; j < outputs; j++) dst[16 * u + j] = dots[16 * i + j];
+        QuantActs acts = which ? s->a : s->x;
+        int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0, g2 = s->g0;
+        int64_t begin = lo + n * part / parts, len = lo + n * (part + 1) / parts - begin;
+        if (s->f[which].bits != 8) {
+            for (int64_t r = begin; r < begin + len; r++) unit_dots(p, s, which, find_unit(p, s, which, r, &g), dots);
+            continue;
+        }
+        for (int64_t half = (len + 1) / 2, r = begin; r < begin + half; r++) {
+            Unit t = find_unit(p, s, which, r, &g);
+            if (r + half >= begin + len) {
+                unit_dots(p, s, which, t, dots);
+                continue;
             }
+            Unit t2 = find_unit(p, s, which, r + half, &g2);
+            if (t.m != t2.m || t.m > PAIR_ROWS) {
+                unit_dots(p, s, which, t, dots);
+                unit_dots(p, s, which, t2, dots);
+                continue;
+            }
+            int8_block_pair_dots(acts, t.first, acts, t2.first, t.m, (const int8_t *)t.block,
+                                 (const int8_t *)t2.block, t.in, dots, dots + 16 * PAIR_ROWS);
+            store_unit(p, s, which, t, dots);
+            store_unit(p, s, which, t2, dots + 16 * PAIR_ROWS);
         }
     }
 }
@@ -109,7 +154,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     float *gate = scratch(R * sizeof(float));
     Group *group = scratch(P * sizeof(Group));
     float *h = scratch((R * 2 * I + T * 2 * S) * sizeof(float)), *a = scratch((R * I + T * S) * sizeof(float));
-    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * P * sizeof(float));
+    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * (P + PAIR_ROWS) * sizeof(float));
     if (!order || !slot || !token || !sorted || !expert || !count || !units || !w || !gate || !group || !h || !a ||
         !o || !dots)
         return scratch_release(mark), LS_NO_MEMORY;
@@ -149,7 +194,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     int ybf = (io >> 1) & 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *mine = dots + omp_get_thread_num() * 16 * P;
+        float *mine = dots + omp_get_thread_num() * 16 * (P + PAIR_ROWS);
         layer(&plan, 0, mine);
 #pragma omp barrier
 #pragma omp for schedule(static)

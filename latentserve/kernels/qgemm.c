@@ -208,14 +208,15 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
 #define PAIR_CHUNK 32 /* units (64 bytes) read from one block of a pair before the other's: 2 KB, an old row's */
 
 #ifdef LS_AVX512
-/* lanes_sums of two blocks at once, each with its own accumulators: two streams of weights in flight. One or two
- * rows (bound by the loads) take turns of PAIR_CHUNK units, two chains a block; more rows (bound by the arithmetic)
- * go unit by unit, each broadcast of x feeding both blocks. */
-INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0, const int8_t *w1, int64_t K,
-                            int mb, int32_t (*out)[MB][16]) {
+/* lanes_sums of two blocks at once, each with its own accumulators and its own activation rows (x0 for w0, x1 for
+ * w1: the experts pair blocks of different experts, met by different tokens): two streams of weights in flight. One
+ * or two rows (bound by the loads) take turns of PAIR_CHUNK units, two chains a block; more rows (bound by the
+ * arithmetic) go unit by unit. */
+INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
+                            int64_t K, int mb, int32_t (*out)[MB][16]) {
     enum { CHAINS_MAX = 2 };
     const int chains = mb <= 2 ? 2 : 1;
-    const int8_t *w[2] = {w0, w1};
+    const int8_t *w[2] = {w0, w1}, *xq[2] = {x0, x1};
     __m512i acc[2][CHAINS_MAX][MB];
     for (int s = 0; s < 2; s++)
         for (int h = 0; h < chains; h++)
@@ -224,10 +225,10 @@ INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0,
     if (mb > 2) {
         for (int64_t c = 0; c < units; c++) {
             __m512i wv[2] = {_mm512_loadu_si512(w0 + 64 * c), _mm512_loadu_si512(w1 + 64 * c)};
-            for (int i = 0; i < mb; i++) {
-                __m512i xv = _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
-                for (int s = 0; s < 2; s++) acc[s][0][i] = _mm512_dpbusd_epi32(acc[s][0][i], xv, wv[s]);
-            }
+            for (int i = 0; i < mb; i++)
+                for (int s = 0; s < 2; s++)
+                    acc[s][0][i] = _mm512_dpbusd_epi32(
+                        acc[s][0][i], _mm512_set1_epi32(four_bytes(xq[s] + i * xstride + 4 * c)), wv[s]);
         }
     } else {
         for (int64_t c0 = 0; c0 < units; c0 += PAIR_CHUNK)
@@ -238,13 +239,13 @@ INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0,
                         __m512i wv = _mm512_loadu_si512(w[s] + 64 * (c + h));
                         for (int i = 0; i < mb; i++)
                             acc[s][h][i] = _mm512_dpbusd_epi32(
-                                acc[s][h][i], _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * (c + h))), wv);
+                                acc[s][h][i], _mm512_set1_epi32(four_bytes(xq[s] + i * xstride + 4 * (c + h))), wv);
                     }
                 for (; c < end; c++) {
                     __m512i wv = _mm512_loadu_si512(w[s] + 64 * c);
                     for (int i = 0; i < mb; i++)
                         acc[s][0][i] = _mm512_dpbusd_epi32(
-                            acc[s][0][i], _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * c)), wv);
+                            acc[s][0][i], _mm512_set1_epi32(four_bytes(xq[s] + i * xstride + 4 * c)), wv);
                 }
             }
     }
@@ -257,10 +258,10 @@ INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0,
 #else
 /* As the AVX-512 version's turns of PAIR_CHUNK units at every row count (not measured: AVX-512 machines run the other
  * build), each unit as lanes_sums' two halves of 8 outputs. */
-INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0, const int8_t *w1, int64_t K,
-                            int mb, int32_t (*out)[MB][16]) {
+INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
+                            int64_t K, int mb, int32_t (*out)[MB][16]) {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *w[2] = {w0, w1};
+    const int8_t *w[2] = {w0, w1}, *xq[2] = {x0, x1};
     __m256i acc[2][MB][2];
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < mb; i++) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_si256();
@@ -271,7 +272,7 @@ INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0,
                     __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h));
                     __m256i aw = _mm256_abs_epi8(wv);
                     for (int i = 0; i < mb; i++) {
-                        __m256i xv = _mm256_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
+                        __m256i xv = _mm256_set1_epi32(four_bytes(xq[s] + i * xstride + 4 * c));
                         __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
                         acc[s][i][h] = _mm256_add_epi32(acc[s][i][h], _mm256_madd_epi16(p, ones));
                     }
@@ -284,15 +285,17 @@ INLINE void lanes_sums_pair(const int8_t *xq, int64_t xstride, const int8_t *w0,
 }
 #endif
 
-/* int8_block_dots of two blocks read side by side (lanes_sums_pair), into dots0 and dots1: the same sums and the
- * same epilogue, so the same outputs. */
-void int8_block_pair_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block0, const int8_t *block1, int64_t K,
-                          float *dots0, float *dots1) {
+/* int8_block_dots of two blocks read side by side (lanes_sums_pair), block0 with rows first0.. of a0 into dots0,
+ * block1 with rows first1.. of a1 into dots1: the same sums and the same epilogue, so the same outputs. Both rows'
+ * activations have K columns. */
+void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const int8_t *block0,
+                          const int8_t *block1, int64_t K, float *dots0, float *dots1) {
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[2][MB][16];
-        FOR_ROWS(lanes_sums_pair, a.q + (first + m0) * K, K, block0 + INT8_HEADER, block1 + INT8_HEADER, K)
-        block_epilogue(block0, a, first + m0, mb, out[0], dots0 + 16 * m0);
-        block_epilogue(block1, a, first + m0, mb, out[1], dots1 + 16 * m0);
+        FOR_ROWS(lanes_sums_pair, a0.q + (first0 + m0) * K, a1.q + (first1 + m0) * K, K, block0 + INT8_HEADER,
+                 block1 + INT8_HEADER, K)
+        block_epilogue(block0, a0, first0 + m0, mb, out[0], dots0 + 16 * m0);
+        block_epilogue(block1, a1, first1 + m0, mb, out[1], dots1 + 16 * m0);
     }
 }

@@ -63,9 +63,11 @@ INLINE int64_t block_bytes(Format f, int64_t K) {
 /* The 16 outputs of one block for rows first.. first + m of `a` (prepared for the block's format), into
  * dots[16 * i + j]; dense blocks: their first `outputs` rows. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots);
-/* int8_block_dots of two blocks at once, into dots0 and dots1: two streams of weights in flight (a few rows). */
-void int8_block_pair_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block0, const int8_t *block1, int64_t K,
-                          float *dots0, float *dots1);
+/* int8_block_dots of two blocks at once, each with its own rows (m of each), into dots0 and dots1: two streams of
+ * weights in flight. The drivers use it up to PAIR_ROWS rows. */
+#define PAIR_ROWS 8
+void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const int8_t *block0,
+                          const int8_t *block1, int64_t K, float *dots0, float *dots1);
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots);
 void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, int wbf, int64_t K, int64_t outputs,
                       float *dots);

@@ -5,7 +5,6 @@
 #include "quant.h"
 
 #define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
-#define PAIR_ROWS 8    /* up to this many rows int8 reads two blocks at once (int8_block_pair_dots) */
 
 /* y[m0 .. m0 + rows, block b's outputs] = dots[16 * m + j]. */
 static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, int64_t b, const float *dots) {
@@ -43,7 +42,7 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, i
             if (bits == 8 && rows <= PAIR_ROWS) {
                 for (int64_t b = begin; b < begin + half; b++) {
                     if (b + half < begin + len) {
-                        int8_block_pair_dots(a, m0, rows, (const int8_t *)(wb + b * bytes),
+                        int8_block_pair_dots(a, m0, a, m0, rows, (const int8_t *)(wb + b * bytes),
                                              (const int8_t *)(wb + (b + half) * bytes), K, mine, other);
                         store_block(y, io & 2, N, m0, rows, b + half, other);
                     } else {
