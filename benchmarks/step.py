@@ -72,9 +72,6 @@ def time_streamed_gemms(gemms: list[Gemm], dtype: torch.dtype) -> float:
             if g.count > 1 and g.k * g.n < 1 << 16:  # the per-head absorbed matrices: one bmm
                 ops.append((torch.bmm, torch.randn(g.count, g.rows, g.k, dtype=dtype),
                             torch.randn(g.count, g.k, g.n, dtype=dtype)))
-            elif g.transposed:
-                ops += [(torch.mm, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.k, g.n, dtype=dtype))
-                        for _ in range(g.count)]
             else:
                 ops += [(policy_linear, torch.randn(g.rows, g.k, dtype=dtype), torch.randn(g.n, g.k, dtype=dtype))
                         for _ in range(g.count)]
@@ -169,8 +166,7 @@ def measure(llm: LLM, c: dict, batch: int, context: int, steps: int) -> dict[str
     for request_id in ids:
         engine.abort_request(request_id)
     # The fastest step, like every other figure here: other tenants of the machine only ever slow one down.
-    down_transposed = any(hasattr(m, "w2t") for m in engine.model.modules())  # StackedExperts' layout
-    products = step_gemms(c, batch, batch, decode=True, down_transposed=down_transposed)
+    products = step_gemms(c, batch, batch, decode=True)
     gemms = time_streamed_gemms(products, engine.model.lm_head.weight.dtype)
     return dict(step=min(times), gemms=gemms, attention=attention,
                 attention_torch=attention_torch)

@@ -140,7 +140,6 @@ class Gemm:
     k: int
     n: int
     count: int = 1
-    transposed: bool = False  # the weight stored `[k, n]` (x @ W) instead of `[n, k]` (x @ Wᵀ)
 
     @property
     def flops(self) -> int:
@@ -151,9 +150,8 @@ class Gemm:
         return 4 * self.k * self.n * self.count
 
 
-def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool, down_transposed: bool = False) -> list[Gemm]:
-    """The weight GEMMs of one forward over `tokens` tokens; routed experts get an even share of tokens, their down
-    projections stored transposed if `down_transposed` (as the engine's stacked experts keep them)."""
+def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool) -> list[Gemm]:
+    """The weight GEMMs of one forward over `tokens` tokens; routed experts get an even share of tokens."""
     h, heads, layers = c["hidden_size"], c["num_attention_heads"], c["num_hidden_layers"]
     nope, rope, v, lat = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     q_out = heads * (nope + rope)
@@ -170,7 +168,7 @@ def step_gemms(c: dict, tokens: int, logits_rows: int, decode: bool, down_transp
     share = -(-tokens * top_k // active)
     shared_inter = inter * c["n_shared_experts"]
     moe = [Gemm(tokens, h, experts), Gemm(tokens, h, shared_inter, 2), Gemm(tokens, shared_inter, h),
-           Gemm(share, h, inter, 2 * active), Gemm(share, inter, h, active, down_transposed)]
+           Gemm(share, h, inter, 2 * active), Gemm(share, inter, h, active)]
     num_dense = c["first_k_dense_replace"]
     return (attn * layers + dense * num_dense + moe * (layers - num_dense)
             + [Gemm(logits_rows, h, c["vocab_size"])])

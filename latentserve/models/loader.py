@@ -161,7 +161,7 @@ def quantizable_linears(model: DeepseekForCausalLM, lm_head: bool = False) -> li
 
 def _is_view(param: torch.Tensor) -> bool:
     """A parameter that is part of a larger tensor (a routed expert's weight in its layer's stack) or stored in
-    another layout than the checkpoint's (a shared expert's down projection, transposed)."""
+    another layout than the checkpoint's."""
     return param.untyped_storage().nbytes() != param.nbytes or not param.is_contiguous()
 
 
