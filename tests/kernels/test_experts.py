@@ -50,6 +50,19 @@ def _mlp(isa: str, formats: tuple[str, str], pair, x: torch.Tensor, inter: int) 
     return _project(isa, formats[1], pair[1], a, x.shape[0])[0]
 
 
+def _at_thread_counts(call) -> list[torch.Tensor]:
+    """call()'s results at 1, 2 and 3 threads."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(call())
+        return results
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("formats, shared_formats, dtype", [
     (("fp32", "fp32"), ("fp32", "fp32"), torch.float32),
@@ -104,14 +117,7 @@ def test_experts_do_not_depend_on_the_thread_count(isa, formats):
     dtype = torch.bfloat16 if "bf16" in formats else torch.float32
     x = (torch.randn(3, hidden, generator=g) * 2).to(dtype)
     ids, weights = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(3)]), torch.rand(3, 2, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native.experts(kernels(isa), x, routed, ids, weights, shared))
-    finally:
-        torch.set_num_threads(threads)
+    results = _at_thread_counts(lambda: native.experts(kernels(isa), x, routed, ids, weights, shared))
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
@@ -133,14 +139,7 @@ def test_int8_experts_read_in_pairs_use_each_blocks_own_rows(isa, ids):
         for e, w in sorted(zip(ids[t].tolist(), weights[t].tolist())):
             expected[t] += w * _mlp(isa, ("int8", "int8"), pairs[e], x[t], inter)
         expected[t] += _mlp(isa, ("int8", "int8"), shared_pair[0], x[t], 2 * inter)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native.experts(kernels(isa), x, routed, ids, weights, shared))
-    finally:
-        torch.set_num_threads(threads)
+    results = _at_thread_counts(lambda: native.experts(kernels(isa), x, routed, ids, weights, shared))
     torch.testing.assert_close(results[0].double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     assert all(torch.equal(results[0], r) for r in results[1:])
 
