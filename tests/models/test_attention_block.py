@@ -75,6 +75,34 @@ def test_fused_block_over_a_quantized_cache_equals_the_modules(tmp_path, monkeyp
         assert torch.equal(layer.kv_cache.view(torch.uint8), other.view(torch.uint8))
 
 
+def _decode_steps(path, quantization: QuantConfig) -> list[torch.Tensor]:
+    """Nine requests prefilled, then decode steps of 1, 2, 5 and 9 of them."""
+    attn_config = AttentionConfig(block_size=4)
+    model = load_model(path, dtype=torch.bfloat16, attn_config=attn_config, quantization=quantization)
+    runner = PagedRunner(model, attn_config)
+    logits = [runner.step([(r, [r + 1, r + 2, r + 3]) for r in range(9)])]
+    return logits + [runner.step([(r, [10 + r + t]) for r in range(t)]) for t in (1, 2, 5, 9)]
+
+
+@pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize("quantization", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
+def test_q_a_and_kv_a_in_one_region_equal_the_modules(tmp_path, monkeypatch, threads, quantization):
+    """q_a and kv_a in quant_linear's formats share one parallel region in the block (linear_pair.c), their blocks
+    one list: at 1-3 threads and 1, 2, 5 and 9 tokens (int8: pairs of blocks up to 8 rows, one at a time above;
+    kv_a's 72 outputs end in a short block) the block equals the modules, which run each projection alone."""
+    path = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
+                           moe_intermediate_size=64, q_lora_rank=64)
+    calls = []
+    monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
+        a[3].shape[0]) or _f(*a))
+    fused = _decode_steps(path, quantization)
+    assert set(calls) == {1, 2, 5, 9}
+    monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
+    for a, b in zip(fused, _decode_steps(path, quantization)):
+        assert torch.equal(a, b)
+
+
 def _replace(o_proj: nn.Module) -> None:
     """A new o_proj weight (its rows reversed), installed through the module as a loader would."""
     if isinstance(o_proj, nn.Linear):
