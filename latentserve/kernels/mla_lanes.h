@@ -153,13 +153,19 @@ static void weigh_rows_lanes(const float *w, const int32_t *pairs, const char *c
                 acc[h * L + l] += w[j * LANE_HEADS + h] * bf16_to_float(((const uint16_t *)rows[j])[l]);
 }
 
-/* One tile of bf16 rows p0 .. p1 (of n, for the prefetches) for the group: scored, the online softmax updated, the
- * rows weighed into its accumulators, WEIGH_HEADS lanes a pass up to its heads. */
+/* A tile's nt bf16 rows, scored (scores), for the group: the online softmax updated, the rows weighed into its
+ * accumulators, WEIGH_HEADS lanes a pass up to its heads. */
+static void weigh_tile_lanes(LaneGroup g, int64_t L, const char *const *rows, int64_t nt, float *scores,
+                             int32_t *pairs) {
+    softmax_lanes(g, scores, nt, L, pairs);
+    for (int h = 0; h < g.nh; h += WEIGH_HEADS)
+        weigh_rows_lanes(scores + h, pairs + h, rows, nt, L, g.acc + h * L);
+}
+
+/* One tile of bf16 rows p0 .. p1 (of n, for the prefetches) for the group: scored, then weigh_tile_lanes. */
 static void attend_tile_lanes(LaneGroup g, int64_t D, int64_t L, const char *const *rows, int64_t p0, int64_t p1,
                               int64_t n, float scale, float *scores, int32_t *pairs) {
     score_rows_lanes(g, D, rows, p0, p1, n, scale, scores);
-    softmax_lanes(g, scores, p1 - p0, L, pairs);
-    for (int h = 0; h < g.nh; h += WEIGH_HEADS)
-        weigh_rows_lanes(scores + h, pairs + h, rows + p0, p1 - p0, L, g.acc + h * L);
+    weigh_tile_lanes(g, L, rows + p0, p1 - p0, scores, pairs);
 }
 #endif
