@@ -15,6 +15,9 @@
 #define WEIGH_HEADS 8 /* heads a weighing pass: two accumulators each in registers */
 
 #ifdef LS_BF16DOT
+/* A bf16 row's column pairs read as int32 where the row was written as uint16 (a dequantized tile). */
+typedef int32_t __attribute__((may_alias)) bf16_pair;
+
 /* One group of up to LANE_HEADS heads of an item: their queries as bf16 column pairs, head h in lane h (qt[k *
  * LANE_HEADS + h] = q[h][2k] | q[h][2k + 1] << 16; 0 in the lanes past nh), an odd D's last column in fp32 (q_last),
  * the running maxima and sums and the accumulated values (L a head; every lane has them, used or not). */
@@ -51,12 +54,12 @@ static void score_rows_lanes(LaneGroup g, int64_t D, const char *const *rows, in
                              float scale, float *scores) {
     for (int64_t p = p0; p < p1; p += LANE_ROWS) {
         int64_t m = p1 - p < LANE_ROWS ? p1 - p : LANE_ROWS;
-        const int32_t *r[LANE_ROWS];
+        const bf16_pair *r[LANE_ROWS];
         __m512 acc[LANE_ROWS];
         for (int i = 0; i < LANE_ROWS; i++) {
             prefetch_row(rows, p + LANE_ROWS + i, n, 2 * D); /* the next pass's rows */
             prefetch_row_l2(rows, p + ROW_TILE + i, n, 2 * D);
-            r[i] = (const int32_t *)rows[p + (i < m ? i : 0)]; /* past the tile's end: its first row again, unused */
+            r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)]; /* past the tile's end: its first row again, unused */
             acc[i] = _mm512_setzero_ps();
         }
         for (int64_t k = 0; k < D / 2; k++) {
