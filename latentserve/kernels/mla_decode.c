@@ -9,8 +9,9 @@
  * softmaxes combined after (as flash-decoding splits them): with one token, the threads read different rows instead
  * of the same ones for different heads. The chunks are the same whatever the batch and the threads, so a token's
  * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work. An
- * fp8 or int8 cache (kv_rows.h) is dequantized a tile at a time for all of an item's heads (decode_quantized_item).
- */
+ * fp8 or int8 cache (kv_rows.h) is dequantized a tile at a time for all of an item's heads. bf16 queries under
+ * AVX512-BF16 score 16 heads in the vector lanes (mla_lanes.h, decode_lanes_item), over bf16 rows: the cache's own or
+ * a dequantized tile; the others take mla_tiles.h's fp32 tiles (decode_item, decode_quantized_item). */
 #include "mla_lanes.h"
 
 /* An item's working memory, one per thread, for a quantized cache or the lanes (mla_lanes.h): for its heads (P of

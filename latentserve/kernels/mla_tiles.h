@@ -1,7 +1,8 @@
-/* The tiles of MLA's absorbed decode attention (mla_decode.c): a tile's rows scored against an item's queries,
- * the online softmax over the scores, the rows weighed into the accumulators, for each cache row format (fp32,
- * bf16, and fp8 / int8 rows scored as they are converted), and one item of an fp32 or bf16 cache walked tile by
- * tile (decode_item). mla_decode.c drives them: items, chunks, the quantized caches' items, the combination. */
+/* The fp32 tiles of MLA's absorbed decode attention (mla_decode.c): a tile's rows scored against an item's scaled
+ * fp32 queries, a head a vector, the online softmax over the scores, the rows weighed into the accumulators, for
+ * fp32 and bf16 rows, and one item of an fp32 or bf16 cache walked tile by tile (decode_item). bf16 queries under
+ * AVX512-BF16 take mla_lanes.h's tiles instead. mla_decode.c drives them: items, chunks, the quantized caches'
+ * items, the combination. */
 #pragma once
 
 #include "kv_rows.h"
