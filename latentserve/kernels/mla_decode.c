@@ -117,7 +117,10 @@ static void decode_lanes_item(const uint16_t *q, int64_t D, int64_t L, const cha
         for (int64_t j = 0; j < nt; j += LANE_ROWS) {
             int64_t j1 = j + LANE_ROWS < nt ? j + LANE_ROWS : nt;
             dequantize_tile(rows, p0 + j, p0 + j1, p_end, p0 == p_begin, cf, 1, D, L, s->tile + j * D * 2, tile + j);
-            score_rows_lanes(g[0], D, tile, j, j1, 0, scale, s->scores + j * LANE_HEADS);
+            if (g[0].nh <= 8)
+                score_rows_lanes8(g[0], D, tile, j, j1, 0, scale, s->scores + j * LANE_HEADS);
+            else
+                score_rows_lanes(g[0], D, tile, j, j1, 0, scale, s->scores + j * LANE_HEADS);
         }
         weigh_tile_lanes(g[0], L, tile, nt, s->scores, s->pairs);
         for (int64_t i = 1; i * LANE_HEADS < nh; i++)

@@ -29,10 +29,9 @@ typedef struct {
 
 /* The group's state before its first row: queries from q (nh heads of D bf16 values), nothing accumulated. */
 static void lane_group_start(LaneGroup g, const uint16_t *q, int64_t D, int64_t L) {
-    for (int64_t k = 0; k < D / 2; k++)
-        for (int h = 0; h < LANE_HEADS; h++)
-            g.qt[k * LANE_HEADS + h] = h < g.nh ? (int32_t)(q[h * D + 2 * k] | (uint32_t)q[h * D + 2 * k + 1] << 16)
-                                                : 0;
+    memset(g.qt, 0, D / 2 * LANE_HEADS * sizeof(int32_t));
+    for (int h = 0; h < g.nh; h++) /* a pair's two bf16 values as one little-endian int32: q[h][2k] the low half */
+        for (int64_t k = 0; k < D / 2; k++) memcpy(g.qt + k * LANE_HEADS + h, q + h * D + 2 * k, sizeof(int32_t));
     for (int h = 0; h < LANE_HEADS; h++) {
         g.q_last[h] = h < g.nh && D % 2 ? bf16_to_float(q[h * D + D - 1]) : 0.f;
         g.maxima[h] = -INFINITY, g.sums[h] = 0.f;
@@ -73,6 +72,38 @@ static void score_rows_lanes(LaneGroup g, int64_t D, const char *const *rows, in
                 acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(g.q_last), last, acc[i]);
             }
             _mm512_storeu_ps(scores + (p - p0 + i) * LANE_HEADS, _mm512_mul_ps(acc[i], _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* score_rows_lanes for a group of at most 8 heads, on their 8 lanes (the 256-bit vdpbf16ps: half the work where the
+ * CPU splits 512-bit vectors in two; each lane's arithmetic is the 512-bit one's); the other 8 lanes' scores 0. */
+static void score_rows_lanes8(LaneGroup g, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
+                              float scale, float *scores) {
+    for (int64_t p = p0; p < p1; p += LANE_ROWS) {
+        int64_t m = p1 - p < LANE_ROWS ? p1 - p : LANE_ROWS;
+        const bf16_pair *r[LANE_ROWS];
+        __m256 acc[LANE_ROWS];
+        for (int i = 0; i < LANE_ROWS; i++) {
+            prefetch_row(rows, p + LANE_ROWS + i, n, 2 * D);
+            prefetch_row_l2(rows, p + ROW_TILE + i, n, 2 * D);
+            r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)];
+            acc[i] = _mm256_setzero_ps();
+        }
+        for (int64_t k = 0; k < D / 2; k++) {
+            __m256bh qk = (__m256bh)_mm256_loadu_si256((const __m256i *)(g.qt + k * LANE_HEADS));
+            for (int i = 0; i < LANE_ROWS; i++)
+                acc[i] = _mm256_dpbf16_ps(acc[i], qk, (__m256bh)_mm256_set1_epi32(r[i][k]));
+        }
+        for (int i = 0; i < m; i++) {
+            if (D % 2) {
+                __m512 last = _mm512_set1_ps(bf16_to_float(((const uint16_t *)r[i])[D - 1])); /* (no FMA flag) */
+                acc[i] = _mm512_castps512_ps256(_mm512_fmadd_ps(_mm512_loadu_ps(g.q_last), last,
+                                                                _mm512_castps256_ps512(acc[i])));
+            }
+            _mm512_storeu_ps(scores + (p - p0 + i) * LANE_HEADS,
+                             _mm512_castps256_ps512(_mm256_mul_ps(acc[i], _mm256_set1_ps(scale))));
+            _mm256_storeu_ps(scores + (p - p0 + i) * LANE_HEADS + 8, _mm256_setzero_ps());
         }
     }
 }
@@ -168,7 +199,10 @@ static void weigh_tile_lanes(LaneGroup g, int64_t L, const char *const *rows, in
 /* One tile of bf16 rows p0 .. p1 (of n, for the prefetches) for the group: scored, then weigh_tile_lanes. */
 static void attend_tile_lanes(LaneGroup g, int64_t D, int64_t L, const char *const *rows, int64_t p0, int64_t p1,
                               int64_t n, float scale, float *scores, int32_t *pairs) {
-    score_rows_lanes(g, D, rows, p0, p1, n, scale, scores);
+    if (g.nh <= 8)
+        score_rows_lanes8(g, D, rows, p0, p1, n, scale, scores);
+    else
+        score_rows_lanes(g, D, rows, p0, p1, n, scale, scores);
     weigh_tile_lanes(g, L, rows + p0, p1 - p0, scores, pairs);
 }
 #endif
