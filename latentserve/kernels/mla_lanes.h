@@ -58,7 +58,7 @@ static void score_rows_lanes(LaneGroup g, int64_t D, const char *const *rows, in
         for (int i = 0; i < LANE_ROWS; i++) {
             prefetch_row(rows, p + LANE_ROWS + i, n, 2 * D); /* the next pass's rows */
             prefetch_row_l2(rows, p + ROW_TILE + i, n, 2 * D);
-            r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)]; /* past the tile's end: its first row again, unused */
+            r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)]; /* past p1: the pass's first row again, unused */
             acc[i] = _mm512_setzero_ps();
         }
         for (int64_t k = 0; k < D / 2; k++) {
