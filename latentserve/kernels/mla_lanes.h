@@ -15,8 +15,9 @@
 #define WEIGH_HEADS 8 /* heads a weighing pass: two accumulators each in registers */
 
 #ifdef LS_BF16DOT
-/* A bf16 row's column pairs read as int32 where the row was written as uint16 (a dequantized tile). */
-typedef int32_t __attribute__((may_alias)) bf16_pair;
+/* A bf16 row's column pairs read as int32 where the row was written as uint16 (a dequantized tile), at a 2-byte
+ * alignment (an odd D's rows start at every other byte pair). */
+typedef int32_t __attribute__((may_alias, aligned(2))) bf16_pair;
 
 /* One group of up to LANE_HEADS heads of an item: their queries as bf16 column pairs, head h in lane h (qt[k *
  * LANE_HEADS + h] = q[h][2k] | q[h][2k + 1] << 16; 0 in the lanes past nh), an odd D's last column in fp32 (q_last),
