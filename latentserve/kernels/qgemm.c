@@ -101,13 +101,21 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
     return LS_OK;
 }
 
+/* Rows (of a pass) from which the sums, not the reads, bind the core: the AVX-512 build's sums at 3-4 rows still
+ * take less time than the reads, AVX2's (2-4x slower) do not. */
+#ifdef LS_AVX512
+#define FETCH_ROWS 5
+#else
+#define FETCH_ROWS 3
+#endif
+
 /* Unit c of the block the caller reads next, `ahead` bytes past this one's (0: none), fetched into L2 while this
- * block's unit c is summed. Only above 2 rows, where the sums are bound by the arithmetic: the core is then busy
- * with dot products and the hardware prefetchers alone let the weight's reads fall behind (lm_head at 8 rows 1.2x
- * and at 16 rows 1.5x faster, benchmarks/RESULTS.md "Prefetching the next block"); at 1-2 rows the loads bind,
- * they keep up, and software prefetches measured slower. */
+ * block's unit c is summed, from FETCH_ROWS rows: the core is then busy with dot products and the hardware
+ * prefetchers alone let the weight's reads fall behind (lm_head at 8 rows 1.2x and at 16 rows 1.5x faster,
+ * benchmarks/RESULTS.md "Fetching the next block"). Below, the loads bind, the prefetchers keep up, and software
+ * prefetches measured slower (0.7-0.96x at 1-2 rows, 0.83-1.10x at 4). */
 INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
-    if (mb > 2 && ahead) _mm_prefetch((const char *)(w + 64 * c + ahead), _MM_HINT_T1);
+    if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)(w + 64 * c + ahead), _MM_HINT_T1);
 }
 
 #ifdef LS_AVX512
@@ -272,8 +280,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
 }
 #else
 /* As the AVX-512 version's turns of PAIR_CHUNK units at every row count (not measured: AVX-512 machines run the other
- * build), each unit as lanes_sums' two halves of 8 outputs. No fetch_next: this build's sums at 3-8 rows take 2-4x
- * the AVX-512 build's time, the memory keeps up, and it measured 0.92-1.06x (the AVX2 build on Zen 4). */
+ * build), each unit as lanes_sums' two halves of 8 outputs. No fetch_next: in these turns it measured 0.92-1.06x
+ * at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
     (void)ahead;

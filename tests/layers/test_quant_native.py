@@ -81,9 +81,9 @@ def test_int8_few_rows_read_two_blocks_at_once_and_keep_the_row_kernels_results(
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_int8_rows_that_fetch_the_next_block_keep_the_row_kernels_results(isa):
-    """Above 2 rows each block's loop also fetches the next block into L2 (the blocks in order above 8 rows, the pairs
-    at 3-8; the last block's fetch points past the weight): each row's result stays the row kernel's, bit for bit, at
-    1-20 rows (two passes of 8 and a partial one) and 1-3 threads."""
+    """From 5 rows of a pass (AVX2: 3) each block's loop also fetches the next block into L2 (the blocks in order
+    above 8 rows, the pairs at 5-8; the last block's fetch points past the weight): each row's result stays the row
+    kernel's, bit for bit, at 1-20 rows (passes of 8, then 1-4 rows that do not fetch) and 1-3 threads."""
     _assert_rows_are_the_row_kernels(isa, 20, seed=7)
 
 
