@@ -115,7 +115,8 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
  * benchmarks/RESULTS.md "Fetching the next block"). Below, the loads bind, the prefetchers keep up, and software
  * prefetches measured slower (0.7-0.96x at 1-2 rows, 0.83-1.10x at 4). */
 INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
-    if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)(w + 64 * c + ahead), _MM_HINT_T1);
+    /* The address in integers: past the last block it points outside the weight (a prefetch does not fault). */
+    if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
 }
 
 #ifdef LS_AVX512
