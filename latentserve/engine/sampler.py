@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from latentserve.engine.argmax import argmax
 from latentserve.engine.logits_processors import (
     BadWords,
     LogitBias,
@@ -179,7 +180,7 @@ class Sampler:
             raise ValueError(f"logits must be [{metadata.temperature.shape[0]}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()
         logits = self.process_logits(raw_logits.clone(), metadata) if metadata.processes_logits else raw_logits
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax(logits)
         if not metadata.all_greedy:
             sampled = torch.where(metadata.greedy, sampled, self._sample_random(logits, metadata))
         # Logprobs of the raw logits, before temperature and truncation (vLLM's default).
@@ -222,7 +223,7 @@ class Sampler:
         probs = cls.random_probs(logits, metadata)
         # argmax(p / E) with E ~ Exp(1) samples from p (the exponential race), without a device sync.
         noise = _exponential_noise(probs.shape, metadata.generators, probs.device)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int], num_logprobs: int) -> list[Logprobs]:
