@@ -7,13 +7,12 @@
  * one thread's dot product, each sum one thread's, in a fixed order), so a token's result is what it is alone. */
 #include "quant.h"
 
-/* The pairs of one table (routed or shared): grouped order begin..end, in groups g0..g1 (the most pairs of one:
- * rows), their rows of h (2 I wide) and a (I wide) from row offsets h0 and a0, x prepared for gate_up's format (its
- * pairs' rows) and a for down's. */
+/* The pairs of one table (routed or shared): grouped order begin..end, in groups g0..g1, their rows of h (2 I wide)
+ * and a (I wide) from row offsets h0 and a0, x prepared for gate_up's format (its pairs' rows) and a for down's. */
 typedef struct {
     const ExpertTable *table;
     Format f[2];
-    int64_t begin, end, g0, g1, rows, h0, a0;
+    int64_t begin, end, g0, g1, h0, a0;
     QuantActs x, a;
 } Set;
 
@@ -35,23 +34,20 @@ typedef struct {
 
 INLINE float rounded(float v, int bf) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
 
-/* Block u of layer `which` (0 gate_up, 1 down) of group e, of set s, with m of the group's pairs (from the set's
- * pair `first`): its rows of the activations and its weights. */
+/* Block u of layer `which` (0 gate_up, 1 down) of group e, of set s: its rows of the activations and its weights. */
 typedef struct {
     const Group *e;
     int64_t u, m, first, in, outputs;
     const char *block;
 } Unit;
 
-/* Unit r of layer `which` of set s, for its group's pairs c0.. c0 + ROW_CHUNK (m 0 where the group has no more);
- * *g: its group, advanced from an earlier unit's (units come in increasing r). */
-static Unit find_unit(const Plan *p, const Set *s, int which, int64_t r, int64_t c0, int64_t *g) {
+/* Unit r of layer `which` of set s; *g: its group, advanced from an earlier unit's (units come in increasing r). */
+static Unit find_unit(const Plan *p, const Set *s, int which, int64_t r, int64_t *g) {
     const int64_t *units = p->units[which];
     while (units[*g + 1] <= r) ++*g;
     const Group *e = p->group + *g;
     int64_t I = s->table->inter, u = r - units[*g], N = which ? p->K : 2 * I, in = which ? I : p->K;
-    int64_t left = e->end - e->begin - c0, m = left < 0 ? 0 : left < ROW_CHUNK ? left : ROW_CHUNK;
-    Unit t = {e, u, m, e->begin - s->begin + c0, in, N - 16 * u < 16 ? N - 16 * u : 16,
+    Unit t = {e, u, e->end - e->begin, e->begin - s->begin, in, N - 16 * u < 16 ? N - 16 * u : 16,
               (const char *)e->w[which] + u * block_bytes(s->f[which], in)};
     return t;
 }
@@ -60,7 +56,7 @@ static Unit find_unit(const Plan *p, const Set *s, int which, int64_t r, int64_t
 static void store_unit(const Plan *p, const Set *s, int which, Unit t, const float *dots) {
     int64_t I = s->table->inter;
     for (int64_t i = 0; i < t.m; i++) {
-        float *dst = which ? p->o + (s->begin + t.first + i) * p->K : p->h + (s->h0 + (t.first + i) * 2 * I);
+        float *dst = which ? p->o + (t.e->begin + i) * p->K : p->h + (s->h0 + (t.first + i) * 2 * I);
         for (int64_t j = 0; j < t.outputs; j++) dst[16 * t.u + j] = dots[16 * i + j];
     }
 }
@@ -70,48 +66,41 @@ static void unit_dots(const Plan *p, const Set *s, int which, Unit t, float *dot
     store_unit(p, s, which, t, dots);
 }
 
-/* This thread's share [begin, begin + len) of layer `which`'s blocks of set s, for each group's pairs c0 ..
- * c0 + ROW_CHUNK. int8 reads two blocks at once, the i-th of each half of the share, where both have the same few
- * rows (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be different
- * experts', met by different tokens, so each block takes its own rows. */
-static void share_pass(const Plan *p, const Set *s, int which, int64_t begin, int64_t len, int64_t c0, float *dots) {
-    QuantActs acts = which ? s->a : s->x;
-    int64_t g = s->g0, g2 = s->g0;
-    if (s->f[which].bits != 8) {
-        for (int64_t r = begin; r < begin + len; r++) unit_dots(p, s, which, find_unit(p, s, which, r, c0, &g), dots);
-        return;
-    }
-    for (int64_t half = (len + 1) / 2, r = begin; r < begin + half; r++) {
-        Unit t = find_unit(p, s, which, r, c0, &g);
-        if (r + half >= begin + len) {
-            unit_dots(p, s, which, t, dots);
-            continue;
-        }
-        Unit t2 = find_unit(p, s, which, r + half, c0, &g2);
-        if (t.m != t2.m || t.m > PAIR_ROWS) {
-            unit_dots(p, s, which, t, dots);
-            unit_dots(p, s, which, t2, dots);
-            continue;
-        }
-        int8_block_pair_dots(acts, t.first, acts, t2.first, t.m, (const int8_t *)t.block, (const int8_t *)t2.block,
-                             t.in, dots, dots + 16 * PAIR_ROWS);
-        store_unit(p, s, which, t, dots);
-        store_unit(p, s, which, t2, dots + 16 * PAIR_ROWS);
-    }
-}
-
-/* This thread's share of layer `which` of each set's groups, in blocks of 16 outputs, in passes of ROW_CHUNK pairs
- * of each group (a prefill's shared experts meet every token). Each set shared out on its own: the shared experts'
- * blocks meet every token, the routed ones' a few, so one split of both would load the threads unevenly. `dots`:
- * room for 16 * ROW_CHUNK floats. */
+/* This thread's share of layer `which` of each set's groups, in blocks of 16 outputs. Each set shared out on its
+ * own: the shared experts' blocks meet every token, the routed ones' a few, so one split of both would load the
+ * threads unevenly. int8 reads two blocks at once, the i-th of each half of the share, where both have the same
+ * few rows (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be different
+ * experts', met by different tokens, so each block takes its own rows. `dots`: room for 16 * (P + PAIR_ROWS)
+ * floats. */
 static void layer(const Plan *p, int which, float *dots) {
     int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
     const int64_t *units = p->units[which];
     for (int set = 0; set < 2; set++) {
         const Set *s = p->set + set;
-        int64_t lo = units[s->g0], n = units[s->g1] - lo;
+        QuantActs acts = which ? s->a : s->x;
+        int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0, g2 = s->g0;
         int64_t begin = lo + n * part / parts, len = lo + n * (part + 1) / parts - begin;
-        for (int64_t c0 = 0; c0 < s->rows; c0 += ROW_CHUNK) share_pass(p, s, which, begin, len, c0, dots);
+        if (s->f[which].bits != 8) {
+            for (int64_t r = begin; r < begin + len; r++) unit_dots(p, s, which, find_unit(p, s, which, r, &g), dots);
+            continue;
+        }
+        for (int64_t half = (len + 1) / 2, r = begin; r < begin + half; r++) {
+            Unit t = find_unit(p, s, which, r, &g);
+            if (r + half >= begin + len) {
+                unit_dots(p, s, which, t, dots);
+                continue;
+            }
+            Unit t2 = find_unit(p, s, which, r + half, &g2);
+            if (t.m != t2.m || t.m > PAIR_ROWS) {
+                unit_dots(p, s, which, t, dots);
+                unit_dots(p, s, which, t2, dots);
+                continue;
+            }
+            int8_block_pair_dots(acts, t.first, acts, t2.first, t.m, (const int8_t *)t.block,
+                                 (const int8_t *)t2.block, t.in, dots, dots + 16 * PAIR_ROWS);
+            store_unit(p, s, which, t, dots);
+            store_unit(p, s, which, t2, dots + 16 * PAIR_ROWS);
+        }
     }
 }
 
@@ -126,7 +115,7 @@ static void activate(const Plan *p, int64_t i) {
 
 static Set make_set(const ExpertTable *t, int64_t begin, int64_t end, int64_t g0, int64_t g1, int64_t h0,
                     int64_t a0) {
-    Set s = {t, {{t->bits[0], t->group[0]}, {t->bits[1], t->group[1]}}, begin, end, g0, g1, 0, h0, a0, {0}, {0}};
+    Set s = {t, {{t->bits[0], t->group[0]}, {t->bits[1], t->group[1]}}, begin, end, g0, g1, h0, a0, {0}, {0}};
     return s;
 }
 
@@ -165,7 +154,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     float *gate = scratch(R * sizeof(float));
     Group *group = scratch(P * sizeof(Group));
     float *h = scratch((R * 2 * I + T * 2 * S) * sizeof(float)), *a = scratch((R * I + T * S) * sizeof(float));
-    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * ROW_CHUNK * sizeof(float));
+    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * (P + PAIR_ROWS) * sizeof(float));
     if (!order || !slot || !token || !sorted || !expert || !count || !units || !w || !gate || !group || !h || !a ||
         !o || !dots)
         return scratch_release(mark), LS_NO_MEMORY;
@@ -186,10 +175,6 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     int64_t routed_groups = groups - (has_shared && T > 0);
     Set set[2] = {make_set(routed, 0, R, 0, routed_groups, 0, 0),
                   make_set(has_shared ? shared : routed, R, P, routed_groups, groups, R * 2 * I, R * I)};
-    for (int64_t g = 0; g < groups; g++) {
-        Set *s = set + group[g].set;
-        s->rows = group[g].end - group[g].begin > s->rows ? group[g].end - group[g].begin : s->rows;
-    }
     int missing = 0;
     for (int s = 0; s < 1 + has_shared; s++) {
         int64_t n = set[s].end - set[s].begin, width = set[s].table->inter;
@@ -209,7 +194,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     int ybf = (io >> 1) & 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *mine = dots + omp_get_thread_num() * 16 * ROW_CHUNK;
+        float *mine = dots + omp_get_thread_num() * 16 * (P + PAIR_ROWS);
         layer(&plan, 0, mine);
 #pragma omp barrier
 #pragma omp for schedule(static)

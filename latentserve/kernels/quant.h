@@ -51,12 +51,6 @@ QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K);
 QuantActs gather_acts(Format f, QuantActs a, const int64_t *rows, int64_t P, int64_t K);
 QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K);
 
-/* The most activation rows a pass over a weight meets (the drivers walk more in passes of ROW_CHUNK rows, each over
- * all their blocks): its rows' int8 (128 KB at K = 2048) stay in L2 while a block is in L1. 256 rows a pass (512 KB)
- * ran the int4 and int8 kernels 1.5-2.7x slower per multiply-add than 64 on a 1 MB L2 (2026-12-05): the rows came
- * from L3 for every block, where the weight's re-reading, once a pass, costs little. */
-#define ROW_CHUNK 64
-
 #define INT8_HEADER 128 /* pack_int8's block: 16 fp32 scales and 16 int32 sums of q before the weights */
 
 INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 * G); }

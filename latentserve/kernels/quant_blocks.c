@@ -4,6 +4,8 @@
  * (block_bytes, quantize_for, block_dots). */
 #include "quant.h"
 
+#define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
+
 /* y[m0 .. m0 + rows, block b's outputs] = dots[16 * m + j]. */
 static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, int64_t b, const float *dots) {
     int64_t outputs = N - 16 * b < 16 ? N - 16 * b : 16;

@@ -194,23 +194,3 @@ def test_many_tokens_sharing_few_experts_each_get_their_own_result(isa):
     for t in (0, 17, 39):
         alone = native.experts(kernels(isa), x[t : t + 1].contiguous(), routed, ids[t : t + 1], weights[t : t + 1])
         assert torch.equal(alone[0], got[t])
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("formats", [("int4", "int8"), ("int8", "int8"), ("bf16", "bf16")])
-def test_groups_past_a_pass_of_rows_give_each_token_its_own_result(isa, formats):
-    """150 tokens over 3 routed experts and the shared ones (a prefill's): groups of up to 150 pairs, taken 64 rows
-    (ROW_CHUNK) a pass, the passes' last rows short. At 1-3 threads each token's result is what it is alone."""
-    g = torch.Generator().manual_seed(7)
-    routed, _ = _experts(g, formats, 3, 128, 64)
-    shared, _ = _experts(g, formats, 1, 128, 128)
-    dtype = torch.bfloat16 if "bf16" in formats else torch.float32
-    x = (torch.randn(150, 128, generator=g) * 2).to(dtype)
-    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(150)])
-    weights = torch.rand(150, 2, generator=g)
-    results = _at_thread_counts(lambda: native.experts(kernels(isa), x, routed, ids, weights, shared))
-    assert all(torch.equal(results[0], r) for r in results[1:])
-    for t in (0, 63, 64, 100, 127, 128, 149):
-        alone = native.experts(kernels(isa), x[t : t + 1].contiguous(), routed, ids[t : t + 1], weights[t : t + 1],
-                               shared)
-        assert torch.equal(alone[0], results[0][t])

@@ -33,7 +33,7 @@ def _data(rows: int, n: int, k: int, seed: int = 0):
                                      (300, 20, 36)])
 def test_int8_kernel_is_the_exact_integer_product(isa, rows, n, k):
     """Tails of every kind: outputs past the last block of 16, columns past the last chains of 4 units, activation
-    rows past the last pass and past a chunk of 64 (ROW_CHUNK)."""
+    rows past the last pass and past a chunk of 256."""
     w, x = _data(rows, n, k)
     q, scale = quantize_int8(w)
     xq, s = _quantized_rows(x)
@@ -122,7 +122,7 @@ def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_int4_layer_runs_its_kernel_at_any_row_count(isa):
-    """Prefill's many rows too (past the drivers' 64 rows a pass over the weight, ROW_CHUNK): every row's result is
+    """Prefill's many rows too (past the kernel's chunk of 256 rows a pass over the weight): every row's result is
     the one it gets alone, bit for bit, and matches the formula."""
     w, x = _data(300, 40, 256, seed=3)
     q, scale, minimum = quantize_int4(w, 64)
