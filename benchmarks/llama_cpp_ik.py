@@ -26,7 +26,8 @@ $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then ma
 best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
 right after our points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB L3, on the
 --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times the bytes of
-weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py). --long adds a
+weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py); mainline's and ik's
+likewise, from the GGUF's tensors at their stored types (which differ from ours where we convert). --long adds a
 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone (and no bandwidth
 figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
 """
@@ -44,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import batch_sizes, copy_bandwidth  # noqa: E402
-from benchmarks.decode_bytes import decode_bytes_per_token  # noqa: E402
+from benchmarks.decode_bytes import decode_bytes_per_token, gguf_decode_bytes  # noqa: E402
 from benchmarks.llama_cpp import _best, load_average, make_ggufs, our_round, run  # noqa: E402
 from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
@@ -185,6 +186,11 @@ def report_bandwidth(ours: dict[str, float], weights: dict[str, int]) -> None:
     print(f"batch-1 decode: {ours['decode']:.1f} tok/s x {per_token / 1e6:.1f} MB of weights per token ({parts}) = "
           f"{effective:.1f} GB/s; copy bandwidth {ours['copy_gb_s']:.1f} GB/s (read + write); ratio "
           f"**{effective / ours['copy_gb_s']:.0%}**", flush=True)
+    file_bytes = sum(gguf_decode_bytes(gguf).values())
+    for engine in ENGINES[1:]:
+        theirs = best[engine]["decode"] * file_bytes / 1e9
+        print(f"{engine}: {best[engine]['decode']:.1f} tok/s x {file_bytes / 1e6:.1f} MB of the file's weights per "
+              f"token = {theirs:.1f} GB/s, {theirs / ours['copy_gb_s']:.0%} of the copy bandwidth", flush=True)
 
 
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
@@ -271,7 +277,7 @@ def main() -> None:
         best, weights = measure(ggufs[kind], name, args)
         report(best, name, kind, ggufs[kind], args)
         if not args.only_long:
-            report_bandwidth(best["latentserve"], weights)
+            report_bandwidth(best, weights, ggufs[kind])
     print(f"\nload average after: {load_average()}")
 
 

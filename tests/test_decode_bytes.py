@@ -4,9 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.decode_bytes import decode_bytes_per_token
+from benchmarks.decode_bytes import decode_bytes_per_token, gguf_decode_bytes
 from latentserve import LLM
+from latentserve.models.formats import gguf as gguf_format
 from tests.checkpoints import load_reference, make_checkpoint
+from tests.models.gguf_checkpoint import write_gguf
 
 
 def _elements(state: dict[str, torch.Tensor], *prefixes: str) -> int:
@@ -51,3 +53,15 @@ def test_quantized_decode_reads_the_int8_absorbed_products_not_the_full_precisio
     # int8 weights: about a quarter of fp32 (plus scales), int4 less again; norms and the router stay fp32.
     assert counted["attention"] < full["attention"] / 2 and counted["MLP / MoE"] < full["MLP / MoE"] / 2
     assert counted["layer norms"] == full["layer norms"] and counted["final norm"] == full["final norm"]
+
+
+@pytest.mark.parametrize("kv_b", ["split", "whole", "both"])
+def test_gguf_decode_bytes_of_an_f32_file_equal_the_loaded_models(tmp_path, monkeypatch, kv_b):
+    # An F32 file holds each tensor at the size latentserve runs it at in float32, so the file's count and the
+    # loaded model's agree part by part: the same tensors are read, whatever form kv_b_proj takes in the file.
+    monkeypatch.setattr(gguf_format, "cache_root", lambda: tmp_path / "gguf-cache")
+    src = make_checkpoint(tmp_path, "v3")
+    path = tmp_path / "model.gguf"
+    write_gguf(src, path, kv_b=kv_b)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_kv_blocks=16, max_model_len=32)
+    assert gguf_decode_bytes(path) == decode_bytes_per_token(llm.engine.model)
