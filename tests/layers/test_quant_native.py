@@ -135,6 +135,25 @@ def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_few_rows_read_two_blocks_at_once_and_keep_each_rows_result(isa, group):
+    """Up to 8 rows a thread reads two blocks side by side, group by group (int4_block_pair_dots): at every row count
+    and thread count (shares of odd length leave a block without a partner) each row's result is the one it gets
+    among 20 rows (one block at a time), bit for bit. 117 outputs: 8 blocks, the last partial."""
+    w, x = _data(20, 117, 256, seed=7)
+    packed = native.pack_int4(*quantize_int4(w, group))
+    expected = native.int4_linear(kernels(isa), x, packed, group, 117)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in range(1, 10):
+                assert torch.equal(native.int4_linear(kernels(isa), x[:rows], packed, group, 117), expected[:rows])
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_int4_layer_runs_its_kernel_at_any_row_count(isa):
     """Prefill's many rows too (past the kernel's chunk of 256 rows a pass over the weight): every row's result is
     the one it gets alone, bit for bit, and matches the formula."""
