@@ -26,9 +26,9 @@ bench: $(VENV)/.installed
 # The kernels built with AddressSanitizer and UBSan (own cache dir), then the tests that run them: python is not
 # instrumented, so libasan is preloaded; python's own allocations are never freed by design (no leak checks).
 SANITIZE_CC := gcc -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
-SANITIZE_TESTS := tests/kernels tests/attention/test_native_decode.py tests/layers/test_quant_native.py \
-	tests/layers/test_linear.py tests/layers/test_moe.py tests/models/test_attention_block.py \
-	tests/models/test_moe_block.py
+SANITIZE_TESTS := tests/kernels tests/attention/test_native_decode.py tests/attention/test_native_decode_lanes.py \
+	tests/layers/test_quant_native.py tests/layers/test_linear.py tests/layers/test_moe.py \
+	tests/models/test_attention_block.py tests/models/test_moe_block.py
 sanitize: $(VENV)/.installed
 	CC="$(SANITIZE_CC)" LATENTSERVE_CACHE_DIR="$${XDG_CACHE_HOME:-$$HOME/.cache}/latentserve-sanitize" \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" ASAN_OPTIONS=detect_leaks=0 \

@@ -31,10 +31,8 @@ def reorder_decodes_first(query_lens: list[int], seq_lens: list[int], decode_thr
     return [i for i, d in enumerate(kinds) if d] + [i for i, d in enumerate(kinds) if not d]
 
 
-def count_decodes(common: CommonAttentionMetadata, decode_threshold: int) -> int:
+def count_decodes(query_lens: list[int], context_lens: list[int], decode_threshold: int) -> int:
     """Number of leading decode requests; raises if a decode follows a prefill."""
-    query_lens = common.query_lens_cpu.tolist()
-    context_lens = common.num_computed_tokens_cpu.tolist()
     num_decodes = 0
     for i, (q, c) in enumerate(zip(query_lens, context_lens)):
         if q == 0:
@@ -106,15 +104,20 @@ class MLAMetadataBuilder:
         return f"MLAMetadataBuilder(id={self.builder_id})"
 
     def build(self, common: CommonAttentionMetadata) -> MLAMetadata:
-        num_decodes = count_decodes(common, self.attn_config.decode_threshold)
+        # The batch's lengths as host lists, read once: a step's planning is a few list operations, no tensor ops.
+        qsl = common.query_start_loc_cpu.tolist()
+        seq_lens = common.seq_lens_cpu.tolist()
+        query_lens = [end - start for start, end in zip(qsl, qsl[1:])]
+        context_lens = [s - q for s, q in zip(seq_lens, query_lens)]
+        num_decodes = count_decodes(query_lens, context_lens, self.attn_config.decode_threshold)
         if batch_invariant.is_enabled():
             # Every token on the decode path: its attention then reads its cache rows in the same fixed chunks
             # however its prompt was split into steps or shared with a prefix-cache hit.
             num_decodes = common.num_reqs
-        qsl = common.query_start_loc_cpu.tolist()
         num_decode_tokens = qsl[num_decodes]
         num_prefills = common.num_reqs - num_decodes
-        decode = self._build_decode(common, num_decodes) if num_decodes else None
+        decode = (self._build_decode(common, num_decodes, max(query_lens[:num_decodes]), max(seq_lens[:num_decodes]))
+                  if num_decodes else None)
         prefill = self._build_prefill(common, num_decodes) if num_prefills else None
         if prefill is not None:
             for backend in set(self.prefill_backends.values()):
@@ -130,13 +133,11 @@ class MLAMetadataBuilder:
             builder_id=self.builder_id,
             dsa=None if self.dsa is None else self.dsa.build(common),
             states=None if common.state_slots_cpu is None else StateMetadata(
-                qsl, common.num_computed_tokens_cpu.tolist(), common.state_slots_cpu.tolist()),
+                qsl, context_lens, common.state_slots_cpu.tolist()),
         )
 
-    def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int) -> MLADecodeMetadata:
-        seq_lens_cpu = common.seq_lens_cpu[:num_decodes]
-        query_lens = common.query_lens_cpu[:num_decodes]
-        max_seq_len = int(seq_lens_cpu.max())
+    def _build_decode(self, common: CommonAttentionMetadata, num_decodes: int, max_query_len: int,
+                      max_seq_len: int) -> MLADecodeMetadata:
         # Decode kernels read blocks straight from the table: a table too narrow for a request would be read past.
         if common.block_table.shape[1] * self.attn_config.block_size < max_seq_len:
             raise ValueError(f"decode metadata: a request of {max_seq_len} tokens needs "
@@ -146,7 +147,7 @@ class MLAMetadataBuilder:
             block_table=common.block_table[:num_decodes],
             seq_lens=common.seq_lens[:num_decodes],
             query_start_loc=common.query_start_loc[: num_decodes + 1],
-            max_query_len=int(query_lens.max()),
+            max_query_len=max_query_len,
             max_seq_len=max_seq_len,
         )
 

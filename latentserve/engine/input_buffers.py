@@ -70,7 +70,7 @@ class InputBuffers:
         # A fresh [num_reqs, width] view each step keeps the table contiguous; padding is block 0.
         table = self.block_table.np[: num_reqs * width].reshape(num_reqs, width)
         qsl[0] = 0
-        start = num_sampled = 0
+        start = num_sampled = max_query_len = max_seq_len = 0
         for i, s in enumerate(scheduled):
             end = start + s.num_new_tokens
             ids[start:end] = s.token_ids
@@ -79,13 +79,13 @@ class InputBuffers:
             num_blocks = len(s.block_ids)
             table[i, :num_blocks] = s.block_ids
             table[i, num_blocks:] = 0
-            seq_lens[i] = s.num_computed_tokens + s.num_new_tokens
+            seq_lens[i] = seq_len = s.num_computed_tokens + s.num_new_tokens
+            max_query_len, max_seq_len = max(max_query_len, s.num_new_tokens), max(max_seq_len, seq_len)
             qsl[i + 1] = end
             if s.do_sample:
                 logits[num_sampled] = end - 1
                 num_sampled += 1
             start = end
-        query_lens = qsl[1 : num_reqs + 1] - qsl[:num_reqs]
         common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.to_device(num_reqs + 1),
             seq_lens=self.seq_lens.to_device(num_reqs),
@@ -93,8 +93,8 @@ class InputBuffers:
             slot_mapping=self.slot_mapping.to_device(num_tokens),
             num_reqs=num_reqs,
             num_actual_tokens=num_tokens,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens[:num_reqs].max()),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=self.query_start_loc.cpu[: num_reqs + 1],
             seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
             state_slots_cpu=(None if scheduled[0].state_slot is None

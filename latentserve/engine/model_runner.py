@@ -92,7 +92,9 @@ class ModelRunner:
         hidden = run_forward(self.model, [inputs.input_ids, inputs.positions], common, self.builders, slices)
 
         requests = out.sampling_requests
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # Every token samples (a decode-only step): the indices are 0..T-1, and the gather a copy of `hidden`.
+        sampling = inputs.logits_indices
+        logits = self.model.compute_logits(hidden if len(sampling) == len(hidden) else hidden[sampling])
         metadata = SamplingMetadata.from_requests(requests, logits.shape[-1], self.device)
         sampled = self.sampler(logits, metadata)
         return ModelRunnerOutput(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from latentserve.engine.argmax import argmax
 from latentserve.engine.logits_processors import (
     BadWords,
     LogitBias,
@@ -26,8 +27,9 @@ from latentserve.sampling_params import SamplingParams
 class SamplingMetadata:
     """Per-row sampling settings of one batch, as tensors on the logits' device (None: no row uses it)."""
 
-    temperature: torch.Tensor  # [B] fp32; 1.0 on greedy rows (they take the argmax instead)
-    greedy: torch.Tensor  # [B] bool
+    # An all-greedy batch takes the argmax alone: None for both then (no per-step tensors to build).
+    temperature: torch.Tensor | None  # [B] fp32; 1.0 on greedy rows (they take the argmax instead)
+    greedy: torch.Tensor | None  # [B] bool
     top_k: torch.Tensor | None  # [B] int64, vocab size where off
     top_p: torch.Tensor | None  # [B] fp32, 1.0 where off
     min_p: torch.Tensor | None  # [B] fp32, 0.0 where off
@@ -38,7 +40,6 @@ class SamplingMetadata:
     bad_words: BadWords | None
     logit_bias: LogitBias | None
     penalties: Penalties | None
-    all_greedy: bool
     grammar_bitmask: torch.Tensor | None = None  # [B, ceil(V/32)] int32: the tokens each row's grammar allows
 
     @classmethod
@@ -67,7 +68,7 @@ class SamplingMetadata:
                 if not 0 <= token_id < vocab_size:
                     raise ValueError(f"stop token id {token_id} is outside the vocabulary (size {vocab_size})")
         greedy = [p.is_greedy for p in params]
-        temperature = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        all_greedy = all(greedy)
         top_k = top_p = min_p = None
         if any(p.top_k_enabled for p in params):
             top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params], device=device)
@@ -76,8 +77,9 @@ class SamplingMetadata:
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32, device=device)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            temperature=None if all_greedy else torch.tensor(
+                [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)], dtype=torch.float32, device=device),
+            greedy=None if all_greedy else torch.tensor(greedy, dtype=torch.bool, device=device),
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
@@ -88,7 +90,6 @@ class SamplingMetadata:
             bad_words=BadWords.build(bad_words_token_ids or empty, outputs, device),
             logit_bias=LogitBias.build([p.logit_bias for p in params], device),
             penalties=Penalties.build(params, prompt_token_ids or empty, outputs, vocab_size, device),
-            all_greedy=all(greedy),
         )
 
     @classmethod
@@ -106,6 +107,10 @@ class SamplingMetadata:
         )
         metadata.grammar_bitmask = grammar_bitmask([r.structured_output for r in requests], vocab_size)
         return metadata
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.greedy is None
 
     @property
     def processes_logits(self) -> bool:
@@ -175,11 +180,12 @@ class Sampler:
     """Samples one token per row of fp32 logits [num_reqs, vocab]."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
-            raise ValueError(f"logits must be [{metadata.temperature.shape[0]}, vocab], got {tuple(logits.shape)}")
+        rows = len(metadata.num_logprobs)
+        if logits.dim() != 2 or logits.shape[0] != rows:
+            raise ValueError(f"logits must be [{rows}, vocab], got {tuple(logits.shape)}")
         raw_logits = logits.float()
         logits = self.process_logits(raw_logits.clone(), metadata) if metadata.processes_logits else raw_logits
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax(logits)
         if not metadata.all_greedy:
             sampled = torch.where(metadata.greedy, sampled, self._sample_random(logits, metadata))
         # Logprobs of the raw logits, before temperature and truncation (vLLM's default).
@@ -222,7 +228,7 @@ class Sampler:
         probs = cls.random_probs(logits, metadata)
         # argmax(p / E) with E ~ Exp(1) samples from p (the exponential race), without a device sync.
         noise = _exponential_noise(probs.shape, metadata.generators, probs.device)
-        return (probs / noise).argmax(dim=-1)
+        return argmax(probs / noise)
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_token_ids: list[int], num_logprobs: int) -> list[Logprobs]:

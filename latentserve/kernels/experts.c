@@ -68,7 +68,7 @@ static void unit_dots(const Plan *p, const Set *s, int which, Unit t, float *dot
 
 /* This thread's share of layer `which` of each set's groups, in blocks of 16 outputs. Each set shared out on its
  * own: the shared experts' blocks meet every token, the routed ones' a few, so one split of both would load the
- * threads unevenly. int8 reads two blocks at once, the i-th of each half of the share, where both have the same
+ * threads unevenly. int8 and int4 read two blocks at once, the i-th of each half of the share, where both have the same
  * few rows (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be different
  * experts', met by different tokens, so each block takes its own rows. `dots`: room for 16 * (P + PAIR_ROWS)
  * floats. */
@@ -80,7 +80,7 @@ static void layer(const Plan *p, int which, float *dots) {
         QuantActs acts = which ? s->a : s->x;
         int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0, g2 = s->g0;
         int64_t begin = lo + n * part / parts, len = lo + n * (part + 1) / parts - begin;
-        if (s->f[which].bits != 8) {
+        if (dense(s->f[which])) {
             for (int64_t r = begin; r < begin + len; r++) unit_dots(p, s, which, find_unit(p, s, which, r, &g), dots);
             continue;
         }
@@ -96,8 +96,8 @@ static void layer(const Plan *p, int which, float *dots) {
                 unit_dots(p, s, which, t2, dots);
                 continue;
             }
-            int8_block_pair_dots(acts, t.first, acts, t2.first, t.m, (const int8_t *)t.block,
-                                 (const int8_t *)t2.block, t.in, dots, dots + 16 * PAIR_ROWS);
+            block_pair_dots(s->f[which], acts, t.first, acts, t2.first, t.m, t.block, t2.block, t.in, dots,
+                            dots + 16 * PAIR_ROWS);
             store_unit(p, s, which, t, dots);
             store_unit(p, s, which, t2, dots + 16 * PAIR_ROWS);
         }

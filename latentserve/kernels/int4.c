@@ -13,121 +13,181 @@
  * rest takes the exact sums of x over each group (q * scale alone, up to twice the weight's range, would multiply
  * the activations' rounding by its large mean). With the integer products of q, the centring is a correction per
  * group: 8 * scale * (sum of x - sum of quantized x). Built for AVX-512 VNNI (vpdpbusd: nibbles u8 x activations
- * s8) and AVX2 (vpmaddubsw, the same operands). Each row's result is the same whatever rows it is computed with. */
+ * s8) and AVX2 (vpmaddubsw, the same operands). Each row's result is the same whatever rows it is computed with, and
+ * whether its block is read alone or beside another (int4_block_pair_dots: the same groups' arithmetic, in turns).
+ *
+ * At many rows the kernel is bound by its arithmetic, not by the unpacking (3 operations a 64-byte unit, shared by
+ * the pass's rows): per row and group of 32 columns, 8 vpdpbusd and 4 float operations (the scale's product, its
+ * multiply-add and the two corrections), which compete for the same two vector pipes on AMD Zen 4, where int8 has
+ * the 8 vpdpbusd alone (2026-12-05, CPU time, one core: about 135 against int8's 175-200 G multiply-adds/s at 48
+ * to 512 rows; without the two corrections 1.16x faster). Only fewer float operations a group, i.e. other numerics,
+ * would close that gap. */
 #include "quant.h"
 
 #ifdef LS_AVX512
 #define QROWS 4 /* activation rows per pass over a block: 3 vector registers each */
 
-/* out[i][j] = output j of the block at p for activation row i (xq, xs, corr: row 0's; rows K, K / 64, 2 * K / G
- * apart). */
-INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
-                       int mb, float (*out)[16]) {
-    const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set1_epi32((int)0xffff0000);
-    int64_t groups = K / G, span = G < XBLOCK ? G : XBLOCK;
-    __m512 res[QROWS];
+typedef __m512 Sums[QROWS]; /* a block's 16 outputs for each activation row of a pass */
+
+INLINE void zero_sums(Sums res, int mb) {
     for (int i = 0; i < mb; i++) res[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i pairs = _mm512_loadu_si512(p);
-        __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-        __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
-        p += 64;
-        for (int64_t k = g * G; k < (g + 1) * G; k += span) { /* under one scale of x */
-            __m512i lo_acc[QROWS], hi_acc[QROWS];
-            for (int i = 0; i < mb; i++) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
-            for (int64_t c = k; c < k + span; c += 8, p += 64) {
-                __m512i v = _mm512_loadu_si512(p);
-                __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                for (int i = 0; i < mb; i++) {
-                    lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
-                    hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
-                }
-            }
+}
+
+INLINE void store_sums(Sums res, int mb, float (*out)[16]) {
+    for (int i = 0; i < mb; i++) _mm512_storeu_ps(out[i], res[i]);
+}
+
+/* res[i][j] += group g's part of output j of a block for activation row i (xq, xs, corr: row 0's; rows K, K / 64,
+ * 2 * K / G apart), the group's bytes at p. */
+INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                       int64_t g, int mb, Sums res) {
+    const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set1_epi32((int)0xffff0000);
+    int64_t span = G < XBLOCK ? G : XBLOCK;
+    __m512i pairs = _mm512_loadu_si512(p);
+    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+    p += 64;
+    for (int64_t k = g * G; k < (g + 1) * G; k += span) { /* under one scale of x */
+        __m512i lo_acc[QROWS], hi_acc[QROWS];
+        for (int i = 0; i < mb; i++) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
+        for (int64_t c = k; c < k + span; c += 8, p += 64) {
+            __m512i v = _mm512_loadu_si512(p);
+            __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int i = 0; i < mb; i++) {
-                __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]));
-                res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i], hi_acc[i])), res[i]);
+                lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
+                hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
             }
         }
         for (int i = 0; i < mb; i++) {
-            const float *cg = corr + i * 2 * groups + 2 * g;
-            res[i] = _mm512_fmadd_ps(scale, _mm512_set1_ps(cg[0]), res[i]);
-            res[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(cg[1]), res[i]);
+            __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]));
+            res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i], hi_acc[i])), res[i]);
         }
     }
-    for (int i = 0; i < mb; i++) _mm512_storeu_ps(out[i], res[i]);
+    for (int i = 0; i < mb; i++) {
+        const float *cg = corr + i * 2 * (K / G) + 2 * g;
+        res[i] = _mm512_fmadd_ps(scale, _mm512_set1_ps(cg[0]), res[i]);
+        res[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(cg[1]), res[i]);
+    }
 }
 #else
 #define QROWS 2 /* 16 vector registers: 4 a row */
 
-/* As the AVX-512 version, each 64-byte unit as two halves of 8 outputs: pairs of products summed in int16 (at most
- * 4 * 15 * 127 for the low and high nibbles' pairs together), then in int32. */
-INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
-                       int mb, float (*out)[16]) {
-    const __m256i low = _mm256_set1_epi8(0x0f), high_half = _mm256_set1_epi32((int)0xffff0000);
-    const __m256i ones = _mm256_set1_epi16(1);
-    int64_t groups = K / G, span = G < XBLOCK ? G : XBLOCK;
-    __m256 res[QROWS][2];
+typedef __m256 Sums[QROWS][2]; /* each row's 16 outputs as two halves of 8 */
+
+INLINE void zero_sums(Sums res, int mb) {
     for (int i = 0; i < mb; i++) res[i][0] = res[i][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m256 scale[2], minimum[2];
-        for (int h = 0; h < 2; h++) {
-            __m256i pairs = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
-            scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-            minimum[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
-        }
-        p += 64;
-        for (int64_t k = g * G; k < (g + 1) * G; k += span) {
-            __m256i acc[QROWS][2];
-            for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-            for (int64_t c = k; c < k + span; c += 8, p += 64) {
-                __m256i lo[2], hi[2];
-                for (int h = 0; h < 2; h++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
-                    lo[h] = _mm256_and_si256(v, low);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                }
-                for (int i = 0; i < mb; i++) {
-                    __m256i x0 = _mm256_set1_epi32(four_bytes(xq + i * K + c));
-                    __m256i x1 = _mm256_set1_epi32(four_bytes(xq + i * K + c + 4));
-                    for (int h = 0; h < 2; h++) {
-                        __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
-                        acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pair, ones));
-                    }
-                }
-            }
-            for (int i = 0; i < mb; i++) {
-                __m256 sx = _mm256_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]);
-                for (int h = 0; h < 2; h++)
-                    res[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale[h], sx), _mm256_cvtepi32_ps(acc[i][h]), res[i][h]);
-            }
-        }
-        for (int i = 0; i < mb; i++) {
-            const float *cg = corr + i * 2 * groups + 2 * g;
-            for (int h = 0; h < 2; h++) {
-                res[i][h] = _mm256_fmadd_ps(scale[h], _mm256_set1_ps(cg[0]), res[i][h]);
-                res[i][h] = _mm256_fmadd_ps(minimum[h], _mm256_set1_ps(cg[1]), res[i][h]);
-            }
-        }
-    }
+}
+
+INLINE void store_sums(Sums res, int mb, float (*out)[16]) {
     for (int i = 0; i < mb; i++) {
         _mm256_storeu_ps(out[i], res[i][0]);
         _mm256_storeu_ps(out[i] + 8, res[i][1]);
     }
 }
+
+/* As the AVX-512 version, each 64-byte unit as two halves of 8 outputs: pairs of products summed in int16 (at most
+ * 4 * 15 * 127 for the low and high nibbles' pairs together), then in int32. */
+INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                       int64_t g, int mb, Sums res) {
+    const __m256i low = _mm256_set1_epi8(0x0f), high_half = _mm256_set1_epi32((int)0xffff0000);
+    const __m256i ones = _mm256_set1_epi16(1);
+    int64_t span = G < XBLOCK ? G : XBLOCK;
+    __m256 scale[2], minimum[2];
+    for (int h = 0; h < 2; h++) {
+        __m256i pairs = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+        scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        minimum[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
+    }
+    p += 64;
+    for (int64_t k = g * G; k < (g + 1) * G; k += span) {
+        __m256i acc[QROWS][2];
+        for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int64_t c = k; c < k + span; c += 8, p += 64) {
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; h++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+                lo[h] = _mm256_and_si256(v, low);
+                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int i = 0; i < mb; i++) {
+                __m256i x0 = _mm256_set1_epi32(four_bytes(xq + i * K + c));
+                __m256i x1 = _mm256_set1_epi32(four_bytes(xq + i * K + c + 4));
+                for (int h = 0; h < 2; h++) {
+                    __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+                    acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pair, ones));
+                }
+            }
+        }
+        for (int i = 0; i < mb; i++) {
+            __m256 sx = _mm256_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]);
+            for (int h = 0; h < 2; h++)
+                res[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale[h], sx), _mm256_cvtepi32_ps(acc[i][h]), res[i][h]);
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        const float *cg = corr + i * 2 * (K / G) + 2 * g;
+        for (int h = 0; h < 2; h++) {
+            res[i][h] = _mm256_fmadd_ps(scale[h], _mm256_set1_ps(cg[0]), res[i][h]);
+            res[i][h] = _mm256_fmadd_ps(minimum[h], _mm256_set1_ps(cg[1]), res[i][h]);
+        }
+    }
+}
 #endif
+
+/* out[i][j] = output j of the block at p for activation row i (xq, xs, corr: row 0's). */
+INLINE void int4_block(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                       int mb, float (*out)[16]) {
+    Sums res;
+    zero_sums(res, mb);
+    for (int64_t g = 0; g < K / G; g++) int4_group(xq, xs, corr, p + g * (64 + 8 * G), K, G, g, mb, res);
+    store_sums(res, mb, out);
+}
+
+/* int4_block of two blocks, p0 with rows x0 (into out) and p1 with rows x1 (into out1), group by group: two streams
+ * of weights in flight, each block's arithmetic as it is alone. */
+INLINE void int4_block_pair(const int8_t *x0, const float *xs0, const float *corr0, const int8_t *x1,
+                            const float *xs1, const float *corr1, const uint8_t *p0, const uint8_t *p1, int64_t K,
+                            int64_t G, float (*out1)[16], int mb, float (*out)[16]) {
+    Sums res0, res1;
+    zero_sums(res0, mb);
+    zero_sums(res1, mb);
+    for (int64_t g = 0; g < K / G; g++) {
+        int4_group(x0, xs0, corr0, p0 + g * (64 + 8 * G), K, G, g, mb, res0);
+        int4_group(x1, xs1, corr1, p1 + g * (64 + 8 * G), K, G, g, mb, res1);
+    }
+    store_sums(res0, mb, out);
+    store_sums(res1, mb, out1);
+}
+
+/* Row r of a's quantized rows, scales and corrections. */
+#define INT4_ROW(a, r, K, G) (a).q + (r) * (K), (a).s + (r) * ((K) / XBLOCK), (a).corr + (r) * 2 * ((K) / (G))
 
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots) {
     for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
         int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
-        int64_t r = first + m0;
         float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-        const int8_t *xq = a.q + r * K;
-        const float *xs = a.s + r * (K / XBLOCK), *corr = a.corr + r * 2 * (K / G);
         if (G == 128) /* a constant group size: the loops over it unrolled */
-            FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 128)
+            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 128), block, K, 128)
         else if (G == 64)
-            FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 64)
+            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 64), block, K, 64)
         else
-            FOR_ROWS_UPTO(QROWS, int4_block, xq, xs, corr, block, K, 32)
+            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 32), block, K, 32)
+    }
+}
+
+void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
+                          const uint8_t *block1, int64_t K, int64_t G, float *dots0, float *dots1) {
+    for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
+        int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
+        float(*out)[16] = (float(*)[16])(dots0 + 16 * m0), (*out1)[16] = (float(*)[16])(dots1 + 16 * m0);
+        if (G == 128)
+            FOR_ROWS_UPTO(QROWS, int4_block_pair, INT4_ROW(a0, first0 + m0, K, 128), INT4_ROW(a1, first1 + m0, K, 128),
+                          block0, block1, K, 128, out1)
+        else if (G == 64)
+            FOR_ROWS_UPTO(QROWS, int4_block_pair, INT4_ROW(a0, first0 + m0, K, 64), INT4_ROW(a1, first1 + m0, K, 64),
+                          block0, block1, K, 64, out1)
+        else
+            FOR_ROWS_UPTO(QROWS, int4_block_pair, INT4_ROW(a0, first0 + m0, K, 32), INT4_ROW(a1, first1 + m0, K, 32),
+                          block0, block1, K, 32, out1)
     }
 }

@@ -9,26 +9,34 @@
  * softmaxes combined after (as flash-decoding splits them): with one token, the threads read different rows instead
  * of the same ones for different heads. The chunks are the same whatever the batch and the threads, so a token's
  * result is too. Items are shared out among the threads; heads per item shrink so that every thread gets work. An
- * fp8 or int8 cache (kv_rows.h) is dequantized a tile at a time for all of an item's heads (decode_quantized_item).
- */
-#include "mla_tiles.h"
+ * fp8 or int8 cache (kv_rows.h) is dequantized a tile at a time for all of an item's heads. bf16 queries under
+ * AVX512-BF16 score 16 heads in the vector lanes (mla_lanes.h, decode_lanes_item), over bf16 rows: the cache's own or
+ * a dequantized tile; the others take mla_tiles.h's fp32 tiles (decode_item, decode_quantized_item). */
+#include "mla_lanes.h"
 
-/* A quantized-cache item's working memory, one per thread: for its heads the scaled fp32 queries, the accumulated
- * values, the running maxima and sums; a tile's scores (one group of heads at a time); the tile, dequantized. */
+/* An item's working memory, one per thread, for a quantized cache or the lanes (mla_lanes.h): for its heads (P of
+ * them: rounded up to whole lane groups) the scaled fp32 queries or the lanes' bf16 pairs, the accumulated values,
+ * the running maxima and sums, an odd last query column; a tile's scores (one group of heads at a time) and the
+ * lanes' weight pairs; the tile, dequantized. */
 typedef struct {
-    float *qs, *acc, *maxima, *sums, *scores;
+    float *qs, *acc, *maxima, *sums, *q_last, *scores;
+    int32_t *pairs;
     char *tile;
 } ItemMemory;
 
-/* Floats an ItemMemory of `heads` takes. */
+INLINE int64_t lane_padded(int64_t heads) { return (heads + LANE_HEADS - 1) / LANE_HEADS * LANE_HEADS; }
+
+/* Floats an ItemMemory of `heads` takes (a multiple of 16: each thread's stays 64-byte aligned). */
 INLINE int64_t item_floats(int64_t heads, int64_t D, int64_t L) {
-    return heads * (D + L + 2) + HEADS * ROW_TILE + ROW_TILE * D;
+    return lane_padded(heads) * (D + L + 3) + LANE_HEADS * ROW_TILE * 3 / 2 + ROW_TILE * D;
 }
 
 static ItemMemory item_memory(float *f, int64_t heads, int64_t D, int64_t L) {
-    float *tile = f + heads * (D + L + 2) + HEADS * ROW_TILE;
-    return (ItemMemory){f, f + heads * D, f + heads * (D + L), f + heads * (D + L + 1), f + heads * (D + L + 2),
-                        (char *)tile};
+    int64_t P = lane_padded(heads);
+    float *scores = f + P * (D + L + 3);
+    int32_t *pairs = (int32_t *)(scores + LANE_HEADS * ROW_TILE);
+    return (ItemMemory){f, f + P * D, f + P * (D + L), f + P * (D + L + 1), f + P * (D + L + 2), scores, pairs,
+                        (char *)(pairs + LANE_HEADS * ROW_TILE / 2)};
 }
 
 /* Rows p0 .. p1 (of n) of an fp8 or int8 cache dequantized into `tile` (bf16 for vdpbf16ps where `dot`, else fp32),
@@ -52,57 +60,79 @@ static void dequantize_tile(const char *const *rows, int64_t p0, int64_t p1, int
     }
 }
 
-/* decode_item over an fp8 or int8 cache, for all nh heads of the item: each tile is dequantized once (no copy of the
- * cache beyond it) and attended by every head, HEADS at a time, while it is in cache, so the conversion costs once
- * per row and item rather than once per row, group of heads and pass. */
+/* decode_item over an fp8 or int8 cache in fp32, for all nh heads of the item: each tile is dequantized once (no
+ * copy of the cache beyond it) and attended by every head, HEADS at a time, while it is in cache, so the conversion
+ * costs once per row and item rather than once per row, group of heads and pass. */
 static void decode_quantized_item(const void *q, int qbf, int64_t D, int64_t L, const char *const *rows, int cf,
                                   int64_t p_begin, int64_t p_end, float scale, void *out, int obf, float *partial,
                                   int64_t nh, ItemMemory *s) {
-#ifdef LS_BF16DOT
-    int dot = qbf; /* the tile in bf16, for vdpbf16ps */
-#else
-    int dot = 0;
-#endif
-    int rf = dot ? KV_BF16 : KV_F32;
-    int64_t qsize = qbf ? 2 : 4;
     for (int64_t i = 0; i < nh * L; i++) s->acc[i] = 0.f;
     for (int64_t h = 0; h < nh; h++) s->maxima[h] = -INFINITY, s->sums[h] = 0.f;
-    if (!dot)
-        for (int64_t i = 0; i < nh * D; i++) s->qs[i] = scale * load_act(q, qbf, i);
+    for (int64_t i = 0; i < nh * D; i++) s->qs[i] = scale * load_act(q, qbf, i);
     const char *tile[ROW_TILE];
-#ifdef LS_BF16DOT
-    /* The first HEADS heads score the rows as they are dequantized (score_quantized_rows) */
-    int fused = dot && nh >= HEADS && D % 64 == 0 && L % 64 == 0 && __builtin_cpu_supports("avx512vbmi");
-#endif
     for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
-        int64_t nt = p0 + ROW_TILE < p_end ? ROW_TILE : p_end - p0, h0 = 0;
-#ifdef LS_BF16DOT
-        if (fused) {
-            score_quantized_rows(q, D, L, rows, cf, p0, p0 + nt, p_end, p0 == p_begin, scale, s->scores,
-                                 (uint16_t *)s->tile, tile);
-            online_softmax(s->scores, nt, HEADS, s->maxima, s->sums, s->acc, L);
-            weigh_rows_bf16(s->scores, tile, KV_BF16, nt, L, HEADS, s->acc);
-            h0 = HEADS;
-        } else
-#endif
-            dequantize_tile(rows, p0, p0 + nt, p_end, p0 == p_begin, cf, dot, D, L, s->tile, tile);
-        for (; h0 < nh; h0 += HEADS) {
-            const void *qg = (const char *)q + h0 * D * qsize;
+        int64_t nt = p0 + ROW_TILE < p_end ? ROW_TILE : p_end - p0;
+        dequantize_tile(rows, p0, p0 + nt, p_end, p0 == p_begin, cf, 0, D, L, s->tile, tile);
+        for (int64_t h0 = 0; h0 < nh; h0 += HEADS) {
             float *qs = s->qs + h0 * D, *mx = s->maxima + h0, *sm = s->sums + h0, *acc = s->acc + h0 * L;
             switch (nh - h0 < HEADS ? nh - h0 : HEADS) { /* a constant head count: the accumulators in registers */
-            case 1: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 1); break;
-            case 2: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 2); break;
-            case 3: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 3); break;
-            case 4: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 4); break;
-            case 5: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 5); break;
-            case 6: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 6); break;
-            case 7: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 7); break;
-            default: attend_tile(qg, qs, dot, D, L, tile, rf, 0, nt, 0, scale, s->scores, mx, sm, acc, 8); break;
+            case 1: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 1); break;
+            case 2: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 2); break;
+            case 3: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 3); break;
+            case 4: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 4); break;
+            case 5: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 5); break;
+            case 6: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 6); break;
+            case 7: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 7); break;
+            default: attend_tile(qs, D, L, tile, KV_F32, 0, nt, 0, s->scores, mx, sm, acc, 8); break;
             }
         }
     }
     finish_heads(s->maxima, s->sums, s->acc, nh, L, out, obf, partial);
 }
+
+#ifdef LS_BF16DOT
+/* An item of bf16 queries on the lanes (mla_lanes.h), its nh heads in groups of LANE_HEADS, over rows p_begin ..
+ * p_end of a bf16 cache, read in place, or of an fp8 / int8 one, each tile dequantized to bf16 once for all the
+ * groups (a conversion beside the products costs less than the products' wait for L2: a lone request's 16 heads ran
+ * as fast over fp8 and int8 rows as over bf16 ones); results as finish_heads gives them. */
+static void decode_lanes_item(const uint16_t *q, int64_t D, int64_t L, const char *const *rows, int cf,
+                              int64_t p_begin, int64_t p_end, float scale, void *out, int obf, float *partial,
+                              int64_t nh, ItemMemory *s) {
+    LaneGroup g[lane_padded(nh) / LANE_HEADS];
+    for (int64_t i = 0; i * LANE_HEADS < nh; i++) {
+        int64_t h = i * LANE_HEADS;
+        g[i] = (LaneGroup){(int32_t *)s->qs + h * (D / 2), s->q_last + h, s->maxima + h, s->sums + h,
+                           s->acc + h * L, nh - h < LANE_HEADS ? (int)(nh - h) : LANE_HEADS};
+        lane_group_start(g[i], q + h * D, D, L);
+    }
+    const char *tile[ROW_TILE];
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += ROW_TILE) {
+        int64_t nt = p0 + ROW_TILE < p_end ? ROW_TILE : p_end - p0;
+        if (cf == KV_BF16) {
+            for (int64_t i = 0; i * LANE_HEADS < nh; i++)
+                attend_tile_lanes(g[i], D, L, rows, p0, p0 + nt, p_end, scale, s->scores, s->pairs);
+            continue;
+        }
+        /* The first group scores LANE_ROWS rows at a time as soon as they are converted, while they are in L1. */
+        for (int64_t j = 0; j < nt; j += LANE_ROWS) {
+            int64_t j1 = j + LANE_ROWS < nt ? j + LANE_ROWS : nt;
+            dequantize_tile(rows, p0 + j, p0 + j1, p_end, p0 == p_begin, cf, 1, D, L, s->tile + j * D * 2, tile + j);
+            if (g[0].nh <= 8)
+                score_rows_lanes8(g[0], D, tile, j, j1, 0, scale, s->scores + j * LANE_HEADS);
+            else
+                score_rows_lanes(g[0], D, tile, j, j1, 0, scale, s->scores + j * LANE_HEADS);
+        }
+        weigh_tile_lanes(g[0], L, tile, nt, s->scores, s->pairs);
+        for (int64_t i = 1; i * LANE_HEADS < nh; i++)
+            attend_tile_lanes(g[i], D, L, tile, 0, nt, 0, scale, s->scores, s->pairs);
+    }
+    for (int64_t i = 0; i * LANE_HEADS < nh; i++) {
+        int64_t h = i * LANE_HEADS;
+        finish_heads(g[i].maxima, g[i].sums, g[i].acc, g[i].nh, L, (char *)out + h * L * (obf ? 2 : 4), obf,
+                     partial ? partial + h * (L + 2) : NULL);
+    }
+}
+#endif
 
 /* One head's output from its chunks' partial softmaxes (decode_item's `partial`, `chunks` of them H heads apart),
  * rescaled to their common maximum. */
@@ -162,7 +192,12 @@ int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const 
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = first[t]; c < first[t + 1]; c++) token[c] = t;
     int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
-    int64_t memory = cf >= KV_FP8 ? item_floats(heads, D, L) : 0; /* floats of each thread's ItemMemory */
+#ifdef LS_BF16DOT
+    int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps, the heads in the lanes */
+#else
+    int dot = 0;
+#endif
+    int64_t memory = cf >= KV_FP8 || dot ? item_floats(heads, D, L) : 0; /* floats of each thread's ItemMemory */
     float *items = scratch(threads * memory * sizeof(float));
     if (!items) return scratch_release(mark), LS_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
@@ -175,11 +210,18 @@ int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const 
             int64_t h_begin = item % blocks * heads, h_end = h_begin + heads < H ? h_begin + heads : H;
             int whole = first[t + 1] - first[t] == 1;
             const char *const *rr = rows + r * max_len;
+            void *oi = (char *)out + (t * H + h_begin) * L * (obf ? 2 : 4);
+            float *pi = whole ? NULL : partial + (chunk * H + h_begin) * (L + 2);
+#ifdef LS_BF16DOT
+            if (dot) {
+                decode_lanes_item((const uint16_t *)q + (t * H + h_begin) * D, D, L, rr, cf, p_begin, p_end, scale, oi,
+                                  obf, pi, h_end - h_begin, &mine);
+                continue;
+            }
+#endif
             if (cf >= KV_FP8) {
                 decode_quantized_item((const char *)q + (t * H + h_begin) * D * (qbf ? 2 : 4), qbf, D, L, rr, cf,
-                                      p_begin, p_end, scale, (char *)out + (t * H + h_begin) * L * (obf ? 2 : 4), obf,
-                                      whole ? NULL : partial + (chunk * H + h_begin) * (L + 2), h_end - h_begin,
-                                      &mine);
+                                      p_begin, p_end, scale, oi, obf, pi, h_end - h_begin, &mine);
                 continue;
             }
             for (int64_t h0 = h_begin; h0 < h_end; h0 += HEADS) {

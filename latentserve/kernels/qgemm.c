@@ -101,12 +101,31 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
     return LS_OK;
 }
 
+/* Rows (of a pass) from which the sums, not the reads, bind the core: the AVX-512 build's sums at 3-4 rows still
+ * take less time than the reads, AVX2's (2-4x slower) do not. */
+#ifdef LS_AVX512
+#define FETCH_ROWS 5
+#else
+#define FETCH_ROWS 3
+#endif
+
+/* Unit c of the block the caller reads next, `ahead` bytes past this one's (0: none), fetched into L2 while this
+ * block's unit c is summed, from FETCH_ROWS rows: the core is then busy with dot products and the hardware
+ * prefetchers alone let the weight's reads fall behind (lm_head at 8 rows 1.2x and at 16 rows 1.5x faster,
+ * benchmarks/RESULTS.md "Fetching the next block"). Below, the loads bind, the prefetchers keep up, and software
+ * prefetches measured slower (0.7-0.96x at 1-2 rows, 0.83-1.10x at 4). */
+INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
+    /* The address in integers: past the last block it points outside the weight (a prefetch does not fault). */
+    if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
+}
+
 #ifdef LS_AVX512
 /* sums[i][j] = sum_k (xq[i * xstride + k] + 128) * w[j, k] for mb activation rows and the 16 outputs of a block in
  * the lanes layout ([K / 4, 16, 4]: element [c, j, i] = w[j, 4c + i]): each 64-byte load holds 4 columns of all 16,
  * against a row's 4 bytes in every lane, and feeds every row. Few rows sum in several chains each (at one row a
  * single chain is bound by vpdpbusd's latency, not by the loads). */
-INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t (*out)[16]) {
+INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
+                       int32_t (*out)[16]) {
     enum { CHAINS_MAX = 4 };
     const int chains = mb <= 2 ? 4 : mb <= 4 ? 2 : 1;
     __m512i acc[CHAINS_MAX][MB];
@@ -115,6 +134,7 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
     int64_t units = K / 4, c = 0;
     for (; c + chains <= units; c += chains)
         for (int h = 0; h < chains; h++) {
+            fetch_next(w, c + h, ahead, mb);
             __m512i wv = _mm512_loadu_si512(w + 64 * (c + h));
             for (int i = 0; i < mb; i++)
                 acc[h][i] = _mm512_dpbusd_epi32(acc[h][i], _mm512_set1_epi32(four_bytes(xq + i * xstride + 4 * (c + h))),
@@ -133,11 +153,13 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
 #else
 /* As the AVX-512 version with x signed (vpmaddubsw's |w| times x with w's sign, as int8_rows does), each 64-byte
  * unit as two halves of 8 outputs. */
-INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t (*out)[16]) {
+INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
+                       int32_t (*out)[16]) {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[MB][2];
     for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
     for (int64_t c = 0; c < K / 4; c++) {
+        fetch_next(w, c, ahead, mb);
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
         __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
@@ -173,7 +195,7 @@ int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_
         for (int64_t m0 = 0; m0 < M; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
             int mb = M - m0 < MB ? (int)(M - m0) : MB;
             int32_t out[MB][16];
-            FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * K, H * K, w + b * 16 * K, K)
+            FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * K, H * K, w + b * 16 * K, K, 0)
             for (int i = 0; i < mb; i++)
                 for (int j = 0; j < 16; j++) {
                     int64_t hn = h * N + n0 + j, row = (m0 + i) * H + h;
@@ -200,7 +222,7 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[MB][16];
-        FOR_ROWS(lanes_sums, a.q + (first + m0) * K, K, block + INT8_HEADER, K)
+        FOR_ROWS(lanes_sums, a.q + (first + m0) * K, K, block + INT8_HEADER, K, INT8_HEADER + 16 * K)
         block_epilogue(block, a, first + m0, mb, out, dots + 16 * m0);
     }
 }
@@ -213,7 +235,7 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
  * or two rows (bound by the loads) take turns of PAIR_CHUNK units, two chains a block; more rows (bound by the
  * arithmetic) go unit by unit. */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
-                            int64_t K, int mb, int32_t (*out)[MB][16]) {
+                            int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
     enum { CHAINS_MAX = 2 };
     const int chains = mb <= 2 ? 2 : 1;
     const int8_t *w[2] = {w0, w1}, *xq[2] = {x0, x1};
@@ -224,6 +246,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
     int64_t units = K / 4;
     if (mb > 2) {
         for (int64_t c = 0; c < units; c++) {
+            fetch_next(w0, c, ahead, mb);
+            fetch_next(w1, c, ahead, mb);
             __m512i wv[2] = {_mm512_loadu_si512(w0 + 64 * c), _mm512_loadu_si512(w1 + 64 * c)};
             for (int i = 0; i < mb; i++)
                 for (int s = 0; s < 2; s++)
@@ -257,9 +281,11 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
 }
 #else
 /* As the AVX-512 version's turns of PAIR_CHUNK units at every row count (not measured: AVX-512 machines run the other
- * build), each unit as lanes_sums' two halves of 8 outputs. */
+ * build), each unit as lanes_sums' two halves of 8 outputs. No fetch_next: in these turns it measured 0.92-1.06x
+ * at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
-                            int64_t K, int mb, int32_t (*out)[MB][16]) {
+                            int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
+    (void)ahead;
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w[2] = {w0, w1}, *xq[2] = {x0, x1};
     __m256i acc[2][MB][2];
@@ -294,7 +320,7 @@ void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[2][MB][16];
         FOR_ROWS(lanes_sums_pair, a0.q + (first0 + m0) * K, a1.q + (first1 + m0) * K, K, block0 + INT8_HEADER,
-                 block1 + INT8_HEADER, K)
+                 block1 + INT8_HEADER, K, INT8_HEADER + 16 * K)
         block_epilogue(block0, a0, first0 + m0, mb, out[0], dots0 + 16 * m0);
         block_epilogue(block1, a1, first1 + m0, mb, out[1], dots1 + 16 * m0);
     }

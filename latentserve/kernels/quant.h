@@ -69,6 +69,8 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
 void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const int8_t *block0,
                           const int8_t *block1, int64_t K, float *dots0, float *dots1);
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots);
+void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
+                          const uint8_t *block1, int64_t K, int64_t G, float *dots0, float *dots1);
 void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, int wbf, int64_t K, int64_t outputs,
                       float *dots);
 
@@ -78,6 +80,17 @@ INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const vo
         int8_block_dots(a, first, m, (const int8_t *)block, K, dots);
     else
         int4_block_dots(a, first, m, (const uint8_t *)block, K, f.group, dots);
+}
+
+/* The quantized formats' two blocks at once, each with its own rows (m of each; the drivers: up to PAIR_ROWS). */
+INLINE void block_pair_dots(Format f, QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m,
+                            const void *block0, const void *block1, int64_t K, float *dots0, float *dots1) {
+    if (f.bits == 8)
+        int8_block_pair_dots(a0, first0, a1, first1, m, (const int8_t *)block0, (const int8_t *)block1, K, dots0,
+                             dots1);
+    else
+        int4_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, f.group,
+                             dots0, dots1);
 }
 
 /* Any format's block: `outputs` of its rows hold weights (dense blocks end with the weight). */

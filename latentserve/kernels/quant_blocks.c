@@ -15,14 +15,14 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
 
 /* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each
  * thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a
- * thread keeps too few reads in flight: int8 up to PAIR_ROWS rows reads two blocks at once, the i-th of each half of
- * the share (int8_block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by
- * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): 1.04-1.28x faster at 1-2 rows
- * and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head. An earlier measurement under load, by wall time and whole
- * blocks alternating (`two_streams`), had found two streams up to 1.2x slower; wall time under that load mostly
- * measured the other processes. More rows are bound by the arithmetic and walk the blocks in order, as int4 does
- * at every row count (at one row it streams at 72-114 % of the copy bandwidth). Above ROW_CHUNK rows, ROW_CHUNK rows
- * a pass. Each row's result is the same whatever rows it is computed with, and whatever the thread count. */
+ * thread keeps too few reads in flight: up to PAIR_ROWS rows it reads two blocks at once, the i-th of each half of
+ * the share (block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by
+ * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): int8 1.04-1.28x faster at
+ * 1-2 rows and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head; int4 (2816 x 2048, group 32) 1.2-1.3x at 1 row,
+ * 1.3-1.45x at 4. An earlier measurement under load, by wall time and whole blocks alternating (`two_streams`), had
+ * found two streams up to 1.2x slower; wall time under that load mostly measured the other processes. More rows are
+ * bound by the arithmetic and walk the blocks in order. Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's
+ * result is the same whatever rows it is computed with, and whatever the thread count. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
                  int io, int threads) {
     Format f = {bits, G};
@@ -39,11 +39,10 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, i
         int64_t len = blocks * (part + 1) / parts - begin, half = (len + 1) / 2;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
             int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-            if (bits == 8 && rows <= PAIR_ROWS) {
+            if (rows <= PAIR_ROWS) {
                 for (int64_t b = begin; b < begin + half; b++) {
                     if (b + half < begin + len) {
-                        int8_block_pair_dots(a, m0, a, m0, rows, (const int8_t *)(wb + b * bytes),
-                                             (const int8_t *)(wb + (b + half) * bytes), K, mine, other);
+                        block_pair_dots(f, a, m0, a, m0, rows, wb + b * bytes, wb + (b + half) * bytes, K, mine, other);
                         store_block(y, io & 2, N, m0, rows, b + half, other);
                     } else {
                         block_dots(f, a, m0, rows, wb + b * bytes, K, mine);

@@ -146,16 +146,35 @@ class RotaryEmbedding(nn.Module):
         self.long_from = rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
         self.register_buffer("long_inv_freq", rope_frequencies(rope_dim, rope, long=True)[0]
                              if self.long_from is not None else None, persistent=False)
+        self._table: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # (its sources, cos, sin): `cos_sin`
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [T, R] in fp32 in the output layout, with YaRN's attention factor folded in:
-        `rotate` is then x * cos + partner(x) * sin, three elementwise ops per call for every layer."""
+        `rotate` is then x * cos + partner(x) * sin, three elementwise ops per call for every layer.
+
+        Rows of a table of every position up to the largest seen (grown by doubling): a decode step indexes it
+        instead of computing its angles (two ops, not a dozen)."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        sources = self._angle_sources()
+        if self._table is None or self._table[0] != sources or self._table[1].shape[0] < needed:
+            size = max(needed, 2 * self._table[1].shape[0] if self._table is not None else 0, 256)
+            self._table = (sources, *self._angles(torch.arange(size, device=self.inv_freq.device)))
+        return self._table[1].index_select(0, positions), self._table[2].index_select(0, positions)
+
+    def _angle_sources(self) -> tuple[tuple[int, int], ...]:
+        """The tensors the angles come from, as (address, version): a loaded or replaced alpha, or a move to another
+        device, rebuilds the table."""
+        return tuple((t.data_ptr(), t._version) for t in (self.inv_freq, self.long_inv_freq, self.alpha)
+                     if t is not None)
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` computed for `positions`."""
         # fp32 whatever the model dtype: angles at large positions need the precision.
         inv_freq = self.inv_freq.float()
         if self.long_from is not None:
             inv_freq = torch.where(positions[:, None] >= self.long_from, self.long_inv_freq.float(), inv_freq)
         if self.alpha is not None:
-            inv_freq = inv_freq * self.alpha.float().exp()
+            inv_freq = inv_freq * self.alpha.detach().float().exp()
         freqs = positions.float()[:, None] * inv_freq
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         if self.style == "gptj":  # (c0, c0, c1, c1, ...), (-s0, s0, -s1, s1, ...)

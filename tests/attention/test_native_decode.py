@@ -293,10 +293,10 @@ def test_every_int8_value_dequantizes_as_torch_does(isa, dtype):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("cache_dtype", ["fp8", "int8"])
 def test_quantized_rows_scored_as_dequantized_give_the_bits_of_a_dequantized_tile(isa, cache_dtype):
-    """With 8 heads or more a work item's first 8 heads score fp8 / int8 rows as they convert them (AVX512-BF16 and
-    VBMI); with fewer the tile is converted first. One token over 201 positions (one chunk, an odd last tile): on one
-    thread its item takes all 16 heads, on three an item takes 6, so the two orders meet on every head and must
-    agree bit for bit; both against the reference over the dequantized cache."""
+    """fp8 / int8 rows converted to bf16 a few rows at a time and scored by the item's heads in the vector lanes
+    (AVX512-BF16): one token over 201 positions (one chunk, an odd last tile): on one thread its item takes all 16
+    heads (16 lanes), on three an item takes 6 (8 lanes), so the two meet on every head and must agree bit for bit;
+    both against the reference over the dequantized cache."""
     g = torch.Generator().manual_seed(9)
     latent, rope, heads = 512, 64, 16
     cache = fp8_cache((16, 16, latent + rope), g) if cache_dtype == "fp8" else int8_cache(16, 16, latent, rope, g)

@@ -123,22 +123,23 @@ def test_experts_do_not_depend_on_the_thread_count(isa, formats):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ids", [[[1, 4]], [[0, 1], [2, 3]], [[0, 1], [2, 3], [0, 2]]])
-def test_int8_experts_read_in_pairs_use_each_blocks_own_rows(isa, ids):
-    """int8 reads two blocks at once, from the two halves of a thread's share: blocks of different experts, met by
-    different tokens (ids [[0, 1], [2, 3]] at 1 thread: expert 0 beside expert 2), or by the same count of different
-    tokens ([[0, 1], [2, 3], [0, 2]]: experts 0 and 2 each meet two). At 1-3 threads each token's result is its
-    experts' own, projection by projection."""
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_experts_read_in_pairs_use_each_blocks_own_rows(isa, ids, fmt):
+    """int8 and int4 read two blocks at once, from the two halves of a thread's share: blocks of different experts,
+    met by different tokens (ids [[0, 1], [2, 3]] at 1 thread: expert 0 beside expert 2), or by the same count of
+    different tokens ([[0, 1], [2, 3], [0, 2]]: experts 0 and 2 each meet two). At 1-3 threads each token's result is
+    its experts' own, projection by projection."""
     g = torch.Generator().manual_seed(len(ids))
     hidden, inter = 128, 64
-    routed, pairs = _experts(g, ("int8", "int8"), 5, hidden, inter)
-    shared, shared_pair = _experts(g, ("int8", "int8"), 1, hidden, 2 * inter)
+    routed, pairs = _experts(g, (fmt, fmt), 5, hidden, inter)
+    shared, shared_pair = _experts(g, (fmt, fmt), 1, hidden, 2 * inter)
     tokens, ids = len(ids), torch.tensor(ids)
     x, weights = torch.randn(tokens, hidden, generator=g) * 2, torch.rand(tokens, 2, generator=g)
     expected = torch.zeros(tokens, hidden, dtype=torch.float64)
     for t in range(tokens):
         for e, w in sorted(zip(ids[t].tolist(), weights[t].tolist())):
-            expected[t] += w * _mlp(isa, ("int8", "int8"), pairs[e], x[t], inter)
-        expected[t] += _mlp(isa, ("int8", "int8"), shared_pair[0], x[t], 2 * inter)
+            expected[t] += w * _mlp(isa, (fmt, fmt), pairs[e], x[t], inter)
+        expected[t] += _mlp(isa, (fmt, fmt), shared_pair[0], x[t], 2 * inter)
     results = _at_thread_counts(lambda: native.experts(kernels(isa), x, routed, ids, weights, shared))
     torch.testing.assert_close(results[0].double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     assert all(torch.equal(results[0], r) for r in results[1:])

@@ -53,13 +53,10 @@ def test_int8_builds_and_the_rows_kernel_agree_bitwise():
         assert torch.equal(results[0], other)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_int8_few_rows_read_two_blocks_at_once_and_keep_the_row_kernels_results(isa):
-    """Up to 8 rows a thread reads two blocks side by side (the i-th of each half of its share): at every row count
-    and thread count (shares of odd length leave a block without a partner) each row's result is the row kernel's,
-    bit for bit. 117 outputs: 8 blocks, the last partial; 51 units of 4 columns: a tail after the 2-KB turns and
-    after the chains."""
-    w, x = _data(9, 117, 204, seed=6)
+def _assert_rows_are_the_row_kernels(isa: str, most: int, seed: int) -> None:
+    """int8_linear of the first 1..`most` rows at 1-3 threads equals the row kernel's (`int8_heads`) bit for bit, on
+    117 outputs (8 blocks, the last partial) of 204 columns (51 units of 4: a tail after the chunks and chains)."""
+    w, x = _data(most, 117, 204, seed=seed)
     q, scale = quantize_int8(w)
     packed = native.pack_int8(q, scale)
     expected = native.int8_heads(kernels(isa), x[:, None], q[None], scale, q.sum(dim=1, dtype=torch.int32))[:, 0]
@@ -67,10 +64,27 @@ def test_int8_few_rows_read_two_blocks_at_once_and_keep_the_row_kernels_results(
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            for rows in range(1, 10):
+            for rows in range(1, most + 1):
                 assert torch.equal(native.int8_linear(kernels(isa), x[:rows], packed, 117), expected[:rows])
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_few_rows_read_two_blocks_at_once_and_keep_the_row_kernels_results(isa):
+    """Up to 8 rows a thread reads two blocks side by side (the i-th of each half of its share): at every row count
+    and thread count (shares of odd length leave a block without a partner) each row's result is the row kernel's,
+    bit for bit. 117 outputs: 8 blocks, the last partial; 51 units of 4 columns: a tail after the 2-KB turns and
+    after the chains."""
+    _assert_rows_are_the_row_kernels(isa, 9, seed=6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_rows_that_fetch_the_next_block_keep_the_row_kernels_results(isa):
+    """From 5 rows of a pass (AVX2: 3) each block's loop also fetches the next block into L2 (the blocks in order
+    above 8 rows, the pairs at 5-8; the last block's fetch points past the weight): each row's result stays the row
+    kernel's, bit for bit, at 1-20 rows (passes of 8, then 1-4 rows that do not fetch) and 1-3 threads."""
+    _assert_rows_are_the_row_kernels(isa, 20, seed=7)
 
 
 def test_pack_int8_layout():
@@ -118,6 +132,25 @@ def test_int4_kernel_matches_its_formula(isa, rows, n, k, group):
     expected = _int4_reference(x, q, scale, minimum)
     got = native.int4_linear(kernels(isa), x, native.pack_int4(q, scale, minimum), group, n)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_few_rows_read_two_blocks_at_once_and_keep_each_rows_result(isa, group):
+    """Up to 8 rows a thread reads two blocks side by side, group by group (int4_block_pair_dots): at every row count
+    and thread count (shares of odd length leave a block without a partner) each row's result is the one it gets
+    among 20 rows (one block at a time), bit for bit. 117 outputs: 8 blocks, the last partial."""
+    w, x = _data(20, 117, 256, seed=7)
+    packed = native.pack_int4(*quantize_int4(w, group))
+    expected = native.int4_linear(kernels(isa), x, packed, group, 117)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in range(1, 10):
+                assert torch.equal(native.int4_linear(kernels(isa), x[:rows], packed, group, 117), expected[:rows])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("isa", ISAS)

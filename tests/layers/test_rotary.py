@@ -124,3 +124,33 @@ def test_bad_rotary_arguments() -> None:
         RotaryEmbedding(8, RopeConfig(), "spiral")
     with pytest.raises(ValueError, match="rope_type"):
         RopeConfig(rope_type="dynamic")
+
+
+@pytest.mark.parametrize("style", ["gptj", "interleave", "neox"])
+@pytest.mark.parametrize("dim", [8, 64])
+def test_table_rows_are_the_computed_angles(style: str, dim: int) -> None:
+    """cos_sin reads a table grown to the largest position seen: each row is the angles computed for that
+    position alone, to the bit, before and after the table grows."""
+    rope = RopeConfig(**{k: v for k, v in YARN_CASES["yarn_mscale_ratio"].items() if k not in ("rope_type", "rope_theta")},
+                      rope_type="yarn", theta=50000.0)
+    rotary = RotaryEmbedding(dim, rope, style)
+    for positions in (torch.tensor([0]), torch.tensor([511]), torch.arange(37) + 100, torch.tensor([5000, 3, 70000])):
+        cos, sin = rotary.cos_sin(positions)
+        for i, p in enumerate(positions.tolist()):
+            alone = rotary._angles(torch.tensor([p]))
+            assert torch.equal(cos[i], alone[0][0]) and torch.equal(sin[i], alone[1][0])
+    assert rotary._table[1].shape[0] >= 70001
+
+
+def test_table_follows_a_loaded_alpha() -> None:
+    """A learned frequency scale loaded (or replaced) after the table was built rebuilds it."""
+    rotary = RotaryEmbedding(8, RopeConfig(), "interleave", learned_freq_scale=True)
+    positions = torch.tensor([3, 40])
+    before = rotary.cos_sin(positions)
+    with torch.no_grad():
+        rotary.alpha.copy_(torch.tensor([0.5, -0.25, 0.1, 0.0]))
+    after = rotary.cos_sin(positions)
+    assert not torch.equal(before[0], after[0])
+    assert torch.equal(after[0], rotary._angles(positions)[0]) and torch.equal(after[1], rotary._angles(positions)[1])
+    rotary.alpha.data = torch.zeros(4)
+    assert torch.equal(rotary.cos_sin(positions)[0], before[0])

@@ -26,6 +26,7 @@ from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.config import AttentionConfig
+from latentserve.engine.argmax import argmax
 from latentserve.models.mtp import DeepseekMTP
 from latentserve.ubatch.dbo import run_forward
 
@@ -78,7 +79,7 @@ class MTPProposer:
         if not wanting:
             return drafts
         last_hidden = out[torch.tensor([requests[i].last_row for i in wanting], device=out.device)]
-        tokens = self.mtp.compute_logits(last_hidden).argmax(-1).tolist()
+        tokens = argmax(self.mtp.compute_logits(last_hidden)).tolist()
         chain = [requests[i].next_position for i in wanting]
         longest = max(requests[i].num_drafts for i in wanting)
         for step in range(longest):
@@ -90,7 +91,7 @@ class MTPProposer:
             # Chain: the MTP's own output stands in for the main model's hidden state at the drafted position.
             batch = [(p, t, requests[i].block_ids) for p, t, i in zip(chain, tokens, wanting)]
             last_hidden = self._decode(batch, last_hidden)
-            tokens = self.mtp.compute_logits(last_hidden).argmax(-1).tolist()
+            tokens = argmax(self.mtp.compute_logits(last_hidden)).tolist()
             chain = [p + 1 for p in chain]
         return drafts
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from latentserve.engine.argmax import argmax
 from latentserve.engine.request import Request
 from latentserve.engine.sampler import Sampler, SamplingMetadata
 from latentserve.engine.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -36,7 +37,7 @@ def verify(logits: torch.Tensor, requests: list[Request], drafts: list[list[int]
     row_params = [r.sampling_params for r, d in zip(requests, drafts) for _ in range(len(d) + 1)]
     flat = target_scores(logits, row_params)
     if all(r.sampling_params.is_greedy for r in requests):
-        return _argmax_chains(flat.argmax(-1).tolist(), drafts)
+        return _argmax_chains(argmax(flat).tolist(), drafts)
     device = logits.device
     batch = len(requests)
     num_drafts = torch.tensor([len(d) for d in drafts], device=device)
