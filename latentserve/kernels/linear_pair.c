@@ -2,9 +2,9 @@
  * normed x. Called one after the other they cost a parallel region each (its start, its closing barrier) and
  * kv_a's small matrix (1.2 MB at V3's shapes) a fresh ramp-up of the hardware prefetchers after q_a's stream has
  * stopped. Here the two weights' blocks of 16 outputs are one list, shared out among the threads as quant_linear
- * shares one weight's (a contiguous share each, int8 blocks of up to PAIR_ROWS rows read two at a time, the i-th
- * of each half of the share), so both streams run from the first cycle to the last. Each block's outputs are the
- * same dot products quant_linear computes (int8_block_pair_dots equals int8_block_dots), so the results equal the
+ * shares one weight's (a contiguous share each, blocks of up to PAIR_ROWS rows read two at a time, the i-th of
+ * each half of the share), so both streams run from the first cycle to the last. Each block's outputs are the
+ * same dot products quant_linear computes (block_pair_dots equals block_dots), so the results equal the
  * two calls' to the bit, whatever the thread count. */
 #include "quant.h"
 
@@ -30,15 +30,14 @@ INLINE void store_block(const Layer *l, int bf16, int64_t M, int64_t b, const fl
         for (int64_t j = 0; j < outputs; j++) store_out(l->y, bf16, m * l->N + 16 * b + j, dots[16 * m + j]);
 }
 
-/* Block b of the list, and block `other` (< 0: none) beside it: where both are int8 and the rows few, read at
- * once (two streams of weights in flight). */
+/* Block b of the list, and block `other` (< 0: none) beside it: where both are of one format and the rows few,
+ * read at once (block_pair_dots: two streams of weights in flight). */
 static void run_blocks(const Layer *l, int64_t M, int64_t K, int bf16, int64_t b, int64_t other, float *mine,
                        float *theirs) {
     int64_t i, j;
     const Layer *p = entry(l, b, &i), *q = other < 0 ? NULL : entry(l, other, &j);
-    if (q && p->f.bits == 8 && q->f.bits == 8 && M <= PAIR_ROWS) {
-        int8_block_pair_dots(p->a, 0, q->a, 0, M, (const int8_t *)(p->w + i * p->bytes),
-                             (const int8_t *)(q->w + j * q->bytes), K, mine, theirs);
+    if (q && p->f.bits == q->f.bits && p->f.group == q->f.group && M <= PAIR_ROWS) {
+        block_pair_dots(p->f, p->a, 0, q->a, 0, M, p->w + i * p->bytes, q->w + j * q->bytes, K, mine, theirs);
     } else {
         block_dots(p->f, p->a, 0, M, p->w + i * p->bytes, K, mine);
         if (q) block_dots(q->f, q->a, 0, M, q->w + j * q->bytes, K, theirs);
