@@ -178,8 +178,10 @@ def measure(gguf: Path, name: str, args: argparse.Namespace) -> tuple[dict[str, 
     return best, weights
 
 
-def report_bandwidth(ours: dict[str, float], weights: dict[str, int]) -> None:
-    """Batch-1 decode's weight bandwidth beside the copy bandwidth (each the best of its rounds)."""
+def report_bandwidth(best: dict[str, dict[str, float]], weights: dict[str, int], gguf: Path) -> None:
+    """Batch-1 decode's weight bandwidth beside the copy bandwidth (each the best of its rounds): ours from our
+    tensors, the two llama.cpp engines' from the file's."""
+    ours = best["latentserve"]
     per_token = sum(weights.values())
     effective = ours["decode"] * per_token / 1e9
     parts = ", ".join(f"{part} {n / 1e6:.1f}" for part, n in weights.items())
