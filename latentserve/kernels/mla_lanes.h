@@ -47,21 +47,29 @@ INLINE void prefetch_row_l2(const char *const *rows, int64_t p, int64_t n, int64
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(rows[p] + b, _MM_HINT_T1);
 }
 
+/* One pass's rows p.. (at most LANE_ROWS, up to p1) into r, and its rows' prefetches: the next pass's into L1, those
+ * a tile ahead into L2, up to n. Returns the pass's row count m; r past m repeats the pass's first row (unused). */
+INLINE int64_t lane_pass_rows(const char *const *rows, int64_t p, int64_t p1, int64_t n, int64_t D,
+                              const bf16_pair **r) {
+    int64_t m = p1 - p < LANE_ROWS ? p1 - p : LANE_ROWS;
+    for (int i = 0; i < LANE_ROWS; i++) {
+        prefetch_row(rows, p + LANE_ROWS + i, n, 2 * D);
+        prefetch_row_l2(rows, p + ROW_TILE + i, n, 2 * D);
+        r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)];
+    }
+    return m;
+}
+
 /* scores[(p - p0) * LANE_HEADS + h] = scale * (q[h] . rows[p]) for bf16 rows p0 <= p < p1 of D columns, LANE_ROWS
  * rows a pass; the next pass's rows and those a tile ahead are prefetched, up to n (0: none, for a tile just
  * written). */
 static void score_rows_lanes(LaneGroup g, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
                              float scale, float *scores) {
     for (int64_t p = p0; p < p1; p += LANE_ROWS) {
-        int64_t m = p1 - p < LANE_ROWS ? p1 - p : LANE_ROWS;
         const bf16_pair *r[LANE_ROWS];
+        int64_t m = lane_pass_rows(rows, p, p1, n, D, r);
         __m512 acc[LANE_ROWS];
-        for (int i = 0; i < LANE_ROWS; i++) {
-            prefetch_row(rows, p + LANE_ROWS + i, n, 2 * D); /* the next pass's rows */
-            prefetch_row_l2(rows, p + ROW_TILE + i, n, 2 * D);
-            r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)]; /* past p1: the pass's first row again, unused */
-            acc[i] = _mm512_setzero_ps();
-        }
+        for (int i = 0; i < LANE_ROWS; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t k = 0; k < D / 2; k++) {
             __m512bh qk = (__m512bh)_mm512_loadu_si512(g.qt + k * LANE_HEADS);
             for (int i = 0; i < LANE_ROWS; i++)
@@ -82,15 +90,10 @@ static void score_rows_lanes(LaneGroup g, int64_t D, const char *const *rows, in
 static void score_rows_lanes8(LaneGroup g, int64_t D, const char *const *rows, int64_t p0, int64_t p1, int64_t n,
                               float scale, float *scores) {
     for (int64_t p = p0; p < p1; p += LANE_ROWS) {
-        int64_t m = p1 - p < LANE_ROWS ? p1 - p : LANE_ROWS;
         const bf16_pair *r[LANE_ROWS];
+        int64_t m = lane_pass_rows(rows, p, p1, n, D, r);
         __m256 acc[LANE_ROWS];
-        for (int i = 0; i < LANE_ROWS; i++) {
-            prefetch_row(rows, p + LANE_ROWS + i, n, 2 * D);
-            prefetch_row_l2(rows, p + ROW_TILE + i, n, 2 * D);
-            r[i] = (const bf16_pair *)rows[p + (i < m ? i : 0)];
-            acc[i] = _mm256_setzero_ps();
-        }
+        for (int i = 0; i < LANE_ROWS; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t k = 0; k < D / 2; k++) {
             __m256bh qk = (__m256bh)_mm256_loadu_si256((const __m256i *)(g.qt + k * LANE_HEADS));
             for (int i = 0; i < LANE_ROWS; i++)
