@@ -24,11 +24,11 @@ Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/lla
 --ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
 $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
 best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
-right after our points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB L3, on the
---threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times the bytes of
-weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py); mainline's and ik's
-likewise, from the GGUF's tensors at their stored types (which differ from ours where we convert). --long adds a
-4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone (and no bandwidth
+right after each engine's points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB
+L3, on the --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times
+the bytes of weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py); mainline's
+and ik's likewise, from the GGUF's tensors at their stored types (which differ from ours where we convert). --long
+adds a 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone (and no bandwidth
 figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
 """
 from __future__ import annotations
@@ -144,9 +144,9 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
                              key.startswith("prefill"))
     if args.only_long:
         return out
+    out["copy_gb_s"] = copy_bandwidth() / 1e9  # right after this engine's batch-1 decode: its bandwidth's moment
     if engine == "latentserve":
         out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len) for b in args.batches})
-        out["copy_gb_s"] = copy_bandwidth() / 1e9
     else:
         build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
         rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.batched_context, args.decode_len,
@@ -162,16 +162,18 @@ def measure(gguf: Path, name: str, args: argparse.Namespace) -> tuple[dict[str, 
 
     llm = our_engine(gguf, args)
     weights = decode_bytes_per_token(llm.engine.model)
+    file_bytes = sum(gguf_decode_bytes(gguf).values())
+    per_token = {"latentserve": sum(weights.values()), **dict.fromkeys(ENGINES[1:], file_bytes)}
     our_round(llm.engine, args.prefill_len, 2)  # first-call costs, as llama-bench's own warm-up run
     best: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
-        bandwidth = ""
+        ratios = []
         for engine in ENGINES:
             this = one_round(engine, llm, gguf, args)
             best[engine] = _best(best.get(engine), this)
             if "copy_gb_s" in this:
-                ratio = this["decode"] * sum(weights.values()) / 1e9 / this["copy_gb_s"]
-                bandwidth = f"; batch-1 decode at {ratio:.0%} of this round's copy bandwidth"
+                ratios.append(f"{engine} {this['decode'] * per_token[engine] / 1e9 / this['copy_gb_s']:.0%}")
+        bandwidth = f"; batch-1 decode at this share of the copy right after it: {', '.join(ratios)}" if ratios else ""
         print(f"{name} round {r + 1}: load average {load_average()}{bandwidth}", flush=True)
     del llm
     gc.collect()
@@ -179,20 +181,20 @@ def measure(gguf: Path, name: str, args: argparse.Namespace) -> tuple[dict[str, 
 
 
 def report_bandwidth(best: dict[str, dict[str, float]], weights: dict[str, int], gguf: Path) -> None:
-    """Batch-1 decode's weight bandwidth beside the copy bandwidth (each the best of its rounds): ours from our
-    tensors, the two llama.cpp engines' from the file's."""
-    ours = best["latentserve"]
-    per_token = sum(weights.values())
-    effective = ours["decode"] * per_token / 1e9
-    parts = ", ".join(f"{part} {n / 1e6:.1f}" for part, n in weights.items())
-    print(f"batch-1 decode: {ours['decode']:.1f} tok/s x {per_token / 1e6:.1f} MB of weights per token ({parts}) = "
-          f"{effective:.1f} GB/s; copy bandwidth {ours['copy_gb_s']:.1f} GB/s (read + write); ratio "
-          f"**{effective / ours['copy_gb_s']:.0%}**", flush=True)
+    """Batch-1 decode's weight bandwidth beside the copy bandwidth measured right after it (each the best of its
+    rounds): ours from our tensors, the two llama.cpp engines' from the file's."""
     file_bytes = sum(gguf_decode_bytes(gguf).values())
-    for engine in ENGINES[1:]:
-        theirs = best[engine]["decode"] * file_bytes / 1e9
-        print(f"{engine}: {best[engine]['decode']:.1f} tok/s x {file_bytes / 1e6:.1f} MB of the file's weights per "
-              f"token = {theirs:.1f} GB/s, {theirs / ours['copy_gb_s']:.0%} of the copy bandwidth", flush=True)
+    parts = ", ".join(f"{part} {n / 1e6:.1f}" for part, n in weights.items())
+    print(f"bytes of weights a batch-1 token reads: latentserve {sum(weights.values()) / 1e6:.1f} MB ({parts}); "
+          f"the file's {file_bytes / 1e6:.1f} MB (llama.cpp, ik_llama.cpp)", flush=True)
+    for engine in ENGINES:
+        per_token = sum(weights.values()) if engine == "latentserve" else file_bytes
+        figures = best[engine]
+        effective = figures["decode"] * per_token / 1e9
+        print(f"{engine}: {figures['decode']:.1f} tok/s x {per_token / 1e6:.1f} MB = {effective:.1f} GB/s; copy "
+              f"bandwidth {figures['copy_gb_s']:.1f} GB/s (read + write); ratio "
+              f"**{effective / figures['copy_gb_s']:.0%}**",
+              flush=True)
 
 
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
