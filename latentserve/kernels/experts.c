@@ -175,13 +175,17 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     int64_t routed_groups = groups - (has_shared && T > 0);
     Set set[2] = {make_set(routed, 0, R, 0, routed_groups, 0, 0),
                   make_set(has_shared ? shared : routed, R, P, routed_groups, groups, R * 2 * I, R * I)};
-    int missing = 0;
+    /* x prepared once per format: the shared pairs are the tokens in order, so they read it as it is; the routed
+     * pairs take their tokens' rows, gathered in grouped order. */
+    Format fr = set[0].f[0], fs = set[1].f[0];
+    QuantActs xr = quantize_for(fr, x, io & 1, T, K, threads);
+    int same = fs.bits == fr.bits && fs.group == fr.group;
+    set[0].x = xr.q ? gather_acts(fr, xr, token, R, K) : xr;
+    set[1].x = same ? xr : quantize_for(fs, x, io & 1, T, K, threads); /* no shared experts: set 1 is routed's */
+    int missing = !set[0].x.q || !set[1].x.q;
     for (int s = 0; s < 1 + has_shared; s++) {
-        int64_t n = set[s].end - set[s].begin, width = set[s].table->inter;
-        QuantActs xt = quantize_for(set[s].f[0], x, io & 1, T, K);
-        set[s].x = xt.q ? gather_acts(set[s].f[0], xt, token + set[s].begin, n, K) : xt;
-        set[s].a = take_acts(set[s].f[1], 0, n, width);
-        missing |= !set[s].x.q || !set[s].a.q;
+        set[s].a = take_acts(set[s].f[1], 0, set[s].end - set[s].begin, set[s].table->inter);
+        missing |= !set[s].a.q;
     }
     if (missing) return scratch_release(mark), LS_NO_MEMORY;
     units[0] = units[P + 1] = 0;

@@ -56,7 +56,7 @@ int quant_linear_pair(const void *x, int64_t M, int64_t K, const void *w0, int b
     for (int k = 0; k < 2; k++) {
         l[k].bytes = block_bytes(l[k].f, K);
         int same = k == 1 && l[1].f.bits == l[0].f.bits && l[1].f.group == l[0].f.group;
-        l[k].a = same ? l[0].a : quantize_for(l[k].f, x, io & 1, M, K); /* one format: x quantized once */
+        l[k].a = same ? l[0].a : quantize_for(l[k].f, x, io & 1, M, K, threads); /* one format: x quantized once */
     }
     int64_t blocks = l[0].blocks + l[1].blocks, per = 16 * M;
     float *dots = scratch(threads * 2 * per * sizeof(float)); /* each thread's slice: the arena is the caller's */

@@ -70,7 +70,7 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     ScratchMark mark = scratch_mark();
-    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
+    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
     if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
 #pragma omp parallel num_threads(threads)
     {
@@ -185,7 +185,7 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
 int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                      const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     ScratchMark mark = scratch_mark();
-    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0);
+    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
     if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
     int64_t per_head = N / 16, blocks = H * per_head;
 #pragma omp parallel num_threads(threads)

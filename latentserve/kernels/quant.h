@@ -41,13 +41,14 @@ typedef struct {
 INLINE int dense(Format f) { return f.bits == 32 || f.bits == 16; }
 
 /* All from the scratch arena (the caller holds a mark); q (dense: rows) NULL where it could not grow. quantize_acts:
- * the quantized formats' (bits, G). take_acts: room only, for quantize_into to fill (from another thread than the
- * arena's, e.g. inside a parallel region); `bf16`: whether the rows quantize_into will read are bf16. acts_row: row
- * `row` of `a` as acts of its own (quantize_into with M = 1 fills it). */
-QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G);
+ * the quantized formats' (bits, G); it and quantize_for prepare many rows on `threads` threads. take_acts: room
+ * only, for quantize_into to fill (from another thread than the arena's, e.g. inside a parallel region); `bf16`:
+ * whether the rows quantize_into will read are bf16. acts_row: row `row` of `a` as acts of its own (quantize_into
+ * with M = 1 fills it). */
+QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, int threads);
 QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K);
 void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, QuantActs a);
-QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K);
+QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K, int threads);
 QuantActs gather_acts(Format f, QuantActs a, const int64_t *rows, int64_t P, int64_t K);
 QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K);
 

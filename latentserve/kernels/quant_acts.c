@@ -101,14 +101,25 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         int4_prepare(x, bf16, M, K, f.group, a.q, a.s, a.corr);
 }
 
-QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K) {
+/* Below this many rows x is prepared on the calling thread: a row takes about a microsecond, a parallel region a few. */
+#define PARALLEL_ROWS 32
+
+/* Each thread prepares a contiguous share of the rows; every row's bytes are the same whatever share it is in. */
+QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K, int threads) {
     QuantActs a = take_acts(f, bf16, M, K);
-    if (a.q) quantize_into(f, x, bf16, M, K, a);
+    if (!a.q) return a;
+#pragma omp parallel num_threads(threads) if (M >= PARALLEL_ROWS)
+    {
+        int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
+        int64_t begin = M * part / parts, end = M * (part + 1) / parts;
+        const char *rows = (const char *)x + begin * K * (bf16 ? 2 : 4);
+        if (end > begin) quantize_into(f, rows, bf16, end - begin, K, acts_row(f, a, begin, K));
+    }
     return a;
 }
 
-QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G) {
-    return quantize_for((Format){bits, G}, x, bf16, M, K);
+QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, int threads) {
+    return quantize_for((Format){bits, G}, x, bf16, M, K, threads);
 }
 
 QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K) {

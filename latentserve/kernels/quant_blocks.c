@@ -28,7 +28,7 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, i
     Format f = {bits, G};
     int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K), per = (M < ROW_CHUNK ? M : ROW_CHUNK) * 16;
     ScratchMark mark = scratch_mark();
-    QuantActs a = quantize_for(f, x, io & 1, M, K);
+    QuantActs a = quantize_for(f, x, io & 1, M, K, threads);
     float *dots = scratch(threads * 2 * per * sizeof(float)); /* each thread's slice: the arena is the caller's */
     if (!a.q || !dots) return scratch_release(mark), LS_NO_MEMORY;
     const char *wb = w;

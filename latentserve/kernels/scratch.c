@@ -3,15 +3,18 @@
  * malloc and free each per layer per step. A call takes a mark, bumps a pointer, and releases to its mark; nested
  * calls (a block chaining kernels) stack. Where the buffer is too small the call's overflow is malloc'ed and the
  * buffer grows to the call's peak when the outermost call ends: after the first step no decode call allocates.
- * Needs above SCRATCH_KEEP are not kept (the arithmetic of such a call dwarfs a malloc). Per calling thread:
- * DBO's ubatch threads call at once. */
+ * Needs up to SCRATCH_KEEP are kept, prefill's too: a fresh buffer of tens of MiB costs a page fault per 4 KiB
+ * on every call (a few % of an int4 prefill), kept ones are warm. The cap fits a 4096-token prefill of a V3-shaped
+ * MoE layer (experts() takes ~220 KB a token: top-6 of 1408-wide experts and 2 shared, hidden 2048, so ~0.9 GiB);
+ * a larger need is served and freed, not kept, so that one outsized call does not pin its memory. Per calling
+ * thread: DBO's ubatch threads call at once. */
 #include "simd.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 
 #define SCRATCH_ALIGN 64
-#define SCRATCH_KEEP ((size_t)64 << 20)
+#define SCRATCH_KEEP ((size_t)1 << 30)
 
 typedef struct Chunk { struct Chunk *next; } Chunk; /* an overflow allocation; its data follows, aligned */
 

@@ -195,3 +195,22 @@ def test_many_tokens_sharing_few_experts_each_get_their_own_result(isa):
     for t in (0, 17, 39):
         alone = native.experts(kernels(isa), x[t : t + 1].contiguous(), routed, ids[t : t + 1], weights[t : t + 1])
         assert torch.equal(alone[0], got[t])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("formats", [("int4", "int8"), ("int8", "int8")])
+def test_a_prefills_shared_and_routed_experts_read_one_quantized_x(isa, formats):
+    """40 tokens (past the row count at which x is quantized on every thread), routed and shared experts of one
+    format (x quantized once for both): at 1, 2 and 3 threads the same bits, and each token's result the one it gets
+    alone (x quantized on the calling thread)."""
+    g = torch.Generator().manual_seed(11)
+    hidden, inter = 128, 64
+    routed, _ = _experts(g, formats, 4, hidden, inter)
+    shared, _ = _experts(g, formats, 1, hidden, 2 * inter)
+    x = torch.randn(40, hidden, generator=g) * 2
+    ids, weights = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(40)]), torch.rand(40, 2, generator=g)
+    results = _at_thread_counts(lambda: native.experts(kernels(isa), x, routed, ids, weights, shared))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    for t in (0, 21, 39):
+        alone = native.experts(kernels(isa), x[t : t + 1], routed, ids[t : t + 1], weights[t : t + 1], shared)
+        assert torch.equal(alone[0], results[0][t])
