@@ -19,19 +19,6 @@ static int product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t
     return dense_heads(x, M, H, K, w->w, N, y, io | bf << 2, threads);
 }
 
-INLINE int blocks_bits(const Weight *w) { return w->kind == LS_INT8_BLOCKS ? 8 : w->kind == LS_INT4 ? 4 : 0; }
-
-/* q_a's and kv_a's products, both of the normed x: in one parallel region (linear_pair.c) where both weights are
- * in quant_linear's formats, else one product after the other. */
-static int q_a_and_kv_a(const MLABlock *w, const void *xn, int64_t T, void *qa, void *kv, int threads) {
-    int a = blocks_bits(&w->q_a), k = blocks_bits(&w->kv_a), io = w->bf ? 0b11 : 0;
-    if (a && k)
-        return quant_linear_pair(xn, T, w->hidden, w->q_a.w, a, w->q_a.group, w->q_lora, qa, w->kv_a.w, k,
-                                 w->kv_a.group, w->latent + w->rope, kv, io, threads);
-    int bad = product(&w->q_a, xn, T, 1, w->hidden, w->q_lora, qa, w->bf, threads);
-    return bad ? bad : product(&w->kv_a, xn, T, 1, w->hidden, w->latent + w->rope, kv, w->bf, threads);
-}
-
 /* The block's temporaries: `size`-byte elements. */
 typedef struct {
     char *xn, *q, *kv, *kv_c, *k_pe, *qn, *ql, *qcat, *ol, *heads, *attn, *qa, *qan;
@@ -61,13 +48,13 @@ int mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float
     if (bad) goto done;
     rms_norm(x, T, w->hidden, w->input_norm, w->eps, b.xn, norm_io, threads);
     if (w->q_lora) {
-        if ((bad = q_a_and_kv_a(w, b.xn, T, b.qa, b.kv, threads))) goto done;
+        if ((bad = product(&w->q_a, b.xn, T, 1, w->hidden, w->q_lora, b.qa, bf, threads))) goto done;
         rms_norm(b.qa, T, w->q_lora, w->q_a_norm, w->q_a_eps, b.qan, norm_io, threads);
         if ((bad = product(&w->q_b, b.qan, T, 1, w->q_lora, H * D, b.q, bf, threads))) goto done;
-    } else if ((bad = product(&w->q_b, b.xn, T, 1, w->hidden, H * D, b.q, bf, threads)) ||
-               (bad = product(&w->kv_a, b.xn, T, 1, w->hidden, L + w->rope, b.kv, bf, threads))) {
+    } else if ((bad = product(&w->q_b, b.xn, T, 1, w->hidden, H * D, b.q, bf, threads))) {
         goto done;
     }
+    if ((bad = product(&w->kv_a, b.xn, T, 1, w->hidden, L + w->rope, b.kv, bf, threads))) goto done;
     mla_prologue(b.q, T, H, D, b.kv, L, w->rope, w->kv_a_norm, w->kv_a_eps, cos, sin, w->style, b.kv_c, b.k_pe, cache,
                  slots, norm_io | cache_io, threads);
     for (int64_t r = 0; r < T * H; r++) /* q_nope, contiguous: the per-head products read it so */

@@ -24,10 +24,9 @@ from latentserve.kernels.cpu import CpuFeatures
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "quant_blocks.c", "linear_pair.c",
-                                               "experts.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c",
-                                               "attention_block.c", "route.c", "moe_block.c", "bounds.c", "scratch.c",
-                                               "api.c"))
+SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "quant_blocks.c", "experts.c",
+                                               "gemv.c", "mla_decode.c", "norm.c", "prologue.c", "attention_block.c",
+                                               "route.c", "moe_block.c", "bounds.c", "scratch.c", "api.c"))
 HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h",
            KERNEL_DIR / "mla_tiles.h", KERNEL_DIR / "mla_lanes.h")
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.

@@ -87,10 +87,10 @@ def _decode_steps(path, quantization: QuantConfig) -> list[torch.Tensor]:
 @pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
 @pytest.mark.parametrize("quantization", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=str)
-def test_q_a_and_kv_a_in_one_region_equal_the_modules(tmp_path, monkeypatch, threads, quantization):
-    """q_a and kv_a in quant_linear's formats share one parallel region in the block (linear_pair.c), their blocks
-    one list: at 1-3 threads and 1, 2, 5 and 9 tokens (pairs of blocks up to 8 rows, one at a time above;
-    kv_a's 72 outputs end in a short block) the block equals the modules, which run each projection alone."""
+def test_quantized_q_lora_block_equals_the_modules_at_few_tokens(tmp_path, monkeypatch, threads, quantization):
+    """A q-LoRA block with q_a and kv_a in quant_linear's formats: at 1-3 threads and 1, 2, 5 and 9 tokens (blocks
+    read in pairs up to 8 rows, one at a time above; kv_a's 72 outputs end in a short block) the block equals the
+    modules."""
     path = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=16, hidden_size=64, intermediate_size=64,
                            moe_intermediate_size=64, q_lora_rank=64)
     calls = []
