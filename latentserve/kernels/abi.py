@@ -16,7 +16,7 @@ DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS = 0, 1, 2, 3, 4  # ls_weight_kind
 ROPE_STYLES = ("gptj", "interleave", "neox")  # ls_rope_style's order: DeepSeek's rope layouts (layers/rotary.py)
 # ls_status
 (OK, BAD_QUERY_START, NEGATIVE_SEQ_LEN, SEQ_PAST_TABLE, BLOCK_PAST_CACHE, SLOT_PAST_CACHE, BAD_EXPERT, BAD_TENSOR,
- NO_MEMORY, BAD_BLOCK) = range(10)
+ NO_MEMORY, BAD_BLOCK, NO_AMX) = range(11)
 
 
 class Tensor(ctypes.Structure):
@@ -94,6 +94,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_struct_layout": (ctypes.POINTER(Field), []),
     "ls_set_scratch_limit": (None, [_i64]),
     "ls_last_error": (ctypes.c_char_p, []),
+    "ls_enable_amx": (_status, []),
     "ls_dense_linear": (_status, [_T, _T, _T, _i32]),
     "ls_dense_heads": (_status, [_T, _T, _T, _i32]),
     "ls_int8_heads": (_status, [_T, _T, _T, _T, _T, _i32]),

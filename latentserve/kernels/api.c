@@ -5,7 +5,7 @@
 #include <stddef.h>
 #include <stdio.h>
 
-#include "simd.h"
+#include "quant.h"
 
 #define BIT(d) (1u << (d))
 #define ACT (BIT(LS_F32) | BIT(LS_BF16))
@@ -375,3 +375,11 @@ static const ls_field LAYOUT[] = {
 };
 
 LS_API const ls_field *ls_struct_layout(void) { return LAYOUT; }
+
+LS_API int ls_enable_amx(void) {
+#ifdef LS_AMX
+    return amx_request();
+#else
+    return refuse(LS_NO_AMX, "this build has no AMX code");
+#endif
+}

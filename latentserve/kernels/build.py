@@ -24,9 +24,10 @@ from latentserve.kernels.cpu import CpuFeatures
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "quant_blocks.c", "experts.c",
-                                               "gemv.c", "mla_decode.c", "norm.c", "prologue.c", "attention_block.c",
-                                               "route.c", "moe_block.c", "bounds.c", "scratch.c", "api.c"))
+SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "amx.c", "quant_blocks.c",
+                                               "experts.c", "gemv.c", "mla_decode.c", "norm.c", "prologue.c",
+                                               "attention_block.c", "route.c", "moe_block.c", "bounds.c", "scratch.c",
+                                               "api.c"))
 HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h",
            KERNEL_DIR / "mla_tiles.h", KERNEL_DIR / "mla_lanes.h")
 # "0" keeps PyTorch's kernels (fbgemm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
@@ -39,8 +40,13 @@ ISA_FLAGS = {
 # The same with AVX512-BF16: bf16 products (decode attention, few-row linears, experts' gate and up) through
 # vdpbf16ps.
 ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512_vnni"] + ["-mavx512bf16", "-DLS_BF16DOT"]
-# Where a compiler cannot build the first, the second still runs on this CPU.
-FALLBACK = {"avx512_bf16": "avx512_vnni", "avx512_vnni": "avx2"}
+# The same with AMX tiles: the int8 and int4 blocks' products at many rows (prefill) through TDPBUSD / TDPBSUD
+# (amx.c), equal to the avx512_bf16 build's to the bit.
+ISA_FLAGS["avx512_amx"] = ISA_FLAGS["avx512_bf16"] + ["-mamx-tile", "-mamx-int8", "-DLS_AMX"]
+# Where a compiler cannot build the first (or, for AMX, the OS will not grant its state), the second still runs.
+FALLBACK = {"avx512_amx": "avx512_bf16", "avx512_bf16": "avx512_vnni", "avx512_vnni": "avx2"}
+# Builds whose tiles need the OS's permission (ls_enable_amx) before any kernel runs.
+AMX_ISAS = ("avx512_amx",)
 # No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.
 # Hidden symbols but the ls_ interface (LS_API): the library's helpers cannot clash with another library's.
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden", "-shared", "-fPIC"]
@@ -55,8 +61,13 @@ class NativeKernels:
 
     @property
     def bf16_dot(self) -> bool:
-        """Whether bf16 products multiply through vdpbf16ps (the avx512_bf16 build)."""
-        return self.isa == "avx512_bf16"
+        """Whether bf16 products multiply through vdpbf16ps (the avx512_bf16 build and the AMX one above it)."""
+        return self.isa in ("avx512_bf16", "avx512_amx")
+
+    @property
+    def layout(self) -> str:
+        """The packed weights' layout, named by the build that defines it: the AMX build reads avx512_bf16's."""
+        return "avx512_bf16" if self.isa == "avx512_amx" else self.isa
 
 
 def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
@@ -68,6 +79,8 @@ def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
     if setting == "0":
         return None, f"{NATIVE_ENV}=0"
     if features.capability.startswith("AVX512") and features.vnni:
+        if features.avx512_bf16 and features.amx:
+            return "avx512_amx", "AVX-512 with VNNI, BF16 and AMX"
         if features.avx512_bf16:
             return "avx512_bf16", "AVX-512 with VNNI and BF16"
         return "avx512_vnni", "AVX-512 with VNNI"
@@ -216,6 +229,10 @@ def load(isa: str) -> NativeKernels | str:
             log.warning("latentserve kernels: %s: deleting it%s", why, "" if attempt else " and building it again")
             path.unlink(missing_ok=True)
             continue
+        if isa in AMX_ISAS and lib.ls_enable_amx() != abi.OK:
+            why = f"no AMX in this process: {lib.ls_last_error().decode()}"
+            log.warning("latentserve kernels: refusing the %s build: %s", isa, why)
+            return why
         log.info("latentserve kernels: loaded the %s build from %s", isa, path)
         return NativeKernels(isa, lib)
     return why

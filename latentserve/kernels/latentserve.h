@@ -37,6 +37,7 @@ typedef enum {
     LS_BAD_TENSOR = 7,      /* a descriptor or block struct the kernel does not read (see ls_tensor) */
     LS_NO_MEMORY = 8,       /* the scratch arena could not grow */
     LS_BAD_BLOCK = 9,       /* an MLABlock or MoEBlock lacks a pointer it needs or has sizes that do not fit */
+    LS_NO_AMX = 10,         /* ls_enable_amx: no AMX build, CPU or permission from the OS */
 } ls_status;
 
 /* How one projection's weight is stored (Weight.kind). DENSE: w `[N, K]` in the block's dtype (per-head products:
@@ -101,6 +102,10 @@ LS_API const ls_field *ls_struct_layout(void);
 LS_API void ls_set_scratch_limit(int64_t bytes);
 /* Why this thread's last call returned LS_BAD_TENSOR or LS_BAD_BLOCK, naming the argument or field. */
 LS_API const char *ls_last_error(void);
+/* The avx512_amx build's AMX tiles made usable in this process (Linux grants their state on request): LS_OK, or
+ * LS_NO_AMX with ls_last_error saying why (another build, a CPU without AMX-INT8, the OS's refusal). The loader
+ * calls it once before any kernel. */
+LS_API int ls_enable_amx(void);
 
 /* Each returns an ls_status. `threads`: the OpenMP threads to run on. Activations are fp32 or bf16; an output's
  * dtype is its descriptor's. */

@@ -217,8 +217,39 @@ INLINE void block_epilogue(const int8_t *block, QuantActs a, int64_t r, int mb, 
             dots[16 * i + j] = (float)(out[i][j] - INT8_OFFSET * wsum[j]) * a.s[r + i] * scale[j];
 }
 
+#ifdef LS_AMX
+/* int8_block_dots on AMX tiles (amx.c) from AMX_ROWS rows: the tiles sum the columns in whole 64s, lanes_sums the
+ * rest (K % 64, a multiple of 4), added to them; integers both, so the sums and then the epilogue are the vpdpbusd
+ * path's. Rows in passes of AMX_CHUNK; a last pass of fewer than 16 rows takes the 16 last (rows done twice come
+ * out the same). */
+static void int8_block_tiles(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
+    const int8_t *w = block + INT8_HEADER;
+    int64_t whole = K & ~(int64_t)63;
+    amx_begin(64);
+    for (int64_t m0 = 0; m0 < m; m0 += AMX_CHUNK) {
+        int64_t r0 = m - m0 < 16 ? m - 16 : m0;
+        int rows = m - r0 < AMX_CHUNK ? (int)(m - r0) : AMX_CHUNK;
+        const int8_t *xq = a.q + (first + r0) * K;
+        int32_t sums[AMX_CHUNK][16];
+        amx_int8_sums(xq, K, whole, w, rows, sums);
+        for (int i0 = 0; whole < K && i0 < rows; i0 += MB) {
+            int mb = rows - i0 < MB ? rows - i0 : MB;
+            int32_t out[MB][16];
+            FOR_ROWS(lanes_sums, xq + i0 * K + whole, K, w + 16 * whole, K - whole, 0)
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < 16; j++) sums[i0 + i][j] += out[i][j];
+        }
+        block_epilogue(block, a, first + r0, rows, sums, dots + 16 * r0);
+    }
+    amx_end();
+}
+#endif
+
 /* The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
+#ifdef LS_AMX
+    if (m >= AMX_ROWS) return int8_block_tiles(a, first, m, block, K, dots);
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[MB][16];

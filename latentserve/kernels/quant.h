@@ -75,6 +75,19 @@ void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
 void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, int wbf, int64_t K, int64_t outputs,
                       float *dots);
 
+#ifdef LS_AMX
+/* amx.c: AMX tiles for the int8 and int4 blocks from AMX_ROWS rows. amx_request: the process's permission (once);
+ * amx_begin / amx_end around a block's tile work on the calling thread, `span` columns a product (64; int4's
+ * groups of 32: 32). amx_int8_sums: sums[i][j] = the int32 sum of rows i < rows (16..AMX_CHUNK) of xq (K bytes
+ * apart) with output j of the lanes-layout weight w over its first `whole` columns (a multiple of 64). */
+#define AMX_ROWS 16
+#define AMX_CHUNK 64 /* rows a pass: four row tiles of sums */
+int amx_request(void);
+void amx_begin(int span);
+void amx_end(void);
+void amx_int8_sums(const int8_t *xq, int64_t K, int64_t whole, const int8_t *w, int rows, int32_t (*sums)[16]);
+#endif
+
 /* The quantized formats' blocks (every block 16 outputs, padded). */
 INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const void *block, int64_t K, float *dots) {
     if (f.bits == 8)

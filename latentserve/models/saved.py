@@ -56,7 +56,7 @@ def kernel_layout(modules: set[str]) -> dict[str, Any]:
     """What the packed weights' layout depends on: the kernels' instruction set and, where int4pack_mm's layout is
     used, its block of output rows on this CPU."""
     kernels = default_policy().kernels
-    layout = {"kernels": kernels.isa if kernels is not None else None}
+    layout = {"kernels": kernels.layout if kernels is not None else None}
     if Int4PackLinear.__name__ in modules:
         layout["int4pack_block_n"] = int4pack_block_n()
     return layout
