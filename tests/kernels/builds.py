@@ -1,4 +1,5 @@
-"""The builds of latentserve's kernels this machine can run: the AVX2 build runs on any AVX-512 machine too."""
+"""The builds of latentserve's kernels this machine can run: the AVX2 build runs on any AVX-512 machine too, the
+avx512_bf16 one on an AMX machine."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +12,7 @@ def _runnable_isas() -> list[str]:
     here = cpu_features()
     isas = []
     if here.capability.startswith("AVX512") and here.vnni:
+        isas += ["avx512_amx"] if here.avx512_bf16 and here.amx else []
         isas += ["avx512_bf16", "avx512_vnni"] if here.avx512_bf16 else ["avx512_vnni"]
     if here.capability.startswith(("AVX512", "AVX2")):
         isas.append("avx2")
