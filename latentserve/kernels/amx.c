@@ -50,8 +50,8 @@ INLINE void written(void) { __asm__ volatile("" ::: "memory"); }
 
 void amx_begin(int span) {
     TileConfig c = {.palette = 1};
-    for (int t = 0; t < 7; t++) c.rows[t] = 16, c.colsb[t] = 64;
-    c.rows[4] = (uint8_t)(span / 4); /* B: a row per 4 columns */
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;
+    c.rows[4] = c.rows[7] = (uint8_t)(span / 4); /* B: a row per 4 columns */
     c.colsb[5] = c.colsb[6] = (uint16_t)span;
     load_config(&c);
 }
@@ -89,5 +89,107 @@ void amx_int8_sums(const int8_t *xq, int64_t K, int64_t whole, const int8_t *w, 
     if (tiles > 1) _tile_stored(1, sums[tile_row(1, rows)], 64);
     if (tiles > 2) _tile_stored(2, sums[tile_row(2, rows)], 64);
     if (tiles > 3) _tile_stored(3, sums[tile_row(3, rows)], 64);
+}
+
+#define INT4_CHUNK 2048 /* columns of an int4 block unpacked at a time: 32 KB of B rows, read from L1 by every row */
+
+/* Columns k0..k1 of an int4 block (groups of G) as B rows: unit c of a group, columns 8c..8c+7, gives the rows of
+ * columns 8c..8c+3 (its low nibbles) and 8c+4..8c+7 (its high ones). */
+static void int4_unpack(const uint8_t *block, int64_t k0, int64_t k1, int64_t G, uint8_t *b) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t g = k0 / G; g < k1 / G; g++)
+        for (int64_t u = 0; u < G / 8; u++) {
+            __m512i v = _mm512_loadu_si512(block + g * (64 + 8 * G) + 64 + 64 * u);
+            uint8_t *row = b + 16 * (g * G + 8 * u - k0);
+            _mm512_storeu_si512(row, _mm512_and_si512(v, low));
+            _mm512_storeu_si512(row + 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+        }
+    written();
+}
+
+/* Row tile r's 16 rows of int4 activations (K columns, XBLOCK-column scales, 2 corrections a group) and their
+ * results, in registers. */
+typedef struct {
+    const int8_t *xq;
+    const float *xs, *corr;
+    int64_t chunks, groups, shift; /* K / XBLOCK, K / G, log2 G */
+    __m512 res[16];
+} Rows;
+
+/* One span's products (TDPBSUD: signed activations, unsigned nibbles; int4_group's lo_acc + hi_acc) into C tile `c`,
+ * through A tile `a` and B tile `bt`. */
+#define INT4_SPAN(c, a, bt, r, b, k, k0, K)           \
+    do {                                              \
+        _tile_zero(c);                                \
+        _tile_loadd(a, (r).xq + (k), K);              \
+        _tile_loadd(bt, (b) + 16 * ((k) - (k0)), 64); \
+        _tile_dpbsud(c, a, bt);                       \
+        fetch_rows((uintptr_t)(r).xq + (k) + FETCH_AHEAD, K); \
+    } while (0)
+
+#define FETCH_AHEAD 128 /* the activations' columns fetched into L1 ahead of the tile loads */
+
+/* A tile load waits for its 16 rows from L2 and the product after it for the load: each row's line FETCH_AHEAD
+ * columns on asked for beforehand (the hardware prefetchers do not follow a tile load's 16 rows). */
+INLINE void fetch_rows(uintptr_t x, int64_t K) { /* integers: past the last row it points outside x (no fault) */
+    for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(x + i * K), _MM_HINT_T0);
+}
+
+/* int4_group's float operations on the sums of the span at column k, in its order: res += (scale * xs) * sums, and
+ * where the span ends group g, the group's two corrections. */
+INLINE void int4_span_done(Rows *r, int32_t (*sums)[16], const uint8_t *block, int64_t k, int64_t span, int64_t G) {
+    int64_t g = k >> r->shift, chunks = r->chunks, groups = r->groups;
+    __m512i pairs = _mm512_loadu_si512(block + g * (64 + 8 * G));
+    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    for (int i = 0; i < 16; i++) {
+        __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(r->xs[i * chunks + k / XBLOCK]));
+        r->res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_loadu_si512(sums[i])), r->res[i]);
+    }
+    if ((k + span) & (G - 1)) return;
+    __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000)));
+    for (int i = 0; i < 16; i++) {
+        const float *cg = r->corr + i * 2 * groups + 2 * g;
+        r->res[i] = _mm512_fmadd_ps(scale, _mm512_set1_ps(cg[0]), r->res[i]);
+        r->res[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(cg[1]), r->res[i]);
+    }
+}
+
+/* int4.c's int4_group for 16 rows at once over columns k0..k1 (whole groups), b their B rows. Spans in turns on C
+ * tiles 0 and 1: the next span's product runs while the float operations take this one's sums. res starts at 0
+ * (k0 = 0) or at dots (the columns before k0); rows below `skip` (done by the row tile before) are neither read nor
+ * written. */
+static void int4_rows(QuantActs a, int64_t row, int skip, const uint8_t *block, int64_t k0, int64_t k1, int64_t K,
+                      int64_t G, const uint8_t *b, float *dots) {
+    int64_t span = G < XBLOCK ? G : XBLOCK;
+    Rows r = {a.q + row * K, a.s + row * (K / XBLOCK), a.corr + row * 2 * (K / G), K / XBLOCK, K / G,
+              __builtin_ctzll((unsigned long long)G), {0}};
+    for (int i = 0; i < 16; i++) r.res[i] = k0 == 0 || i < skip ? _mm512_setzero_ps() : _mm512_loadu_ps(dots + 16 * i);
+    int32_t sums[16][16];
+    INT4_SPAN(0, 5, 4, r, b, k0, k0, K);
+    for (int64_t k = k0; k < k1; k += 2 * span) {
+        if (k + span < k1) INT4_SPAN(1, 6, 7, r, b, k + span, k0, K);
+        _tile_stored(0, sums, 64);
+        int4_span_done(&r, sums, block, k, span, G);
+        if (k + span >= k1) break;
+        if (k + 2 * span < k1) INT4_SPAN(0, 5, 4, r, b, k + 2 * span, k0, K);
+        _tile_stored(1, sums, 64);
+        int4_span_done(&r, sums, block, k + span, span, G);
+    }
+    for (int i = skip; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, r.res[i]);
+}
+
+void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G,
+                         float *dots) {
+    uint8_t b[16 * INT4_CHUNK] __attribute__((aligned(64)));
+    amx_begin(G < XBLOCK ? (int)G : XBLOCK);
+    for (int64_t k0 = 0; k0 < K; k0 += INT4_CHUNK) {
+        int64_t k1 = K - k0 < INT4_CHUNK ? K : k0 + INT4_CHUNK;
+        int4_unpack(block, k0, k1, G, b);
+        for (int64_t r0 = 0; r0 < m; r0 += 16) {
+            int64_t at = r0 + 16 <= m ? r0 : m - 16; /* the last tile overlaps the one before */
+            int4_rows(a, first + at, (int)(r0 - at), block, k0, k1, K, G, b, dots + 16 * at);
+        }
+    }
+    amx_end();
 }
 #endif

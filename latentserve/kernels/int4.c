@@ -163,6 +163,9 @@ INLINE void int4_block_pair(const int8_t *x0, const float *xs0, const float *cor
 #define INT4_ROW(a, r, K, G) (a).q + (r) * (K), (a).s + (r) * ((K) / XBLOCK), (a).corr + (r) * 2 * ((K) / (G))
 
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots) {
+#ifdef LS_AMX
+    if (m >= AMX_ROWS) return amx_int4_block_dots(a, first, m, block, K, G, dots);
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
         int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
         float(*out)[16] = (float(*)[16])(dots + 16 * m0);

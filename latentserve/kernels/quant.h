@@ -86,6 +86,9 @@ int amx_request(void);
 void amx_begin(int span);
 void amx_end(void);
 void amx_int8_sums(const int8_t *xq, int64_t K, int64_t whole, const int8_t *w, int rows, int32_t (*sums)[16]);
+/* int4_block_dots on tiles (m >= 16), the same bits. */
+void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G,
+                         float *dots);
 #endif
 
 /* The quantized formats' blocks (every block 16 outputs, padded). */
