@@ -218,7 +218,7 @@ INLINE void block_epilogue(const int8_t *block, QuantActs a, int64_t r, int mb, 
 }
 
 #ifdef LS_AMX
-/* int8_block_dots on AMX tiles (amx.c) from AMX_ROWS rows: the tiles sum the columns in whole 64s, lanes_sums the
+/* int8_block_dots on AMX tiles (amx.c) from AMX_INT8_ROWS rows: the tiles sum the columns in whole 64s, lanes_sums the
  * rest (K % 64, a multiple of 4), added to them; integers both, so the sums and then the epilogue are the vpdpbusd
  * path's. Rows in passes of AMX_CHUNK; a last pass of fewer than 16 rows takes the 16 last (rows done twice come
  * out the same). */
@@ -248,7 +248,7 @@ static void int8_block_tiles(QuantActs a, int64_t first, int64_t m, const int8_t
 /* The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
 #ifdef LS_AMX
-    if (m >= AMX_ROWS) return int8_block_tiles(a, first, m, block, K, dots);
+    if (m >= AMX_INT8_ROWS) return int8_block_tiles(a, first, m, block, K, dots);
 #endif
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
