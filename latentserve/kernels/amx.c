@@ -7,8 +7,9 @@
  * after them is done in the same order with the same operations: the results are the avx512_bf16 build's, bit for
  * bit.
  *
- * Tiles: 0-3 sums (C) of four row tiles (64 rows), 4 the weights (B), 5 and 6 the activations (A) in turns, so that
- * a load need not wait for the product before it to have read its tile. A row count that 16 does not divide ends
+ * Tiles, int8: 0-3 sums (C) of four row tiles (64 rows), 4 the weights (B), 5 and 6 the activations (A) in turns, so
+ * that a load need not wait for the product before it to have read its tile; int4: 0 and 1 sums of one row tile's
+ * spans in turns, 4 and 7 their B, 5 and 6 their A. A row count that 16 does not divide ends
  * with a row tile overlapping the one before: those rows are computed twice, the same, and their results kept once.
  * Linux hands a process the tiles' state only on request (`amx_request`, the loader calls it once through
  * ls_enable_amx); the tile configuration is the calling thread's, loaded by each block's call (`amx_begin`). */
@@ -43,8 +44,8 @@ typedef struct { /* LDTILECFG's 64 bytes, palette 1 */
 } TileConfig;
 
 /* gcc 12's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration (it dropped the stores of the
- * rest), and _tile_loadd that it reads no memory: the configuration goes to the instruction whole, and data written
- * here before a tile load is made visible by a compiler barrier (`written`). */
+ * rest: the instruction faulted), and _tile_loadd that it reads no memory: the configuration goes to the instruction
+ * whole, and data written before tile loads read it is made visible to them by a compiler barrier (`written`). */
 INLINE void load_config(const TileConfig *c) { __asm__ volatile("ldtilecfg %0" ::"m"(*c)); }
 INLINE void written(void) { __asm__ volatile("" ::: "memory"); }
 
@@ -124,16 +125,7 @@ typedef struct {
         _tile_loadd(a, (r).xq + (k), K);              \
         _tile_loadd(bt, (b) + 16 * ((k) - (k0)), 64); \
         _tile_dpbsud(c, a, bt);                       \
-        fetch_rows((uintptr_t)(r).xq + (k) + FETCH_AHEAD, K); \
     } while (0)
-
-#define FETCH_AHEAD 128 /* the activations' columns fetched into L1 ahead of the tile loads */
-
-/* A tile load waits for its 16 rows from L2 and the product after it for the load: each row's line FETCH_AHEAD
- * columns on asked for beforehand (the hardware prefetchers do not follow a tile load's 16 rows). */
-INLINE void fetch_rows(uintptr_t x, int64_t K) { /* integers: past the last row it points outside x (no fault) */
-    for (int i = 0; i < 16; i++) _mm_prefetch((const char *)(x + i * K), _MM_HINT_T0);
-}
 
 /* int4_group's float operations on the sums of the span at column k, in its order: res += (scale * xs) * sums, and
  * where the span ends group g, the group's two corrections. */
