@@ -81,7 +81,7 @@ void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, 
  * amx_begin / amx_end around a block's tile work on the calling thread, `span` columns a product (64; int4's
  * groups of 32: 32). amx_int8_sums: sums[i][j] = the int32 sum of rows i < rows (16..AMX_CHUNK) of xq (K bytes
  * apart) with output j of the lanes-layout weight w over its first `whole` columns (a multiple of 64). */
-/* Where the tiles beat vpdpbusd (one core, 2816 x 2048, CPU time; docs/kernels.md "AMX"): int8 1.6x at 16 rows
+/* Where the tiles beat vpdpbusd (one core, 2816 x 2048, CPU time; docs/kernels.md "AMX tiles"): int8 1.6x at 16 rows
  * and 2x at 32. int4 pays per span of 64 (group 32: 32) columns a tile store and int4_group's float operations on
  * 16 rows, which the tiles do not shorten: group 32 0.9x at 16-24 rows, 1.04x at 32, 1.13x at 48; group 128 1.2x
  * at 16 but 1.03x at 24 (a second row tile, overlapping, for 8 rows). */
