@@ -24,8 +24,8 @@ Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/lla
 --ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
 $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
 best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
-right after each engine's points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB, 8x the 32 MiB
-L3, on the --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times
+right after each engine's points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB or twice the
+last-level cache, on the --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times
 the bytes of weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py); mainline's
 and ik's likewise, from the GGUF's tensors at their stored types (which differ from ours where we convert). --long
 adds a 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone (and no bandwidth
