@@ -108,43 +108,38 @@ static void int4_unpack(const uint8_t *block, int64_t k0, int64_t k1, int64_t G,
     written();
 }
 
-/* Row tile r's 16 rows of int4 activations (K columns, XBLOCK-column scales, 2 corrections a group) and their
- * results, in registers. */
-typedef struct {
-    const int8_t *xq;
-    const float *xs, *corr;
-    int64_t chunks, groups, shift; /* K / XBLOCK, K / G, log2 G */
-    __m512 res[16];
-} Rows;
-
 /* One span's products (TDPBSUD: signed activations, unsigned nibbles; int4_group's lo_acc + hi_acc) into C tile `c`,
- * through A tile `a` and B tile `bt`. */
-#define INT4_SPAN(c, a, bt, r, b, k, k0, K)           \
+ * through A tile `a` and B tile `bt`: the 16 rows of xq (K bytes apart) at column k, b's B rows from column k0. */
+#define INT4_SPAN(c, a, bt, xq, b, k, k0, K)          \
     do {                                              \
         _tile_zero(c);                                \
-        _tile_loadd(a, (r).xq + (k), K);              \
+        _tile_loadd(a, (xq) + (k), K);                \
         _tile_loadd(bt, (b) + 16 * ((k) - (k0)), 64); \
         _tile_dpbsud(c, a, bt);                       \
     } while (0)
 
 /* int4_group's float operations on the sums of the span at column k, in its order: res += (scale * xs) * sums, and
- * where the span ends group g, the group's two corrections. */
-INLINE void int4_span_done(Rows *r, int32_t (*sums)[16], const uint8_t *block, int64_t k, int64_t span, int64_t G) {
-    int64_t g = k >> r->shift, chunks = r->chunks, groups = r->groups;
-    __m512i pairs = _mm512_loadu_si512(block + g * (64 + 8 * G));
-    __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    for (int i = 0; i < 16; i++) {
-        __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(r->xs[i * chunks + k / XBLOCK]));
-        r->res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_loadu_si512(sums[i])), r->res[i]);
-    }
-    if ((k + span) & (G - 1)) return;
-    __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000)));
-    for (int i = 0; i < 16; i++) {
-        const float *cg = r->corr + i * 2 * groups + 2 * g;
-        r->res[i] = _mm512_fmadd_ps(scale, _mm512_set1_ps(cg[0]), r->res[i]);
-        r->res[i] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(cg[1]), r->res[i]);
-    }
-}
+ * where the span ends group g (`shift`: log2 G), the group's two corrections. xs, corr: row 0's (`chunks` scales
+ * and 2 `groups` corrections a row). A macro with its loops unrolled by the compiler's first passes (GCC unroll), so
+ * that res[16] stays in registers: a function taking res's address, or loops unrolled later, kept it in memory,
+ * loaded and stored every span (group 128, 2816 x 2048: 1.63x against vpdpbusd that way, 1.84x this way). */
+#define INT4_SPAN_DONE(res, sums, block, k, span, G, shift, xs, corr, chunks, groups)                          \
+    do {                                                                                                       \
+        int64_t g_ = (k) >> (shift);                                                                           \
+        __m512i pairs_ = _mm512_loadu_si512((block) + g_ * (64 + 8 * (G)));                                    \
+        __m512 scale_ = _mm512_castsi512_ps(_mm512_slli_epi32(pairs_, 16));                                    \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++)                                                   \
+            res[i] = _mm512_fmadd_ps(_mm512_mul_ps(scale_, _mm512_set1_ps((xs)[i * (chunks) + (k) / XBLOCK])), \
+                                     _mm512_cvtepi32_ps(_mm512_loadu_si512((sums)[i])), res[i]);               \
+        if ((((k) + (span)) & ((G) - 1)) == 0) {                                                               \
+            __m512 min_ = _mm512_castsi512_ps(_mm512_and_si512(pairs_, _mm512_set1_epi32((int)0xffff0000)));   \
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                             \
+                const float *cg_ = (corr) + i * 2 * (groups) + 2 * g_;                                         \
+                res[i] = _mm512_fmadd_ps(scale_, _mm512_set1_ps(cg_[0]), res[i]);                              \
+                res[i] = _mm512_fmadd_ps(min_, _mm512_set1_ps(cg_[1]), res[i]);                                \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
 
 /* int4.c's int4_group for 16 rows at once over columns k0..k1 (whole groups), b their B rows. Spans in turns on C
  * tiles 0 and 1: the next span's product runs while the float operations take this one's sums. res starts at 0
@@ -152,22 +147,26 @@ INLINE void int4_span_done(Rows *r, int32_t (*sums)[16], const uint8_t *block, i
  * written. */
 static void int4_rows(QuantActs a, int64_t row, int skip, const uint8_t *block, int64_t k0, int64_t k1, int64_t K,
                       int64_t G, const uint8_t *b, float *dots) {
-    int64_t span = G < XBLOCK ? G : XBLOCK;
-    Rows r = {a.q + row * K, a.s + row * (K / XBLOCK), a.corr + row * 2 * (K / G), K / XBLOCK, K / G,
-              __builtin_ctzll((unsigned long long)G), {0}};
-    for (int i = 0; i < 16; i++) r.res[i] = k0 == 0 || i < skip ? _mm512_setzero_ps() : _mm512_loadu_ps(dots + 16 * i);
+    int64_t span = G < XBLOCK ? G : XBLOCK, chunks = K / XBLOCK, groups = K / G, shift = __builtin_ctzll(G);
+    const int8_t *xq = a.q + row * K;
+    const float *xs = a.s + row * chunks, *corr = a.corr + row * 2 * groups;
+    __m512 res[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) res[i] = k0 == 0 || i < skip ? _mm512_setzero_ps() : _mm512_loadu_ps(dots + 16 * i);
     int32_t sums[16][16];
-    INT4_SPAN(0, 5, 4, r, b, k0, k0, K);
+    INT4_SPAN(0, 5, 4, xq, b, k0, k0, K);
     for (int64_t k = k0; k < k1; k += 2 * span) {
-        if (k + span < k1) INT4_SPAN(1, 6, 7, r, b, k + span, k0, K);
+        if (k + span < k1) INT4_SPAN(1, 6, 7, xq, b, k + span, k0, K);
         _tile_stored(0, sums, 64);
-        int4_span_done(&r, sums, block, k, span, G);
+        INT4_SPAN_DONE(res, sums, block, k, span, G, shift, xs, corr, chunks, groups);
         if (k + span >= k1) break;
-        if (k + 2 * span < k1) INT4_SPAN(0, 5, 4, r, b, k + 2 * span, k0, K);
+        if (k + 2 * span < k1) INT4_SPAN(0, 5, 4, xq, b, k + 2 * span, k0, K);
         _tile_stored(1, sums, 64);
-        int4_span_done(&r, sums, block, k + span, span, G);
+        INT4_SPAN_DONE(res, sums, block, k + span, span, G, shift, xs, corr, chunks, groups);
     }
-    for (int i = skip; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, r.res[i]);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+        if (i >= skip) _mm512_storeu_ps(dots + 16 * i, res[i]);
 }
 
 void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G,
