@@ -164,7 +164,7 @@ INLINE void int4_block_pair(const int8_t *x0, const float *xs0, const float *cor
 
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots) {
 #ifdef LS_AMX
-    if (m >= AMX_INT4_ROWS) return amx_int4_block_dots(a, first, m, block, K, G, dots);
+    if (m >= amx_int4_rows(G)) return amx_int4_block_dots(a, first, m, block, K, G, dots);
 #endif
     for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
         int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;

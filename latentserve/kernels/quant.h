@@ -76,17 +76,19 @@ void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, 
                       float *dots);
 
 #ifdef LS_AMX
-/* amx.c: AMX tiles for the int8 blocks from AMX_INT8_ROWS rows, the int4 ones from AMX_INT4_ROWS (at least 16: a
- * row tile). amx_request: the process's permission (once);
- * amx_begin / amx_end around a block's tile work on the calling thread, `span` columns a product (64; int4's
- * groups of 32: 32). amx_int8_sums: sums[i][j] = the int32 sum of rows i < rows (16..AMX_CHUNK) of xq (K bytes
- * apart) with output j of the lanes-layout weight w over its first `whole` columns (a multiple of 64). */
-/* Where the tiles beat vpdpbusd (one core, 2816 x 2048, CPU time; docs/kernels.md "AMX tiles"): int8 1.6x at 16 rows
- * and 2x at 32. int4 pays per span of 64 (group 32: 32) columns a tile store and int4_group's float operations on
- * 16 rows, which the tiles do not shorten: group 32 0.9x at 16-24 rows, 1.04x at 32, 1.13x at 48; group 128 1.2x
- * at 16 but 1.03x at 24 (a second row tile, overlapping, for 8 rows). */
+/* amx.c: AMX tiles for the int8 and int4 blocks from the rows below (at least 16: a row tile). amx_request: the
+ * process's permission (once); amx_begin / amx_end around a block's tile work on the calling thread, `span` columns
+ * a product (64; int4's groups of 32: 32). amx_int8_sums: sums[i][j] = the int32 sum of rows i < rows
+ * (16..AMX_CHUNK) of xq (K bytes apart) with output j of the lanes-layout weight w over its first `whole` columns (a
+ * multiple of 64).
+ *
+ * From how many rows the tiles beat vpdpbusd (one core, 2816 x 2048, CPU time, the builds in turns;
+ * docs/kernels.md "AMX tiles"): int8 from 16 (1.6x at 16 rows, 2.5x at 48). int4 pays per span of 64 columns
+ * (group 32: 32) and row tile a tile store and int4_group's float operations, which the tiles do not shorten: groups
+ * of 64 and 128 win from 16 rows (1.35x and 1.26x there, 1.28x and 1.26x at 24), group 32 from 32 (1.02x at 16,
+ * 0.88x at 24: a second row tile, overlapping, for 8 rows; 1.16x at 32). */
 #define AMX_INT8_ROWS 16
-#define AMX_INT4_ROWS 32
+INLINE int64_t amx_int4_rows(int64_t G) { return G == 32 ? 32 : 16; }
 #define AMX_CHUNK 64 /* rows a pass: four row tiles of sums */
 int amx_request(void);
 void amx_begin(int span);

@@ -19,7 +19,7 @@ from tests.kernels.builds import ISAS, kernels
 needs_amx = pytest.mark.skipif("avx512_amx" not in ISAS,
                                reason="no AMX here (CPU without amx_tile, AVX512-BF16 or VNNI, or ATEN_CPU_CAPABILITY)")
 ROWS = (16, 17, 31, 64, 256, 300)  # int8 runs on the tiles from 16 rows
-INT4_ROWS = (31, 32, 33, 47, 64, 300)  # int4 from 32 (31: the vpdpbusd path in both builds)
+INT4_ROWS = (16, 17, 31, 32, 33, 300)  # int4 from 16 at groups of 64 and 128, from 32 at group 32
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
