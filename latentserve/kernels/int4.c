@@ -36,7 +36,7 @@ INLINE void fetch_ahead(const uint8_t *p, int64_t G) {
 }
 
 #ifdef LS_AVX512
-#define QROWS 8 /* activation rows per pass over a block: 3 vector registers each */
+#define QROWS 8 /* activation rows per pass over a block: 2 vector registers each */
 
 typedef __m512 Sums[QROWS]; /* a block's 16 outputs for each activation row of a pass */
 
@@ -60,19 +60,19 @@ INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, con
     __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
     p += 64;
     for (int64_t k = g * G; k < (g + 1) * G; k += span) { /* under one scale of x */
-        __m512i lo_acc[QROWS], hi_acc[QROWS];
-        for (int i = 0; i < mb; i++) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
+        __m512i acc[QROWS]; /* the low and high nibbles' products alike: an integer sum in any order */
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
         for (int64_t c = k; c < k + span; c += 8, p += 64) {
             __m512i v = _mm512_loadu_si512(p);
             __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int i = 0; i < mb; i++) {
-                lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
-                hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
             }
         }
         for (int i = 0; i < mb; i++) {
             __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]));
-            res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i], hi_acc[i])), res[i]);
+            res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc[i]), res[i]);
         }
     }
     for (int i = 0; i < mb; i++) {
