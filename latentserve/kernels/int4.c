@@ -21,12 +21,23 @@
  * multiply-add and the two corrections), which compete for the same two vector pipes on AMD Zen 4, where int8 has
  * the 8 vpdpbusd alone (2026-12-05, CPU time, one core: about 135 against int8's 175-200 G multiply-adds/s at 48
  * to 512 rows; without the two corrections 1.16x faster). Only fewer float operations a group, i.e. other numerics,
- * would close that gap. */
+ * would close that gap.
+ *
+ * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (52-79 % of the copy
+ * bandwidth against 75-105 %, 1-4 rows): its 5-6 vector operations a 64-byte unit (int8: one) keep the core's
+ * reads from running as far ahead of the sums, and the hardware prefetchers alone left the loads waiting on memory.
+ * So each group fetches the lines of the one FETCH_AHEAD bytes further into L1 (fetch_ahead); and on AVX-512 a pass
+ * takes 8 rows with one integer accumulator a row (not two passes of 4: the unpacking and the reads of L1 once),
+ * the 8-row decode step of a speculative or batched decode being bound by the sums. Same sums, same float order,
+ * same bits. Intel Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes (benchmarks/stream.py --clock cpu
+ * --rounds 5 --group 32), int4 then int8 in % of copy: 1 row 88-92 / 96-103 (before: 68-79), 2 rows 86-90 / 88-92,
+ * 4 rows 80-84 / 77-79, 8 rows 64-67 / 86-90 (before: 44-48). Group 64 alike. More distance (4-8 KB) measured the
+ * same, 1 KB less; fetching each unit's line alone (not whole groups) leaves lines unfetched, a little slower. */
 #include "quant.h"
 
 #define FETCH_AHEAD 2048 /* bytes (rounded up to whole groups) of its block's stream fetched ahead of a group */
 
-/* The 64-byte lines of the group FETCH_AHEAD bytes past the one at p (G bytes of scales and weights a group), fetched
+/* The 64-byte lines of the group (64 + 8 * G bytes: scales and weights) FETCH_AHEAD bytes past the one at p, fetched
  * into L1 while this one is summed. Past a block's end it fetches the next block in memory: the one the drivers read
  * next (a share's blocks and both halves of a pair walk forward; the experts walk an expert's blocks in order). A
  * prefetch does not fault, so the address is formed in integers. */
