@@ -34,10 +34,11 @@ typedef struct {
 
 INLINE float rounded(float v, int bf) { return bf ? bf16_to_float(float_to_bf16(v)) : v; }
 
-/* Block u of layer `which` (0 gate_up, 1 down) of group e, of set s: its rows of the activations and its weights. */
+/* Block u of layer `which` (0 gate_up, 1 down) of group e, of set s, for m of the group's rows from row r0: its rows
+ * of the activations (from `first`) and its weights. */
 typedef struct {
     const Group *e;
-    int64_t u, m, first, in, outputs;
+    int64_t u, r0, m, first, in, outputs;
     const char *block;
 } Unit;
 
@@ -47,8 +48,19 @@ static Unit find_unit(const Plan *p, const Set *s, int which, int64_t r, int64_t
     while (units[*g + 1] <= r) ++*g;
     const Group *e = p->group + *g;
     int64_t I = s->table->inter, u = r - units[*g], N = which ? p->K : 2 * I, in = which ? I : p->K;
-    Unit t = {e, u, e->end - e->begin, e->begin - s->begin, in, N - 16 * u < 16 ? N - 16 * u : 16,
+    Unit t = {e, u, 0, e->end - e->begin, e->begin - s->begin, in, N - 16 * u < 16 ? N - 16 * u : 16,
               (const char *)e->w[which] + u * block_bytes(s->f[which], in)};
+    return t;
+}
+
+/* Unit t's rows from `skip` on, or its first `keep` rows. */
+INLINE Unit rows_after(Unit t, int64_t skip) {
+    t.r0 += skip, t.first += skip, t.m -= skip;
+    return t;
+}
+
+INLINE Unit first_rows(Unit t, int64_t keep) {
+    t.m = keep;
     return t;
 }
 
@@ -56,7 +68,7 @@ static Unit find_unit(const Plan *p, const Set *s, int which, int64_t r, int64_t
 static void store_unit(const Plan *p, const Set *s, int which, Unit t, const float *dots) {
     int64_t I = s->table->inter;
     for (int64_t i = 0; i < t.m; i++) {
-        float *dst = which ? p->o + (t.e->begin + i) * p->K : p->h + (s->h0 + (t.first + i) * 2 * I);
+        float *dst = which ? p->o + (t.e->begin + t.r0 + i) * p->K : p->h + (s->h0 + (t.first + i) * 2 * I);
         for (int64_t j = 0; j < t.outputs; j++) dst[16 * t.u + j] = dots[16 * i + j];
     }
 }
@@ -68,9 +80,11 @@ static void unit_dots(const Plan *p, const Set *s, int which, Unit t, float *dot
 
 /* This thread's share of layer `which` of each set's groups, in blocks of 16 outputs. Each set shared out on its
  * own: the shared experts' blocks meet every token, the routed ones' a few, so one split of both would load the
- * threads unevenly. int8 and int4 read two blocks at once, the i-th of each half of the share, where both have the same
- * few rows (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be different
- * experts', met by different tokens, so each block takes its own rows. `dots`: room for 16 * (P + PAIR_ROWS)
+ * threads unevenly. int8 and int4 read two blocks at once, the i-th of each half of the share, for the rows both
+ * have where that is few (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be
+ * different experts', met by different tokens, so each block takes its own rows. A block with more rows than its
+ * partner then reads them alone, from cache: in a batch of 8 most experts meet one token and some two or three, and
+ * pairing only equal counts left about half the blocks to one stream. `dots`: room for 16 * (P + PAIR_ROWS)
  * floats. */
 static void layer(const Plan *p, int which, float *dots) {
     int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
@@ -91,15 +105,18 @@ static void layer(const Plan *p, int which, float *dots) {
                 continue;
             }
             Unit t2 = find_unit(p, s, which, r + half, &g2);
-            if (t.m != t2.m || t.m > PAIR_ROWS) {
+            int64_t both = t.m < t2.m ? t.m : t2.m;
+            if (both > PAIR_ROWS) {
                 unit_dots(p, s, which, t, dots);
                 unit_dots(p, s, which, t2, dots);
                 continue;
             }
-            block_pair_dots(s->f[which], acts, t.first, acts, t2.first, t.m, t.block, t2.block, t.in, dots,
+            block_pair_dots(s->f[which], acts, t.first, acts, t2.first, both, t.block, t2.block, t.in, dots,
                             dots + 16 * PAIR_ROWS);
-            store_unit(p, s, which, t, dots);
-            store_unit(p, s, which, t2, dots + 16 * PAIR_ROWS);
+            store_unit(p, s, which, first_rows(t, both), dots);
+            store_unit(p, s, which, first_rows(t2, both), dots + 16 * PAIR_ROWS);
+            if (t.m > both) unit_dots(p, s, which, rows_after(t, both), dots);
+            if (t2.m > both) unit_dots(p, s, which, rows_after(t2, both), dots);
         }
     }
 }

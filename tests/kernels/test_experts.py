@@ -122,13 +122,14 @@ def test_experts_do_not_depend_on_the_thread_count(isa, formats):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("ids", [[[1, 4]], [[0, 1], [2, 3]], [[0, 1], [2, 3], [0, 2]]])
+@pytest.mark.parametrize("ids", [[[1, 4]], [[0, 1], [2, 3]], [[0, 1], [2, 3], [0, 2]], [[0, 1], [0, 2], [0, 3]]])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_experts_read_in_pairs_use_each_blocks_own_rows(isa, ids, fmt):
     """int8 and int4 read two blocks at once, from the two halves of a thread's share: blocks of different experts,
     met by different tokens (ids [[0, 1], [2, 3]] at 1 thread: expert 0 beside expert 2), or by the same count of
-    different tokens ([[0, 1], [2, 3], [0, 2]]: experts 0 and 2 each meet two). At 1-3 threads each token's result is
-    its experts' own, projection by projection."""
+    different tokens ([[0, 1], [2, 3], [0, 2]]: experts 0 and 2 each meet two), or by different counts ([[0, 1],
+    [0, 2], [0, 3]]: expert 0 meets three tokens beside experts that meet one; the pair reads one row of each, then
+    expert 0's other two alone). At 1-3 threads each token's result is its experts' own, projection by projection."""
     g = torch.Generator().manual_seed(len(ids))
     hidden, inter = 128, 64
     routed, pairs = _experts(g, (fmt, fmt), 5, hidden, inter)
