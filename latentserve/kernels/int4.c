@@ -23,16 +23,18 @@
  * to 512 rows; without the two corrections 1.16x faster). Only fewer float operations a group, i.e. other numerics,
  * would close that gap.
  *
- * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (52-79 % of the copy
- * bandwidth against 75-105 %, 1-4 rows): its 5-6 vector operations a 64-byte unit (int8: one) keep the core's
- * reads from running as far ahead of the sums, and the hardware prefetchers alone left the loads waiting on memory.
- * So each group fetches the lines of the one FETCH_AHEAD bytes further into L1 (fetch_ahead); and on AVX-512 a pass
- * takes 8 rows with one integer accumulator a row (not two passes of 4: the unpacking and the reads of L1 once),
- * the 8-row decode step of a speculative or batched decode being bound by the sums. Same sums, same float order,
- * same bits. Intel Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes (benchmarks/stream.py --clock cpu
- * --rounds 5 --group 32), int4 then int8 in % of copy: 1 row 88-92 / 96-103 (before: 68-79), 2 rows 86-90 / 88-92,
- * 4 rows 80-84 / 77-79, 8 rows 64-67 / 86-90 (before: 44-48). Group 64 alike. More distance (4-8 KB) measured the
- * same, 1 KB less; fetching each unit's line alone (not whole groups) leaves lines unfetched, a little slower. */
+ * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s
+ * in the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep
+ * the core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on
+ * memory. So each group fetches the lines of the one FETCH_AHEAD bytes further into L1 (fetch_ahead); and on AVX-512
+ * a pass takes 8 rows with one integer accumulator a row (two passes of 4 unpacked and read each block twice; two
+ * accumulators a row at 8 rows spilled): 8 rows are bound by the sums. Same sums, same float order, same bits. Intel
+ * Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes, `benchmarks/stream.py --clock cpu --rounds 5 --group
+ * 32` (and 64, alike), int4 / int8 weight GB/s before -> after: 1 row 0.73-0.79 -> 0.86-0.94, 2 rows 0.79-0.85 ->
+ * 0.95-1.07, 4 rows 0.80-0.87 -> 0.98-1.16, 8 rows 0.48-0.54 -> 0.72-0.85 (int4 at 1 row mostly about 90 % of the
+ * copy bandwidth). The AVX2 build there (ATEN_CPU_CAPABILITY=avx2): 1-2 rows 67-76 % -> 92-93 % of copy. 4 KB ahead
+ * or into L2 measured the same, 1 KB less; fetching each unit's line alone (not whole groups) leaves some lines to
+ * the prefetchers, slower at 1 row. At many rows one accumulator a row and 8 rows a pass: 1.08x (hot, one core). */
 #include "quant.h"
 
 #define FETCH_AHEAD 2048 /* bytes (rounded up to whole groups) of its block's stream fetched ahead of a group */
