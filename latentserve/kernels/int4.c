@@ -34,7 +34,8 @@
  * 0.95-1.07, 4 rows 0.80-0.87 -> 0.98-1.16, 8 rows 0.48-0.54 -> 0.72-0.85 (int4 at 1 row mostly about 90 % of the
  * copy bandwidth). The AVX2 build there (ATEN_CPU_CAPABILITY=avx2): 1-2 rows 67-76 % -> 92-93 % of copy. 4 KB ahead
  * or into L2 measured the same, 1 KB less; fetching each unit's line alone (not whole groups) leaves some lines to
- * the prefetchers, slower at 1 row. At many rows one accumulator a row and 8 rows a pass: 1.08x (hot, one core). */
+ * the prefetchers, slower at 1 row; pairs in turns of 2 KB a block at 1-2 rows (as int8's) no faster. At many rows
+ * one accumulator a row and 8 rows a pass: 1.08x (hot, one core). */
 #include "quant.h"
 
 #define FETCH_AHEAD 2048 /* bytes (rounded up to whole groups) of its block's stream fetched ahead of a group */
