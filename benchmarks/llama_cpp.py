@@ -97,11 +97,22 @@ def make_ggufs(checkpoint: Path, work: Path, src: Path, build: Path, types: list
     return files
 
 
+def mainline_flags(batched: bool = False) -> list[str]:
+    """Mainline's own settings on this CPU: its defaults, except on a CPU with AMX, where a native build puts
+    the weights in its AMX buffer type and then finds no backend for some of this model's ops (`GGML_ASSERT(
+    *cur_backend_id != -1)` in ggml-backend.cpp, seen on a DeepSeek-V3-shaped file): there it runs as its users
+    must, without the extra buffer types (llama-bench `--repack 0`, the other tools `--no-repack`)."""
+    if not cpu_features().amx:
+        return []
+    return ["--no-repack"] if batched else ["--repack", "0"]
+
+
 def llama_bench(build: Path, gguf: Path, threads: int, prefill: int, decode: int, repeats: int,
                 depth: int = 0) -> dict:
     """llama-bench's mean tok/s for a `prefill`-token prompt and `decode` batch-1 generated tokens after `depth`
     tokens of context."""
-    base = [str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    base = [str(build / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", str(repeats), "-o", "json",
+            *mainline_flags()]
     prompt = json.loads(run(base + ["-p", str(prefill), "-n", "0"]))[0]
     gen = json.loads(run(base + ["-p", "0", "-n", str(decode), "-d", str(depth)]))[0]
     return {"prefill_tok_s": prompt["avg_ts"], "decode_b1_tok_s": gen["avg_ts"], "size_gb": gen["model_size"] / 1e9}

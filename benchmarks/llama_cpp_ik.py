@@ -18,18 +18,19 @@ defined` (this script refuses such a build). From a bare copy of the repository,
 (`git ls-tree -r HEAD` and `git cat-file blob`); the few absent large blobs (vocab GGUFs, a web page) are not needed.
 ik runs as its users run DeepSeek: llama-bench `-mla 3 -fa 1 -fmoe 1 -rtr 1` (MLA attention, flash attention, fused
 MoE, weights repacked row-interleaved at load), llama-batched-bench `-mla 3 -fa on -rtr` (fused MoE is its default
-there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py.
+there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py (`mainline_flags`: on an AMX CPU without its
+extra buffer types, which fail on this model).
 
 Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/llama.cpp --llama-build /tmp/llbuild
 --ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
 $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
 best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
 right after each engine's points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB or twice the
-last-level cache, on the --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its tok/s times
-the bytes of weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py); mainline's
-and ik's likewise, from the GGUF's tensors at their stored types (which differ from ours where we convert). --long
-adds a 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone (and no bandwidth
-figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
+last-level cache, on the --threads torch threads, read + write counted); the batch-1 decode's weight bandwidth is its
+tok/s times the bytes of weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py);
+mainline's and ik's likewise, from the GGUF's tensors at their stored types (which differ from ours where we
+convert). --long adds a 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone
+(and no bandwidth figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import batch_sizes, copy_bandwidth  # noqa: E402
 from benchmarks.decode_bytes import decode_bytes_per_token, gguf_decode_bytes  # noqa: E402
-from benchmarks.llama_cpp import _best, load_average, make_ggufs, our_round, run  # noqa: E402
+from benchmarks.llama_cpp import _best, load_average, mainline_flags, make_ggufs, our_round, run  # noqa: E402
 from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
 V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
@@ -80,7 +81,7 @@ def bench(build: Path, gguf: Path, threads: int, ik: bool, tokens: int, depth: i
         cmd += ["-p", "0", "-n", "0", "-gp", f"{depth},{tokens}"]
     else:
         cmd += ["-p", "0", "-n", str(tokens), "-d", str(depth)]
-    return json.loads(run(cmd + (IK_BENCH if ik else [])))[0]["avg_ts"]
+    return json.loads(run(cmd + (IK_BENCH if ik else mainline_flags())))[0]["avg_ts"]
 
 
 def batched_bench(build: Path, gguf: Path, threads: int, ik: bool, context: int, decode: int,
@@ -92,7 +93,7 @@ def batched_bench(build: Path, gguf: Path, threads: int, ik: bool, context: int,
     cmd = [str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
            "-c", str(max(batches) * (context + decode) + 256), "-b", "2048", "-ub", "512", "-npp", str(context),
            "-ntg", str(decode), "-npl", ",".join(map(str, batches[:1] + batches))]
-    done = subprocess.run(cmd + (IK_BATCHED if ik else []), capture_output=True, text=True)
+    done = subprocess.run(cmd + (IK_BATCHED if ik else mainline_flags(batched=True)), capture_output=True, text=True)
     rows = {int(m[3]): float(m[8]) for m in BATCHED_ROW.finditer(done.stdout + done.stderr)}  # a later row wins
     if done.returncode or set(rows) != set(batches):
         tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])

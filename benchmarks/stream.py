@@ -3,11 +3,11 @@ int4 layers' kernel (`quant_linear`) and by the old int8 row kernel (`int8_heads
 measured in the same round.
 
 At a few rows a linear layer is bound by reading its weight from memory, so the figure that says whether a kernel is
-done is its weight bandwidth as a fraction of what the machine's memory gives. The reference is a torch `copy_` of
-512 MB (2 x 16 times a 32 MiB L3; at least 4x a larger one) at the same thread count, counted as bytes read + bytes
-written (STREAM's "copy"): a plain copy is what any program gets without tuning, and torch's runs on the same thread pool as the kernels. Beside
-it, a torch `sum` of the same 512 MB (bytes read only): what a read-only stream such as a weight may reach. The
-machine is shared and its bandwidth moves within minutes, so each round measures both references before each
+done is its weight bandwidth as a fraction of what the machine's memory gives. The reference is a torch `copy_` of 512
+MB (2 x 16 times a 32 MiB L3; at least 4x a larger one) at the same thread count, counted as bytes read + bytes written
+(STREAM's "copy"): a plain copy is what any program gets without tuning, and torch's runs on the same thread pool as the
+kernels. Beside it, a torch `sum` of the same 512 MB (bytes read only): what a read-only stream such as a weight may
+reach. The machine is shared and its bandwidth moves within minutes, so each round measures both references before each
 shape's kernels, the kernels take turns call by call, every percentage is against its own round's copy, and the table
 gives medians over rounds (GB/s and percentages) and the median of the rounds' ratios. `--clock cpu` times by the
 process's CPU time (over the thread count): on a loaded machine wall time mostly measures who else ran.

@@ -21,11 +21,36 @@
  * multiply-add and the two corrections), which compete for the same two vector pipes on AMD Zen 4, where int8 has
  * the 8 vpdpbusd alone (2026-12-05, CPU time, one core: about 135 against int8's 175-200 G multiply-adds/s at 48
  * to 512 rows; without the two corrections 1.16x faster). Only fewer float operations a group, i.e. other numerics,
- * would close that gap. */
+ * would close that gap.
+ *
+ * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s
+ * in the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep
+ * the core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on
+ * memory. So each group fetches the lines of the one FETCH_AHEAD bytes further into L1 (fetch_ahead); and on AVX-512
+ * a pass takes 8 rows with one integer accumulator a row (two passes of 4 unpacked and read each block twice; two
+ * accumulators a row at 8 rows spilled): 8 rows are bound by the sums. Same sums, same float order, same bits. Intel
+ * Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes, `benchmarks/stream.py --clock cpu --rounds 5 --group
+ * 32` (and 64, alike), int4 / int8 weight GB/s before -> after: 1 row 0.73-0.79 -> 0.86-0.94, 2 rows 0.79-0.85 ->
+ * 0.95-1.07, 4 rows 0.80-0.87 -> 0.98-1.16, 8 rows 0.48-0.54 -> 0.72-0.85 (int4 at 1 row mostly about 90 % of the
+ * copy bandwidth). The AVX2 build there (ATEN_CPU_CAPABILITY=avx2): 1-2 rows 67-76 % -> 92-93 % of copy. 4 KB ahead
+ * or into L2 measured the same, 1 KB less; fetching each unit's line alone (not whole groups) leaves some lines to
+ * the prefetchers, slower at 1 row; pairs in turns of 2 KB a block at 1-2 rows (as int8's) no faster. At many rows
+ * one accumulator a row and 8 rows a pass: 1.08x (hot, one core). */
 #include "quant.h"
 
+#define FETCH_AHEAD 2048 /* bytes (rounded up to whole groups) of its block's stream fetched ahead of a group */
+
+/* The 64-byte lines of the group (64 + 8 * G bytes: scales and weights) FETCH_AHEAD bytes past the one at p, fetched
+ * into L1 while this one is summed. Past a block's end it fetches the next block in memory: the one the drivers read
+ * next (a share's blocks and both halves of a pair walk forward; the experts walk an expert's blocks in order). A
+ * prefetch does not fault, so the address is formed in integers. */
+INLINE void fetch_ahead(const uint8_t *p, int64_t G) {
+    const int64_t bytes = 64 + 8 * G, ahead = (FETCH_AHEAD + bytes - 1) / bytes * bytes;
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)((uintptr_t)p + ahead + l), _MM_HINT_T0);
+}
+
 #ifdef LS_AVX512
-#define QROWS 4 /* activation rows per pass over a block: 3 vector registers each */
+#define QROWS 8 /* activation rows per pass over a block: 2 vector registers each */
 
 typedef __m512 Sums[QROWS]; /* a block's 16 outputs for each activation row of a pass */
 
@@ -43,24 +68,25 @@ INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, con
                        int64_t g, int mb, Sums res) {
     const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set1_epi32((int)0xffff0000);
     int64_t span = G < XBLOCK ? G : XBLOCK;
+    fetch_ahead(p, G);
     __m512i pairs = _mm512_loadu_si512(p);
     __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
     __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
     p += 64;
     for (int64_t k = g * G; k < (g + 1) * G; k += span) { /* under one scale of x */
-        __m512i lo_acc[QROWS], hi_acc[QROWS];
-        for (int i = 0; i < mb; i++) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
+        __m512i acc[QROWS]; /* the low and high nibbles' products alike: an integer sum in any order */
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
         for (int64_t c = k; c < k + span; c += 8, p += 64) {
             __m512i v = _mm512_loadu_si512(p);
             __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             for (int i = 0; i < mb; i++) {
-                lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
-                hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(four_bytes(xq + i * K + c)));
+                acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(four_bytes(xq + i * K + c + 4)));
             }
         }
         for (int i = 0; i < mb; i++) {
             __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]));
-            res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[i], hi_acc[i])), res[i]);
+            res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc[i]), res[i]);
         }
     }
     for (int i = 0; i < mb; i++) {
@@ -93,6 +119,7 @@ INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, con
     const __m256i ones = _mm256_set1_epi16(1);
     int64_t span = G < XBLOCK ? G : XBLOCK;
     __m256 scale[2], minimum[2];
+    fetch_ahead(p, G);
     for (int h = 0; h < 2; h++) {
         __m256i pairs = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
         scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
