@@ -108,7 +108,7 @@ static void int4_unpack(const uint8_t *block, int64_t k0, int64_t k1, int64_t G,
     written();
 }
 
-/* One span's products (TDPBSUD: signed activations, unsigned nibbles; int4_group's lo_acc + hi_acc) into C tile `c`,
+/* One span's products (TDPBSUD: signed activations, unsigned nibbles; int4_group's integer sums) into C tile `c`,
  * through A tile `a` and B tile `bt`: the 16 rows of xq (K bytes apart) at column k, b's B rows from column k0. */
 #define INT4_SPAN(c, a, bt, xq, b, k, k0, K)          \
     do {                                              \

@@ -85,8 +85,8 @@ void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, 
  * From how many rows the tiles beat vpdpbusd (one core, 2816 x 2048, CPU time, the builds in turns;
  * docs/kernels.md "AMX tiles"): int8 from 16 (1.6x at 16 rows, 2.5x at 48). int4 pays per span of 64 columns
  * (group 32: 32) and row tile a tile store and int4_group's float operations, which the tiles do not shorten: groups
- * of 64 and 128 win from 16 rows (1.35x and 1.26x there, 1.28x and 1.26x at 24), group 32 from 32 (1.02x at 16,
- * 0.88x at 24: a second row tile, overlapping, for 8 rows; 1.16x at 32). */
+ * of 64 and 128 win from 16 rows (1.11-1.35x and 1.26x there), group 32 from 32 (0.98-1.02x at 16, 0.88-1.01x at
+ * 24: a second row tile, overlapping, for 8 rows; 1.16-1.23x at 32). */
 #define AMX_INT8_ROWS 16
 INLINE int64_t amx_int4_rows(int64_t G) { return G == 32 ? 32 : 16; }
 #define AMX_CHUNK 64 /* rows a pass: four row tiles of sums */
