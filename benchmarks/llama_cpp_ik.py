@@ -31,6 +31,9 @@ tok/s times the bytes of weights one token reads, counted from the loaded model'
 mainline's and ik's likewise, from the GGUF's tensors at their stored types (which differ from ours where we
 convert). --long adds a 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone
 (and no bandwidth figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
+llama-batched-bench feeds token 0 at every position of every sequence, so its sequences are alike and route to the
+same experts; our batched requests are fed the same by default, and with --distinct each its own tokens (what a
+server meets, and slower: an MoE layer then reads the experts of every sequence).
 """
 from __future__ import annotations
 
@@ -101,13 +104,16 @@ def batched_bench(build: Path, gguf: Path, threads: int, ik: bool, context: int,
     return rows
 
 
-def our_batched(engine, batch: int, context: int, decode: int) -> float:
-    """Decode throughput as llama-batched-bench counts it: `batch` requests of `context` distinct tokens each,
-    prefilled, then tokens generated over all of them per second from when every request has its first token."""
+def our_batched(engine, batch: int, context: int, decode: int, distinct: bool) -> float:
+    """Decode throughput as llama-batched-bench counts it: `batch` requests of `context` tokens each, prefilled, then
+    tokens generated over all of them per second from when every request has its first token. The requests' tokens
+    are what llama-batched-bench feeds (token 0 at every position of every sequence: the sequences are alike, so an
+    MoE layer's tokens choose the same experts, read once for the batch), or with `distinct` each request its own
+    (what a server meets: about 35 of 64 experts a layer at 8 sequences, top 6)."""
     from latentserve import SamplingParams
 
     for b in range(batch):
-        prompt = [(13 * i + 101 * b) % 100000 + 5 for i in range(context)]
+        prompt = [(13 * i + 101 * b) % 100000 + 5 if distinct else 0 for i in range(context)]
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True))
     generated: dict[str, int] = {}
     while len(generated) < batch or min(generated.values()) == 0:
@@ -147,7 +153,8 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
         return out
     out["copy_gb_s"] = copy_bandwidth() / 1e9  # right after this engine's batch-1 decode: its bandwidth's moment
     if engine == "latentserve":
-        out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len) for b in args.batches})
+        out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len, args.distinct)
+                    for b in args.batches})
     else:
         build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
         rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.batched_context, args.decode_len,
@@ -200,7 +207,8 @@ def report_bandwidth(best: dict[str, dict[str, float]], weights: dict[str, int],
 
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
     rows = [(key, label) for key, label, _, _ in points(args)]
-    rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.batched_context}")
+    workload = " (ours: distinct prompts)" if args.distinct else ""
+    rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.batched_context}{workload}")
              for b in ([] if args.only_long else args.batches)]
     print(f"\n{name} / {kind} ({gguf.stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp | ik_llama.cpp "
           "| vs ik | vs llama.cpp |\n|---|---|---|---|---|---|")
@@ -238,6 +246,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--context", type=int, default=512, help="tokens of context before batch-1 decode")
     parser.add_argument("--batched-context", type=int, default=512, help="each sequence's prompt, batched")
+    parser.add_argument("--distinct", action="store_true",
+                        help="our batched requests each their own tokens (llama-batched-bench's are all token 0)")
     parser.add_argument("--decode-len", type=int, default=64)
     parser.add_argument("--batches", default="8,32", help="batched decode sizes (comma-separated)")
     parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
