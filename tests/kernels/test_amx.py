@@ -4,7 +4,6 @@ input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads
 the CPU has AMX, and refused with the reason where the tiles cannot be had."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 
@@ -28,19 +27,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    """torch's (and so the kernels') thread count set to n inside."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @needs_amx
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("k", [36, 256, 260, 1408])  # 260: a tail of 4 columns after the tiles' 256; 36: all tail
 @pytest.mark.parametrize("m", ROWS)
 def test_int8_linear_equals_the_vnni_build_bit_for_bit(m, k, threads):
@@ -51,17 +39,16 @@ def test_int8_linear_equals_the_vnni_build_bit_for_bit(m, k, threads):
     packed = native.pack_int8(q, scale)
     x = torch.randn(m, k, generator=g) * 3
     x[m // 2, 5] = float("nan")  # a row holding a NaN comes out NaN, on the tiles too
-    with _threads(threads):
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
-            got = native.int8_linear(kernels("avx512_amx"), xd, packed, n, dtype)
-            want = native.int8_linear(kernels("avx512_bf16"), xd, packed, n, dtype)
-            assert torch.equal(_bits(got), _bits(want))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = native.int8_linear(kernels("avx512_amx"), xd, packed, n, dtype)
+        want = native.int8_linear(kernels("avx512_bf16"), xd, packed, n, dtype)
+        assert torch.equal(_bits(got), _bits(want))
     assert got[m // 2].isnan().all() and not got[: m // 2].isnan().any()
 
 
 @needs_amx
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("k", [384, 2304])  # 2304: past the 2048 columns amx.c unpacks at a time
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", INT4_ROWS)
@@ -71,12 +58,11 @@ def test_int4_linear_equals_the_vnni_build_bit_for_bit(m, group, k, threads):
     packed = native.pack_int4(*quantize_int4(torch.randn(n, k, generator=g) * 0.1, group))
     x = torch.randn(m, k, generator=g) * 3
     x[m - 1, 200] = float("nan")
-    with _threads(threads):
-        for dtype in (torch.float32, torch.bfloat16):
-            xd = x.to(dtype)
-            got = native.int4_linear(kernels("avx512_amx"), xd, packed, group, n, dtype)
-            want = native.int4_linear(kernels("avx512_bf16"), xd, packed, group, n, dtype)
-            assert torch.equal(_bits(got), _bits(want))
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = native.int4_linear(kernels("avx512_amx"), xd, packed, group, n, dtype)
+        want = native.int4_linear(kernels("avx512_bf16"), xd, packed, group, n, dtype)
+        assert torch.equal(_bits(got), _bits(want))
     assert got[m - 1].isnan().all() and not got[: m - 1].isnan().any()
 
 
@@ -109,7 +95,7 @@ def _table(g: torch.Generator, fmt: str, count: int, hidden: int, inter: int) ->
 
 
 @needs_amx
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_experts_at_prefill_equal_the_vnni_build(fmt, threads):
     """ls_experts at prefill sizes: 200 tokens, 2 of 6 experts each (groups of ~67 rows on the tiles), the shared
@@ -121,9 +107,8 @@ def test_experts_at_prefill_equal_the_vnni_build(fmt, threads):
     ids[:9, 0] = 6
     weights = torch.rand(tokens, 2, generator=g)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
-    with _threads(threads):
-        got = native.experts(kernels("avx512_amx"), x, routed, ids, weights, shared)
-        want = native.experts(kernels("avx512_bf16"), x, routed, ids, weights, shared)
+    got = native.experts(kernels("avx512_amx"), x, routed, ids, weights, shared)
+    want = native.experts(kernels("avx512_bf16"), x, routed, ids, weights, shared)
     assert torch.equal(_bits(got), _bits(want))
 
 
