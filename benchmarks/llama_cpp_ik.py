@@ -17,9 +17,9 @@ Without the AVX-512 flags its IQK kernels are silently off; the run's banner the
 defined` (this script refuses such a build). From a bare copy of the repository, write its tree out blob by blob
 (`git ls-tree -r HEAD` and `git cat-file blob`); the few absent large blobs (vocab GGUFs, a web page) are not needed.
 ik runs as its users run DeepSeek: llama-bench `-mla 3 -fa 1 -fmoe 1 -rtr 1` (MLA attention, flash attention, fused
-MoE, weights repacked row-interleaved at load), llama-batched-bench `-mla 3 -fa on -rtr` (fused MoE is its default
-there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py (`mainline_flags`: on an AMX CPU without its
-extra buffer types, which fail on this model).
+MoE, weights repacked row-interleaved at load); batched, with the parameters its llama-batched-bench `-mla 3 -fa on
+-rtr` sets (fused MoE is its default there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py
+(`mainline_flags`: on an AMX CPU without its extra buffer types, which fail on this model).
 
 Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/llama.cpp --llama-build /tmp/llbuild
 --ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
@@ -30,17 +30,18 @@ last-level cache, on the --threads torch threads, read + write counted); the bat
 tok/s times the bytes of weights one token reads, counted from the loaded model's tensors (benchmarks/decode_bytes.py);
 mainline's and ik's likewise, from the GGUF's tensors at their stored types (which differ from ours where we
 convert). --long adds a 4096-token prefill and decode at a 4096-token depth (slow); --only-long runs those two alone
-(and no bandwidth figure). ik's batched-bench batch-1 row is printed beside its llama-bench decode as a check.
-llama-batched-bench feeds token 0 at every position of every sequence, so its sequences are alike and route to the
-same experts; our batched requests are fed the same by default, and with --distinct each its own tokens (what a
-server meets, and slower: an MoE layer then reads the experts of every sequence).
+(and no bandwidth figure). The batched rows feed all three engines the same prompts (benchmarks/peer_batched.py:
+the peers run benchmarks/peer_batched.c, compiled once per build against its llama.h, greedy as ours): token 0 at
+every position of every sequence by default, as ik's llama-batched-bench feeds (the sequences are alike and route to
+the same experts), or with --distinct each sequence its own tokens (what a server meets, and slower: an MoE layer then
+reads the experts of every sequence). llama-batched-bench is not used there: ik's feeds only token 0 and mainline's
+random ids. peer_batched's batch-1 row is printed beside each peer's llama-bench decode as a check.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import batch_sizes, copy_bandwidth  # noqa: E402
 from benchmarks.decode_bytes import decode_bytes_per_token, gguf_decode_bytes  # noqa: E402
 from benchmarks.llama_cpp import _best, load_average, mainline_flags, make_ggufs, our_round, run  # noqa: E402
+from benchmarks.peer_batched import batched_prompts, peer_batched  # noqa: E402
 from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
 V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
@@ -59,8 +61,6 @@ ENGINES = ("latentserve", "llama.cpp", "ik_llama.cpp")
 IK_BENCH = ["-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"]
 IK_BATCHED = ["-mla", "3", "-fa", "on", "-rtr"]
 LONG = 4096
-# One row of llama-batched-bench's table: PP, TG, B, N_KV, T_PP, S_PP, T_TG, S_TG, T, S (the same in both forks).
-BATCHED_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 7, re.M)
 
 
 def points(args: argparse.Namespace) -> list[tuple[str, str, int, int]]:
@@ -87,33 +87,15 @@ def bench(build: Path, gguf: Path, threads: int, ik: bool, tokens: int, depth: i
     return json.loads(run(cmd + (IK_BENCH if ik else mainline_flags())))[0]["avg_ts"]
 
 
-def batched_bench(build: Path, gguf: Path, threads: int, ik: bool, context: int, decode: int,
-                  batches: list[int]) -> dict[int, float]:
-    """llama-batched-bench's decode throughput (S_TG, tok/s over all sequences) per batch size: each of B sequences
-    holds its own `context`-token prompt, then all decode `decode` tokens together. Its first row pays first-touch
-    costs (ik's batch 1 came out at a third of its llama-bench figure, and the same row repeated at par), so the
-    first batch size runs twice and the second run counts."""
-    cmd = [str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
-           "-c", str(max(batches) * (context + decode) + 256), "-b", "2048", "-ub", "512", "-npp", str(context),
-           "-ntg", str(decode), "-npl", ",".join(map(str, batches[:1] + batches))]
-    done = subprocess.run(cmd + (IK_BATCHED if ik else mainline_flags(batched=True)), capture_output=True, text=True)
-    rows = {int(m[3]): float(m[8]) for m in BATCHED_ROW.finditer(done.stdout + done.stderr)}  # a later row wins
-    if done.returncode or set(rows) != set(batches):
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-        sys.exit(f"{cmd[0]} gave rows for batches {sorted(rows)} of {batches} (exit {done.returncode}):\n{tail}")
-    return rows
-
-
 def our_batched(engine, batch: int, context: int, decode: int, distinct: bool) -> float:
     """Decode throughput as llama-batched-bench counts it: `batch` requests of `context` tokens each, prefilled, then
     tokens generated over all of them per second from when every request has its first token. The requests' tokens
-    are what llama-batched-bench feeds (token 0 at every position of every sequence: the sequences are alike, so an
-    MoE layer's tokens choose the same experts, read once for the batch), or with `distinct` each request its own
-    (what a server meets: about 35 of 64 experts a layer at 8 sequences, top 6)."""
+    are `batched_prompts`', the peers' too: alike (token 0 everywhere, so an MoE layer's tokens choose the same
+    experts, read once for the batch), or with `distinct` each request its own (what a server meets: about 35 of 64
+    experts a layer at 8 sequences, top 6)."""
     from latentserve import SamplingParams
 
-    for b in range(batch):
-        prompt = [(13 * i + 101 * b) % 100000 + 5 if distinct else 0 for i in range(context)]
+    for prompt in batched_prompts(batch, context, distinct):
         engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=decode + 1, ignore_eos=True))
     generated: dict[str, int] = {}
     while len(generated) < batch or min(generated.values()) == 0:
@@ -156,11 +138,20 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
         out.update({f"b{b}": our_batched(llm.engine, b, args.batched_context, args.decode_len, args.distinct)
                     for b in args.batches})
     else:
-        build = args.ik_build if engine == "ik_llama.cpp" else args.llama_build
-        rows = batched_bench(build, gguf, args.threads, engine == "ik_llama.cpp", args.batched_context, args.decode_len,
-                             sorted({1, *args.batches}))
-        out.update({f"b{b}": ts for b, ts in rows.items()})
+        out.update(peer_round(engine, gguf, args))
     return out
+
+
+def peer_round(engine: str, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
+    """A llama engine's batched decode tok/s per batch size (and batch 1, the check against llama-bench) through
+    peer_batched, on the prompts ours get; prints its greedy tokens' checksums, which alike prompts must keep alike."""
+    ik = engine == "ik_llama.cpp"
+    rows = peer_batched(args.ik_build if ik else args.llama_build, gguf, args.threads, ik, args.batched_context,
+                        args.decode_len, sorted({1, *args.batches}), args.distinct, [] if ik else mainline_flags(True))
+    streams = ", ".join(f"b{b} {r['streams']} ({r['checksum']})" for b, r in rows.items())
+    alike = "" if args.distinct or all(r["streams"] == 1 for r in rows.values()) else " (alike prompts: want 1 each)"
+    print(f"{engine} greedy token streams per batch: {streams}{alike}; sequence 0 begins {rows[1]['head']}", flush=True)
+    return {f"b{b}": r["decode_tok_s"] for b, r in rows.items()}
 
 
 def measure(gguf: Path, name: str, args: argparse.Namespace) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
@@ -207,7 +198,7 @@ def report_bandwidth(best: dict[str, dict[str, float]], weights: dict[str, int],
 
 def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, args: argparse.Namespace) -> None:
     rows = [(key, label) for key, label, _, _ in points(args)]
-    workload = " (ours: distinct prompts)" if args.distinct else ""
+    workload = ", distinct prompts" if args.distinct else ", prompts alike"
     rows += [(f"b{b}", f"batched decode tok/s, {b} x {args.decode_len} after {args.batched_context}{workload}")
              for b in ([] if args.only_long else args.batches)]
     print(f"\n{name} / {kind} ({gguf.stat().st_size / 1e9:.2f} GB)\n\n| | latentserve | llama.cpp | ik_llama.cpp "
@@ -218,7 +209,7 @@ def report(best: dict[str, dict[str, float]], name: str, kind: str, gguf: Path, 
     if args.only_long:
         return
     ik, main = best["ik_llama.cpp"], best["llama.cpp"]
-    print(f"check: llama-batched-bench batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}, "
+    print(f"check: peer_batched batch 1 against llama-bench decode: ik {ik['b1']:.1f} / {ik['decode']:.1f}, "
           f"mainline {main['b1']:.1f} / {main['decode']:.1f} tok/s", flush=True)
 
 
@@ -236,9 +227,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-src", type=Path, required=True, help="mainline source (has convert_hf_to_gguf.py)")
     parser.add_argument("--llama-build", type=Path, required=True, help="mainline build dir: bin/llama-bench, "
-                        "bin/llama-batched-bench, bin/llama-quantize")
+                        "bin/llama-quantize, libllama.so")
     parser.add_argument("--ik-build", type=Path, default=os.environ.get("IK_LLAMA_BUILD"),
-                        help="ik_llama.cpp build dir: bin/llama-bench, bin/llama-batched-bench ($IK_LLAMA_BUILD)")
+                        help="ik_llama.cpp build dir: bin/llama-bench, bin/llama-batched-bench, libllama.so "
+                        "($IK_LLAMA_BUILD)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dir", type=Path, default=None, help="checkpoint directory (written if missing)")
     parser.add_argument("--gguf-dir", type=Path, default=None, help="where the GGUF files go (reused if present)")
@@ -247,7 +239,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=512, help="tokens of context before batch-1 decode")
     parser.add_argument("--batched-context", type=int, default=512, help="each sequence's prompt, batched")
     parser.add_argument("--distinct", action="store_true",
-                        help="our batched requests each their own tokens (llama-batched-bench's are all token 0)")
+                        help="batched sequences each their own tokens (default: token 0 everywhere, all alike)")
     parser.add_argument("--decode-len", type=int, default=64)
     parser.add_argument("--batches", default="8,32", help="batched decode sizes (comma-separated)")
     parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
@@ -266,8 +258,7 @@ def parse_args() -> argparse.Namespace:
         parser.error("--ik-build (or $IK_LLAMA_BUILD) is required: the ik_llama.cpp build directory")
     if not (args.llama_src / "convert_hf_to_gguf.py").is_file():
         parser.error(f"--llama-src {args.llama_src} has no convert_hf_to_gguf.py (want the sdist's vendor/llama.cpp)")
-    for flag, build, tools in (("--llama-build", args.llama_build, ("llama-bench", "llama-batched-bench",
-                                                                   "llama-quantize")),
+    for flag, build, tools in (("--llama-build", args.llama_build, ("llama-bench", "llama-quantize")),
                                ("--ik-build", args.ik_build, ("llama-bench", "llama-batched-bench"))):
         missing = [t for t in tools if not (build / "bin" / t).is_file()]
         if missing:
