@@ -59,7 +59,6 @@ V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"))
 ENGINES = ("latentserve", "llama.cpp", "ik_llama.cpp")
 IK_BENCH = ["-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"]
-IK_BATCHED = ["-mla", "3", "-fa", "on", "-rtr"]
 LONG = 4096
 
 
