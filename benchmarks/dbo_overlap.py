@@ -28,7 +28,8 @@ from latentserve.distributed.expert_parallel import moe_layers  # noqa: E402
 from latentserve.distributed.launch import Workers, exit_with_error  # noqa: E402
 from latentserve.distributed.link_emulator import LinkEmulator, Work  # noqa: E402
 from latentserve.distributed.parallel_state import init_dp_group  # noqa: E402
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from latentserve.engine.engine_config import EngineConfig  # noqa: E402
+from latentserve.engine.llm_engine import LLMEngine  # noqa: E402
 from latentserve.sampling_params import SamplingParams  # noqa: E402
 
 # Every layer MoE, so every layer has a dispatch and a combine to hide.

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVE = """
 import sys, torch
 torch.set_num_threads(int(sys.argv[3]))
-from latentserve.engine.llm_engine import EngineConfig
+from latentserve.engine.engine_config import EngineConfig
 from latentserve.server import ServerConfig, run_server
 model = sys.argv[1] or None
 run_server(model, EngineConfig(max_num_seqs=64), ServerConfig(port=int(sys.argv[2]), served_model_name="bench",

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVE = """
 import sys, torch
 torch.set_num_threads(int(sys.argv[3]))
-from latentserve.engine.llm_engine import EngineConfig
+from latentserve.engine.engine_config import EngineConfig
 from latentserve.server import ServerConfig, run_server
 sys.exit(run_server(sys.argv[1] or None, EngineConfig(max_num_seqs=32), ServerConfig(port=int(sys.argv[2]),
          served_model_name="soak", drain_timeout=10, log_level="info")))

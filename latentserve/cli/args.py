@@ -15,7 +15,7 @@ from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.vllm_flags import add_vllm_flags, print_notes
 from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.llm import LLM, default_model_dir
-from latentserve.engine.llm_engine import EngineConfig, parse_dtype, parse_kv_cache_dtype
+from latentserve.engine.engine_config import EngineConfig, parse_dtype, parse_kv_cache_dtype
 from latentserve.engine.reasoning import reasoning_parser_names
 from latentserve.layers.quant.config import QUANTIZATIONS
 from latentserve.sampling_params import SamplingParams

@@ -13,7 +13,7 @@ from latentserve.attention.decode.registry import MLADecodeBackendEnum
 from latentserve.attention.prefill import selector as prefill_selector
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 from latentserve.cli.args import HelpFormatter, dtype_name, write
-from latentserve.engine.llm_engine import parse_dtype
+from latentserve.engine.engine_config import parse_dtype
 from latentserve.kernels.cpu import auto_dtype
 from latentserve.kernels.policy import KernelPolicy
 from latentserve.layers.quant.linear import int4_kernel, int8_kernel

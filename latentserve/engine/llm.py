@@ -8,7 +8,8 @@ from typing import Any, Sequence
 from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine, launched_by_torchrun
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.generation_config import generation_defaults
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine, engine_tokenizer, tokenize_prompt
+from latentserve.engine.engine_config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine, engine_tokenizer, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.models.formats import model_folder

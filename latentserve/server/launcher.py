@@ -12,7 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from latentserve.engine.llm import LLM, default_model_dir
-from latentserve.engine.llm_engine import EngineConfig
+from latentserve.engine.engine_config import EngineConfig
 from latentserve.server.api import CORS, DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES, ServerState, build_app
 from latentserve.server.async_engine import AsyncLLMEngine, Engine
 

@@ -10,7 +10,7 @@ import torch
 from latentserve import LLM, SamplingParams
 from latentserve.cli.args import add_engine_args, build_llm
 from latentserve.config import DBOConfig
-from latentserve.engine.llm_engine import CPU_DBO_DECODE_TOKEN_THRESHOLD, EngineConfig, dbo_config
+from latentserve.engine.engine_config import CPU_DBO_DECODE_TOKEN_THRESHOLD, EngineConfig, dbo_config
 from latentserve.kernels.policy import KernelPolicy
 from latentserve.layers.linear import Linear
 from latentserve.layers.norm import RMSNorm

@@ -12,7 +12,7 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.attention.kv_cache import allocate_kv_caches, dequantize_rows, quantize_int8_rows
-from latentserve.engine.llm_engine import parse_kv_cache_dtype
+from latentserve.engine.engine_config import parse_kv_cache_dtype
 from tests.attention.mla_case import MLA
 from tests.checkpoints import make_checkpoint
 

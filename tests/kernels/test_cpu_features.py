@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from latentserve.engine.llm_engine import parse_dtype
+from latentserve.engine.engine_config import parse_dtype
 from latentserve.kernels import cpu
 from latentserve.kernels.cpu import AUTO_DTYPE_ENV, auto_dtype, cpu_features
 

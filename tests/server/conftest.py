@@ -14,7 +14,8 @@ import uvicorn
 from tokenizers import Tokenizer, decoders, models
 
 from latentserve.engine.llm import LLM
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine
+from latentserve.engine.engine_config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
 from latentserve.server import build_app
 from latentserve.server.api import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_REQUEST_BYTES
 from tests.checkpoints import make_checkpoint

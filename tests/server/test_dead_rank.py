@@ -20,7 +20,7 @@ from tests.server.test_shutdown import _wait_healthy
 SERVE = """
 import sys, torch
 torch.set_num_threads(1)
-from latentserve.engine.llm_engine import EngineConfig
+from latentserve.engine.engine_config import EngineConfig
 from latentserve.server import ServerConfig, run_server
 sys.exit(run_server(sys.argv[1], EngineConfig(**{engine}), ServerConfig(port=int(sys.argv[2]),
          served_model_name={name!r}, log_level="info")))

@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 
-from latentserve.engine.llm_engine import EngineConfig, LLMEngine
+from latentserve.engine.engine_config import EngineConfig
+from latentserve.engine.llm_engine import LLMEngine
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, QueueFullError
 from tests.server.conftest import API_KEY, ENGINE, MODEL_NAME, LiveServer

@@ -16,7 +16,7 @@ from tests.server.conftest import ENGINE, MODEL_NAME, free_socket
 SERVE = """
 import sys, torch
 torch.set_num_threads(1)
-from latentserve.engine.llm_engine import EngineConfig
+from latentserve.engine.engine_config import EngineConfig
 from latentserve.server import ServerConfig, run_server
 run_server(sys.argv[1], EngineConfig(**{engine}),
            ServerConfig(port=int(sys.argv[2]), served_model_name={name!r}, drain_timeout=30, log_level="info"))
