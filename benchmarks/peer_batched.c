@@ -19,13 +19,14 @@
 #include <time.h>
 
 #define MAX_BATCHES 32
-#define N_BATCH 2048  // llama-batched-bench's -b 2048 -ub 512, as benchmarks/llama_cpp_ik.py runs it
+#define N_BATCH 2048  // llama-batched-bench's -b 2048 -ub 512, as benchmarks/llama_cpp_ik.py ran it
 #define N_UBATCH 512
 #define HEAD 8        // greedy tokens of sequence 0 printed
 
 typedef struct {
     const char *model, *prompts;
     int threads, n_ctx, n_vocab, decode, no_repack;
+    int n_batch, n_ubatch;  // N_BATCH and N_UBATCH clamped as ik's common.cpp does (get_batch_ubatch)
     int batches[MAX_BATCHES], n_batches, max_batch;
 } options;
 
@@ -77,6 +78,8 @@ static options parse(int argc, char **argv) {
     }
     if (!o.threads || !o.n_ctx || !o.n_vocab || !o.decode || !o.n_batches)
         die("--threads, --ctx, --vocab, --decode and --batches are all required", NULL);
+    o.n_batch = o.n_ctx < N_BATCH ? o.n_ctx : N_BATCH;
+    o.n_ubatch = o.n_batch < N_UBATCH ? o.n_batch : N_UBATCH;
     return o;
 }
 
@@ -113,6 +116,7 @@ static struct llama_model *load_model(const options *o) {
     mp.repack_tensors = true;
     mp.use_mmap = false;
     mp.max_ctx_size = o->n_ctx;
+    mp.n_ubatch = o->n_ubatch;
 #else
     mp.use_extra_bufts = !o->no_repack;
 #endif
@@ -124,8 +128,8 @@ static struct llama_model *load_model(const options *o) {
 static struct llama_context *new_context(struct llama_model *model, const options *o) {
     struct llama_context_params cp = llama_context_default_params();
     cp.n_ctx = (uint32_t)o->n_ctx;
-    cp.n_batch = N_BATCH;
-    cp.n_ubatch = N_UBATCH;
+    cp.n_batch = (uint32_t)o->n_batch;
+    cp.n_ubatch = (uint32_t)o->n_ubatch;
     cp.n_seq_max = (uint32_t)o->max_batch;
     cp.n_threads = cp.n_threads_batch = o->threads;
 #ifdef PEER_IK
@@ -169,11 +173,12 @@ static llama_token argmax(const float *logits, int n) {
     return best;
 }
 
-// Decode `b` in views of N_BATCH tokens; each token with logits sets its sequence's next[] to its argmax.
+// Decode `b` in views of n_batch tokens; each token with logits sets its sequence's next[] to its argmax.
 static void decode(struct llama_context *ctx, struct llama_batch b, int n_vocab, llama_token *next) {
-    for (int32_t i = 0; i < b.n_tokens; i += N_BATCH) {
+    const int32_t n_batch = (int32_t)llama_n_batch(ctx);
+    for (int32_t i = 0; i < b.n_tokens; i += n_batch) {
         struct llama_batch view = b;  // field by field: the forks' structs differ past `logits`
-        view.n_tokens = b.n_tokens - i < N_BATCH ? b.n_tokens - i : N_BATCH;
+        view.n_tokens = b.n_tokens - i < n_batch ? b.n_tokens - i : n_batch;
         view.token += i;
         view.pos += i;
         view.n_seq_id += i;
