@@ -22,6 +22,7 @@
 #define N_BATCH 2048  // llama-batched-bench's -b 2048 -ub 512, as benchmarks/llama_cpp_ik.py ran it
 #define N_UBATCH 512
 #define HEAD 8        // greedy tokens of sequence 0 printed
+#define WARMUP 16     // llama-batched-bench's warm-up: 16 tokens of token 0
 
 typedef struct {
     const char *model, *prompts;
@@ -67,14 +68,15 @@ static options parse(int argc, char **argv) {
 #ifndef PEER_IK  // mainline's --no-repack: no extra (repacking, AMX) buffer types
         if (!strcmp(flag, "--no-repack")) { o.no_repack = 1; continue; }
 #endif
+        int *field = !strcmp(flag, "--threads") ? &o.threads
+                     : !strcmp(flag, "--ctx")     ? &o.n_ctx
+                     : !strcmp(flag, "--vocab")   ? &o.n_vocab
+                     : !strcmp(flag, "--decode")  ? &o.decode
+                                                  : NULL;
+        if (!field && strcmp(flag, "--batches")) die("unknown option ", flag);
         if (i + 1 == argc) die("no value after ", flag);
-        char *value = argv[++i];
-        if (!strcmp(flag, "--threads")) o.threads = positive(flag, value);
-        else if (!strcmp(flag, "--ctx")) o.n_ctx = positive(flag, value);
-        else if (!strcmp(flag, "--vocab")) o.n_vocab = positive(flag, value);
-        else if (!strcmp(flag, "--decode")) o.decode = positive(flag, value);
-        else if (!strcmp(flag, "--batches")) parse_batches(&o, value);
-        else die("unknown option ", flag);
+        if (field) *field = positive(flag, argv[++i]);
+        else parse_batches(&o, argv[++i]);
     }
     if (!o.threads || !o.n_ctx || !o.n_vocab || !o.decode || !o.n_batches)
         die("--threads, --ctx, --vocab, --decode and --batches are all required", NULL);
@@ -253,15 +255,17 @@ static void run_batch(struct llama_context *ctx, struct llama_batch b, const opt
 int main(int argc, char **argv) {
     options o = parse(argc, argv);
     prompt *prompts = read_prompts(&o, o.max_batch);
-    int most = 0;  // tokens of the largest batch's prompts, the llama_batch's capacity
-    for (int s = 0; s < o.max_batch; s++) most += prompts[s].n;
-    if (most < o.max_batch) most = o.max_batch;
+    int most = WARMUP;  // the llama_batch's capacity: the warm-up or the largest batch's prompts
+    for (int s = 0, all = 0; s < o.max_batch; s++) {
+        all += prompts[s].n;
+        if (all > most) most = all;
+    }
     llama_backend_init();
     struct llama_model *model = load_model(&o);
     struct llama_context *ctx = new_context(model, &o);
     struct llama_batch b = llama_batch_init(most, 0, 1);
     llama_token ignored[1];
-    for (int i = 0; i < 16; i++) add(&b, 0, i, 0, i == 15);  // llama-batched-bench's warm-up: 16 tokens of token 0
+    for (int i = 0; i < WARMUP; i++) add(&b, 0, i, 0, i == WARMUP - 1);
     decode(ctx, b, o.n_vocab, ignored);
     for (int i = 0; i < o.n_batches; i++) run_batch(ctx, b, &o, prompts, o.batches[i]);
     llama_batch_free(b);
