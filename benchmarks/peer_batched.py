@@ -3,22 +3,22 @@
 llama-batched-bench picks its own tokens (ik's: token 0 at every position of every sequence, so an MoE layer reads
 one token's experts; mainline's: random ids), so its batched figures are not the work our batched requests do.
 benchmarks/peer_batched.c decodes given prompts through the llama.h C API, greedily, each sequence its own tokens;
-this module builds it once per llama build (into a cache directory, rebuilt when the source or the library changes)
-and runs it. The C file selects the fork's parameters with -DPEER_IK: ik as `llama-batched-bench -mla 3 -fa on -rtr`,
+this module builds it once per llama build (into latentserve's kernel cache, `LATENTSERVE_CACHE_DIR`, where it
+is trusted; rebuilt when the source or the library changes) and runs it. The C file selects the fork's parameters with -DPEER_IK: ik as `llama-batched-bench -mla 3 -fa on -rtr`,
 mainline as its llama-batched-bench with `mainline_flags(batched=True)`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from latentserve.kernels.build import _compiler, cache_dir
+
 SOURCE = Path(__file__).resolve().with_suffix(".c")
-CACHE = Path(tempfile.gettempdir()) / "latentserve-peer-batched"
 
 
 def batched_prompts(batch: int, context: int, distinct: bool) -> list[list[int]]:
@@ -60,10 +60,11 @@ def _compile_command(build: Path, ik: bool, output: Path) -> list[str]:
         sys.exit(f"cannot build {SOURCE.name} against {build}: missing {', '.join(missing)} (build the llama target "
                  "as a shared library, BUILD_SHARED_LIBS=ON, the default)")
     libs = sorted({libllama.parent, *(p.parent for p in build.rglob("libggml*.so"))})
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        sys.exit(f"cannot build {SOURCE.name}: no C compiler (cc or gcc) on PATH")
-    return [compiler, "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", *(["-DPEER_IK"] if ik else []),
+    try:
+        compiler = _compiler()
+    except RuntimeError as e:
+        sys.exit(f"cannot build {SOURCE.name}: {e}")
+    return [*compiler, "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", *(["-DPEER_IK"] if ik else []),
             f"-I{src / 'include'}", f"-I{src / 'ggml' / 'include'}", str(SOURCE), f"-L{libllama.parent}", "-lllama",
             f"-Wl,-rpath,{':'.join(map(str, libs))}", "-o", str(output)]
 
@@ -75,10 +76,9 @@ def build_peer(build: Path, ik: bool) -> Path:
     for lib in (build / "bin" / "libllama.so", build / "src" / "libllama.so"):
         if lib.is_file():
             key.update(f"{lib.stat().st_size}|{lib.stat().st_mtime_ns}".encode())
-    binary = CACHE / f"peer_batched-{'ik' if ik else 'mainline'}-{key.hexdigest()[:16]}"
+    binary = cache_dir() / f"peer_batched-{'ik' if ik else 'mainline'}-{key.hexdigest()[:16]}"
     if binary.is_file():
         return binary
-    CACHE.mkdir(parents=True, exist_ok=True)
     partial = binary.with_suffix(".partial")
     done = subprocess.run(_compile_command(build, ik, partial), capture_output=True, text=True)
     if done.returncode:

@@ -53,8 +53,7 @@ def test_parse_rows_keeps_the_later_row_of_a_batch_size_and_skips_other_lines():
     assert parse_rows(text) == {8: again, 32: other}
 
 
-def test_build_names_what_is_missing(tmp_path, monkeypatch):
-    monkeypatch.setattr(peer_batched, "CACHE", tmp_path / "cache")
+def test_build_names_what_is_missing(tmp_path):
     with pytest.raises(SystemExit, match="no CMakeCache.txt"):
         peer_batched.build_peer(tmp_path, ik=True)
     source = tmp_path / "src"
