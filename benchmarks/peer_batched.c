@@ -8,8 +8,9 @@
 // PROMPTS holds one sequence's token ids a line; a batch of B runs the first B lines. Per batch size: clear the KV
 // cache, decode every sequence's prompt in chunks of n_batch tokens (each sequence's last token gives its first
 // greedy token), then D steps of one token a sequence, each sequence fed its own argmax. One JSON line a batch:
-// prompt seconds, decode tokens/s (B * D tokens over the D steps' wall time, as llama-batched-bench's S_TG), and a
-// checksum of the greedy tokens with the number of distinct token streams (1 when the prompts are alike).
+// prompt seconds, decode tokens/s (B * D tokens over the D steps' wall time, as llama-batched-bench's S_TG; the
+// argmaxes' share of it in sample_s), and a checksum of the greedy tokens with the number of distinct token streams
+// (1 when the prompts are alike).
 #include "llama.h"
 
 #include <inttypes.h>
@@ -175,8 +176,16 @@ static llama_token argmax(const float *logits, int n) {
     return best;
 }
 
-// Decode `b` in views of n_batch tokens; each token with logits sets its sequence's next[] to its argmax.
-static void decode(struct llama_context *ctx, struct llama_batch b, int n_vocab, llama_token *next) {
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+// Decode `b` in views of n_batch tokens; each token with logits sets its sequence's next[] to its argmax. Returns the
+// seconds the argmaxes took (part of the step, as sampling is part of ours).
+static double decode(struct llama_context *ctx, struct llama_batch b, int n_vocab, llama_token *next) {
+    double sampling = 0;
     const int32_t n_batch = (int32_t)llama_n_batch(ctx);
     for (int32_t i = 0; i < b.n_tokens; i += n_batch) {
         struct llama_batch view = b;  // field by field: the forks' structs differ past `logits`
@@ -191,16 +200,13 @@ static void decode(struct llama_context *ctx, struct llama_batch b, int n_vocab,
             fprintf(stderr, "peer_batched: llama_decode returned %d\n", rc);
             exit(1);
         }
+        llama_synchronize(ctx);
+        double start = now();
         for (int32_t k = 0; k < view.n_tokens; k++)
             if (view.logits[k]) next[view.seq_id[k][0]] = argmax(llama_get_logits_ith(ctx, k), n_vocab);
+        sampling += now() - start;
     }
-    llama_synchronize(ctx);
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+    return sampling;
 }
 
 static uint64_t fnv(uint64_t h, uint64_t v) {  // FNV-1a over the value's 8 bytes
@@ -223,11 +229,12 @@ static void run_batch(struct llama_context *ctx, struct llama_batch b, const opt
     double prompt_s = now() - start;
     for (int s = 0; s < n_seq; s++) stream[s] = fnv(14695981039346656037ULL, (uint64_t)next[s]);
     head[0] = next[0];
+    double sample_s = 0;
     start = now();
     for (int step = 0; step < o->decode; step++) {
         b.n_tokens = 0;
         for (int s = 0; s < n_seq; s++) add(&b, next[s], prompts[s].n + step, s, 1);
-        decode(ctx, b, o->n_vocab, next);
+        sample_s += decode(ctx, b, o->n_vocab, next);
         for (int s = 0; s < n_seq; s++) stream[s] = fnv(stream[s], (uint64_t)next[s]);
         if (step + 1 < HEAD) head[step + 1] = next[0];
     }
@@ -241,8 +248,9 @@ static void run_batch(struct llama_context *ctx, struct llama_batch b, const opt
         streams += !seen;
     }
     printf("{\"batch\": %d, \"prompt_tokens\": %d, \"prompt_s\": %.6f, \"decode_steps\": %d, \"decode_s\": %.6f, "
-           "\"decode_tok_s\": %.3f, \"streams\": %d, \"checksum\": \"%016" PRIx64 "\", \"head\": [",
-           n_seq, prompt_tokens, prompt_s, o->decode, decode_s, n_seq * o->decode / decode_s, streams,
+           "\"decode_tok_s\": %.3f, \"sample_s\": %.6f, \"streams\": %d, \"checksum\": \"%016" PRIx64 "\", "
+           "\"head\": [",
+           n_seq, prompt_tokens, prompt_s, o->decode, decode_s, n_seq * o->decode / decode_s, sample_s, streams,
            checksum);
     int shown = o->decode + 1 < HEAD ? o->decode + 1 : HEAD;
     for (int i = 0; i < shown; i++) printf("%s%d", i ? ", " : "", head[i]);
