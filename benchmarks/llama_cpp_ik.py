@@ -143,11 +143,13 @@ def one_round(engine: str, llm, gguf: Path, args: argparse.Namespace) -> dict[st
 
 def peer_round(engine: str, gguf: Path, args: argparse.Namespace) -> dict[str, float]:
     """A llama engine's batched decode tok/s per batch size (and batch 1, the check against llama-bench) through
-    peer_batched, on the prompts ours get; prints its greedy tokens' checksums, which alike prompts must keep alike."""
+    peer_batched, on the prompts ours get; prints its greedy tokens' checksums (alike prompts must keep one stream)
+    and its argmaxes' share of the decode time."""
     ik = engine == "ik_llama.cpp"
     rows = peer_batched(args.ik_build if ik else args.llama_build, gguf, args.threads, ik, args.batched_context,
                         args.decode_len, sorted({1, *args.batches}), args.distinct, [] if ik else mainline_flags(True))
-    streams = ", ".join(f"b{b} {r['streams']} ({r['checksum']})" for b, r in rows.items())
+    streams = ", ".join(f"b{b} {r['streams']} ({r['checksum']}; argmax {r['sample_s'] / r['decode_s']:.1%} of decode)"
+                        for b, r in rows.items())
     alike = "" if args.distinct or all(r["streams"] == 1 for r in rows.values()) else " (alike prompts: want 1 each)"
     print(f"{engine} greedy token streams per batch: {streams}{alike}; sequence 0 begins {rows[1]['head']}", flush=True)
     return {f"b{b}": r["decode_tok_s"] for b, r in rows.items()}

@@ -4,8 +4,9 @@ llama-batched-bench picks its own tokens (ik's: token 0 at every position of eve
 one token's experts; mainline's: random ids), so its batched figures are not the work our batched requests do.
 benchmarks/peer_batched.c decodes given prompts through the llama.h C API, greedily, each sequence its own tokens;
 this module builds it once per llama build (into latentserve's kernel cache, `LATENTSERVE_CACHE_DIR`, where it
-is trusted; rebuilt when the source or the library changes) and runs it. The C file selects the fork's parameters with -DPEER_IK: ik as `llama-batched-bench -mla 3 -fa on -rtr`,
-mainline as its llama-batched-bench with `mainline_flags(batched=True)`.
+is trusted; rebuilt when the source or the library changes) and runs it. The C file selects the fork's parameters
+with -DPEER_IK: ik's as `llama-batched-bench -mla 3 -fa on -rtr` sets them, mainline's as its llama-batched-bench
+with `mainline_flags(batched=True)` (their load and context logs match the tools' line for line).
 """
 from __future__ import annotations
 
