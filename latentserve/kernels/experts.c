@@ -78,14 +78,20 @@ static void unit_dots(const Plan *p, const Set *s, int which, Unit t, float *dot
     store_unit(p, s, which, t, dots);
 }
 
+/* Whether units t and t2 (`both` rows in common) go to block_pair_dots together: up to PAIR_ROWS rows, or more
+ * where the two meet the same rows and the format reads them once for both (pairs(): int8 on AMX tiles; the shared
+ * experts' blocks at prefill). */
+INLINE int paired(Format f, Unit t, Unit t2, int64_t both) {
+    return both <= PAIR_ROWS || (pairs(f, both) && t.first == t2.first && t.m == both && t2.m == both);
+}
+
 /* This thread's share of layer `which` of each set's groups, in blocks of 16 outputs. Each set shared out on its
  * own: the shared experts' blocks meet every token, the routed ones' a few, so one split of both would load the
  * threads unevenly. int8 and int4 read two blocks at once, the i-th of each half of the share, for the rows both
  * have where that is few (as quant_linear does: one stream a thread keeps too few reads in flight); the blocks may be
  * different experts', met by different tokens, so each block takes its own rows. A block with more rows than its
  * partner then reads them alone, from cache: in a batch of 8 most experts meet one token and some two or three, and
- * pairing only equal counts left about half the blocks to one stream. `dots`: room for 16 * (P + PAIR_ROWS)
- * floats. */
+ * pairing only equal counts left about half the blocks to one stream. `dots`: room for 16 * 2 * P floats. */
 static void layer(const Plan *p, int which, float *dots) {
     int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
     const int64_t *units = p->units[which];
@@ -106,15 +112,15 @@ static void layer(const Plan *p, int which, float *dots) {
             }
             Unit t2 = find_unit(p, s, which, r + half, &g2);
             int64_t both = t.m < t2.m ? t.m : t2.m;
-            if (both > PAIR_ROWS) {
+            if (!paired(s->f[which], t, t2, both)) {
                 unit_dots(p, s, which, t, dots);
                 unit_dots(p, s, which, t2, dots);
                 continue;
             }
             block_pair_dots(s->f[which], acts, t.first, acts, t2.first, both, t.block, t2.block, t.in, dots,
-                            dots + 16 * PAIR_ROWS);
+                            dots + 16 * both);
             store_unit(p, s, which, first_rows(t, both), dots);
-            store_unit(p, s, which, first_rows(t2, both), dots + 16 * PAIR_ROWS);
+            store_unit(p, s, which, first_rows(t2, both), dots + 16 * both);
             if (t.m > both) unit_dots(p, s, which, rows_after(t, both), dots);
             if (t2.m > both) unit_dots(p, s, which, rows_after(t2, both), dots);
         }
@@ -171,7 +177,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     float *gate = scratch(R * sizeof(float));
     Group *group = scratch(P * sizeof(Group));
     float *h = scratch((R * 2 * I + T * 2 * S) * sizeof(float)), *a = scratch((R * I + T * S) * sizeof(float));
-    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * (P + PAIR_ROWS) * sizeof(float));
+    float *o = scratch(P * K * sizeof(float)), *dots = scratch(threads * 16 * 2 * P * sizeof(float));
     if (!order || !slot || !token || !sorted || !expert || !count || !units || !w || !gate || !group || !h || !a ||
         !o || !dots)
         return scratch_release(mark), LS_NO_MEMORY;
@@ -215,7 +221,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
     int ybf = (io >> 1) & 1;
 #pragma omp parallel num_threads(threads)
     {
-        float *mine = dots + omp_get_thread_num() * 16 * (P + PAIR_ROWS);
+        float *mine = dots + omp_get_thread_num() * 16 * 2 * P;
         layer(&plan, 0, mine);
 #pragma omp barrier
 #pragma omp for schedule(static)

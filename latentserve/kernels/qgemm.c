@@ -218,28 +218,31 @@ INLINE void block_epilogue(const int8_t *block, QuantActs a, int64_t r, int mb, 
 }
 
 #ifdef LS_AMX
-/* int8_block_dots on AMX tiles (amx.c) from AMX_INT8_ROWS rows: the tiles sum the columns in whole 64s, lanes_sums the
- * rest (K % 64, a multiple of 4), added to them; integers both, so the sums and then the epilogue are the vpdpbusd
- * path's. Rows in passes of AMX_CHUNK; a last pass of fewer than 16 rows takes the 16 last (rows done twice come
- * out the same). */
-static void int8_block_tiles(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
-    const int8_t *w = block + INT8_HEADER;
+/* int8_block_dots on AMX tiles (amx.c) from AMX_INT8_ROWS rows, of `count` blocks (1 or 2) with the same rows, each
+ * into its dots: the tiles sum the columns in whole 64s, lanes_sums the rest (K % 64, a multiple of 4), added to
+ * them; integers both, so the sums and then the epilogue are the vpdpbusd path's. Rows in passes of AMX_CHUNK; a last
+ * pass of fewer than 16 rows takes the 16 last (rows done twice come out the same). */
+static void int8_blocks_tiles(QuantActs a, int64_t first, int64_t m, const int8_t *const block[2], int count,
+                              int64_t K, float *const dots[2]) {
     int64_t whole = K & ~(int64_t)63;
     amx_begin(64);
     for (int64_t m0 = 0; m0 < m; m0 += AMX_CHUNK) {
         int64_t r0 = m - m0 < 16 ? m - 16 : m0;
         int rows = m - r0 < AMX_CHUNK ? (int)(m - r0) : AMX_CHUNK;
         const int8_t *xq = a.q + (first + r0) * K;
-        int32_t sums[AMX_CHUNK][16];
-        amx_int8_sums(xq, K, whole, w, rows, sums);
-        for (int i0 = 0; whole < K && i0 < rows; i0 += MB) {
-            int mb = rows - i0 < MB ? rows - i0 : MB;
-            int32_t out[MB][16];
-            FOR_ROWS(lanes_sums, xq + i0 * K + whole, K, w + 16 * whole, K - whole, 0)
-            for (int i = 0; i < mb; i++)
-                for (int j = 0; j < 16; j++) sums[i0 + i][j] += out[i][j];
+        int32_t sums[2][AMX_CHUNK][16];
+        amx_int8_sums(xq, K, whole, block[0] + INT8_HEADER, count > 1 ? block[1] + INT8_HEADER : NULL, rows, sums);
+        for (int s = 0; s < count; s++) {
+            const int8_t *w = block[s] + INT8_HEADER;
+            for (int i0 = 0; whole < K && i0 < rows; i0 += MB) {
+                int mb = rows - i0 < MB ? rows - i0 : MB;
+                int32_t out[MB][16];
+                FOR_ROWS(lanes_sums, xq + i0 * K + whole, K, w + 16 * whole, K - whole, 0)
+                for (int i = 0; i < mb; i++)
+                    for (int j = 0; j < 16; j++) sums[s][i0 + i][j] += out[i][j];
+            }
+            block_epilogue(block[s], a, first + r0, rows, sums[s], dots[s] + 16 * r0);
         }
-        block_epilogue(block, a, first + r0, rows, sums, dots + 16 * r0);
     }
     amx_end();
 }
@@ -248,7 +251,8 @@ static void int8_block_tiles(QuantActs a, int64_t first, int64_t m, const int8_t
 /* The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots) {
 #ifdef LS_AMX
-    if (m >= AMX_INT8_ROWS) return int8_block_tiles(a, first, m, block, K, dots);
+    if (m >= AMX_INT8_ROWS) return int8_blocks_tiles(a, first, m, (const int8_t *const[2]){block}, 1, K,
+                                                     (float *const[2]){dots});
 #endif
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
@@ -347,6 +351,11 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
  * activations have K columns. */
 void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const int8_t *block0,
                           const int8_t *block1, int64_t K, float *dots0, float *dots1) {
+#ifdef LS_AMX
+    if (m >= AMX_INT8_ROWS && a0.q == a1.q && a0.s == a1.s && first0 == first1) /* one load of the rows for both */
+        return int8_blocks_tiles(a0, first0, m, (const int8_t *const[2]){block0, block1}, 2, K,
+                                 (float *const[2]){dots0, dots1});
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[2][MB][16];

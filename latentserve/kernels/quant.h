@@ -65,7 +65,8 @@ INLINE int64_t block_bytes(Format f, int64_t K) {
  * dots[16 * i + j]; dense blocks: their first `outputs` rows. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots);
 /* int8_block_dots of two blocks at once, each with its own rows (m of each), into dots0 and dots1: two streams of
- * weights in flight. The drivers use it up to PAIR_ROWS rows. */
+ * weights in flight; on AMX tiles (from AMX_INT8_ROWS rows), the same rows of both read once for the two. The drivers
+ * use it where pairs() says. */
 #define PAIR_ROWS 8
 void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const int8_t *block0,
                           const int8_t *block1, int64_t K, float *dots0, float *dots1);
@@ -78,9 +79,9 @@ void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, 
 #ifdef LS_AMX
 /* amx.c: AMX tiles for the int8 and int4 blocks from the rows below (at least 16: a row tile). amx_request: the
  * process's permission (once); amx_begin / amx_end around a block's tile work on the calling thread, `span` columns
- * a product (64; int4's groups of 32: 32). amx_int8_sums: sums[i][j] = the int32 sum of rows i < rows
- * (16..AMX_CHUNK) of xq (K bytes apart) with output j of the lanes-layout weight w over its first `whole` columns (a
- * multiple of 64).
+ * a product (64; int4's groups of 32: 32). amx_int8_sums: sums[s][i][j] = the int32 sum of rows i < rows
+ * (16..AMX_CHUNK) of xq (K bytes apart) with output j of the lanes-layout weight w0 (s = 0) and, where w1 is not
+ * NULL, w1 (s = 1) over their first `whole` columns (a multiple of 64).
  *
  * From how many rows the tiles beat vpdpbusd (one core, 2816 x 2048, CPU time, the builds in turns;
  * docs/kernels.md "AMX tiles"): int8 from 16 (1.6x at 16 rows, 2.5x at 48). int4 pays per span of 64 columns
@@ -93,11 +94,22 @@ INLINE int64_t amx_int4_rows(int64_t G) { return G == 32 ? 32 : 16; }
 int amx_request(void);
 void amx_begin(int span);
 void amx_end(void);
-void amx_int8_sums(const int8_t *xq, int64_t K, int64_t whole, const int8_t *w, int rows, int32_t (*sums)[16]);
+void amx_int8_sums(const int8_t *xq, int64_t K, int64_t whole, const int8_t *w0, const int8_t *w1, int rows,
+                   int32_t (*sums)[AMX_CHUNK][16]);
 /* int4_block_dots on tiles (m >= 16), the same bits. */
 void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G,
                          float *dots);
 #endif
+
+/* Whether the drivers hand two blocks of format f at once (block_pair_dots) for m rows: up to PAIR_ROWS, two streams
+ * of weights where one keeps too few reads in flight; on AMX tiles, int8 from AMX_INT8_ROWS rows, the rows' A tiles
+ * loaded once for both blocks where the two blocks meet the same rows. */
+INLINE int pairs(Format f, int64_t m) {
+#ifdef LS_AMX
+    if (f.bits == 8 && m >= AMX_INT8_ROWS) return 1;
+#endif
+    return m <= PAIR_ROWS;
+}
 
 /* The quantized formats' blocks (every block 16 outputs, padded). */
 INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const void *block, int64_t K, float *dots) {
@@ -107,7 +119,7 @@ INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const vo
         int4_block_dots(a, first, m, (const uint8_t *)block, K, f.group, dots);
 }
 
-/* The quantized formats' two blocks at once, each with its own rows (m of each; the drivers: up to PAIR_ROWS). */
+/* The quantized formats' two blocks at once, each with its own rows (m of each; the drivers: where pairs()). */
 INLINE void block_pair_dots(Format f, QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m,
                             const void *block0, const void *block1, int64_t K, float *dots0, float *dots1) {
     if (f.bits == 8)

@@ -21,7 +21,8 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
  * 1-2 rows and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head; int4 (2816 x 2048, group 32) 1.2-1.3x at 1 row,
  * 1.3-1.45x at 4. An earlier measurement under load, by wall time and whole blocks alternating (`two_streams`), had
  * found two streams up to 1.2x slower; wall time under that load mostly measured the other processes. More rows are
- * bound by the arithmetic and walk the blocks in order. Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's
+ * bound by the arithmetic and walk the blocks in order, but for int8 on AMX tiles (pairs()), which pass two blocks
+ * at a time on the same rows (amx.c). Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's
  * result is the same whatever rows it is computed with, and whatever the thread count. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
                  int io, int threads) {
@@ -39,7 +40,7 @@ int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, i
         int64_t len = blocks * (part + 1) / parts - begin, half = (len + 1) / 2;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
             int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-            if (rows <= PAIR_ROWS) {
+            if (pairs(f, rows)) {
                 for (int64_t b = begin; b < begin + half; b++) {
                     if (b + half < begin + len) {
                         block_pair_dots(f, a, m0, a, m0, rows, wb + b * bytes, wb + (b + half) * bytes, K, mine, other);
