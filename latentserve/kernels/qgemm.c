@@ -119,6 +119,16 @@ INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
     if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
 }
 
+#define NEAR_AHEAD 2048 /* bytes of a pair's stream ahead of the unit being summed */
+
+/* The line NEAR_AHEAD bytes past the unit at p, fetched into L1 while this one is summed (past a block's end: the
+ * next block in memory, which the drivers read next). Two blocks' streams at 1-8 rows (lanes_sums_pair): the loads
+ * wait on memory without it. Intel Xeon, 2 threads, CPU time, `int8_linear_ab.py --rows 1,2,4,8` (2816 / 1408 /
+ * 102400 x 2048), before -> after: the AVX2 build 1.34-1.39x at 1 row, 1.58-1.70x at 2, 1.72-1.78x at 4, 1.39-1.40x
+ * at 8; the AVX-512 one 1.04-1.07x, 1.15-1.22x, 1.25-1.30x, 1.01-1.06x (where fetch_next already ran). Not measured
+ * on AMD, where fetch_next's next-block prefetch into L2 was slower below FETCH_ROWS. Same sums, same bits. */
+INLINE void fetch_near(const int8_t *p) { _mm_prefetch((const char *)((uintptr_t)p + NEAR_AHEAD), _MM_HINT_T0); }
+
 #ifdef LS_AVX512
 /* sums[i][j] = sum_k (xq[i * xstride + k] + 128) * w[j, k] for mb activation rows and the 16 outputs of a block in
  * the lanes layout ([K / 4, 16, 4]: element [c, j, i] = w[j, 4c + i]): each 64-byte load holds 4 columns of all 16,
@@ -283,6 +293,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
         for (int64_t c = 0; c < units; c++) {
             fetch_next(w0, c, ahead, mb);
             fetch_next(w1, c, ahead, mb);
+            fetch_near(w0 + 64 * c);
+            fetch_near(w1 + 64 * c);
             __m512i wv[2] = {_mm512_loadu_si512(w0 + 64 * c), _mm512_loadu_si512(w1 + 64 * c)};
             for (int i = 0; i < mb; i++)
                 for (int s = 0; s < 2; s++)
@@ -295,6 +307,7 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
                 int64_t end = c0 + PAIR_CHUNK < units ? c0 + PAIR_CHUNK : units, c = c0;
                 for (; c + chains <= end; c += chains)
                     for (int h = 0; h < chains; h++) {
+                        fetch_near(w[s] + 64 * (c + h));
                         __m512i wv = _mm512_loadu_si512(w[s] + 64 * (c + h));
                         for (int i = 0; i < mb; i++)
                             acc[s][h][i] = _mm512_dpbusd_epi32(
@@ -315,8 +328,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
         }
 }
 #else
-/* As the AVX-512 version's turns of PAIR_CHUNK units at every row count (not measured: AVX-512 machines run the other
- * build), each unit as lanes_sums' two halves of 8 outputs. No fetch_next: in these turns it measured 0.92-1.06x
+/* As the AVX-512 version's turns of PAIR_CHUNK units at every row count, each unit as lanes_sums' two halves of 8
+ * outputs, each fetching its stream's line NEAR_AHEAD bytes on. No fetch_next: in these turns it measured 0.92-1.06x
  * at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
@@ -328,7 +341,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
         for (int i = 0; i < mb; i++) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_si256();
     for (int64_t units = K / 4, c0 = 0; c0 < units; c0 += PAIR_CHUNK)
         for (int s = 0; s < 2; s++)
-            for (int64_t c = c0; c < c0 + PAIR_CHUNK && c < units; c++)
+            for (int64_t c = c0; c < c0 + PAIR_CHUNK && c < units; c++) {
+                fetch_near(w[s] + 64 * c);
                 for (int h = 0; h < 2; h++) {
                     __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h));
                     __m256i aw = _mm256_abs_epi8(wv);
@@ -338,6 +352,7 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
                         acc[s][i][h] = _mm256_add_epi32(acc[s][i][h], _mm256_madd_epi16(p, ones));
                     }
                 }
+            }
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < mb; i++) {
             _mm256_storeu_si256((__m256i *)out[s][i], acc[s][i][0]);
