@@ -9,7 +9,8 @@ files keep `attn_kv_b`. Both come back as `kv_b_proj`.
 
 Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups of 32 columns, w = q * scale +
 minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are
-repacked, not requantized. Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values,
+repacked, not requantized. The loaded weights hold the file's values exactly; latentserve's int4 kernel then keeps
+each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values,
 not per row; Q5_K and Q6_K have more bits) are dequantized with gguf's own code and quantized to int8 per output
 channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype.
 The load log counts each."""
