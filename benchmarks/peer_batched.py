@@ -50,12 +50,17 @@ def _source_dir(build: Path) -> Path:
     sys.exit(f"{cache}: no CMAKE_HOME_DIRECTORY line naming the source tree")
 
 
+def _libllama(build: Path) -> Path | None:
+    """The build's libllama.so (bin/ or src/, by the fork's and version's layout), or None."""
+    return next((d / "libllama.so" for d in (build / "bin", build / "src") if (d / "libllama.so").is_file()), None)
+
+
 def _compile_command(build: Path, ik: bool, output: Path) -> list[str]:
     """cc against the build's llama.h (its source tree's include/ and ggml/include/) and libllama.so (bin/ or src/),
     with an rpath to every directory of its llama and ggml libraries."""
     src = _source_dir(build)
     headers = [src / "include" / "llama.h", src / "ggml" / "include" / "ggml.h"]
-    libllama = next((d / "libllama.so" for d in (build / "bin", build / "src") if (d / "libllama.so").is_file()), None)
+    libllama = _libllama(build)
     missing = [str(h) for h in headers if not h.is_file()] + ([] if libllama else [f"{build}/{{bin,src}}/libllama.so"])
     if missing:
         sys.exit(f"cannot build {SOURCE.name} against {build}: missing {', '.join(missing)} (build the llama target "
@@ -74,9 +79,9 @@ def build_peer(build: Path, ik: bool) -> Path:
     """The peer_batched binary for `build`, compiled once: its cache key holds the build's path, the fork and the
     C source's and libllama.so's contents' identity (size and mtime)."""
     key = hashlib.sha256(f"{build.resolve()}|{ik}|".encode() + SOURCE.read_bytes())
-    for lib in (build / "bin" / "libllama.so", build / "src" / "libllama.so"):
-        if lib.is_file():
-            key.update(f"{lib.stat().st_size}|{lib.stat().st_mtime_ns}".encode())
+    lib = _libllama(build)
+    if lib is not None:
+        key.update(f"{lib.stat().st_size}|{lib.stat().st_mtime_ns}".encode())
     binary = cache_dir() / f"peer_batched-{'ik' if ik else 'mainline'}-{key.hexdigest()[:16]}"
     if binary.is_file():
         return binary
