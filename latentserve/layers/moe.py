@@ -13,7 +13,7 @@ from latentserve.kernels import native
 from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.linear import linear
 from latentserve.layers.mlp import GatedMLP
-from latentserve.layers.quant.experts import run_expert_loop
+from latentserve.layers.quant.experts import NativeExperts, run_expert_loop
 from latentserve.layers.stacked_experts import NATIVE_MAX_TOKENS, StackedExperts
 
 # scoring function -> the top-k methods paired with it: DeepSeek's, Mistral 4's group_limited_top2 (softmax scores, a
@@ -225,6 +225,7 @@ class MoE(nn.Module):
         self.expert_parallel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Set by stack_experts where the local experts' weights are plain tensors.
         self.stacked: StackedExperts | None = None
+        self.native_experts = NativeExperts()  # quantized experts (and shared MLP): `native.experts` calls
 
     def stack_experts(self, device: torch.device | str | None = None) -> None:
         """Run the local routed experts stacked (`StackedExperts`, on `device`; None: their weights' device). Their
@@ -239,7 +240,8 @@ class MoE(nn.Module):
             routed = self.expert_parallel(x, weights, ids)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         dbo_yield()  # where expert parallelism's dispatch all-to-all goes
-        out = self.stacked.with_shared(x, weights, ids) if self.stacked is not None else None
+        out = (self.stacked.with_shared(x, weights, ids) if self.stacked is not None
+               else self.native_experts(self.experts, self.shared_experts, x, weights, ids))
         if out is None:
             routed = self.run_experts(x, weights, ids)
             out = routed if self.shared_experts is None else routed + self.shared_experts(x)
@@ -253,5 +255,7 @@ class MoE(nn.Module):
         return self._run_expert_loop(x, weights, ids)
 
     def _run_expert_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One batched call per expert that got tokens (experts that cannot be stacked: quantized, or biased)."""
-        return run_expert_loop(self.experts, x, weights, ids)
+        """Experts that cannot be stacked (quantized, or biased): `native.experts` calls where they are its kinds,
+        else one batched call per expert that got tokens."""
+        out = self.native_experts(self.experts, None, x, weights, ids)
+        return run_expert_loop(self.experts, x, weights, ids) if out is None else out

@@ -215,3 +215,31 @@ def test_a_prefills_shared_and_routed_experts_read_one_quantized_x(isa, formats)
     for t in (0, 21, 39):
         alone = native.experts(kernels(isa), x[t : t + 1], routed, ids[t : t + 1], weights[t : t + 1], shared)
         assert torch.equal(alone[0], results[0][t])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("formats, dtype", [(("int8", "int8"), torch.bfloat16), (("int4", "int8"), torch.float32),
+                                            (("bf16", "bf16"), torch.bfloat16)])
+def test_a_long_prefill_runs_in_waves_each_token_as_alone(isa, formats, dtype):
+    """300 tokens, top-3 of 5 experts and the shared MLP: 1200 pairs, past the 256 a wave holds, expert 3 chosen by
+    every token (300 rows: two groups) and the shared MLP's 300 rows split too. Each token's result is what it gets
+    alone, to the bit, at 1-3 threads, and its experts' weighted sum projection by projection (float64)."""
+    g = torch.Generator().manual_seed(13)
+    hidden, inter, tokens = 128, 64, 300
+    routed, pairs = _experts(g, formats, 5, hidden, inter)
+    shared, shared_pair = _experts(g, formats, 1, hidden, 2 * inter)
+    x = (torch.randn(tokens, hidden, generator=g) * 2).to(dtype)
+    others = torch.stack([torch.tensor([0, 1, 2, 4])[torch.randperm(4, generator=g)[:2]] for _ in range(tokens)])
+    ids, weights = torch.cat([torch.full((tokens, 1), 3), others], 1), torch.rand(tokens, 3, generator=g)
+    results = _at_thread_counts(lambda: native.experts(kernels(isa), x, routed, ids, weights, shared))
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    got = results[0]
+    for t in range(tokens):
+        alone = native.experts(kernels(isa), x[t : t + 1].contiguous(), routed, ids[t : t + 1], weights[t : t + 1],
+                               shared)
+        assert torch.equal(alone[0], got[t]), t
+    for t in (0, 150, 299):
+        expected = _mlp(isa, formats, shared_pair[0], x[t], 2 * inter)
+        for e, w in sorted(zip(ids[t].tolist(), weights[t].tolist())):
+            expected += w * _mlp(isa, formats, pairs[e], x[t], inter)
+        torch.testing.assert_close(got[t].double(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())

@@ -12,6 +12,7 @@ from latentserve.layers.linear import Linear
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE, RoutingConfig
 from latentserve.layers.quant.config import QuantConfig
+from latentserve.layers.quant.experts import run_expert_loop
 from latentserve.layers.quant.linear import quantize_linear
 
 HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 3
@@ -193,3 +194,42 @@ def test_shared_experts_join_the_stack_as_gate_one_experts(dtype: torch.dtype, t
         assert (again is None and got is None) or torch.equal(again, got)
         moe.shared_experts.gate_proj.weight = torch.nn.Parameter(moe.shared_experts.gate_proj.weight.clone())
         assert moe.stacked.with_shared(x, weights, ids) is None
+
+
+
+@pytest.mark.parametrize("config", [QuantConfig("int8"), QuantConfig("int4", 32)], ids=["int8", "int4"])
+def test_a_prefills_quantized_moe_is_one_kernel_call_each_token_as_alone(config: QuantConfig, monkeypatch) -> None:
+    """Quantized routed experts (gate_up fused, as the loader leaves them) and shared MLP: 50 tokens run through
+    `native.experts` with the shared MLP, 16 tokens a call here, never the loop: each token's result is what it gets
+    alone (decode's), to the bit; the dequantized weights' naive sum and the loop's within the quantization's
+    error."""
+    monkeypatch.setattr("latentserve.layers.quant.experts.TOKENS_PER_CALL", 16)
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, 2 * HIDDEN, RoutingConfig(EXPERTS, TOP_K), n_shared_experts=2)  # int4: K a multiple of 64
+    effective = []
+    with torch.no_grad():
+        for e, mlp in enumerate([*moe.experts, moe.shared_experts]):
+            gate, up, down = (getattr(mlp, n).weight.normal_(0, 0.2).detach() for n in ("gate_proj", "up_proj",
+                                                                                         "down_proj"))
+            mlp.fuse_gate_up(quantize_linear(f"{e}.gate_up_proj", torch.cat([gate, up]), None, config, "cpu"))
+            mlp.down_proj = quantize_linear(f"{e}.down_proj", down, None, config, "cpu")
+            effective.append((*_effective_weight(mlp.gate_up_proj).chunk(2), _effective_weight(mlp.down_proj)))
+    if type(moe.experts[0].down_proj).__name__ not in ("NativeInt8Linear", "NativeInt4Linear"):
+        pytest.skip("latentserve's kernels are not built here")
+    x, weights, ids = _routing(50)
+    x = x.bfloat16()
+    with torch.no_grad():
+        loop = run_expert_loop(moe.experts, x, weights, ids) + moe.shared_experts(x)
+        calls = []
+        monkeypatch.setattr("latentserve.layers.moe.run_expert_loop", lambda *a: calls.append(a))
+        routed = moe.run_experts(x, weights, ids)
+        together = moe.native_experts(moe.experts, moe.shared_experts, x, weights, ids)
+        alone = [moe.native_experts(moe.experts, moe.shared_experts, x[t : t + 1], weights[t : t + 1],
+                                    ids[t : t + 1]) for t in range(50)]
+    assert not calls and torch.equal(together, torch.cat(alone))
+    assert torch.equal(routed, moe.native_experts(moe.experts, None, x, weights, ids))
+    gate, up, down = effective[-1]
+    expected = _naive(x, weights, ids, effective) + (F.silu(x.float() @ gate.t()) * (x.float() @ up.t())) @ down.t()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(together.float(), expected, rtol=3e-2, atol=3e-2 * scale)
+    torch.testing.assert_close(loop.float(), together.float(), rtol=3e-2, atol=3e-2 * scale)

@@ -73,8 +73,9 @@ def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return None if out is None else out.view_as(x).to(x.dtype)
 
 
-# Tokens per `native.experts` call: its temporaries grow with the (token, expert) pairs.
-TOKENS_PER_CALL = 64
+# Tokens per `native.experts` call: its sums (8 bytes a token and hidden column) and gathered activations (top-k
+# rows a token) grow with them, its waves' buffers do not; each call reads every chosen expert once.
+TOKENS_PER_CALL = 2048
 
 
 def packed_format(layer: nn.Module) -> native.Format | None:
@@ -120,10 +121,55 @@ def _native_tokens(experts: list[nn.Module], ids: torch.Tensor, xa: torch.Tensor
     table = quantized_table(experts)
     if table is None:
         return None
-    kernels = experts[0].gate_up_proj.kernels
-    x = native.activations(xa, xa.shape[-1])
+    return _in_calls(experts[0].gate_up_proj.kernels, native.activations(xa, xa.shape[-1]), table, ids, gates, None)
+
+
+def _in_calls(kernels: native.NativeKernels, x: torch.Tensor, table: native.Experts, ids: torch.Tensor,
+              gates: torch.Tensor, shared: native.Experts | None) -> torch.Tensor:
+    """`native.experts` over x's tokens, TOKENS_PER_CALL a call."""
     gates = gates.float().contiguous()
     outs = [native.experts(kernels, x[t : t + TOKENS_PER_CALL].contiguous(), table, ids[t : t + TOKENS_PER_CALL],
-                           gates[t : t + TOKENS_PER_CALL])
+                           gates[t : t + TOKENS_PER_CALL], shared)
             for t in range(0, x.shape[0], TOKENS_PER_CALL)]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class NativeExperts:
+    """A MoE's routed experts and shared MLP in `native.experts` calls at any token count, where they are
+    `quantized_table`s on one build: prefill's MoE in one parallel region (each chosen expert read once for all its
+    tokens, routed and shared together) instead of a few dozen torch ops and two kernel calls per expert. Each token's
+    result is what it is alone, as in decode's one-call MoE block (`models/moe_block.py`): the routed experts summed
+    in fp32 in id order, rounded once, plus the shared output rounded (the loop rounded after each expert's add).
+    The tables are kept, keyed by the weights' addresses (a replaced weight rebuilds them; the kept tables hold the
+    old weights, so an address is never reused under them)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[bool, tuple[tuple[int, ...], native.Experts | None]] = {}
+
+    def __call__(self, experts: nn.ModuleList, shared: nn.Module | None, x: torch.Tensor, weights: torch.Tensor,
+                 ids: torch.Tensor) -> torch.Tensor | None:
+        """sum_k weights[t, k] * experts[ids[t, k]](x[t]) (+ shared(x[t]) where `shared`), or None where these
+        experts or tokens do not run here."""
+        if x.device.type != "cpu" or x.dtype not in native.KERNEL_DTYPES or x.shape[0] == 0:
+            return None
+        routed = self._table(False, list(experts))
+        held = None if shared is None else self._table(True, [shared])
+        if routed is None or (shared is not None and held is None):
+            return None
+        kernels = experts[0].gate_up_proj.kernels
+        if held is not None and shared.gate_up_proj.kernels is not kernels:
+            return None
+        return _in_calls(kernels, x, routed, ids, weights, held)
+
+    def _table(self, is_shared: bool, mlps: list[nn.Module]) -> native.Experts | None:
+        layers = [expert_layers(m) for m in mlps]
+        if any(pair is None for pair in layers):
+            return None
+        kernels = layers[0][0].kernels
+        if any(layer.kernels is not kernels for pair in layers for layer in pair):
+            return None
+        key = tuple(layer.packed.data_ptr() for pair in layers for layer in pair)
+        kept = self._tables.get(is_shared)
+        if kept is None or kept[0] != key:
+            kept = self._tables[is_shared] = (key, quantized_table(mlps))
+        return kept[1]
