@@ -96,6 +96,31 @@ INLINE int paired(Format f, Unit t, Unit t2, int64_t both) {
     return both <= PAIR_ROWS || (pairs(f, both) && t.first == t2.first && t.m == both && t2.m == both);
 }
 
+/* Where the threads split a set's blocks: a block costs its rows plus READ_ROWS (reading it), so that the few groups
+ * of a wave, of different row counts, load the threads evenly (an even count of blocks left one thread waiting for the
+ * other at each wave's barriers). */
+#define READ_ROWS 16
+
+/* The first of set s's units (layer `which`) whose cost so far is at least `at`. */
+static int64_t unit_at(const Plan *p, const Set *s, int which, int64_t at) {
+    const int64_t *units = p->units[which];
+    for (int64_t g = s->g0; g < s->g1; g++) {
+        int64_t n = units[g + 1] - units[g], cost = p->group[g].end - p->group[g].begin + READ_ROWS;
+        if (at < n * cost) return units[g] + (at + cost - 1) / cost;
+        at -= n * cost;
+    }
+    return units[s->g1];
+}
+
+/* This thread's share of set s's units of layer `which`: *begin, *len. */
+static void my_units(const Plan *p, const Set *s, int which, int64_t *begin, int64_t *len) {
+    int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), total = 0;
+    for (int64_t g = s->g0; g < s->g1; g++)
+        total += (p->units[which][g + 1] - p->units[which][g]) * (p->group[g].end - p->group[g].begin + READ_ROWS);
+    *begin = unit_at(p, s, which, total * part / parts);
+    *len = unit_at(p, s, which, total * (part + 1) / parts) - *begin;
+}
+
 /* This thread's share of layer `which` of a wave's sets `ws`, in blocks of 16 outputs. Each set shared out on its
  * own: the shared experts' blocks meet every token, the routed ones' a few, so one split of both would load the
  * threads unevenly. int8 and int4 read two blocks at once, the i-th of each half of the share, for the rows both
@@ -104,13 +129,11 @@ INLINE int paired(Format f, Unit t, Unit t2, int64_t both) {
  * partner then reads them alone, from cache: in a batch of 8 most experts meet one token and some two or three, and
  * pairing only equal counts left about half the blocks to one stream. `dots`: room for 16 * 2 * WAVE_PAIRS floats. */
 static void layer(const Plan *p, const Set *ws, int which, float *dots) {
-    int64_t parts = omp_get_num_threads(), part = omp_get_thread_num();
-    const int64_t *units = p->units[which];
     for (int set = 0; set < 2; set++) {
         const Set *s = ws + set;
         QuantActs acts = which ? s->a : s->x;
-        int64_t lo = units[s->g0], n = units[s->g1] - lo, g = s->g0, g2 = s->g0;
-        int64_t begin = lo + n * part / parts, len = lo + n * (part + 1) / parts - begin;
+        int64_t g = s->g0, g2 = s->g0, begin, len;
+        my_units(p, s, which, &begin, &len);
         if (dense(s->f[which])) {
             for (int64_t r = begin; r < begin + len; r++) unit_dots(p, s, which, find_unit(p, s, which, r, &g), dots);
             continue;
