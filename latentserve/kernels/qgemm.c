@@ -9,8 +9,9 @@
  * 64-byte load holds 4 columns of 16 outputs and feeds every activation row of the pass, so many rows read the
  * activations once per block, not once per output.
  *
- * Built twice by native.py: with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8) and for AVX2 (vpmaddubsw).
- * Both compute the same integer sums, so their int8 outputs are equal, in every layout.
+ * Built twice by native.py: with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8) and for AVX2 (vpmaddubsw on
+ * the activations' nibbles). Both compute the same integer sums, sum_k (x + 128) w, so their int8 outputs are equal,
+ * in every layout.
  *
  * Rows: w int8 [H, N, K]; scale fp32 [H, N]; wsum int32 [H, N] = sum_k w[h, n, k]. Lanes: quant.h's.
  */
@@ -42,24 +43,53 @@ INLINE int32_t hsum_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* dot[i] = sum_k xq[i * xstride + k] * w[k]: |w| (unsigned) times x with w's sign, so that pairs of products (at
- * most 2 * 128 * 127) fit vpmaddubsw's int16. Not |x| times w with x's sign: negating a weight of -128 overflows. */
+/* The AVX2 sums, on the activations' nibbles (quant.h int8_row_bytes): vpmaddubsw of each nibble (unsigned, at most
+ * 15) with the weights (signed, -128 allowed) gives pairs of products of at most 2 * 15 * 128 = 3840, so
+ * NIBBLE_STEPS of them add up in int16 before one vpmaddwd widens them (by 16 for the high nibbles, by 1 for the
+ * low). Per row and 32 bytes of weights that is two vpmaddubsw and two vpaddw, against vpsignb, vpmaddubsw, vpmaddwd
+ * and vpaddd (u8 |w| times x with w's sign) before: the same count, but half of it is additions, which a third vector
+ * port takes, where the multiplier ports took three of four (benchmarks/RESULTS.md "int8 on AVX2: nibbles"). */
+#define NIBBLE_STEPS 8
+
+/* hi, lo (the int16 sums of a row's steps) += the products of the broadcast or loaded nibbles with wv; first: they
+ * start there. The empty asm keeps each sum a chain: GCC otherwise reassociates the steps into a tree of products
+ * spilled to the stack. */
+INLINE void nibble_step(__m256i x_hi, __m256i x_lo, __m256i wv, int first, __m256i *hi, __m256i *lo) {
+    __m256i ph = _mm256_maddubs_epi16(x_hi, wv), pl = _mm256_maddubs_epi16(x_lo, wv);
+    *hi = first ? ph : _mm256_add_epi16(*hi, ph);
+    *lo = first ? pl : _mm256_add_epi16(*lo, pl);
+    __asm__("" : "+x"(*hi), "+x"(*lo));
+}
+
+/* acc (int32) + 16 hi + lo, pairs of int16 lanes added. */
+INLINE __m256i nibble_widen(__m256i acc, __m256i hi, __m256i lo) {
+    __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(16)),
+                                    _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, sums);
+}
+
+/* dot[i] = sum_k (x[i, k] + 128) * w[k] over mb rows of nibbles (xstride bytes apart): 32 columns a step. */
 INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
-    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t *x = (const uint8_t *)xq;
     __m256i acc[MB];
     for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_si256();
     int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), aw = _mm256_abs_epi8(wv);
-        for (int i = 0; i < mb; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * xstride + k));
-            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, ones));
+    while (k + 32 <= K) {
+        __m256i hi[MB], lo[MB];
+        for (int i = 0; i < mb; i++) hi[i] = lo[i] = _mm256_setzero_si256();
+        for (int step = 0; step < NIBBLE_STEPS && k + 32 <= K; step++, k += 32) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
+            for (int i = 0; i < mb; i++) {
+                const uint8_t *p = x + i * xstride + 2 * k;
+                nibble_step(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32)), wv,
+                            0, &hi[i], &lo[i]);
+            }
         }
+        for (int i = 0; i < mb; i++) acc[i] = nibble_widen(acc[i], hi[i], lo[i]);
     }
     for (int i = 0; i < mb; i++) {
         int32_t d = hsum_epi32(acc[i]);
-        for (int64_t t = k; t < K; t++) d += (int32_t)xq[i * xstride + t] * w[t];
+        for (int64_t t = k; t < K; t++) d += (16 * x[i * xstride + k + t] + x[i * xstride + k + t + 32]) * w[t];
         dot[i] = d;
     }
 }
@@ -72,6 +102,7 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
     ScratchMark mark = scratch_mark();
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
     if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
+    int64_t bytes = int8_row_bytes(K);
 #pragma omp parallel num_threads(threads)
     {
         /* Each thread a contiguous share of the H * N weight rows, read as two streams (`two_streams`): a cursor
@@ -85,7 +116,7 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
             for (int64_t m0 = 0; m0 < M; m0 += MB) {
                 int mb = M - m0 < MB ? (int)(M - m0) : MB;
                 int32_t out[MB];
-                FOR_ROWS(int8_rows, a.q + (m0 * H + h) * K, H * K, w + hn * K, K)
+                FOR_ROWS(int8_rows, a.q + (m0 * H + h) * bytes, H * bytes, w + hn * K, K)
                 for (int i = 0; i < mb; i++) {
                     int64_t row = (m0 + i) * H + h;
                     store_out(y, io & 2, row * N + n, (float)(out[i] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn]);
@@ -159,30 +190,70 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
     }
 }
 #else
-/* As the AVX-512 version with x signed (vpmaddubsw's |w| times x with w's sign, as int8_rows does), each 64-byte
- * unit as two halves of 8 outputs. */
-INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
-                       int32_t (*out)[16]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[MB][2];
-    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < K / 4; c++) {
-        fetch_next(w, c, ahead, mb);
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
-        __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-        for (int i = 0; i < mb; i++) {
-            __m256i xv = _mm256_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
-            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)),
-                                                                      ones));
-            acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)),
-                                                                      ones));
-        }
+/* Rows a pass of the AVX2 lanes kernels (of MB a pass of the callers'): their four int16 sums each, the unit's two
+ * weight vectors and the broadcasts fill the 16 registers; 3 rows spilled (0.95-0.98x). */
+#define NIBBLE_ROWS 2
+
+/* Unit u of a group (x, w at the group's first): hi, lo [i][h] (h: the unit's halves of 8 outputs) as nibble_step
+ * for rows i < rows of nibbles x, xstride apart. ahead: unit u of the next block fetched into L2 (fetch_next); near:
+ * the line READ_AHEAD bytes on into L1 (fetch_near). */
+INLINE void lanes_unit(const uint8_t *x, int64_t xstride, const int8_t *w, int u, int64_t ahead, int near, int rows,
+                       __m256i (*hi)[2], __m256i (*lo)[2]) {
+    if (ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * u + ahead), _MM_HINT_T1);
+    if (near) fetch_near(w + 64 * u);
+    __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * u));
+    __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * u + 32));
+    for (int i = 0; i < rows; i++) {
+        __m256i x_hi = _mm256_set1_epi32(four_bytes((const int8_t *)x + i * xstride + 4 * u));
+        __m256i x_lo = _mm256_set1_epi32(four_bytes((const int8_t *)x + i * xstride + 32 + 4 * u));
+        nibble_step(x_hi, x_lo, w0, u == 0, &hi[i][0], &lo[i][0]);
+        nibble_step(x_hi, x_lo, w1, u == 0, &hi[i][1], &lo[i][1]);
     }
-    for (int i = 0; i < mb; i++) {
+}
+
+/* acc[i][h] += the sums of units 0 < n <= NIBBLE_STEPS of a group (lanes_unit's). */
+INLINE void lanes_group(const uint8_t *x, int64_t xstride, const int8_t *w, int n, int64_t ahead, int near, int rows,
+                        __m256i (*acc)[2]) {
+    __m256i hi[NIBBLE_ROWS][2], lo[NIBBLE_ROWS][2];
+    lanes_unit(x, xstride, w, 0, ahead, near, rows, hi, lo);
+#pragma GCC unroll 8
+    for (int u = 1; u < n; u++) lanes_unit(x, xstride, w, u, ahead, near, rows, hi, lo);
+    for (int i = 0; i < rows; i++)
+        for (int h = 0; h < 2; h++) acc[i][h] = nibble_widen(acc[i][h], hi[i][h], lo[i][h]);
+}
+
+/* lanes_group of units [c, end) of w (c a multiple of NIBBLE_STEPS: x's groups of 32 columns) for mb rows,
+ * NIBBLE_ROWS at a time group by group: the group's weights are read from L1 by the later rows and the reads from
+ * memory keep an even pace (the rows in turns over whole 2 KB turns measured 0.89-0.92x at 4 rows). The first rows
+ * fetch. */
+INLINE void lanes_span(const uint8_t *x, int64_t xstride, const int8_t *w, int64_t c, int64_t end, int64_t ahead,
+                       int near, int mb, __m256i (*acc)[2]) {
+    for (; c < end; c += NIBBLE_STEPS)
+        for (int i0 = 0; i0 < mb; i0 += NIBBLE_ROWS) {
+            int rows = mb - i0 < NIBBLE_ROWS ? mb - i0 : NIBBLE_ROWS;
+            const uint8_t *xg = x + i0 * xstride + 8 * c;
+            int64_t fetch = i0 == 0 ? ahead : 0;
+            if (c + NIBBLE_STEPS <= end)
+                lanes_group(xg, xstride, w + 64 * c, NIBBLE_STEPS, fetch, near && i0 == 0, rows, acc + i0);
+            else
+                lanes_group(xg, xstride, w + 64 * c, (int)(end - c), fetch, near && i0 == 0, rows, acc + i0);
+        }
+}
+
+INLINE void store_sums(__m256i (*acc)[2], int rows, int32_t (*out)[16]) {
+    for (int i = 0; i < rows; i++) {
         _mm256_storeu_si256((__m256i *)out[i], acc[i][0]);
         _mm256_storeu_si256((__m256i *)(out[i] + 8), acc[i][1]);
     }
+}
+
+/* As the AVX-512 version, on nibbles. */
+INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
+                       int32_t (*out)[16]) {
+    __m256i acc[MB][2];
+    for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+    lanes_span((const uint8_t *)xq, xstride, w, 0, K / 4, mb >= FETCH_ROWS ? ahead : 0, 0, mb, acc);
+    store_sums(acc, mb, out);
 }
 #endif
 
@@ -190,20 +261,26 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
  * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
  * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
  * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
+/* Rows of x a pass over a thread's blocks: their activations for the two streams' heads stay in L1 from block to
+ * block (AVX2's nibbles at K = 128: 16 KB). All of them at once, at 128 and 512 rows, read them from L2 at every
+ * block: 0.92x and 0.70x the vpsignb kernel's time on the nibbles' twice as many bytes. */
+#define HEAD_ROWS 32
+
 int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                      const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     ScratchMark mark = scratch_mark();
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
     if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
-    int64_t per_head = N / 16, blocks = H * per_head;
+    int64_t per_head = N / 16, blocks = H * per_head, bytes = int8_row_bytes(K);
 #pragma omp parallel num_threads(threads)
     for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                 len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
+                 len = blocks * (part + 1) / parts - begin, r0 = 0; r0 < M; r0 += HEAD_ROWS)
+    for (int64_t idx = 0, r1 = M - r0 < HEAD_ROWS ? M : r0 + HEAD_ROWS; idx < len; idx++) {
         int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
-            int mb = M - m0 < MB ? (int)(M - m0) : MB;
+        for (int64_t m0 = r0; m0 < r1; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
+            int mb = r1 - m0 < MB ? (int)(r1 - m0) : MB;
             int32_t out[MB][16];
-            FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * K, H * K, w + b * 16 * K, K, 0)
+            FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * bytes, H * bytes, w + b * 16 * K, K, 0)
             for (int i = 0; i < mb; i++)
                 for (int j = 0; j < 16; j++) {
                     int64_t hn = h * N + n0 + j, row = (m0 + i) * H + h;
@@ -265,7 +342,8 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[MB][16];
-        FOR_ROWS(lanes_sums, a.q + (first + m0) * K, K, block + INT8_HEADER, K, INT8_HEADER + 16 * K)
+        FOR_ROWS(lanes_sums, a.q + (first + m0) * int8_row_bytes(K), int8_row_bytes(K), block + INT8_HEADER, K,
+                 INT8_HEADER + 16 * K)
         block_epilogue(block, a, first + m0, mb, out, dots + 16 * m0);
     }
 }
@@ -326,36 +404,21 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
         }
 }
 #else
-/* As the AVX-512 version's turns of PAIR_CHUNK units at every row count, each unit as lanes_sums' two halves of 8
- * outputs, each fetching its stream's line READ_AHEAD bytes on. No fetch_next: in these turns it measured 0.92-1.06x
- * at 4-8 rows (the AVX2 build on Zen 4). */
+/* As the AVX-512 version's turns of PAIR_CHUNK units (whole groups of NIBBLE_STEPS) at every row count, on nibbles
+ * as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No fetch_next: in these
+ * turns it measured 0.92-1.06x at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
     (void)ahead;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w[2] = {w0, w1}, *xq[2] = {x0, x1};
     __m256i acc[2][MB][2];
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < mb; i++) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_si256();
     for (int64_t units = K / 4, c0 = 0; c0 < units; c0 += PAIR_CHUNK)
         for (int s = 0; s < 2; s++)
-            for (int64_t c = c0; c < c0 + PAIR_CHUNK && c < units; c++) {
-                fetch_near(w[s] + 64 * c);
-                for (int h = 0; h < 2; h++) {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h));
-                    __m256i aw = _mm256_abs_epi8(wv);
-                    for (int i = 0; i < mb; i++) {
-                        __m256i xv = _mm256_set1_epi32(four_bytes(xq[s] + i * xstride + 4 * c));
-                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-                        acc[s][i][h] = _mm256_add_epi32(acc[s][i][h], _mm256_madd_epi16(p, ones));
-                    }
-                }
-            }
-    for (int s = 0; s < 2; s++)
-        for (int i = 0; i < mb; i++) {
-            _mm256_storeu_si256((__m256i *)out[s][i], acc[s][i][0]);
-            _mm256_storeu_si256((__m256i *)(out[s][i] + 8), acc[s][i][1]);
-        }
+            lanes_span((const uint8_t *)xq[s], xstride, w[s], c0, c0 + PAIR_CHUNK < units ? c0 + PAIR_CHUNK : units, 0,
+                       1, mb, acc[s]);
+    for (int s = 0; s < 2; s++) store_sums(acc[s], mb, out[s]);
 }
 #endif
 
@@ -372,8 +435,9 @@ void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[2][MB][16];
-        FOR_ROWS(lanes_sums_pair, a0.q + (first0 + m0) * K, a1.q + (first1 + m0) * K, K, block0 + INT8_HEADER,
-                 block1 + INT8_HEADER, K, INT8_HEADER + 16 * K)
+        int64_t bytes = int8_row_bytes(K);
+        FOR_ROWS(lanes_sums_pair, a0.q + (first0 + m0) * bytes, a1.q + (first1 + m0) * bytes, bytes,
+                 block0 + INT8_HEADER, block1 + INT8_HEADER, K, INT8_HEADER + 16 * K)
         block_epilogue(block0, a0, first0 + m0, mb, out[0], dots0 + 16 * m0);
         block_epilogue(block1, a1, first1 + m0, mb, out[1], dots1 + 16 * m0);
     }
