@@ -154,11 +154,12 @@ def test_int4_few_rows_read_two_blocks_at_once_and_keep_each_rows_result(isa, gr
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_int4_layer_runs_its_kernel_at_any_row_count(isa):
-    """Prefill's many rows too (past the kernel's chunk of 256 rows a pass over the weight): every row's result is
-    the one it gets alone, bit for bit, and matches the formula."""
-    w, x = _data(300, 40, 256, seed=3)
-    q, scale, minimum = quantize_int4(w, 64)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_layer_runs_its_kernel_at_any_row_count(isa, group):
+    """Prefill's many rows too (past the kernel's chunk of 256 rows a pass over the weight; on AVX2 the blocks' halves
+    in turn): every row's result is the one it gets alone, bit for bit, and matches the formula."""
+    w, x = _data(301, 40, 256, seed=3)
+    q, scale, minimum = quantize_int4(w, group)
     bias = torch.randn(40)
     layer = NativeInt4Linear(q, scale, minimum, torch.nn.Parameter(bias), kernels(isa))
     many = layer(x)
