@@ -23,6 +23,17 @@
  * to 512 rows; without the two corrections 1.16x faster). Only fewer float operations a group, i.e. other numerics,
  * would close that gap.
  *
+ * AVX2 (no vpdpbusd) multiplies with vpmaddubsw into int16 pairs: per row, 32-byte half-unit and 8 columns 2 of
+ * those and their adds, on the same vector ports as the unpacking and the float operations. It counts every vector
+ * operation: a half-unit's pair sums stay in int16 over 4 units (the bound in int4_run), so one vpmaddwd a row per
+ * 32 columns instead of one vpmaddwd and one int32 add a unit; and from 3 rows (int4_halves) a pass takes one half
+ * of the block at a time, 2 registers a row, so 4 rows (not 2) share each unpacking; per row, group of 32 and half,
+ * about 24 vector operations instead of 31. Same sums, same float order, same bits. Intel Xeon with AMX (the VM
+ * names no model), `ATEN_CPU_CAPABILITY=avx2`, 2 threads, CPU time, `benchmarks/int4_rows_ab.py --isa avx2` against
+ * the code before, at 16-512 rows of 2816x2048, 2048x1408 and 3072x1536 (2026-12-06, medians of 5 rounds): group 32
+ * 1.17-1.25x, 64 1.12-1.18x, 128 1.22-1.27x; at 8 rows from memory 1.07x (pairs run the halves from 6 rows; at
+ * 3-5 the reads bind and the pairs keep int4_group), at 1-4 rows the same.
+ *
  * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s
  * in the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep
  * the core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on
