@@ -189,7 +189,7 @@ INLINE void int4_halves(const int8_t *xq, const float *xs, const float *corr, co
         __m256 res[HROWS];
         for (int i = 0; i < mb; i++) res[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < K / G; g++) {
-            if (h == 0) fetch_ahead(p + g * (64 + 8 * G), G);
+            if (h == 0) fetch_ahead(p + g * (64 + 8 * G), G); /* the second half finds the block in cache */
             int4_half_group(xq, xs, corr, p + g * (64 + 8 * G), K, G, g, h, mb, res);
         }
         for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);
@@ -225,35 +225,31 @@ INLINE void int4_block_pair(const int8_t *x0, const float *xs0, const float *cor
 /* Row r of a's quantized rows, scales and corrections. */
 #define INT4_ROW(a, r, K, G) (a).q + (r) * (K), (a).s + (r) * ((K) / XBLOCK), (a).corr + (r) * 2 * ((K) / (G))
 
+/* fn (int4_block or int4_halves) over rows first.. first + m of a in passes of `rows`, with mb and G constants: the
+ * loops over them unrolled. */
+#define INT4_PASSES(rows, fn)                                                       \
+    for (int64_t m0 = 0; m0 < m; m0 += rows) {                                      \
+        int mb = m - m0 < rows ? (int)(m - m0) : rows;                              \
+        float(*out)[16] = (float(*)[16])(dots + 16 * m0);                           \
+        if (G == 128)                                                               \
+            FOR_ROWS_UPTO(rows, fn, INT4_ROW(a, first + m0, K, 128), block, K, 128) \
+        else if (G == 64)                                                           \
+            FOR_ROWS_UPTO(rows, fn, INT4_ROW(a, first + m0, K, 64), block, K, 64)   \
+        else                                                                        \
+            FOR_ROWS_UPTO(rows, fn, INT4_ROW(a, first + m0, K, 32), block, K, 32)   \
+    }
+
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots) {
 #ifdef LS_AMX
     if (m >= amx_int4_rows(G)) return amx_int4_block_dots(a, first, m, block, K, G, dots);
 #endif
 #ifndef LS_AVX512
     if (m >= HALVES_FROM) {
-        for (int64_t m0 = 0; m0 < m; m0 += HROWS) {
-            int mb = m - m0 < HROWS ? (int)(m - m0) : HROWS;
-            float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-            if (G == 128)
-                FOR_ROWS_UPTO(HROWS, int4_halves, INT4_ROW(a, first + m0, K, 128), block, K, 128)
-            else if (G == 64)
-                FOR_ROWS_UPTO(HROWS, int4_halves, INT4_ROW(a, first + m0, K, 64), block, K, 64)
-            else
-                FOR_ROWS_UPTO(HROWS, int4_halves, INT4_ROW(a, first + m0, K, 32), block, K, 32)
-        }
+        INT4_PASSES(HROWS, int4_halves)
         return;
     }
 #endif
-    for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
-        int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
-        float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-        if (G == 128) /* a constant group size: the loops over it unrolled */
-            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 128), block, K, 128)
-        else if (G == 64)
-            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 64), block, K, 64)
-        else
-            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 32), block, K, 32)
-    }
+    INT4_PASSES(QROWS, int4_block)
 }
 
 void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
