@@ -17,6 +17,32 @@
  */
 #include "quant.h"
 
+/* Rows (of a pass) from which the sums, not the reads, bind the core: the AVX-512 build's sums at 3-4 rows still
+ * take less time than the reads, AVX2's (2-4x slower) do not. */
+#ifdef LS_AVX512
+#define FETCH_ROWS 5
+#else
+#define FETCH_ROWS 3
+#endif
+
+/* Unit c of the block the caller reads next, `ahead` bytes past this one's (0: none), fetched into L2 while this
+ * block's unit c is summed, from FETCH_ROWS rows: the core is then busy with dot products and the hardware
+ * prefetchers alone let the weight's reads fall behind (lm_head at 8 rows 1.2x and at 16 rows 1.5x faster,
+ * benchmarks/RESULTS.md "Fetching the next block"). Below, the loads bind, the prefetchers keep up, and software
+ * prefetches measured slower (0.7-0.96x at 1-2 rows, 0.83-1.10x at 4). */
+INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
+    /* The address in integers: past the last block it points outside the weight (a prefetch does not fault). */
+    if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
+}
+
+/* The line READ_AHEAD bytes past the unit at p, fetched into L1 while this one is summed (past a block's end: the
+ * next block in memory, which the drivers read next). Two blocks' streams at 1-8 rows (lanes_sums_pair): the loads
+ * wait on memory without it. Intel Xeon, 2 threads, CPU time, `int8_linear_ab.py --rows 1,2,4,8` (2816 / 1408 /
+ * 102400 x 2048), before -> after: the AVX2 build 1.34-1.39x at 1 row, 1.58-1.70x at 2, 1.72-1.78x at 4, 1.39-1.40x
+ * at 8; the AVX-512 one 1.04-1.07x, 1.15-1.22x, 1.25-1.30x, 1.01-1.06x (where fetch_next already ran). Not measured
+ * on AMD, where fetch_next's next-block prefetch into L2 was slower below FETCH_ROWS. Same sums, same bits. */
+INLINE void fetch_near(const int8_t *p) { _mm_prefetch((const char *)((uintptr_t)p + READ_AHEAD), _MM_HINT_T0); }
+
 #ifdef LS_AVX512
 /* dot[i] = sum_k (xq[i * xstride + k] + 128) * w[k] over mb activation rows. */
 INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
@@ -36,63 +62,7 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
     for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_epi32(acc[i]);
 }
 #else
-INLINE int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* The AVX2 sums, on the activations' nibbles (quant.h int8_row_bytes): vpmaddubsw of each nibble (unsigned, at most
- * 15) with the weights (signed, -128 allowed) gives pairs of products of at most 2 * 15 * 128 = 3840, so
- * NIBBLE_STEPS of them add up in int16 before one vpmaddwd widens them (by 16 for the high nibbles, by 1 for the
- * low). Per row and 32 bytes of weights that is two vpmaddubsw and two vpaddw, against vpsignb, vpmaddubsw, vpmaddwd
- * and vpaddd (u8 |w| times x with w's sign) before: the same count, but half of it is additions, which a third vector
- * port takes, where the multiplier ports took three of four (benchmarks/RESULTS.md "int8 on AVX2: nibbles"). */
-#define NIBBLE_STEPS 8
-
-/* hi, lo (the int16 sums of a row's steps) += the products of the broadcast or loaded nibbles with wv; first: they
- * start there. The empty asm keeps each sum a chain: GCC otherwise reassociates the steps into a tree of products
- * spilled to the stack. */
-INLINE void nibble_step(__m256i x_hi, __m256i x_lo, __m256i wv, int first, __m256i *hi, __m256i *lo) {
-    __m256i ph = _mm256_maddubs_epi16(x_hi, wv), pl = _mm256_maddubs_epi16(x_lo, wv);
-    *hi = first ? ph : _mm256_add_epi16(*hi, ph);
-    *lo = first ? pl : _mm256_add_epi16(*lo, pl);
-    __asm__("" : "+x"(*hi), "+x"(*lo));
-}
-
-/* acc (int32) + 16 hi + lo, pairs of int16 lanes added. */
-INLINE __m256i nibble_widen(__m256i acc, __m256i hi, __m256i lo) {
-    __m256i sums = _mm256_add_epi32(_mm256_madd_epi16(hi, _mm256_set1_epi16(16)),
-                                    _mm256_madd_epi16(lo, _mm256_set1_epi16(1)));
-    return _mm256_add_epi32(acc, sums);
-}
-
-/* dot[i] = sum_k (x[i, k] + 128) * w[k] over mb rows of nibbles (xstride bytes apart): 32 columns a step. */
-INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
-    const uint8_t *x = (const uint8_t *)xq;
-    __m256i acc[MB];
-    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_si256();
-    int64_t k = 0;
-    while (k + 32 <= K) {
-        __m256i hi[MB], lo[MB];
-        for (int i = 0; i < mb; i++) hi[i] = lo[i] = _mm256_setzero_si256();
-        for (int step = 0; step < NIBBLE_STEPS && k + 32 <= K; step++, k += 32) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
-            for (int i = 0; i < mb; i++) {
-                const uint8_t *p = x + i * xstride + 2 * k;
-                nibble_step(_mm256_loadu_si256((const __m256i *)p), _mm256_loadu_si256((const __m256i *)(p + 32)), wv,
-                            0, &hi[i], &lo[i]);
-            }
-        }
-        for (int i = 0; i < mb; i++) acc[i] = nibble_widen(acc[i], hi[i], lo[i]);
-    }
-    for (int i = 0; i < mb; i++) {
-        int32_t d = hsum_epi32(acc[i]);
-        for (int64_t t = k; t < K; t++) d += (16 * x[i * xstride + k + t] + x[i * xstride + k + t + 32]) * w[t];
-        dot[i] = d;
-    }
-}
+#include "int8_nibbles.h"
 #endif
 
 /* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
@@ -132,31 +102,6 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
     return LS_OK;
 }
 
-/* Rows (of a pass) from which the sums, not the reads, bind the core: the AVX-512 build's sums at 3-4 rows still
- * take less time than the reads, AVX2's (2-4x slower) do not. */
-#ifdef LS_AVX512
-#define FETCH_ROWS 5
-#else
-#define FETCH_ROWS 3
-#endif
-
-/* Unit c of the block the caller reads next, `ahead` bytes past this one's (0: none), fetched into L2 while this
- * block's unit c is summed, from FETCH_ROWS rows: the core is then busy with dot products and the hardware
- * prefetchers alone let the weight's reads fall behind (lm_head at 8 rows 1.2x and at 16 rows 1.5x faster,
- * benchmarks/RESULTS.md "Fetching the next block"). Below, the loads bind, the prefetchers keep up, and software
- * prefetches measured slower (0.7-0.96x at 1-2 rows, 0.83-1.10x at 4). */
-INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
-    /* The address in integers: past the last block it points outside the weight (a prefetch does not fault). */
-    if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
-}
-
-/* The line READ_AHEAD bytes past the unit at p, fetched into L1 while this one is summed (past a block's end: the
- * next block in memory, which the drivers read next). Two blocks' streams at 1-8 rows (lanes_sums_pair): the loads
- * wait on memory without it. Intel Xeon, 2 threads, CPU time, `int8_linear_ab.py --rows 1,2,4,8` (2816 / 1408 /
- * 102400 x 2048), before -> after: the AVX2 build 1.34-1.39x at 1 row, 1.58-1.70x at 2, 1.72-1.78x at 4, 1.39-1.40x
- * at 8; the AVX-512 one 1.04-1.07x, 1.15-1.22x, 1.25-1.30x, 1.01-1.06x (where fetch_next already ran). Not measured
- * on AMD, where fetch_next's next-block prefetch into L2 was slower below FETCH_ROWS. Same sums, same bits. */
-INLINE void fetch_near(const int8_t *p) { _mm_prefetch((const char *)((uintptr_t)p + READ_AHEAD), _MM_HINT_T0); }
 
 #ifdef LS_AVX512
 /* sums[i][j] = sum_k (xq[i * xstride + k] + 128) * w[j, k] for mb activation rows and the 16 outputs of a block in
@@ -190,63 +135,6 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
     }
 }
 #else
-/* Rows a pass of the AVX2 lanes kernels (of MB a pass of the callers'): their four int16 sums each, the unit's two
- * weight vectors and the broadcasts fill the 16 registers; 3 rows spilled (0.95-0.98x). */
-#define NIBBLE_ROWS 2
-
-/* Unit u of a group (x, w at the group's first): hi, lo [i][h] (h: the unit's halves of 8 outputs) as nibble_step
- * for rows i < rows of nibbles x, xstride apart. ahead: unit u of the next block fetched into L2 (fetch_next); near:
- * the line READ_AHEAD bytes on into L1 (fetch_near). */
-INLINE void lanes_unit(const uint8_t *x, int64_t xstride, const int8_t *w, int u, int64_t ahead, int near, int rows,
-                       __m256i (*hi)[2], __m256i (*lo)[2]) {
-    if (ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * u + ahead), _MM_HINT_T1);
-    if (near) fetch_near(w + 64 * u);
-    __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * u));
-    __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * u + 32));
-    for (int i = 0; i < rows; i++) {
-        __m256i x_hi = _mm256_set1_epi32(four_bytes((const int8_t *)x + i * xstride + 4 * u));
-        __m256i x_lo = _mm256_set1_epi32(four_bytes((const int8_t *)x + i * xstride + 32 + 4 * u));
-        nibble_step(x_hi, x_lo, w0, u == 0, &hi[i][0], &lo[i][0]);
-        nibble_step(x_hi, x_lo, w1, u == 0, &hi[i][1], &lo[i][1]);
-    }
-}
-
-/* acc[i][h] += the sums of units 0 < n <= NIBBLE_STEPS of a group (lanes_unit's). */
-INLINE void lanes_group(const uint8_t *x, int64_t xstride, const int8_t *w, int n, int64_t ahead, int near, int rows,
-                        __m256i (*acc)[2]) {
-    __m256i hi[NIBBLE_ROWS][2], lo[NIBBLE_ROWS][2];
-    lanes_unit(x, xstride, w, 0, ahead, near, rows, hi, lo);
-#pragma GCC unroll 8
-    for (int u = 1; u < n; u++) lanes_unit(x, xstride, w, u, ahead, near, rows, hi, lo);
-    for (int i = 0; i < rows; i++)
-        for (int h = 0; h < 2; h++) acc[i][h] = nibble_widen(acc[i][h], hi[i][h], lo[i][h]);
-}
-
-/* lanes_group of units [c, end) of w (c a multiple of NIBBLE_STEPS: x's groups of 32 columns) for mb rows,
- * NIBBLE_ROWS at a time group by group: the group's weights are read from L1 by the later rows and the reads from
- * memory keep an even pace (the rows in turns over whole 2 KB turns measured 0.89-0.92x at 4 rows). The first rows
- * fetch. */
-INLINE void lanes_span(const uint8_t *x, int64_t xstride, const int8_t *w, int64_t c, int64_t end, int64_t ahead,
-                       int near, int mb, __m256i (*acc)[2]) {
-    for (; c < end; c += NIBBLE_STEPS)
-        for (int i0 = 0; i0 < mb; i0 += NIBBLE_ROWS) {
-            int rows = mb - i0 < NIBBLE_ROWS ? mb - i0 : NIBBLE_ROWS;
-            const uint8_t *xg = x + i0 * xstride + 8 * c;
-            int64_t fetch = i0 == 0 ? ahead : 0;
-            if (c + NIBBLE_STEPS <= end)
-                lanes_group(xg, xstride, w + 64 * c, NIBBLE_STEPS, fetch, near && i0 == 0, rows, acc + i0);
-            else
-                lanes_group(xg, xstride, w + 64 * c, (int)(end - c), fetch, near && i0 == 0, rows, acc + i0);
-        }
-}
-
-INLINE void store_sums(__m256i (*acc)[2], int rows, int32_t (*out)[16]) {
-    for (int i = 0; i < rows; i++) {
-        _mm256_storeu_si256((__m256i *)out[i], acc[i][0]);
-        _mm256_storeu_si256((__m256i *)(out[i] + 8), acc[i][1]);
-    }
-}
-
 /* As the AVX-512 version, on nibbles. */
 INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
                        int32_t (*out)[16]) {
@@ -257,15 +145,15 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
 }
 #endif
 
-/* ls_int8_heads for a weight in the lanes layout [H, N / 16, K / 4, 16, 4] (element [h, b, c, j, i] = w[h, 16 b + j,
- * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
- * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
- * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
 /* Rows of x a pass over a thread's blocks: their activations for the two streams' heads stay in L1 from block to
  * block (AVX2's nibbles at K = 128: 16 KB). All of them at once, at 128 and 512 rows, read them from L2 at every
  * block: 0.92x and 0.70x the vpsignb kernel's time on the nibbles' twice as many bytes. */
 #define HEAD_ROWS 32
 
+/* ls_int8_heads for a weight in the lanes layout [H, N / 16, K / 4, 16, 4] (element [h, b, c, j, i] = w[h, 16 b + j,
+ * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
+ * W_UK (128 columns: 8192 of them for 16 heads) cost ls_int8_heads a fixed overhead each that dominated; here it is
+ * paid once a block. The integer sums and the float epilogue are ls_int8_heads', so the outputs are equal. */
 int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                      const int32_t *wsum, int64_t N, void *y, int io, int threads) {
     ScratchMark mark = scratch_mark();
@@ -275,20 +163,20 @@ int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_
 #pragma omp parallel num_threads(threads)
     for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
                  len = blocks * (part + 1) / parts - begin, r0 = 0; r0 < M; r0 += HEAD_ROWS)
-    for (int64_t idx = 0, r1 = M - r0 < HEAD_ROWS ? M : r0 + HEAD_ROWS; idx < len; idx++) {
-        int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
-        for (int64_t m0 = r0; m0 < r1; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
-            int mb = r1 - m0 < MB ? (int)(r1 - m0) : MB;
-            int32_t out[MB][16];
-            FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * bytes, H * bytes, w + b * 16 * K, K, 0)
-            for (int i = 0; i < mb; i++)
-                for (int j = 0; j < 16; j++) {
-                    int64_t hn = h * N + n0 + j, row = (m0 + i) * H + h;
-                    float v = (float)(out[i][j] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn];
-                    store_out(y, io & 2, row * N + n0 + j, v);
-                }
+        for (int64_t idx = 0, r1 = M - r0 < HEAD_ROWS ? M : r0 + HEAD_ROWS; idx < len; idx++) {
+            int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
+            for (int64_t m0 = r0; m0 < r1; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
+                int mb = r1 - m0 < MB ? (int)(r1 - m0) : MB;
+                int32_t out[MB][16];
+                FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * bytes, H * bytes, w + b * 16 * K, K, 0)
+                for (int i = 0; i < mb; i++)
+                    for (int j = 0; j < 16; j++) {
+                        int64_t hn = h * N + n0 + j, row = (m0 + i) * H + h;
+                        float v = (float)(out[i][j] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn];
+                        store_out(y, io & 2, row * N + n0 + j, v);
+                    }
+            }
         }
-    }
     scratch_release(mark);
     return LS_OK;
 }
