@@ -23,6 +23,17 @@
  * to 512 rows; without the two corrections 1.16x faster). Only fewer float operations a group, i.e. other numerics,
  * would close that gap.
  *
+ * AVX2 (no vpdpbusd) multiplies with vpmaddubsw into int16 pairs: per row, 32-byte half-unit and 8 columns 2 of
+ * those and their adds, on the same vector ports as the unpacking and the float operations. It counts every vector
+ * operation: a half-unit's pair sums stay in int16 over 4 units (the bound in int4_run), so one vpmaddwd a row per
+ * 32 columns instead of one vpmaddwd and one int32 add a unit; and from 3 rows (int4_halves) a pass takes one half
+ * of the block at a time, 2 registers a row, so 4 rows (not 2) share each unpacking; per row, group of 32 and half,
+ * about 24 vector operations instead of 31. Same sums, same float order, same bits. Intel Xeon with AMX (the VM
+ * names no model), `ATEN_CPU_CAPABILITY=avx2`, 2 threads, CPU time, `benchmarks/int4_rows_ab.py --isa avx2` against
+ * the code before, at 16-512 rows of 2816x2048, 2048x1408 and 3072x1536 (2026-12-06, medians of 5 rounds): group 32
+ * 1.17-1.25x, 64 1.12-1.18x, 128 1.22-1.27x; at 8 rows from memory 1.07x (pairs run the halves from 6 rows; at
+ * 3-5 the reads bind and the pairs keep int4_group), at 1-4 rows the same.
+ *
  * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s
  * in the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep
  * the core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on
@@ -94,67 +105,94 @@ INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, con
     }
 }
 #else
-#define QROWS 2 /* 16 vector registers: 4 a row */
+#define QROWS 2   /* rows a pass of the pairs (int4_group: a unit's two halves in turn) */
+#define HROWS 4   /* rows a pass of int4_halves: 2 registers a row (3 at groups of 64 and 128) */
+#define HALVES_FROM 3 /* rows from which a lone block runs int4_halves */
+#define PAIR_HALVES_FROM 6 /* rows from which a pair runs int4_halves on each block: below, the reads bind */
 
-typedef __m256 Sums[QROWS][2]; /* each row's 16 outputs as two halves of 8 */
+typedef __m256 Sums[2][QROWS]; /* the 16 outputs of a block as two halves of 8, for each activation row of a pass */
 
 INLINE void zero_sums(Sums res, int mb) {
-    for (int i = 0; i < mb; i++) res[i][0] = res[i][1] = _mm256_setzero_ps();
+    for (int i = 0; i < mb; i++) res[0][i] = res[1][i] = _mm256_setzero_ps();
 }
 
 INLINE void store_sums(Sums res, int mb, float (*out)[16]) {
     for (int i = 0; i < mb; i++) {
-        _mm256_storeu_ps(out[i], res[i][0]);
-        _mm256_storeu_ps(out[i] + 8, res[i][1]);
+        _mm256_storeu_ps(out[i], res[0][i]);
+        _mm256_storeu_ps(out[i] + 8, res[1][i]);
     }
 }
 
-/* As the AVX-512 version, each 64-byte unit as two halves of 8 outputs: pairs of products summed in int16 (at most
- * 4 * 15 * 127 for the low and high nibbles' pairs together), then in int32. */
-INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
-                       int64_t g, int mb, Sums res) {
-    const __m256i low = _mm256_set1_epi8(0x0f), high_half = _mm256_set1_epi32((int)0xffff0000);
-    const __m256i ones = _mm256_set1_epi16(1);
-    int64_t span = G < XBLOCK ? G : XBLOCK;
-    __m256 scale[2], minimum[2];
-    fetch_ahead(p, G);
-    for (int h = 0; h < 2; h++) {
-        __m256i pairs = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
-        scale[h] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-        minimum[h] = _mm256_castsi256_ps(_mm256_and_si256(pairs, high_half));
-    }
-    p += 64;
-    for (int64_t k = g * G; k < (g + 1) * G; k += span) {
-        __m256i acc[QROWS][2];
-        for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-        for (int64_t c = k; c < k + span; c += 8, p += 64) {
-            __m256i lo[2], hi[2];
-            for (int h = 0; h < 2; h++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
-                lo[h] = _mm256_and_si256(v, low);
-                hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            }
-            for (int i = 0; i < mb; i++) {
-                __m256i x0 = _mm256_set1_epi32(four_bytes(xq + i * K + c));
-                __m256i x1 = _mm256_set1_epi32(four_bytes(xq + i * K + c + 4));
-                for (int h = 0; h < 2; h++) {
-                    __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
-                    acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pair, ones));
-                }
-            }
+/* acc[i] (+)= the int32 sums of 4 units (columns c .. c + 31) of one half of a block for row i, the half-units at p,
+ * 64 bytes apart; `first`: acc[i] starts there. vpmaddubsw sums a nibble pair's products in int16, at most 2 * 15 *
+ * 127 = 3810 (|xq| <= 127); the low and high nibbles of 4 units are 8 of those, at most 30480 < 32767 in int16 in any
+ * order: exact, and one vpmaddwd a row takes them to int32 (not one a unit). */
+INLINE void int4_run(const int8_t *xq, const uint8_t *p, int64_t K, int64_t c, int first, int mb, __m256i *acc) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256i run[HROWS];
+    for (int i = 0; i < mb; i++) run[i] = _mm256_setzero_si256();
+    for (int u = 0; u < 4; u++, c += 8, p += 64) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)p);
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < mb; i++) {
+            __m256i x0 = _mm256_set1_epi32(four_bytes(xq + i * K + c));
+            __m256i x1 = _mm256_set1_epi32(four_bytes(xq + i * K + c + 4));
+            run[i] = _mm256_add_epi16(run[i], _mm256_maddubs_epi16(lo, x0));
+            run[i] = _mm256_add_epi16(run[i], _mm256_maddubs_epi16(hi, x1));
+            /* a chain per row: else gcc sums the group's products as a tree, all of them live, spilled (0.8x) */
+            __asm__("" : "+x"(run[i]));
         }
+    }
+    for (int i = 0; i < mb; i++) {
+        __m256i sums = _mm256_madd_epi16(run[i], _mm256_set1_epi16(1));
+        acc[i] = first ? sums : _mm256_add_epi32(acc[i], sums);
+    }
+}
+
+/* res[i] += group g's part of outputs 8h .. 8h + 7 of a block for activation row i: the AVX-512 int4_group's
+ * arithmetic, in its order, on one half of each 64-byte unit; the group's bytes at p. */
+INLINE void int4_half_group(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K,
+                            int64_t G, int64_t g, int h, int mb, __m256 *res) {
+    int64_t span = G < XBLOCK ? G : XBLOCK;
+    __m256i pairs = _mm256_loadu_si256((const __m256i *)(p + 32 * h));
+    __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    __m256 minimum = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xffff0000)));
+    p += 64 + 32 * h;
+    for (int64_t k = g * G; k < (g + 1) * G; k += span) { /* under one scale of x */
+        __m256i acc[HROWS];
+        for (int64_t c = k; c < k + span; c += 32, p += 4 * 64) int4_run(xq, p, K, c, c == k, mb, acc);
         for (int i = 0; i < mb; i++) {
             __m256 sx = _mm256_set1_ps(xs[i * (K / XBLOCK) + k / XBLOCK]);
-            for (int h = 0; h < 2; h++)
-                res[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale[h], sx), _mm256_cvtepi32_ps(acc[i][h]), res[i][h]);
+            res[i] = _mm256_fmadd_ps(_mm256_mul_ps(scale, sx), _mm256_cvtepi32_ps(acc[i]), res[i]);
         }
     }
     for (int i = 0; i < mb; i++) {
         const float *cg = corr + i * 2 * (K / G) + 2 * g;
-        for (int h = 0; h < 2; h++) {
-            res[i][h] = _mm256_fmadd_ps(scale[h], _mm256_set1_ps(cg[0]), res[i][h]);
-            res[i][h] = _mm256_fmadd_ps(minimum[h], _mm256_set1_ps(cg[1]), res[i][h]);
+        res[i] = _mm256_fmadd_ps(scale, _mm256_set1_ps(cg[0]), res[i]);
+        res[i] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(cg[1]), res[i]);
+    }
+}
+
+/* As the AVX-512 int4_group, each row's 16 outputs as two halves of 8, the group's halves in turn. */
+INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                       int64_t g, int mb, Sums res) {
+    fetch_ahead(p, G);
+    for (int h = 0; h < 2; h++) int4_half_group(xq, xs, corr, p, K, G, g, h, mb, res[h]);
+}
+
+/* int4_block for more rows: the block's half h = 0, then h = 1, each over all its groups with one register of float
+ * sums a row (int4_group keeps both halves': 4 registers a row, 2 rows a pass), so HROWS rows share each unpacked
+ * half-unit. The same operations on each output, in the same order: the same bits. */
+INLINE void int4_halves(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
+                        int mb, float (*out)[16]) {
+    for (int h = 0; h < 2; h++) {
+        __m256 res[HROWS];
+        for (int i = 0; i < mb; i++) res[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < K / G; g++) {
+            if (h == 0) fetch_ahead(p + g * (64 + 8 * G), G); /* the second half finds the block in cache */
+            int4_half_group(xq, xs, corr, p + g * (64 + 8 * G), K, G, g, h, mb, res);
         }
+        for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);
     }
 }
 #endif
@@ -187,24 +225,42 @@ INLINE void int4_block_pair(const int8_t *x0, const float *xs0, const float *cor
 /* Row r of a's quantized rows, scales and corrections. */
 #define INT4_ROW(a, r, K, G) (a).q + (r) * (K), (a).s + (r) * ((K) / XBLOCK), (a).corr + (r) * 2 * ((K) / (G))
 
+/* fn (int4_block or int4_halves) over rows first.. first + m of a in passes of `rows`, with mb and G constants: the
+ * loops over them unrolled. */
+#define INT4_PASSES(rows, fn)                                                       \
+    for (int64_t m0 = 0; m0 < m; m0 += rows) {                                      \
+        int mb = m - m0 < rows ? (int)(m - m0) : rows;                              \
+        float(*out)[16] = (float(*)[16])(dots + 16 * m0);                           \
+        if (G == 128)                                                               \
+            FOR_ROWS_UPTO(rows, fn, INT4_ROW(a, first + m0, K, 128), block, K, 128) \
+        else if (G == 64)                                                           \
+            FOR_ROWS_UPTO(rows, fn, INT4_ROW(a, first + m0, K, 64), block, K, 64)   \
+        else                                                                        \
+            FOR_ROWS_UPTO(rows, fn, INT4_ROW(a, first + m0, K, 32), block, K, 32)   \
+    }
+
 void int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G, float *dots) {
 #ifdef LS_AMX
     if (m >= amx_int4_rows(G)) return amx_int4_block_dots(a, first, m, block, K, G, dots);
 #endif
-    for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
-        int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
-        float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-        if (G == 128) /* a constant group size: the loops over it unrolled */
-            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 128), block, K, 128)
-        else if (G == 64)
-            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 64), block, K, 64)
-        else
-            FOR_ROWS_UPTO(QROWS, int4_block, INT4_ROW(a, first + m0, K, 32), block, K, 32)
+#ifndef LS_AVX512
+    if (m >= HALVES_FROM) {
+        INT4_PASSES(HROWS, int4_halves)
+        return;
     }
+#endif
+    INT4_PASSES(QROWS, int4_block)
 }
 
 void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
                           const uint8_t *block1, int64_t K, int64_t G, float *dots0, float *dots1) {
+#ifndef LS_AVX512
+    if (m >= PAIR_HALVES_FROM) {
+        int4_block_dots(a0, first0, m, block0, K, G, dots0);
+        int4_block_dots(a1, first1, m, block1, K, G, dots1);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += QROWS) {
         int mb = m - m0 < QROWS ? (int)(m - m0) : QROWS;
         float(*out)[16] = (float(*)[16])(dots0 + 16 * m0), (*out1)[16] = (float(*)[16])(dots1 + 16 * m0);

@@ -9,97 +9,13 @@
  * 64-byte load holds 4 columns of 16 outputs and feeds every activation row of the pass, so many rows read the
  * activations once per block, not once per output.
  *
- * Built twice by native.py: with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8) and for AVX2 (vpmaddubsw).
- * Both compute the same integer sums, so their int8 outputs are equal, in every layout.
+ * Built twice by native.py: with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8) and for AVX2 (vpmaddubsw on
+ * the activations' nibbles). Both compute the same integer sums, sum_k (x + 128) w, so their int8 outputs are equal,
+ * in every layout.
  *
  * Rows: w int8 [H, N, K]; scale fp32 [H, N]; wsum int32 [H, N] = sum_k w[h, n, k]. Lanes: quant.h's.
  */
 #include "quant.h"
-
-#ifdef LS_AVX512
-/* dot[i] = sum_k (xq[i * xstride + k] + 128) * w[k] over mb activation rows. */
-INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
-    __m512i acc[MB];
-    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        __m512i wv = _mm512_loadu_si512(w + k);
-        for (int i = 0; i < mb; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512(xq + i * xstride + k), wv);
-    }
-    if (k < K) {
-        __mmask64 mask = ~0ULL >> (64 - (K - k));
-        __m512i wv = _mm512_maskz_loadu_epi8(mask, w + k);
-        for (int i = 0; i < mb; i++)
-            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_maskz_loadu_epi8(mask, xq + i * xstride + k), wv);
-    }
-    for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_epi32(acc[i]);
-}
-#else
-INLINE int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* dot[i] = sum_k xq[i * xstride + k] * w[k]: |w| (unsigned) times x with w's sign, so that pairs of products (at
- * most 2 * 128 * 127) fit vpmaddubsw's int16. Not |x| times w with x's sign: negating a weight of -128 overflows. */
-INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[MB];
-    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_si256();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), aw = _mm256_abs_epi8(wv);
-        for (int i = 0; i < mb; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * xstride + k));
-            __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p, ones));
-        }
-    }
-    for (int i = 0; i < mb; i++) {
-        int32_t d = hsum_epi32(acc[i]);
-        for (int64_t t = k; t < K; t++) d += (int32_t)xq[i * xstride + t] * w[t];
-        dot[i] = d;
-    }
-}
-#endif
-
-/* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
- * (m, h) row. */
-int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
-               const int32_t *wsum, int64_t N, void *y, int io, int threads) {
-    ScratchMark mark = scratch_mark();
-    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
-    if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
-#pragma omp parallel num_threads(threads)
-    {
-        /* Each thread a contiguous share of the H * N weight rows, read as two streams (`two_streams`): a cursor
-         * (head, row) on each half, advanced without a division per row (short rows: MLA's per-head products have
-         * 128 or 512 columns). */
-        int64_t rows = H * N, parts = omp_get_num_threads(), part = omp_get_thread_num();
-        int64_t begin = rows * part / parts, len = rows * (part + 1) / parts - begin, mid = (len + 1) / 2;
-        int64_t cursors[2][2] = {{begin / N, begin % N}, {(begin + mid) / N, (begin + mid) % N}};
-        for (int64_t idx = 0; idx < len; idx++) {
-            int64_t hn = two_streams(begin, len, idx), *cursor = cursors[idx & 1], h = cursor[0], n = cursor[1];
-            for (int64_t m0 = 0; m0 < M; m0 += MB) {
-                int mb = M - m0 < MB ? (int)(M - m0) : MB;
-                int32_t out[MB];
-                FOR_ROWS(int8_rows, a.q + (m0 * H + h) * K, H * K, w + hn * K, K)
-                for (int i = 0; i < mb; i++) {
-                    int64_t row = (m0 + i) * H + h;
-                    store_out(y, io & 2, row * N + n, (float)(out[i] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn]);
-                }
-            }
-            if (++cursor[1] == N) {
-                cursor[1] = 0;
-                cursor[0]++;
-            }
-        }
-    }
-    scratch_release(mark);
-    return LS_OK;
-}
 
 /* Rows (of a pass) from which the sums, not the reads, bind the core: the AVX-512 build's sums at 3-4 rows still
  * take less time than the reads, AVX2's (2-4x slower) do not. */
@@ -126,6 +42,66 @@ INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
  * at 8; the AVX-512 one 1.04-1.07x, 1.15-1.22x, 1.25-1.30x, 1.01-1.06x (where fetch_next already ran). Not measured
  * on AMD, where fetch_next's next-block prefetch into L2 was slower below FETCH_ROWS. Same sums, same bits. */
 INLINE void fetch_near(const int8_t *p) { _mm_prefetch((const char *)((uintptr_t)p + READ_AHEAD), _MM_HINT_T0); }
+
+#ifdef LS_AVX512
+/* dot[i] = sum_k (xq[i * xstride + k] + 128) * w[k] over mb activation rows. */
+INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int mb, int32_t dot[MB]) {
+    __m512i acc[MB];
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512i wv = _mm512_loadu_si512(w + k);
+        for (int i = 0; i < mb; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_loadu_si512(xq + i * xstride + k), wv);
+    }
+    if (k < K) {
+        __mmask64 mask = ~0ULL >> (64 - (K - k));
+        __m512i wv = _mm512_maskz_loadu_epi8(mask, w + k);
+        for (int i = 0; i < mb; i++)
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_maskz_loadu_epi8(mask, xq + i * xstride + k), wv);
+    }
+    for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_epi32(acc[i]);
+}
+#else
+#include "int8_nibbles.h"
+#endif
+
+/* y[m, h, n] = x[m, h, :] . w[h, n, :] for H independent weights (H = 1: a linear layer), x quantized per
+ * (m, h) row. */
+int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
+               const int32_t *wsum, int64_t N, void *y, int io, int threads) {
+    ScratchMark mark = scratch_mark();
+    QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
+    if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
+    int64_t bytes = int8_row_bytes(K);
+#pragma omp parallel num_threads(threads)
+    {
+        /* Each thread a contiguous share of the H * N weight rows, read as two streams (`two_streams`): a cursor
+         * (head, row) on each half, advanced without a division per row (short rows: MLA's per-head products have
+         * 128 or 512 columns). */
+        int64_t rows = H * N, parts = omp_get_num_threads(), part = omp_get_thread_num();
+        int64_t begin = rows * part / parts, len = rows * (part + 1) / parts - begin, mid = (len + 1) / 2;
+        int64_t cursors[2][2] = {{begin / N, begin % N}, {(begin + mid) / N, (begin + mid) % N}};
+        for (int64_t idx = 0; idx < len; idx++) {
+            int64_t hn = two_streams(begin, len, idx), *cursor = cursors[idx & 1], h = cursor[0], n = cursor[1];
+            for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                int mb = M - m0 < MB ? (int)(M - m0) : MB;
+                int32_t out[MB];
+                FOR_ROWS(int8_rows, a.q + (m0 * H + h) * bytes, H * bytes, w + hn * K, K)
+                for (int i = 0; i < mb; i++) {
+                    int64_t row = (m0 + i) * H + h;
+                    store_out(y, io & 2, row * N + n, (float)(out[i] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn]);
+                }
+            }
+            if (++cursor[1] == N) {
+                cursor[1] = 0;
+                cursor[0]++;
+            }
+        }
+    }
+    scratch_release(mark);
+    return LS_OK;
+}
+
 
 #ifdef LS_AVX512
 /* sums[i][j] = sum_k (xq[i * xstride + k] + 128) * w[j, k] for mb activation rows and the 16 outputs of a block in
@@ -159,32 +135,20 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
     }
 }
 #else
-/* As the AVX-512 version with x signed (vpmaddubsw's |w| times x with w's sign, as int8_rows does), each 64-byte
- * unit as two halves of 8 outputs. */
+/* As the AVX-512 version, on nibbles. */
 INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
                        int32_t (*out)[16]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256i acc[MB][2];
     for (int i = 0; i < mb; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < K / 4; c++) {
-        fetch_next(w, c, ahead, mb);
-        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
-        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));
-        __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-        for (int i = 0; i < mb; i++) {
-            __m256i xv = _mm256_set1_epi32(four_bytes(xq + i * xstride + 4 * c));
-            acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)),
-                                                                      ones));
-            acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)),
-                                                                      ones));
-        }
-    }
-    for (int i = 0; i < mb; i++) {
-        _mm256_storeu_si256((__m256i *)out[i], acc[i][0]);
-        _mm256_storeu_si256((__m256i *)(out[i] + 8), acc[i][1]);
-    }
+    lanes_span((const uint8_t *)xq, xstride, w, 0, K / 4, mb >= FETCH_ROWS ? ahead : 0, 0, mb, acc);
+    store_sums(acc, mb, out);
 }
 #endif
+
+/* Rows of x a pass over a thread's blocks: their activations for the two streams' heads stay in L1 from block to
+ * block (AVX2's nibbles at K = 128: 16 KB). All of them at once, at 128 and 512 rows, read them from L2 at every
+ * block: 0.92x and 0.70x the vpsignb kernel's time on the nibbles' twice as many bytes. */
+#define HEAD_ROWS 32
 
 /* ls_int8_heads for a weight in the lanes layout [H, N / 16, K / 4, 16, 4] (element [h, b, c, j, i] = w[h, 16 b + j,
  * 4 c + i]; N % 16 == 0, K % 4 == 0): 16 outputs a block, read as one stream of 16 * K bytes. Rows as short as MLA's
@@ -195,23 +159,24 @@ int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_
     ScratchMark mark = scratch_mark();
     QuantActs a = quantize_acts(x, io & 1, M * H, K, 8, 0, threads);
     if (!a.q) return scratch_release(mark), LS_NO_MEMORY;
-    int64_t per_head = N / 16, blocks = H * per_head;
+    int64_t per_head = N / 16, blocks = H * per_head, bytes = int8_row_bytes(K);
 #pragma omp parallel num_threads(threads)
     for (int64_t parts = omp_get_num_threads(), part = omp_get_thread_num(), begin = blocks * part / parts,
-                 len = blocks * (part + 1) / parts - begin, idx = 0; idx < len; idx++) {
-        int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
-        for (int64_t m0 = 0; m0 < M; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
-            int mb = M - m0 < MB ? (int)(M - m0) : MB;
-            int32_t out[MB][16];
-            FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * K, H * K, w + b * 16 * K, K, 0)
-            for (int i = 0; i < mb; i++)
-                for (int j = 0; j < 16; j++) {
-                    int64_t hn = h * N + n0 + j, row = (m0 + i) * H + h;
-                    float v = (float)(out[i][j] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn];
-                    store_out(y, io & 2, row * N + n0 + j, v);
-                }
+                 len = blocks * (part + 1) / parts - begin, r0 = 0; r0 < M; r0 += HEAD_ROWS)
+        for (int64_t idx = 0, r1 = M - r0 < HEAD_ROWS ? M : r0 + HEAD_ROWS; idx < len; idx++) {
+            int64_t b = two_streams(begin, len, idx), h = b / per_head, n0 = (b - h * per_head) * 16;
+            for (int64_t m0 = r0; m0 < r1; m0 += MB) { /* the block's 16 * K bytes stay in L1 across the rows of x */
+                int mb = r1 - m0 < MB ? (int)(r1 - m0) : MB;
+                int32_t out[MB][16];
+                FOR_ROWS(lanes_sums, a.q + (m0 * H + h) * bytes, H * bytes, w + b * 16 * K, K, 0)
+                for (int i = 0; i < mb; i++)
+                    for (int j = 0; j < 16; j++) {
+                        int64_t hn = h * N + n0 + j, row = (m0 + i) * H + h;
+                        float v = (float)(out[i][j] - INT8_OFFSET * wsum[hn]) * a.s[row] * scale[hn];
+                        store_out(y, io & 2, row * N + n0 + j, v);
+                    }
+            }
         }
-    }
     scratch_release(mark);
     return LS_OK;
 }
@@ -265,7 +230,8 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[MB][16];
-        FOR_ROWS(lanes_sums, a.q + (first + m0) * K, K, block + INT8_HEADER, K, INT8_HEADER + 16 * K)
+        FOR_ROWS(lanes_sums, a.q + (first + m0) * int8_row_bytes(K), int8_row_bytes(K), block + INT8_HEADER, K,
+                 INT8_HEADER + 16 * K)
         block_epilogue(block, a, first + m0, mb, out, dots + 16 * m0);
     }
 }
@@ -326,36 +292,21 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
         }
 }
 #else
-/* As the AVX-512 version's turns of PAIR_CHUNK units at every row count, each unit as lanes_sums' two halves of 8
- * outputs, each fetching its stream's line READ_AHEAD bytes on. No fetch_next: in these turns it measured 0.92-1.06x
- * at 4-8 rows (the AVX2 build on Zen 4). */
+/* As the AVX-512 version's turns of PAIR_CHUNK units (whole groups of NIBBLE_STEPS) at every row count, on nibbles
+ * as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No fetch_next: in these
+ * turns it measured 0.92-1.06x at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
     (void)ahead;
-    const __m256i ones = _mm256_set1_epi16(1);
     const int8_t *w[2] = {w0, w1}, *xq[2] = {x0, x1};
     __m256i acc[2][MB][2];
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < mb; i++) acc[s][i][0] = acc[s][i][1] = _mm256_setzero_si256();
     for (int64_t units = K / 4, c0 = 0; c0 < units; c0 += PAIR_CHUNK)
         for (int s = 0; s < 2; s++)
-            for (int64_t c = c0; c < c0 + PAIR_CHUNK && c < units; c++) {
-                fetch_near(w[s] + 64 * c);
-                for (int h = 0; h < 2; h++) {
-                    __m256i wv = _mm256_loadu_si256((const __m256i *)(w[s] + 64 * c + 32 * h));
-                    __m256i aw = _mm256_abs_epi8(wv);
-                    for (int i = 0; i < mb; i++) {
-                        __m256i xv = _mm256_set1_epi32(four_bytes(xq[s] + i * xstride + 4 * c));
-                        __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv));
-                        acc[s][i][h] = _mm256_add_epi32(acc[s][i][h], _mm256_madd_epi16(p, ones));
-                    }
-                }
-            }
-    for (int s = 0; s < 2; s++)
-        for (int i = 0; i < mb; i++) {
-            _mm256_storeu_si256((__m256i *)out[s][i], acc[s][i][0]);
-            _mm256_storeu_si256((__m256i *)(out[s][i] + 8), acc[s][i][1]);
-        }
+            lanes_span((const uint8_t *)xq[s], xstride, w[s], c0, c0 + PAIR_CHUNK < units ? c0 + PAIR_CHUNK : units, 0,
+                       1, mb, acc[s]);
+    for (int s = 0; s < 2; s++) store_sums(acc[s], mb, out[s]);
 }
 #endif
 
@@ -372,8 +323,9 @@ void int8_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
     for (int64_t m0 = 0; m0 < m; m0 += MB) {
         int mb = m - m0 < MB ? (int)(m - m0) : MB;
         int32_t out[2][MB][16];
-        FOR_ROWS(lanes_sums_pair, a0.q + (first0 + m0) * K, a1.q + (first1 + m0) * K, K, block0 + INT8_HEADER,
-                 block1 + INT8_HEADER, K, INT8_HEADER + 16 * K)
+        int64_t bytes = int8_row_bytes(K);
+        FOR_ROWS(lanes_sums_pair, a0.q + (first0 + m0) * bytes, a1.q + (first1 + m0) * bytes, bytes,
+                 block0 + INT8_HEADER, block1 + INT8_HEADER, K, INT8_HEADER + 16 * K)
         block_epilogue(block0, a0, first0 + m0, mb, out[0], dots0 + 16 * m0);
         block_epilogue(block1, a1, first1 + m0, mb, out[1], dots1 + 16 * m0);
     }

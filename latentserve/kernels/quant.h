@@ -4,11 +4,7 @@
 
 #include "simd.h"
 
-#ifdef LS_AVX512
-#define INT8_OFFSET 128 /* int8 activations offset into vpdpbusd's unsigned operand */
-#else
-#define INT8_OFFSET 0
-#endif
+#define INT8_OFFSET 128 /* int8 activations offset into vpdpbusd's (AVX-512) and vpmaddubsw's (AVX2) unsigned operand */
 #define XBLOCK 64 /* int4's activations are quantized per 64 columns */
 
 /* x's 4 bytes as one int, to broadcast to every lane (the lanes layouts' activations). */
@@ -18,9 +14,21 @@ INLINE int32_t four_bytes(const int8_t *x) {
     return v;
 }
 
-/* For int8 weights: q = round(x / s) + INT8_OFFSET per row, scale s one a row. For int4: q = round(x / s) per
- * XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see int4.c). For dense
- * weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps takes both. */
+/* Bytes of a row of int8 activations, u = x + INT8_OFFSET (unsigned): AVX-512 keeps u whole for vpdpbusd; AVX2 keeps
+ * its nibbles, u = 16 hi + lo, per 32 columns 32 bytes of hi then 32 of lo (the last 32 padded), so that vpmaddubsw
+ * takes each nibble as its unsigned operand with no vpsignb and its pairs of products add up in int16 (qgemm.c). */
+INLINE int64_t int8_row_bytes(int64_t K) {
+#ifdef LS_AVX512
+    return K;
+#else
+    return 2 * ((K + 31) & ~(int64_t)31);
+#endif
+}
+
+/* For int8 weights: q = round(x / s) + INT8_OFFSET per row (int8_row_bytes' layout), scale s one a row. For int4:
+ * q = round(x / s) per XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see
+ * int4.c). For dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps
+ * takes both. */
 typedef struct {
     int8_t *q;
     float *s, *corr;

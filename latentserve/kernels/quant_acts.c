@@ -37,6 +37,42 @@ static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64
     }
 }
 
+#ifndef LS_AVX512
+/* An AVX2 int8 row in place: u = x + 128 as quantize_blocks wrote it at row + int8_row_bytes(K) / 2, split into
+ * int8_row_bytes' nibbles from the row's start. Each 32 columns are read before their 64 bytes are written, and those
+ * bytes lie below the columns still to read. */
+static void split_nibbles(uint8_t *row, int64_t K) {
+    const uint8_t *u = row + int8_row_bytes(K) / 2;
+    const __m256i low = _mm256_set1_epi8(15);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(u + k));
+        _mm256_storeu_si256((__m256i *)(row + 2 * k), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        _mm256_storeu_si256((__m256i *)(row + 2 * k + 32), _mm256_and_si256(v, low));
+    }
+    for (int64_t t = k; t < K; t++) {
+        uint8_t v = u[t];
+        row[k + t] = v >> 4;
+        row[k + t + 32] = v & 15;
+    }
+}
+#endif
+
+/* int8 rows: u = x + INT8_OFFSET in int8_row_bytes' layout, one scale a row. */
+static void quantize_int8(const void *x, int bf16, int64_t M, int64_t K, int8_t *q, float *s) {
+#ifdef LS_AVX512
+    quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, q, s);
+#else
+    int64_t bytes = int8_row_bytes(K);
+    for (int64_t m = 0; m < M; m++) {
+        uint8_t *row = (uint8_t *)q + m * bytes;
+        quantize_blocks((const char *)x + m * K * (bf16 ? 2 : 4), bf16, 1, K, K, INT8_OFFSET,
+                        (int8_t *)row + bytes / 2, s + m);
+        split_nibbles(row, K);
+    }
+#endif
+}
+
 /* x's rows for the int4 kernels: quantized per XBLOCK columns (xq, scales xs), and per group of G columns the
  * corrections (8 * (sum of x - sum of quantized x), sum of x) that int4.c's formula takes. */
 static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs, float *corr) {
@@ -71,7 +107,8 @@ static int dense_bf16(Format f, int bf16) {
 #endif
 }
 
-/* The scales and corrections one row holds (quantized formats). */
+/* The bytes, scales and corrections one row holds (quantized formats). */
+static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_bytes(K) : K; }
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) { return f.bits == 4 ? 2 * (K / f.group) : 0; }
 
@@ -83,7 +120,7 @@ QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K) {
         a.q = a.rows; /* q non-NULL: the room was taken */
         return a;
     }
-    a.q = scratch(M * K);
+    a.q = scratch(M * row_bytes(f, K));
     a.s = scratch(M * (K / XBLOCK + 1) * sizeof(float));
     a.corr = f.bits == 8 ? NULL : scratch(M * row_corrs(f, K) * sizeof(float));
     if (!a.s || (f.bits != 8 && !a.corr)) a.q = NULL;
@@ -96,7 +133,7 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
     else if (dense(f))
         for (int64_t i = 0; i < M * K; i++) ((float *)a.rows)[i] = load_act(x, bf16, i);
     else if (f.bits == 8)
-        quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, a.q, a.s);
+        quantize_int8(x, bf16, M, K, a.q, a.s);
     else
         int4_prepare(x, bf16, M, K, f.group, a.q, a.s, a.corr);
 }
@@ -129,7 +166,7 @@ QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K) {
         r.q = r.rows;
         return r;
     }
-    r.q = a.q + row * K;
+    r.q = a.q + row * row_bytes(f, K);
     r.s = a.s + row * row_scales(f, K);
     r.corr = a.corr ? a.corr + row * row_corrs(f, K) : NULL;
     return r;
@@ -138,7 +175,8 @@ QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K) {
 /* Rows rows[0..P) of `a` (prepared as quantize_for did, K columns) copied in that order, into the scratch arena (q
  * NULL where it could not grow). */
 QuantActs gather_acts(Format f, QuantActs a, const int64_t *rows, int64_t P, int64_t K) {
-    int64_t bytes = dense(f) ? K * (a.bf16 ? 2 : 4) : K, scales = row_scales(f, K), corrs = row_corrs(f, K);
+    int64_t bytes = dense(f) ? K * (a.bf16 ? 2 : 4) : row_bytes(f, K);
+    int64_t scales = row_scales(f, K), corrs = row_corrs(f, K);
     QuantActs g = take_acts(f, a.bf16, P, K);
     for (int64_t i = 0; g.q && i < P; i++) {
         QuantActs to = acts_row(f, g, i, K), from = acts_row(f, a, rows[i], K);

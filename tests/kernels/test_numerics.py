@@ -1,5 +1,6 @@
 """Numerics the kernels owe their callers, for each build this machine runs: NaNs stay NaNs (int8 activations, bf16
-rounding), int8 weights of -128 multiply right on AVX2, and stacked experts do not depend on the thread count."""
+rounding), int8 weights of -128 multiply right on AVX2, int8 sums stay exact at their largest, and stacked experts do
+not depend on the thread count."""
 from __future__ import annotations
 
 import pytest
@@ -54,6 +55,31 @@ def test_int8_weights_of_minus_128_multiply_right(isa):
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-5)
     lanes = native.int8_heads_lanes(kernels(isa), x[:, None], native.int8_lanes(q[None]), scale, qsum)[:, 0]
     torch.testing.assert_close(lanes.double(), expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [3, 12])
+def test_int8_sums_are_exact_at_their_largest(isa, rows):
+    """AVX2 adds 8 steps of nibble products in int16 before widening them (qgemm.c): the largest, weights of -128
+    against x of 127 (both nibbles 15), reach 8 * 3840 of 32767. Long rows (many steps, then a tail of 36 columns),
+    in every layout: the linear's blocks (3 rows: two blocks at once), the per-head rows and lanes."""
+    g = torch.Generator().manual_seed(3)
+    k = 2048 + 36
+    q = torch.full((16, k), -128, dtype=torch.int8)
+    q[8:, 1::2] = 127
+    scale = torch.rand(16, generator=g) + 0.5
+    x = torch.full((rows, k), 1.0)
+    x[1, ::3] = -1.0  # x of -127: both nibbles at their smallest beside the largest
+    x[2:] = torch.randn(rows - 2, k, generator=g)
+    xs = x.abs().amax(dim=1, keepdim=True) / 127
+    expected = (torch.div(x, xs).round().double() @ q.double().t()) * xs.double() * scale.double()
+    got = native.int8_linear(kernels(isa), x, native.pack_int8(q, scale), 16)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=0)
+    qsum = q.sum(dim=1, dtype=torch.int32)
+    heads = native.int8_heads(kernels(isa), x[:, None], q[None], scale, qsum)[:, 0]
+    lanes = native.int8_heads_lanes(kernels(isa), x[:, None], native.int8_lanes(q[None]), scale, qsum)[:, 0]
+    torch.testing.assert_close(heads.double(), expected, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lanes.double(), expected, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("isa", ISAS)

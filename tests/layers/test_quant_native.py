@@ -153,12 +153,34 @@ def test_int4_few_rows_read_two_blocks_at_once_and_keep_each_rows_result(isa, gr
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not {"avx2", "avx512_vnni"} <= set(ISAS), reason="needs the AVX2 and AVX-512 builds")
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_avx2_and_avx512_builds_agree_bitwise(group):
+    """The AVX2 kernel (int16 sums over 4 units; from 3 rows a block's halves in turn, 4 rows a pass) does the
+    AVX-512 one's float operations in its order: with integer x, whose sums are exact in any order (the builds sum x
+    in vectors of 8 and 16 lanes), both give the same bits at every row count, past the passes' tails and a chunk."""
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(117, 384, generator=g) * 0.05, torch.randint(-40, 41, (301, 384), generator=g).float()
+    packed = native.pack_int4(*quantize_int4(w, group))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (*range(1, 10), 21, 47, 301):
+                got, want = (native.int4_linear(kernels(isa), x[:rows], packed, group, 117)
+                             for isa in ("avx2", "avx512_vnni"))
+                assert torch.equal(got, want), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("isa", ISAS)
-def test_int4_layer_runs_its_kernel_at_any_row_count(isa):
-    """Prefill's many rows too (past the kernel's chunk of 256 rows a pass over the weight): every row's result is
-    the one it gets alone, bit for bit, and matches the formula."""
-    w, x = _data(300, 40, 256, seed=3)
-    q, scale, minimum = quantize_int4(w, 64)
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_layer_runs_its_kernel_at_any_row_count(isa, group):
+    """Prefill's many rows too (past the kernel's chunk of 256 rows a pass over the weight; on AVX2 the blocks' halves
+    in turn): every row's result is the one it gets alone, bit for bit, and matches the formula."""
+    w, x = _data(301, 40, 256, seed=3)
+    q, scale, minimum = quantize_int4(w, group)
     bias = torch.randn(40)
     layer = NativeInt4Linear(q, scale, minimum, torch.nn.Parameter(bias), kernels(isa))
     many = layer(x)

@@ -26,6 +26,7 @@ from latentserve.models import load_model
 from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
 from latentserve.models.formats import gguf as gguf_format
+from latentserve.models.formats import gguf_weights
 from latentserve.models.formats.gguf import read_tensors
 from latentserve.models.moe_block import build_moe_block
 from tests.checkpoints import make_checkpoint
@@ -124,7 +125,7 @@ def test_release_freed_heap_returns_what_numpy_temporaries_left():
     kept = [k for _, k in pairs]
     del pairs
     held = _rss_anon_mib()
-    gguf_format.release_freed_heap()
+    gguf_weights.release_freed_heap()
     assert held - _rss_anon_mib() > 500, (held, _rss_anon_mib())
     assert sum(k.sum() for k in kept) == 2000 * 1000
 
@@ -145,7 +146,7 @@ def _kind(name: str, tensor) -> T:
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
     """Q4_0 / Q4_1 / Q4_K weights become int4 with exactly gguf's dequantized values; Q5_K, Q6_K, Q8_0 ones are
     dequantized by gguf and quantized to int8 per row; the model runs those weights as transformers does."""
-    monkeypatch.setattr(gguf_format, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
+    monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
     values = write_gguf(src, path, _kind)

@@ -10,32 +10,28 @@ files keep `attn_kv_b`. Both come back as `kv_b_proj`.
 Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups of 32 columns, w = q * scale +
 minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are
 repacked, not requantized. The loaded weights hold the file's values exactly; latentserve's int4 kernel then keeps
-each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values,
-not per row; Q5_K and Q6_K have more bits) are dequantized with gguf's own code and quantized to int8 per output
-channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype.
-The load log counts each."""
+each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Other quantized
+types of an attention or MLP weight (Q8_0 has one scale per 32 values, not per row; Q5_K and Q6_K have more bits) are
+dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype.
+The load log counts each; the conversions themselves are gguf_weights.py's."""
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
 import json
 import logging
-import mmap
 import os
 import re
-from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.quants import Q4_K, dequantize
 
 from latentserve.kernels.native import CACHE_ENV
-from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
+from latentserve.models.formats.gguf_weights import (FLOAT_TYPES, INT4_TYPES, ConversionStats, dequantized,
+                                                     int4_weight, int8_weight, release_freed_heap,
+                                                     release_mapped_pages)
 from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -73,9 +69,6 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 # The weights latentserve runs as int8/int4 layers (kv_b_proj stays in the compute dtype: decode absorbs it).
 _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
                               r"\.weight|^lm_head\.weight)$")
-FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
-_CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 
 
 def is_gguf(path: Path) -> bool:
@@ -225,95 +218,23 @@ def is_gguf_folder(model_dir: Path) -> bool:
     return (model_dir / GGUF_INDEX).is_file()
 
 
-def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
-    return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
-
-
-def _int4(data: np.ndarray, kind: GGMLQuantizationType) -> Int4Weight:
-    """Q4_0 / Q4_1 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each
-    an fp16, or one times a 6-bit integer, so exact)."""
-    rows = data.shape[0]
-    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        # Per 32: fp16 d (Q4_1: and m), 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones.
-        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
-        blocks = data.reshape(rows, -1, head + 16)
-        qs = blocks[..., head:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        scale = _fp16(blocks, 0)
-        minimum = -8 * scale if kind == GGMLQuantizationType.Q4_0 else _fp16(blocks, 2)
-    else:  # per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
-        blocks = data.reshape(rows, -1, 144)
-        d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
-        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
-        minimum = -(dmin * m.reshape(rows, -1, 8).astype(np.float32))
-        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
-        q = np.concatenate([qs & 15, qs >> 4], axis=3)
-    as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))  # noqa: E731
-    return Int4Weight(as_torch(q), as_torch(scale), as_torch(minimum))
-
-
-class _Stats:
-    """What the load did with each tensor, for one log line."""
-
-    def __init__(self) -> None:
-        self.repacked, self.requantized, self.dequantized = Counter(), Counter(), Counter()
-
-    def log(self, name: str) -> None:
-        fmt = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
-        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; dequantized and quantized to int8 "
-                    "per output channel: %s; dequantized to the compute dtype: %s", name, fmt(self.repacked),
-                    fmt(self.requantized), fmt(self.dequantized))
-
-
-def _convert(tensor, hf_name: str, stats: _Stats, rows: slice | int | None = None):
+def _convert(tensor, hf_name: str, stats: ConversionStats, rows: slice | int | None = None):
     """One GGUF tensor (or one expert's rows of a stacked one) as the loader takes it."""
     kind = GGMLQuantizationType(tensor.tensor_type)
     data = tensor.data if rows is None else tensor.data[rows]
     if _QUANTIZED_LAYER.search(hf_name) and kind in INT4_TYPES:
         stats.repacked[kind.name] += 1
-        return _int4(np.asarray(data), kind)
+        return int4_weight(np.asarray(data), kind)
     if _QUANTIZED_LAYER.search(hf_name) and kind not in FLOAT_TYPES:
         stats.requantized[kind.name] += 1
-        return _int8(np.asarray(data), kind)
+        return int8_weight(np.asarray(data), kind)
     if kind not in FLOAT_TYPES:
         stats.dequantized[kind.name] += 1
-    return _dequantize(np.asarray(data), kind)
+    return dequantized(np.asarray(data), kind)
 
 
-def _row_chunks(rows: np.ndarray) -> Iterator[slice]:
-    """Slices of a few rows of `[rows, bytes]`: gguf's dequantization makes several temporaries of its input's size
-    in fp32; over a whole embedding or lm_head (100k rows) they would outweigh the model's other weights."""
-    step = max(1, _CHUNK_BYTES // max(1, rows.strides[0]))
-    return (slice(start, start + step) for start in range(0, rows.shape[0], step))
-
-
-def _dequantize(data: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
-    """The fp32 values of GGUF data `[..., bytes]` (or of F32 / F16 elements), dequantized a few rows at a time."""
-    rows = data.reshape(-1, data.shape[-1])
-    out = None
-    for chunk in _row_chunks(rows):
-        values = dequantize(rows[chunk], kind)
-        if out is None:
-            out = torch.empty(rows.shape[0], values.shape[-1])
-        out.numpy()[chunk] = values  # a copy: F32 values are the mapped file's own
-    return out.reshape(*data.shape[:-1], out.shape[-1])
-
-
-def _int8(data: np.ndarray, kind: GGMLQuantizationType) -> Int8Weight:
-    """Rows `[out, bytes]` dequantized and quantized to int8 per output row, a few rows at a time (rows are scaled
-    each on its own, so this is the whole tensor's quantization)."""
-    q = scale = None
-    for chunk in _row_chunks(data):
-        part_q, part_scale = quantize_int8(_dequantize(data[chunk], kind))
-        if q is None:
-            q = torch.empty(data.shape[0], part_q.shape[1], dtype=torch.int8)
-            scale = torch.empty(data.shape[0], dtype=torch.float32)
-        q[chunk], scale[chunk] = part_q, part_scale
-    return Int8Weight(q, scale)
-
-
-def _experts(layer: str, tensor, up, wanted: Callable[[str], bool], stats: _Stats) -> Iterator[tuple[str, Any]]:
+def _experts(layer: str, tensor, up, wanted: Callable[[str], bool],
+             stats: ConversionStats) -> Iterator[tuple[str, Any]]:
     """A layer's routed experts from one stacked GGUF tensor, expert by expert; given the layer's `up` tensor beside
     its gate, each expert's gate and up come together: the loader fuses the two, and holds each half until the other
     comes (all of a layer's gates, unpacked, if up followed the whole gate tensor)."""
@@ -345,7 +266,7 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
     # Some converter versions wrote attn_kv_b beside attn_k_b / attn_v_b: kv_b_proj is then read from attn_kv_b.
     blocks = [_BLOCK.match(t.name) for reader in readers for t in reader.tensors]
     whole_kv_b = {m[1] for m in blocks if m and m[2] == "attn_kv_b.weight"}
-    stats, halves = _Stats(), {}
+    stats, halves = ConversionStats(), {}
     for file in files:
         reader = readers.pop(0)  # this file's reader dropped once its tensors are read: unmapped
         by_name = {t.name: t for t in reader.tensors}
@@ -384,28 +305,3 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
         stats.log(files[0].name)
 
 
-def release_mapped_pages(data: np.ndarray) -> None:
-    """Take a converted tensor's pages of the mapped file out of the process (madvise MADV_DONTNEED): each page the
-    conversion read counts as the process's memory until then, so a whole file's worth by the end of the load. The
-    file stays in the page cache; a page touched again is read back from it. Without madvise nothing is done."""
-    advise = getattr(mmap, "MADV_DONTNEED", None)
-    if advise is None or data.nbytes == 0:
-        return
-    start = data.ctypes.data
-    aligned = start - start % mmap.PAGESIZE
-    # A page shared with the next tensor is dropped too: only read, it is faulted back in from the page cache.
-    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + data.nbytes - aligned), advise)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def release_freed_heap() -> None:
-    """Hand glibc's freed heap pages back to the system. Unpacking a GGUF tensor makes numpy temporaries of a few MiB
-    each, which glibc frees into its heap and keeps: on a 1.4 GiB Q4_K_M file, 3.3 GiB of the process's RSS after
-    the load. Elsewhere than glibc (no malloc_trim) nothing is done."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)

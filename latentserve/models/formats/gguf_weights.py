@@ -1,0 +1,126 @@
+"""How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0, Q4_1
+and Q4_K repacked into int4 groups of 32 exactly, other types dequantized with gguf's own code (and, for the layers
+latentserve runs quantized, quantized to int8 per output channel), a few rows at a time; and the memory a conversion
+leaves behind (mapped file pages, glibc's freed heap) handed back."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import mmap
+from collections import Counter
+from typing import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize
+
+from latentserve.layers.quant.int8 import quantize_int8
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
+
+logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
+INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
+_CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
+
+
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def int4_weight(data: np.ndarray, kind: GGMLQuantizationType) -> Int4Weight:
+    """Q4_0 / Q4_1 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each
+    an fp16, or one times a 6-bit integer, so exact)."""
+    rows = data.shape[0]
+    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        # Per 32: fp16 d (Q4_1: and m), 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones.
+        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
+        blocks = data.reshape(rows, -1, head + 16)
+        qs = blocks[..., head:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        scale = _fp16(blocks, 0)
+        minimum = -8 * scale if kind == GGMLQuantizationType.Q4_0 else _fp16(blocks, 2)
+    else:  # per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
+        blocks = data.reshape(rows, -1, 144)
+        d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
+        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
+        minimum = -(dmin * m.reshape(rows, -1, 8).astype(np.float32))
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3)
+    as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))  # noqa: E731
+    return Int4Weight(as_torch(q), as_torch(scale), as_torch(minimum))
+
+
+class ConversionStats:
+    """What the load did with each tensor, for one log line."""
+
+    def __init__(self) -> None:
+        self.repacked, self.requantized, self.dequantized = Counter(), Counter(), Counter()
+
+    def log(self, name: str) -> None:
+        fmt = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
+        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; dequantized and quantized to int8 "
+                    "per output channel: %s; dequantized to the compute dtype: %s", name, fmt(self.repacked),
+                    fmt(self.requantized), fmt(self.dequantized))
+
+
+def _row_chunks(rows: np.ndarray) -> Iterator[slice]:
+    """Slices of a few rows of `[rows, bytes]`: gguf's dequantization makes several temporaries of its input's size
+    in fp32; over a whole embedding or lm_head (100k rows) they would outweigh the model's other weights."""
+    step = max(1, _CHUNK_BYTES // max(1, rows.strides[0]))
+    return (slice(start, start + step) for start in range(0, rows.shape[0], step))
+
+
+def dequantized(data: np.ndarray, kind: GGMLQuantizationType) -> torch.Tensor:
+    """The fp32 values of GGUF data `[..., bytes]` (or of F32 / F16 elements), dequantized a few rows at a time."""
+    rows = data.reshape(-1, data.shape[-1])
+    out = None
+    for chunk in _row_chunks(rows):
+        values = dequantize(rows[chunk], kind)
+        if out is None:
+            out = torch.empty(rows.shape[0], values.shape[-1])
+        out.numpy()[chunk] = values  # a copy: F32 values are the mapped file's own
+    return out.reshape(*data.shape[:-1], out.shape[-1])
+
+
+def int8_weight(data: np.ndarray, kind: GGMLQuantizationType) -> Int8Weight:
+    """Rows `[out, bytes]` dequantized and quantized to int8 per output row, a few rows at a time (rows are scaled
+    each on its own, so this is the whole tensor's quantization)."""
+    q = scale = None
+    for chunk in _row_chunks(data):
+        part_q, part_scale = quantize_int8(dequantized(data[chunk], kind))
+        if q is None:
+            q = torch.empty(data.shape[0], part_q.shape[1], dtype=torch.int8)
+            scale = torch.empty(data.shape[0], dtype=torch.float32)
+        q[chunk], scale[chunk] = part_q, part_scale
+    return Int8Weight(q, scale)
+
+
+def release_mapped_pages(data: np.ndarray) -> None:
+    """Take a converted tensor's pages of the mapped file out of the process (madvise MADV_DONTNEED): each page the
+    conversion read counts as the process's memory until then, so a whole file's worth by the end of the load. The
+    file stays in the page cache; a page touched again is read back from it. Without madvise nothing is done."""
+    advise = getattr(mmap, "MADV_DONTNEED", None)
+    if advise is None or data.nbytes == 0:
+        return
+    start = data.ctypes.data
+    aligned = start - start % mmap.PAGESIZE
+    # A page shared with the next tensor is dropped too: only read, it is faulted back in from the page cache.
+    _libc().madvise(ctypes.c_void_p(aligned), ctypes.c_size_t(start + data.nbytes - aligned), advise)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def release_freed_heap() -> None:
+    """Hand glibc's freed heap pages back to the system. Unpacking a GGUF tensor makes numpy temporaries of a few MiB
+    each, which glibc frees into its heap and keeps: on a 1.4 GiB Q4_K_M file, 3.3 GiB of the process's RSS after
+    the load. Elsewhere than glibc (no malloc_trim) nothing is done."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
