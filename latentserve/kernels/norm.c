@@ -14,7 +14,13 @@ void rms_norm_row(const void *x, int xbf, int64_t N, const void *w, int wbf, flo
     float squares = vreduce_add(acc);
     for (; k < N; k++) squares += load_act(x, xbf, k) * load_act(x, xbf, k);
     float r = 1.f / sqrtf(squares / (float)N + eps);
-    for (k = 0; k < N; k++) {
+    vfloat vr = vset1(r);
+    for (k = 0; k + LANES <= N; k += LANES) { /* the scalar loop's operations, LANES at a time: the same bits */
+        vfloat v = vmul(vload(x, xbf, k), vr);
+        if (xbf) v = vround_bf16(v);
+        vstore_out(y, ybf, k, vmul(v, vload(w, wbf, k)));
+    }
+    for (; k < N; k++) {
         float v = load_act(x, xbf, k) * r;
         if (xbf) v = bf16_to_float(float_to_bf16(v));
         store_out(y, ybf, k, v * load_act(w, wbf, k));

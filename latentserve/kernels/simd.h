@@ -57,6 +57,24 @@ INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
 #define vmax _mm512_max_ps
 #define vset1 _mm512_set1_ps
 #define vstore _mm512_storeu_ps
+/* float_to_bf16 of every lane in the high 16 bits of its 32 (the low ones zero): nearest even, a NaN quiet. */
+INLINE __m512i vbf16_high(vfloat v) {
+    __m512i u = _mm512_castps_si512(v), lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                           _mm512_set1_epi32(0x7f800000));
+    rounded = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_and_si512(rounded, _mm512_set1_epi32((int)0xffff0000));
+}
+/* Each lane rounded to bf16 as float_to_bf16 rounds, as a float. */
+INLINE vfloat vround_bf16(vfloat v) { return _mm512_castsi512_ps(vbf16_high(v)); }
+/* store_out of LANES values. */
+INLINE void vstore_out(void *y, int bf16, int64_t i, vfloat v) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(vbf16_high(v), 16)));
+    else
+        _mm512_storeu_ps((float *)y + i, v);
+}
 #else
 #define LANES 8
 typedef __m256 vfloat;
@@ -81,6 +99,23 @@ INLINE void vquantize(vfloat v, vfloat s, int offset, int8_t *q) {
 #define vmax _mm256_max_ps
 #define vset1 _mm256_set1_ps
 #define vstore _mm256_storeu_ps
+INLINE __m256i vbf16_high(vfloat v) {
+    __m256i u = _mm256_castps_si256(v), lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_and_si256(rounded, _mm256_set1_epi32((int)0xffff0000));
+}
+INLINE vfloat vround_bf16(vfloat v) { return _mm256_castsi256_ps(vbf16_high(v)); }
+INLINE void vstore_out(void *y, int bf16, int64_t i, vfloat v) {
+    if (bf16) { /* the 8 high halves packed in order: packus pairs them within each 128-bit lane */
+        __m256i h = _mm256_srli_epi32(vbf16_high(v), 16);
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + i), _mm256_castsi256_si128(packed));
+    } else {
+        _mm256_storeu_ps((float *)y + i, v);
+    }
+}
 #endif
 
 /* exp(v) for |v| <= 88 (clamped beyond): 2^n * p(r) with r = v - n ln 2 in two parts, p of degree 6 (Cephes's

@@ -28,6 +28,28 @@ def test_rms_norm_matches_torch(isa, rows, n):
     assert (got != expected).float().mean().item() < 0.05  # equal but for a rare last-bit rounding
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_outputs_round_as_torch_rounds(isa):
+    """Rows of 39 +-3 and 65 +-1 (104 values: vectors and, on AVX-512, a tail): mean square 4, so the normalized row
+    is x / 2 exactly and each bf16 output is the one rounding of (x / 2) * w, which must be torch's to the bit:
+    nearest even (1.5 * 129/128 and 1.5 * 131/128 are ties, one rounding up, one down), NaNs quiet, overflow inf."""
+    g = torch.Generator().manual_seed(0)
+    n = 104
+    threes = torch.cat([torch.arange(4), 4 + torch.randperm(n - 4, generator=g)[:35]])
+    magnitudes = torch.ones(3, n)
+    magnitudes[:, threes] = 3.0
+    x = (magnitudes * (torch.randint(0, 2, (3, n), generator=g) * 2 - 1)).bfloat16()
+    w = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)
+    w[:4] = torch.tensor([129 / 128, 131 / 128, -129 / 128 * 2**10, 131 / 128 * 2**-20])
+    w[[5, 17, 98, 99]] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.38e38])
+    w = w.bfloat16()
+    got = native.rms_norm(kernels(isa), x, w, 0.0)
+    expected = (x.float() / 2 * w.float()).bfloat16()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
 def test_the_layer_runs_it_in_one_call(monkeypatch):
     if default_policy().kernels is None:
         pytest.skip("latentserve's kernels do not build here")
