@@ -4,7 +4,10 @@
  * (block_bytes, quantize_for, block_dots). */
 #include "quant.h"
 
-#define ROW_CHUNK 256 /* activation rows a pass over the weight: their int8 (512 KB at K = 2048) stay in L2 */
+/* Activation rows a pass over the weight: their int8 (512 KB at K = 2048; AVX2's nibbles, int8_row_bytes, twice
+ * that) stay in L2. Past a K of a few thousand (a dense MLP's down projection) they do not: passes tiled in rows and
+ * blocks together are a candidate for prefill's scaling over threads (benchmarks/RESULTS.md, AVX2 against ik). */
+#define ROW_CHUNK 256
 
 /* y[m0 .. m0 + rows, block b's outputs] = dots[16 * m + j]. */
 static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, int64_t b, const float *dots) {
