@@ -37,6 +37,9 @@ ISA_FLAGS = {
     "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
     "avx2": ["-mavx2", "-mfma"],
 }
+# AVX2 with AVX-VNNI (Intel's client CPUs from Alder Lake, without AVX-512): the int8 and int4 products through
+# vpdpbusd on 256 bits (int8_vnni256.h), the AVX2 build's layouts and its other kernels.
+ISA_FLAGS["avx2_vnni"] = ISA_FLAGS["avx2"] + ["-mavxvnni", "-DLS_AVXVNNI"]
 # The same with AVX512-BF16: bf16 products (decode attention, few-row linears, experts' gate and up) through
 # vdpbf16ps.
 ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512_vnni"] + ["-mavx512bf16", "-DLS_BF16DOT"]
@@ -44,7 +47,7 @@ ISA_FLAGS["avx512_bf16"] = ISA_FLAGS["avx512_vnni"] + ["-mavx512bf16", "-DLS_BF1
 # (amx.c), equal to the avx512_bf16 build's to the bit.
 ISA_FLAGS["avx512_amx"] = ISA_FLAGS["avx512_bf16"] + ["-mamx-tile", "-mamx-int8", "-DLS_AMX"]
 # Where a compiler cannot build the first (or, for AMX, the OS will not grant its state), the second still runs.
-FALLBACK = {"avx512_amx": "avx512_bf16", "avx512_bf16": "avx512_vnni", "avx512_vnni": "avx2"}
+FALLBACK = {"avx512_amx": "avx512_bf16", "avx512_bf16": "avx512_vnni", "avx512_vnni": "avx2", "avx2_vnni": "avx2"}
 # Builds whose tiles need the OS's permission (ls_enable_amx) before any kernel runs.
 AMX_ISAS = ("avx512_amx",)
 # No fused multiply-adds but the kernels' explicit ones: prologue.c's rotation rounds as torch's elementwise ops do.
@@ -66,27 +69,51 @@ class NativeKernels:
 
     @property
     def layout(self) -> str:
-        """The packed weights' layout, named by the build that defines it: the AMX build reads avx512_bf16's."""
-        return "avx512_bf16" if self.isa == "avx512_amx" else self.isa
+        """The packed weights' layout, named by the build that defines it: the AMX build reads avx512_bf16's, the
+        avx2_vnni one AVX2's."""
+        return {"avx512_amx": "avx512_bf16", "avx2_vnni": "avx2"}.get(self.isa, self.isa)
+
+
+# Why each build is the one this CPU runs.
+CHOSEN_FOR = {"avx512_amx": "AVX-512 with VNNI, BF16 and AMX", "avx512_bf16": "AVX-512 with VNNI and BF16",
+              "avx512_vnni": "AVX-512 with VNNI", "avx2_vnni": "AVX2 with AVX-VNNI"}
+
+
+def runnable_isas(features: CpuFeatures) -> list[str]:
+    """The builds this CPU runs, the fastest first: each AVX-512 build on an AVX-512 machine with VNNI (the AMX one
+    where it has BF16 and AMX too), then avx2_vnni where it has AVX-VNNI, then AVX2."""
+    isas = []
+    if features.capability.startswith("AVX512") and features.vnni:
+        isas += ["avx512_amx"] if features.avx512_bf16 and features.amx else []
+        isas += ["avx512_bf16"] if features.avx512_bf16 else []
+        isas.append("avx512_vnni")
+    if features.capability.startswith(("AVX512", "AVX2")):
+        isas += ["avx2_vnni"] if features.avx_vnni else []
+        isas.append("avx2")
+    return isas
 
 
 def kernel_isa(features: CpuFeatures) -> tuple[str | None, str]:
-    """(instruction set to build for, why) from what torch dispatches on: `ATEN_CPU_CAPABILITY=avx2` picks the AVX2
-    build on an AVX-512 machine, as it does torch's own kernels."""
-    setting = os.environ.get(NATIVE_ENV, "1")
-    if setting not in ("0", "1"):
-        raise ValueError(f"{NATIVE_ENV}={setting!r}: use 1 (latentserve's kernels where they build) or 0 (PyTorch's)")
+    """(instruction set to build for, why) from what torch dispatches on: `ATEN_CPU_CAPABILITY=avx2` picks an AVX2
+    build on an AVX-512 machine, as it does torch's own kernels; `LATENTSERVE_NATIVE_KERNELS=<build>` names one (of
+    those this CPU runs), e.g. plain AVX2 on a CPU with AVX-VNNI."""
+    setting, runnable = os.environ.get(NATIVE_ENV, "1"), runnable_isas(features)
+    if setting not in ("0", "1", *ISA_FLAGS):
+        raise ValueError(f"{NATIVE_ENV}={setting!r}: use 1 (latentserve's kernels where they build), 0 (PyTorch's) "
+                         f"or a build's name: {', '.join(ISA_FLAGS)}")
     if setting == "0":
         return None, f"{NATIVE_ENV}=0"
-    if features.capability.startswith("AVX512") and features.vnni:
-        if features.avx512_bf16 and features.amx:
-            return "avx512_amx", "AVX-512 with VNNI, BF16 and AMX"
-        if features.avx512_bf16:
-            return "avx512_bf16", "AVX-512 with VNNI and BF16"
-        return "avx512_vnni", "AVX-512 with VNNI"
-    if features.capability.startswith(("AVX512", "AVX2")):
-        return "avx2", f"{features.capability} without VNNI" if features.capability != "AVX2" else "AVX2"
-    return None, f"capability {features.capability}: no vector build"
+    if setting in ISA_FLAGS:
+        if setting not in runnable:
+            raise ValueError(f"{NATIVE_ENV}={setting}: this CPU ({features.describe()}) runs "
+                             f"{', '.join(runnable) or 'none of the builds'}")
+        return setting, f"{NATIVE_ENV}={setting}"
+    if not runnable:
+        return None, f"capability {features.capability}: no vector build"
+    isa = runnable[0]
+    if isa == "avx2":
+        return isa, f"{features.capability} without VNNI" if features.capability != "AVX2" else "AVX2"
+    return isa, CHOSEN_FOR[isa]
 
 
 def untrusted(directory: Path) -> str | None:

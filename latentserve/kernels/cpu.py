@@ -21,6 +21,7 @@ class CpuFeatures:
     vnni: bool  # int8 dot products (AVX512-VNNI or AVX-VNNI)
     onednn_bf16: bool
     fbgemm: bool  # torch ships the fbgemm quantized engine (torch.ops.quantized.linear_dynamic's fast path)
+    avx_vnni: bool = False  # AVX-VNNI itself (vpdpbusd on 256 bits, VEX-encoded): the avx2_vnni kernels' build
 
     @property
     def native_bf16(self) -> bool:
@@ -28,7 +29,8 @@ class CpuFeatures:
         return self.capability.startswith("AVX512") and (self.avx512_bf16 or self.amx) and self.onednn_bf16
 
     def describe(self) -> str:
-        flags = [name for name in ("avx512_bf16", "amx", "vnni", "onednn_bf16", "fbgemm") if getattr(self, name)]
+        flags = [name for name in ("avx512_bf16", "amx", "vnni", "avx_vnni", "onednn_bf16", "fbgemm")
+                 if getattr(self, name)]
         return f"capability {self.capability}; " + (", ".join(flags) if flags else "no bf16/int8 extensions")
 
 
@@ -41,7 +43,21 @@ def cpu_features() -> CpuFeatures:
         vnni=torch.cpu._is_vnni_supported(),
         onednn_bf16=torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
         fbgemm="fbgemm" in torch.backends.quantized.supported_engines,
+        avx_vnni="avx_vnni" in cpu_flags(),
     )
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them in /proc/cpuinfo; empty where it does not (torch names no AVX-VNNI
+    apart from AVX512-VNNI)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
 
 
 def last_level_cache_bytes() -> int | None:

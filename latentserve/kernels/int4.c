@@ -13,8 +13,9 @@
  * rest takes the exact sums of x over each group (q * scale alone, up to twice the weight's range, would multiply
  * the activations' rounding by its large mean). With the integer products of q, the centring is a correction per
  * group: 8 * scale * (sum of x - sum of quantized x). Built for AVX-512 VNNI (vpdpbusd: nibbles u8 x activations
- * s8) and AVX2 (vpmaddubsw, the same operands). Each row's result is the same whatever rows it is computed with, and
- * whether its block is read alone or beside another (int4_block_pair_dots: the same groups' arithmetic, in turns).
+ * s8), AVX2 with AVX-VNNI (the same on 256 bits) and AVX2 (vpmaddubsw, the same operands). Each row's result is the
+ * same whatever rows it is computed with, and whether its block is read alone or beside another
+ * (int4_block_pair_dots: the same groups' arithmetic, in turns).
  *
  * At many rows the kernel is bound by its arithmetic, not by the unpacking (3 operations a 64-byte unit, shared by
  * the pass's rows): per row and group of 32 columns, 8 vpdpbusd and 4 float operations (the scale's product, its
@@ -123,10 +124,28 @@ INLINE void store_sums(Sums res, int mb, float (*out)[16]) {
     }
 }
 
+/* run + the products of a unit's low nibbles with x0 and its high ones with x1. AVX-VNNI: vpdpbusd into int32 lanes.
+ * Plain AVX2: vpmaddubsw sums a nibble pair's products in int16, at most 2 * 15 * 127 = 3810 (|xq| <= 127); the low
+ * and high nibbles of 4 units (int4_run) are 8 of those, at most 30480 < 32767 in int16 in any order: exact, and one
+ * vpmaddwd a row (int4_widen) takes them to int32, not one a unit. */
+INLINE __m256i int4_step(__m256i run, __m256i lo, __m256i hi, __m256i x0, __m256i x1) {
+#ifdef LS_AVXVNNI
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(run, lo, x0), hi, x1);
+#else
+    return _mm256_add_epi16(_mm256_add_epi16(run, _mm256_maddubs_epi16(lo, x0)), _mm256_maddubs_epi16(hi, x1));
+#endif
+}
+
+INLINE __m256i int4_widen(__m256i run) {
+#ifdef LS_AVXVNNI
+    return run;
+#else
+    return _mm256_madd_epi16(run, _mm256_set1_epi16(1));
+#endif
+}
+
 /* acc[i] (+)= the int32 sums of 4 units (columns c .. c + 31) of one half of a block for row i, the half-units at p,
- * 64 bytes apart; `first`: acc[i] starts there. vpmaddubsw sums a nibble pair's products in int16, at most 2 * 15 *
- * 127 = 3810 (|xq| <= 127); the low and high nibbles of 4 units are 8 of those, at most 30480 < 32767 in int16 in any
- * order: exact, and one vpmaddwd a row takes them to int32 (not one a unit). */
+ * 64 bytes apart; `first`: acc[i] starts there. */
 INLINE void int4_run(const int8_t *xq, const uint8_t *p, int64_t K, int64_t c, int first, int mb, __m256i *acc) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     __m256i run[HROWS];
@@ -135,16 +154,14 @@ INLINE void int4_run(const int8_t *xq, const uint8_t *p, int64_t K, int64_t c, i
         __m256i v = _mm256_loadu_si256((const __m256i *)p);
         __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int i = 0; i < mb; i++) {
-            __m256i x0 = _mm256_set1_epi32(four_bytes(xq + i * K + c));
-            __m256i x1 = _mm256_set1_epi32(four_bytes(xq + i * K + c + 4));
-            run[i] = _mm256_add_epi16(run[i], _mm256_maddubs_epi16(lo, x0));
-            run[i] = _mm256_add_epi16(run[i], _mm256_maddubs_epi16(hi, x1));
+            run[i] = int4_step(run[i], lo, hi, _mm256_set1_epi32(four_bytes(xq + i * K + c)),
+                               _mm256_set1_epi32(four_bytes(xq + i * K + c + 4)));
             /* a chain per row: else gcc sums the group's products as a tree, all of them live, spilled (0.8x) */
             __asm__("" : "+x"(run[i]));
         }
     }
     for (int i = 0; i < mb; i++) {
-        __m256i sums = _mm256_madd_epi16(run[i], _mm256_set1_epi16(1));
+        __m256i sums = int4_widen(run[i]);
         acc[i] = first ? sums : _mm256_add_epi32(acc[i], sums);
     }
 }

@@ -1,16 +1,9 @@
 /* The AVX2 build's int8 sums on the activations' nibbles (quant.h int8_row_bytes), included by qgemm.c: the rows
- * layout's int8_rows and the lanes layout's groups, from which qgemm.c's lanes_sums and lanes_sums_pair are made
- * (after its fetch_near). */
+ * layout's int8_rows and the lanes layout's lanes_span, from which qgemm.c's lanes_sums and lanes_sums_pair are made
+ * (after its fetch_near). The avx2_vnni build's: int8_vnni256.h. */
 #pragma once
 
 #include "quant.h"
-
-INLINE int32_t hsum_epi32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
 
 /* The AVX2 sums, on the activations' nibbles (quant.h int8_row_bytes): vpmaddubsw of each nibble (unsigned, at most
  * 15) with the weights (signed, -128 allowed) gives pairs of products of at most 2 * 15 * 128 = 3840, so
@@ -111,11 +104,4 @@ INLINE void lanes_span(const uint8_t *x, int64_t xstride, const int8_t *w, int64
             else
                 lanes_group(xg, xstride, w + 64 * c, (int)(end - c), fetch, near && i0 == 0, rows, acc + i0);
         }
-}
-
-INLINE void store_sums(__m256i (*acc)[2], int rows, int32_t (*out)[16]) {
-    for (int i = 0; i < rows; i++) {
-        _mm256_storeu_si256((__m256i *)out[i], acc[i][0]);
-        _mm256_storeu_si256((__m256i *)(out[i] + 8), acc[i][1]);
-    }
 }

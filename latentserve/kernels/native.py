@@ -14,7 +14,7 @@ import torch
 from latentserve.config import kv_cache_row_width
 # The kernels are reached through this module: callers ask it for them and for their build.
 from latentserve.kernels.build import (CACHE_ENV, FALLBACK, NATIVE_ENV, NativeKernels,  # noqa: F401
-                                       kernel_isa, load, native_kernels)
+                                       kernel_isa, load, native_kernels, runnable_isas)
 from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_BLOCKS, INT8_LANES, ROPE_STYLES,  # noqa: F401
                                      ExpertTable, MLABlock, MoEBlock, Weight, desc)
 from latentserve.kernels import abi

@@ -9,9 +9,9 @@
  * 64-byte load holds 4 columns of 16 outputs and feeds every activation row of the pass, so many rows read the
  * activations once per block, not once per output.
  *
- * Built twice by native.py: with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8) and for AVX2 (vpmaddubsw on
- * the activations' nibbles). Both compute the same integer sums, sum_k (x + 128) w, so their int8 outputs are equal,
- * in every layout.
+ * Built by native.py with -DLS_AVX512 (AVX-512 BW + VNNI: vpdpbusd, u8 x s8), for AVX2 with AVX-VNNI (-DLS_AVXVNNI:
+ * vpdpbusd on 256 bits, int8_vnni256.h) and for plain AVX2 (vpmaddubsw on the activations' nibbles, int8_nibbles.h).
+ * All compute the same integer sums, sum_k (x + 128) w, so their int8 outputs are equal, in every layout.
  *
  * Rows: w int8 [H, N, K]; scale fp32 [H, N]; wsum int32 [H, N] = sum_k w[h, n, k]. Lanes: quant.h's.
  */
@@ -61,6 +61,8 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
     }
     for (int i = 0; i < mb; i++) dot[i] = _mm512_reduce_add_epi32(acc[i]);
 }
+#elif defined(LS_AVXVNNI)
+#include "int8_vnni256.h"
 #else
 #include "int8_nibbles.h"
 #endif
@@ -135,7 +137,14 @@ INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64
     }
 }
 #else
-/* As the AVX-512 version, on nibbles. */
+INLINE void store_sums(__m256i (*acc)[2], int rows, int32_t (*out)[16]) {
+    for (int i = 0; i < rows; i++) {
+        _mm256_storeu_si256((__m256i *)out[i], acc[i][0]);
+        _mm256_storeu_si256((__m256i *)(out[i] + 8), acc[i][1]);
+    }
+}
+
+/* As the AVX-512 version, each unit's 16 outputs in two registers (lanes_span: nibbles, or AVX-VNNI's bytes). */
 INLINE void lanes_sums(const int8_t *xq, int64_t xstride, const int8_t *w, int64_t K, int64_t ahead, int mb,
                        int32_t (*out)[16]) {
     __m256i acc[MB][2];
@@ -292,8 +301,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
         }
 }
 #else
-/* As the AVX-512 version's turns of PAIR_CHUNK units (whole groups of NIBBLE_STEPS) at every row count, on nibbles
- * as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No fetch_next: in these
+/* As the AVX-512 version's turns of PAIR_CHUNK units (whole groups of NIBBLE_STEPS) at every row count, through
+ * lanes_span as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No fetch_next: in these
  * turns it measured 0.92-1.06x at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {

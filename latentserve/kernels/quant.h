@@ -4,7 +4,14 @@
 
 #include "simd.h"
 
-#define INT8_OFFSET 128 /* int8 activations offset into vpdpbusd's (AVX-512) and vpmaddubsw's (AVX2) unsigned operand */
+#define INT8_OFFSET 128 /* int8 activations offset into vpdpbusd's (AVX-512, AVX-VNNI) and vpmaddubsw's (AVX2) unsigned operand */
+
+/* Where int8 products run through vpdpbusd, which sums u8 x s8 products into int32 with no intermediate: AVX-512 VNNI,
+ * and AVX-VNNI (the avx2_vnni build: AVX2's registers, Intel's client CPUs without AVX-512). Plain AVX2 has only
+ * vpmaddubsw, whose int16 pairs would overflow on whole bytes: its activations are kept as nibbles. */
+#if defined(LS_AVX512) || defined(LS_AVXVNNI)
+#define LS_DPBUSD
+#endif
 #define XBLOCK 64 /* int4's activations are quantized per 64 columns */
 
 /* x's 4 bytes as one int, to broadcast to every lane (the lanes layouts' activations). */
@@ -14,11 +21,11 @@ INLINE int32_t four_bytes(const int8_t *x) {
     return v;
 }
 
-/* Bytes of a row of int8 activations, u = x + INT8_OFFSET (unsigned): AVX-512 keeps u whole for vpdpbusd; AVX2 keeps
+/* Bytes of a row of int8 activations, u = x + INT8_OFFSET (unsigned): vpdpbusd's builds keep u whole; plain AVX2 keeps
  * its nibbles, u = 16 hi + lo, per 32 columns 32 bytes of hi then 32 of lo (the last 32 padded), so that vpmaddubsw
  * takes each nibble as its unsigned operand with no vpsignb and its pairs of products add up in int16 (qgemm.c). */
 INLINE int64_t int8_row_bytes(int64_t K) {
-#ifdef LS_AVX512
+#ifdef LS_DPBUSD
     return K;
 #else
     return 2 * ((K + 31) & ~(int64_t)31);

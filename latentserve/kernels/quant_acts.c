@@ -37,7 +37,7 @@ static void quantize_blocks(const void *x, int bf16, int64_t M, int64_t K, int64
     }
 }
 
-#ifndef LS_AVX512
+#ifndef LS_DPBUSD
 /* An AVX2 int8 row in place: u = x + 128 as quantize_blocks wrote it at row + int8_row_bytes(K) / 2, split into
  * int8_row_bytes' nibbles from the row's start. Each 32 columns are read before their 64 bytes are written, and those
  * bytes lie below the columns still to read. */
@@ -60,7 +60,7 @@ static void split_nibbles(uint8_t *row, int64_t K) {
 
 /* int8 rows: u = x + INT8_OFFSET in int8_row_bytes' layout, one scale a row. */
 static void quantize_int8(const void *x, int bf16, int64_t M, int64_t K, int8_t *q, float *s) {
-#ifdef LS_AVX512
+#ifdef LS_DPBUSD
     quantize_blocks(x, bf16, M, K, K, INT8_OFFSET, q, s);
 #else
     int64_t bytes = int8_row_bytes(K);

@@ -1,5 +1,5 @@
-"""The builds of latentserve's kernels this machine can run: the AVX2 build runs on any AVX-512 machine too, the
-avx512_bf16 one on an AMX machine."""
+"""The builds of latentserve's kernels this machine can run (build.runnable_isas): the AVX2 build runs on any AVX-512
+machine too, the avx512_bf16 one on an AMX machine, avx2_vnni wherever the CPU has AVX-VNNI."""
 from __future__ import annotations
 
 import pytest
@@ -8,18 +8,7 @@ from latentserve.kernels import native
 from latentserve.kernels.cpu import cpu_features
 
 
-def _runnable_isas() -> list[str]:
-    here = cpu_features()
-    isas = []
-    if here.capability.startswith("AVX512") and here.vnni:
-        isas += ["avx512_amx"] if here.avx512_bf16 and here.amx else []
-        isas += ["avx512_bf16", "avx512_vnni"] if here.avx512_bf16 else ["avx512_vnni"]
-    if here.capability.startswith(("AVX512", "AVX2")):
-        isas.append("avx2")
-    return isas
-
-
-ISAS = _runnable_isas()
+ISAS = native.runnable_isas(cpu_features())
 needs_a_build = pytest.mark.skipif(not ISAS, reason="no AVX2 on this CPU")
 
 

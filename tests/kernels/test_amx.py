@@ -113,7 +113,8 @@ def test_experts_at_prefill_equal_the_vnni_build(fmt, threads):
 
 
 def test_the_amx_build_is_chosen_only_with_amx():
-    here = dataclasses.replace(cpu_features(), capability="AVX512", vnni=True, avx512_bf16=True, amx=True)
+    here = dataclasses.replace(cpu_features(), capability="AVX512", vnni=True, avx512_bf16=True, amx=True,
+                               avx_vnni=False)
     assert native.kernel_isa(here)[0] == "avx512_amx"
     assert native.kernel_isa(dataclasses.replace(here, amx=False))[0] == "avx512_bf16"
     assert native.kernel_isa(dataclasses.replace(here, avx512_bf16=False))[0] == "avx512_vnni"

@@ -165,7 +165,7 @@ def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert native.native_kernels(cpu_features()) == (None, f"{native.NATIVE_ENV}=0")
     monkeypatch.setenv(native.NATIVE_ENV, "off")
-    with pytest.raises(ValueError, match="LATENTSERVE_NATIVE_KERNELS='off': use 1 .* or 0"):
+    with pytest.raises(ValueError, match="LATENTSERVE_NATIVE_KERNELS='off': use 1 .*, 0 .* or a build's name"):
         native.native_kernels(cpu_features())
 
 
@@ -182,3 +182,36 @@ def test_avx512_builds_fall_back_to_the_next_that_compiles(monkeypatch):
     monkeypatch.setattr(build, "load", lambda isa: avx2 if isa == "avx2" else f"no {isa}")
     built, why = native.native_kernels(features)
     assert built is avx2 and "avx512_vnni build unavailable (no avx512_vnni)" in why
+
+
+def test_a_cpu_with_avx_vnni_runs_the_avx2_vnni_build(monkeypatch):
+    """AVX-VNNI without AVX-512 (Intel's client CPUs) runs avx2_vnni, which falls back to AVX2 where it does not
+    compile and reads AVX2's packed weights; an AVX-512 machine keeps its AVX-512 builds first."""
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+    client = dataclasses.replace(cpu_features(), capability="AVX2", vnni=True, avx512_bf16=False, amx=False,
+                                 avx_vnni=True)
+    assert native.kernel_isa(client) == ("avx2_vnni", "AVX2 with AVX-VNNI")
+    assert native.runnable_isas(client) == ["avx2_vnni", "avx2"]
+    assert native.kernel_isa(dataclasses.replace(client, avx_vnni=False))[0] == "avx2"
+    server = dataclasses.replace(client, capability="AVX512", avx512_bf16=True)
+    assert native.runnable_isas(server) == ["avx512_bf16", "avx512_vnni", "avx2_vnni", "avx2"]
+    avx2 = object()
+    monkeypatch.setattr(build, "load", lambda isa: avx2 if isa == "avx2" else "no -mavxvnni")
+    built, why = native.native_kernels(client)
+    assert built is avx2 and "avx2_vnni build unavailable (no -mavxvnni)" in why
+    assert native.NativeKernels("avx2_vnni", None).layout == "avx2"
+
+
+def test_the_environment_names_a_build_this_cpu_runs(monkeypatch):
+    """LATENTSERVE_NATIVE_KERNELS=<build> picks it (plain AVX2 on a CPU with AVX-VNNI, to compare); a build the CPU
+    cannot run, or no build of that name, is refused with what it runs."""
+    client = dataclasses.replace(cpu_features(), capability="AVX2", vnni=True, avx512_bf16=False, amx=False,
+                                 avx_vnni=True)
+    monkeypatch.setenv(native.NATIVE_ENV, "avx2")
+    assert native.kernel_isa(client) == ("avx2", f"{native.NATIVE_ENV}=avx2")
+    monkeypatch.setenv(native.NATIVE_ENV, "avx512_vnni")
+    with pytest.raises(ValueError, match="avx512_vnni: this CPU .* runs avx2_vnni, avx2"):
+        native.kernel_isa(client)
+    monkeypatch.setenv(native.NATIVE_ENV, "avx3")
+    with pytest.raises(ValueError, match="'avx3': use 1 .*, 0 .* or a build's name: avx512_vnni, avx2, avx2_vnni"):
+        native.kernel_isa(client)

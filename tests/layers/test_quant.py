@@ -180,7 +180,7 @@ def test_kernels_are_chosen_by_the_policy():
         assert int8.kernels is here.kernels and int4.kernels is here.kernels
         w96 = torch.randn(48, 96)  # latentserve's int4 kernel takes inputs in multiples of 64
         assert isinstance(quantize_linear("l", w96, None, QuantConfig("int4", 32), "cpu", here), Int4PackLinear)
-        avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", fbgemm=False))
+        avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", fbgemm=False, avx_vnni=False))
         int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu", avx2)
         assert isinstance(int8, NativeInt8Linear) and int8.kernels.isa == "avx2"
         int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", avx2)

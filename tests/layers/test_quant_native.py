@@ -174,6 +174,28 @@ def test_int4_avx2_and_avx512_builds_agree_bitwise(group):
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not {"avx2", "avx2_vnni"} <= set(ISAS), reason="needs a CPU with AVX-VNNI")
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_avx_vnni_build_gives_the_avx2_builds_bits(group):
+    """vpdpbusd's int32 sums are vpmaddubsw's (int8: on whole bytes, not nibbles) and every float operation after them
+    is the same, in the same order, on the same 8 lanes: int8 and int4 products, alone and in the experts, equal the
+    AVX2 build's bit for bit at any x, at every row count (1-9, a pass's tails, past a chunk) and thread count."""
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(117, 384, generator=g) * 0.05, torch.randn(301, 384, generator=g)
+    int8, int4 = native.pack_int8(*quantize_int8(w)), native.pack_int4(*quantize_int4(w, group))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (*range(1, 10), 21, 47, 301):
+                got, want = ((native.int8_linear(kernels(isa), x[:rows], int8, 117),
+                              native.int4_linear(kernels(isa), x[:rows], int4, group, 117))
+                             for isa in ("avx2_vnni", "avx2"))
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_layer_runs_its_kernel_at_any_row_count(isa, group):
