@@ -215,3 +215,9 @@ def test_the_environment_names_a_build_this_cpu_runs(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "avx3")
     with pytest.raises(ValueError, match="'avx3': use 1 .*, 0 .* or a build's name: avx512_vnni, avx2, avx2_vnni"):
         native.kernel_isa(client)
+
+
+def test_the_build_key_covers_every_source_and_header():
+    """A cached library is keyed by its sources and headers: a file left out would leave a stale build after edits."""
+    assert {p.name for p in build.KERNEL_DIR.glob("*.h")} == {p.name for p in build.HEADERS}
+    assert {p.name for p in build.KERNEL_DIR.glob("*.c")} == {p.name for p in build.SOURCES}
