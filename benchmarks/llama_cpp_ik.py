@@ -18,7 +18,9 @@ defined` (this script refuses such a build). From a bare copy of the repository,
 (`git ls-tree -r HEAD` and `git cat-file blob`); the few absent large blobs (vocab GGUFs, a web page) are not needed.
 For an AVX2-only CPU's figures on an AVX-512 one, run this script under `ATEN_CPU_CAPABILITY=avx2` (our AVX2 build)
 with an ik and a mainline built `-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
--DGGML_AVX512=OFF` (`check_ik_build` refuses an ik of the other class).
+-DGGML_AVX512=OFF` (`check_ik_build` refuses an ik of the other class); where the CPU has AVX-VNNI that picks our
+avx2_vnni build (an Intel client CPU's), to be run against an ik built with `-DGGML_AVXVNNI=ON` too, and
+`LATENTSERVE_NATIVE_KERNELS=avx2` keeps plain AVX2 (a CPU without it).
 ik runs as its users run DeepSeek: llama-bench `-mla 3 -fa 1 -fmoe 1 -rtr 1` (MLA attention, flash attention, fused
 MoE, weights repacked row-interleaved at load); batched, with the parameters its llama-batched-bench `-mla 3 -fa on
 -rtr` sets (fused MoE is its default there). Mainline runs with its defaults, as in benchmarks/llama_cpp.py
@@ -221,18 +223,23 @@ def check_ik_build(build: Path, gguf: Path, threads: int) -> None:
     """Refuse an ik build whose vector kernels are not the class ours run (its banner says which): an AVX-512 build of
     ours against ik's AVX-512 IQK kernels (built with the docstring's flags; without them they are silently off), an
     AVX2 one (`ATEN_CPU_CAPABILITY=avx2`, as on an AVX2-only CPU) against an ik built for AVX2 (`-DGGML_NATIVE=OFF
-    -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON`). llama-batched-bench prints the banner; llama-bench does not."""
+    -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON`), our avx2_vnni (AVX2 with AVX-VNNI) against one built so too
+    (`-DGGML_AVXVNNI=ON`; its banner says `AVX_VNNI = 1`). llama-batched-bench prints the banner; llama-bench does
+    not."""
     from latentserve.kernels.build import kernel_isa
     from latentserve.kernels.cpu import cpu_features
 
     isa = kernel_isa(cpu_features())[0] or "none"
     done = subprocess.run([str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c",
                            "64", "-npp", "8", "-ntg", "1", "-npl", "1"], capture_output=True, text=True)
-    fancy = "HAVE_FANCY_SIMD is defined" in done.stdout + done.stderr
-    if fancy != isa.startswith("avx512"):
-        sys.exit(f"--ik-build {build}: its banner says HAVE_FANCY_SIMD is {'' if fancy else 'NOT '}defined, but our "
-                 f"kernels run the {isa} build: build ik for the same class of CPU (this script's docstring)")
-    print(f"our kernels: {isa}; ik_llama.cpp: {'AVX-512 (HAVE_FANCY_SIMD)' if fancy else 'AVX2'}", flush=True)
+    banner = done.stdout + done.stderr
+    fancy, vnni = "HAVE_FANCY_SIMD is defined" in banner, "AVX_VNNI = 1" in banner
+    if fancy != isa.startswith("avx512") or (not fancy and vnni != (isa == "avx2_vnni")):
+        sys.exit(f"--ik-build {build}: its banner says HAVE_FANCY_SIMD is {'' if fancy else 'NOT '}defined and "
+                 f"AVX_VNNI = {int(vnni)}, but our kernels run the {isa} build: build ik for the same class of CPU "
+                 f"(this script's docstring)")
+    ik = "AVX-512 (HAVE_FANCY_SIMD)" if fancy else "AVX2 with AVX-VNNI" if vnni else "AVX2"
+    print(f"our kernels: {isa}; ik_llama.cpp: {ik}", flush=True)
 
 
 def parse_args() -> argparse.Namespace:
