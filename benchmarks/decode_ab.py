@@ -5,6 +5,9 @@ machine's bandwidth swings (1.5x within minutes) move both alike. Prints each ro
 the way to tell whether a change moved decode on this machine, where two runs minutes apart differ by 10-40 %.
 
     python benchmarks/decode_ab.py --a /path/to/old/tree --b . --model /tmp/latentserve-v3shape-4l-gguf/model-Q8_0.gguf
+
+Two kernel builds of one tree: `--a . --b . --a-kernels avx2 --b-kernels avx2_vnni` (LATENTSERVE_NATIVE_KERNELS in
+each worker).
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ def _worker(model: str, prefill: int, decode: int, depth: int) -> None:
         print(f"{r['decode_b1_tok_s']} {r['prefill_tok_s']}", flush=True)
 
 
-def _start(tree: str, args: argparse.Namespace) -> subprocess.Popen:
+def _start(tree: str, kernels: str | None, args: argparse.Namespace) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    if kernels:
+        env["LATENTSERVE_NATIVE_KERNELS"] = kernels
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model, "--prefill", str(args.prefill),
            "--decode", str(args.decode), "--depth", str(args.depth)]
     proc = subprocess.Popen(cmd, env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -44,6 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--a", help="the baseline tree")
     parser.add_argument("--b", help="the tree to compare")
+    parser.add_argument("--a-kernels", help="A's kernel build (LATENTSERVE_NATIVE_KERNELS), e.g. avx2")
+    parser.add_argument("--b-kernels", help="B's kernel build")
     parser.add_argument("--model", required=True, help="a checkpoint folder or GGUF file both trees load")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--prefill", type=int, default=512)
@@ -55,7 +62,7 @@ def main() -> None:
         return _worker(args.model, args.prefill, args.decode, args.depth)
     if not (args.a and args.b):
         parser.error("--a and --b (two source trees) are required")
-    workers = {"a": _start(args.a, args), "b": _start(args.b, args)}
+    workers = {"a": _start(args.a, args.a_kernels, args), "b": _start(args.b, args.b_kernels, args)}
     got: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
     for r in range(args.rounds):
         for name in ("a", "b") if r % 2 == 0 else ("b", "a"):
