@@ -224,20 +224,21 @@ def check_ik_build(build: Path, gguf: Path, threads: int) -> None:
     ours against ik's AVX-512 IQK kernels (built with the docstring's flags; without them they are silently off), an
     AVX2 one (`ATEN_CPU_CAPABILITY=avx2`, as on an AVX2-only CPU) against an ik built for AVX2 (`-DGGML_NATIVE=OFF
     -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON`), our avx2_vnni (AVX2 with AVX-VNNI) against one built so too
-    (`-DGGML_AVXVNNI=ON`; its banner says `AVX_VNNI = 1`). llama-batched-bench prints the banner; llama-bench does
-    not."""
+    (`-DGGML_AVXVNNI=ON`, which the banner does not show: read from the build's CMakeCache.txt). llama-batched-bench
+    prints the banner; llama-bench does not."""
     from latentserve.kernels.build import kernel_isa
     from latentserve.kernels.cpu import cpu_features
 
     isa = kernel_isa(cpu_features())[0] or "none"
     done = subprocess.run([str(build / "bin" / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c",
                            "64", "-npp", "8", "-ntg", "1", "-npl", "1"], capture_output=True, text=True)
-    banner = done.stdout + done.stderr
-    fancy, vnni = "HAVE_FANCY_SIMD is defined" in banner, "AVX_VNNI = 1" in banner
+    fancy = "HAVE_FANCY_SIMD is defined" in done.stdout + done.stderr
+    cache = build / "CMakeCache.txt"
+    vnni = cache.is_file() and "GGML_AVXVNNI:BOOL=ON" in cache.read_text()
     if fancy != isa.startswith("avx512") or (not fancy and vnni != (isa == "avx2_vnni")):
-        sys.exit(f"--ik-build {build}: its banner says HAVE_FANCY_SIMD is {'' if fancy else 'NOT '}defined and "
-                 f"AVX_VNNI = {int(vnni)}, but our kernels run the {isa} build: build ik for the same class of CPU "
-                 f"(this script's docstring)")
+        sys.exit(f"--ik-build {build}: its banner says HAVE_FANCY_SIMD is {'' if fancy else 'NOT '}defined and it "
+                 f"was built {'with' if vnni else 'without'} GGML_AVXVNNI, but our kernels run the {isa} build: build "
+                 f"ik for the same class of CPU (this script's docstring)")
     ik = "AVX-512 (HAVE_FANCY_SIMD)" if fancy else "AVX2 with AVX-VNNI" if vnni else "AVX2"
     print(f"our kernels: {isa}; ik_llama.cpp: {ik}", flush=True)
 
