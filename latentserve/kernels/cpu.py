@@ -1,6 +1,7 @@
 """What this CPU computes fast: decides `dtype="auto"` and the quantized linear kernels."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,17 +48,18 @@ def cpu_features() -> CpuFeatures:
     )
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them in /proc/cpuinfo; empty where it does not (torch names no AVX-VNNI
-    apart from AVX512-VNNI)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them in /proc/cpuinfo (the first CPU's); empty where it does not (torch
+    names no AVX-VNNI apart from AVX512-VNNI)."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
     except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+        pass
+    return frozenset()
 
 
 def last_level_cache_bytes() -> int | None:
