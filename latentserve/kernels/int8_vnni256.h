@@ -1,6 +1,6 @@
 /* The avx2_vnni build's int8 sums (AVX-VNNI: vpdpbusd on AVX2's 256-bit registers), included by qgemm.c in place of
  * int8_nibbles.h: the same names (int8_rows, lanes_span), from which qgemm.c's AVX2 lanes_sums and
- * lanes_sums_pair are made (after its fetch_near). The activations are whole bytes u = x + 128 (quant.h
+ * lanes_sums_pair are made (after its fetch_next and fetch_near). The activations are whole bytes u = x + 128 (quant.h
  * int8_row_bytes), as on AVX-512: one vpdpbusd takes 32 products into int32 lanes where plain AVX2 spends two
  * vpmaddubsw, two int16 additions and a share of the widening on the nibbles. The integer sums are the other builds',
  * so the outputs are too. */
@@ -35,7 +35,7 @@ INLINE void lanes_span(const uint8_t *x, int64_t xstride, const int8_t *w, int64
     __m256i sum[MB][2]; /* in registers for the span (acc may live in memory) */
     for (int i = 0; i < mb; i++) sum[i][0] = acc[i][0], sum[i][1] = acc[i][1];
     for (; c < end; c++) {
-        if (ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
+        fetch_next(w, c, ahead, mb);
         if (near) fetch_near(w + 64 * c);
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + 64 * c));
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 64 * c + 32));

@@ -302,8 +302,8 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
 }
 #else
 /* As the AVX-512 version's turns of PAIR_CHUNK units (whole groups of NIBBLE_STEPS) at every row count, through
- * lanes_span as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No fetch_next: in these
- * turns it measured 0.92-1.06x at 4-8 rows (the AVX2 build on Zen 4). */
+ * lanes_span as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No
+ * fetch_next: in these turns it measured 0.92-1.06x at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {
     (void)ahead;

@@ -4,7 +4,9 @@
 
 #include "simd.h"
 
-#define INT8_OFFSET 128 /* int8 activations offset into vpdpbusd's (AVX-512, AVX-VNNI) and vpmaddubsw's (AVX2) unsigned operand */
+/* int8 activations' offset into vpdpbusd's (AVX-512, AVX-VNNI) and vpmaddubsw's (AVX2) unsigned operand */
+#define INT8_OFFSET 128
+#define XBLOCK 64 /* int4's activations are quantized per 64 columns */
 
 /* Where int8 products run through vpdpbusd, which sums u8 x s8 products into int32 with no intermediate: AVX-512 VNNI,
  * and AVX-VNNI (the avx2_vnni build: AVX2's registers, Intel's client CPUs without AVX-512). Plain AVX2 has only
@@ -12,7 +14,6 @@
 #if defined(LS_AVX512) || defined(LS_AVXVNNI)
 #define LS_DPBUSD
 #endif
-#define XBLOCK 64 /* int4's activations are quantized per 64 columns */
 
 /* x's 4 bytes as one int, to broadcast to every lane (the lanes layouts' activations). */
 INLINE int32_t four_bytes(const int8_t *x) {
