@@ -1,5 +1,5 @@
 """The kernels' boundary rule: nothing reaches C as an address before its tensor is checked. Every wrapper in
-native.py checks each tensor it passes (a CPU tensor, a dtype the kernel reads, contiguous, the shape the kernel
+native/ checks each tensor it passes (a CPU tensor, a dtype the kernel reads, contiguous, the shape the kernel
 assumes) with `tensor`, and each index the kernel follows into another tensor (block ids, cache slots, query starts)
 with bounds.c's loops; what fails is a ValueError naming the wrapper, the argument and what was expected, never an
 out-of-bounds access. The checks cost well under a microsecond a tensor: the wrappers run per layer per decode step."""

@@ -167,7 +167,7 @@ def test_experts_refuse_what_they_cannot_read():
 
 
 def test_the_experts_entry_point_names_a_table_it_cannot_read():
-    """A caller that skips native.py: the C side checks the tables itself and names what is wrong."""
+    """A caller that skips the wrappers (kernels/native/): the C side checks the tables itself and names what is wrong."""
     g = torch.Generator().manual_seed(0)
     lib = kernels(ISAS[0]).lib
     routed, _ = _experts(g, ("fp32", "fp32"), 2, 16, 8)

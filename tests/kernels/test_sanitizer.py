@@ -23,7 +23,7 @@ lib = native.load({ISAS[0] if ISAS else "avx2"!r}).lib
 d = abi.desc
 
 
-def lie(t, *shape):  # t's descriptor claiming `shape` (contiguous strides): what a caller past native.py could pass
+def lie(t, *shape):  # t's descriptor claiming `shape` (contiguous strides): what a caller past the wrappers could pass
     strides = [1]
     for size in reversed(shape[1:]):
         strides.insert(0, strides[0] * size)

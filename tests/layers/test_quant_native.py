@@ -1,4 +1,4 @@
-"""latentserve's own int8/int4 CPU kernels (kernels/native.py) against exact integer references, for each
+"""latentserve's own int8/int4 CPU kernels (kernels/native/) against exact integer references, for each
 instruction set this machine can run: the AVX2 build runs on any AVX-512 machine too."""
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ class Int4PackLinear(nn.Module):
 
 
 class NativeInt4Linear(nn.Module):
-    """latentserve's int4 kernel (`native.py`, activations quantized to int8 per 64 columns) at every row count: in
+    """latentserve's int4 kernel (`kernels/native/`, activations quantized to int8 per 64 columns) at every row count: in
     blocks of 16 outputs it runs 1.4-1.9x faster than dequantizing the weight for one bf16 GEMM even at 512 rows
     (benchmarks/RESULTS.md). Scale and minimum are kept in bf16 beside the nibbles of each block, as int4pack_mm
     keeps them (half a bit per weight at group size 64 instead of one)."""

@@ -91,7 +91,7 @@ class FbgemmInt8Linear(nn.Module):
 
 
 class NativeInt8Linear(nn.Module):
-    """latentserve's int8 kernel (`native.py`) at every row count, the weight in blocks of 16 outputs
+    """latentserve's int8 kernel (`kernels/native/`) at every row count, the weight in blocks of 16 outputs
     (`native.pack_int8`), activations quantized per row (symmetric, 8 bits): one 64-byte load feeds 16 outputs and
     every row of a pass, so at many rows the activations are read once per block, not once per output (2x faster
     than the one-row-at-a-time kernel at 512 rows and above oneDNN's `_int_mm`: benchmarks/RESULTS.md). fp32 and

@@ -1,0 +1,79 @@
+"""The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c) and `pack_int4`'s
+(int4.c), and the checks that a packed weight has the shape its layout gives it."""
+from __future__ import annotations
+
+import torch
+
+from latentserve.kernels.checks import tensor
+from latentserve.kernels.native.calls import I8, U8
+
+
+INT4_BLOCK = INT8_BLOCK = 16  # outputs per block of `pack_int4`'s and `pack_int8`'s layouts
+INT8_HEADER = 128  # bytes before a `pack_int8` block's weights: 16 fp32 scales, 16 int32 sums of q
+
+
+def int8_lanes(q: torch.Tensor) -> torch.Tensor:
+    """int8 q `[H, N, K]` (N % 16 == 0, K % 4 == 0) in `int8_heads_lanes`' layout `[H, N / 16, K / 4, 16, 4]`."""
+    h, n, k = q.shape
+    if q.dtype != torch.int8 or n % 16 or k % 4:
+        raise ValueError(f"int8_lanes takes int8 [H, N, K] with N % 16 == 0 and K % 4 == 0, not {q.dtype} "
+                         f"{tuple(q.shape)}")
+    return q.view(h, n // 16, 16, k // 4, 4).transpose(2, 3).contiguous()
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 `[ceil(N / 16), 128 + 16 * K]` from q int8 `[N, K]` (K a multiple of 4) and its fp32 `scale` `[N]`: the
+    outputs in blocks of 16 (zero rows pad the last), each block the 16 scales, the 16 int32 sums of q's rows, then
+    per 4 columns 64 bytes whose byte 4j + i is output j's column 4c + i (`int8_lanes`; qgemm.c)."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or k % 4 or scale.shape != (n,):
+        raise ValueError(f"pack_int8 takes int8 q [N, K] with K % 4 == 0 and fp32 scale [N], not {q.dtype} "
+                         f"{tuple(q.shape)} and {tuple(scale.shape)}")
+    pad = -n % INT8_BLOCK
+    q, scale = torch.nn.functional.pad(q, (0, 0, 0, pad)), torch.nn.functional.pad(scale.float(), (0, pad))
+    blocks = (n + pad) // INT8_BLOCK
+    header = torch.cat([scale.view(blocks, INT8_BLOCK), q.sum(dim=1, dtype=torch.int32).view(torch.float32)
+                        .view(blocks, INT8_BLOCK)], dim=1).view(torch.int8)
+    return torch.cat([header, int8_lanes(q[None])[0].view(blocks, -1)], dim=1)
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q `[n, k]`, scale `[n]`) back from `pack_int8`'s layout."""
+    blocks = packed.shape[0]
+    scale = packed[:, :64].contiguous().view(torch.float32).reshape(-1)[:n]
+    lanes = packed[:, INT8_HEADER:].reshape(blocks, k // 4, INT8_BLOCK, 4)
+    return lanes.transpose(1, 2).reshape(blocks * INT8_BLOCK, k)[:n], scale
+
+
+def check_int8(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_int8`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if k % 4:
+        raise ValueError(f"{fn}: the int8 kernels take K a multiple of 4; got K {k}")
+    tensor(fn, f"{name} (int8 weight of {n} outputs, {k} inputs in pack_int8's layout)", packed, I8,
+           (-(-n // INT8_BLOCK), INT8_HEADER + INT8_BLOCK * k))
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), groups * (64 + 8 * G)]` from q `[N, K]` in [0, 15] (K a multiple of 64) and fp32
+    `scale`, `minimum` `[N, groups]` (G = K / groups): the outputs in blocks of 16 (zero rows pad the last), each
+    block per group the 16 (scale, minimum) bf16 pairs, then per 8 columns 64 bytes whose byte 4j + i holds output
+    j's column i (low nibble) and 4 + i (high) (int4.c)."""
+    (n, k), groups = q.shape, scale.shape[1]
+    g, pad = k // groups, -n % INT4_BLOCK
+    q, scale, minimum = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, scale, minimum))
+    blocks = (n + pad) // INT4_BLOCK
+    units = q.view(blocks, INT4_BLOCK, groups, g // 8, 2, 4)  # [block, output, group, unit, low/high, column]
+    nibbles = (units[..., 0, :] | (units[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 8 * g)
+    pairs = torch.stack([scale, minimum], dim=-1).to(torch.bfloat16).view(torch.uint8)  # [N, groups, 4]
+    pairs = pairs.view(blocks, INT4_BLOCK, groups, 4).transpose(1, 2).reshape(blocks, groups, 64)
+    return torch.cat([pairs, nibbles], dim=2).view(blocks, -1)
+
+
+def check_int4(fn: str, name: str, packed: torch.Tensor, n: int, k: int, group_size: int) -> None:
+    """A weight in `pack_int4`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if group_size not in (32, 64, 128) or k % 64 or k % group_size:
+        raise ValueError(f"{fn}: int4 kernels take group size 32, 64 or 128 dividing K, K a multiple of 64; got group "
+                         f"size {group_size}, K {k}")
+    expected = (-(-n // INT4_BLOCK), k // group_size * (64 + 8 * group_size))
+    tensor(fn, f"{name} (int4 weight of {n} outputs, {k} inputs, group size {group_size} in pack_int4's layout)",
+           packed, U8, expected)
