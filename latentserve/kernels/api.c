@@ -215,12 +215,14 @@ LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls
 }
 
 /* k of E experts from the best topk_groups of `groups` equal groups. */
-static int bad_routing(int64_t E, int64_t k, int64_t groups, int64_t topk_groups) {
+/* k of E experts can be chosen from the best topk_groups of `groups`; sigmoid scores a group by its best two experts,
+ * so a limit on groups of one expert would score every group -inf (torch's topk(2) refuses it too). */
+static int bad_routing(int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups) {
     if (groups > 0 && 0 < topk_groups && topk_groups <= groups && E % groups == 0 && 0 < k &&
-        k <= topk_groups * (E / groups))
+        k <= topk_groups * (E / groups) && !(sigmoid && topk_groups < groups && E / groups < 2))
         return LS_OK;
-    return refuse(LS_BAD_TENSOR, "%lld of %lld experts from the best %lld of %lld groups", (long long)k, (long long)E,
-                  (long long)topk_groups, (long long)groups);
+    return refuse(LS_BAD_TENSOR, "%lld of %lld experts from the best %lld of %lld groups%s", (long long)k, (long long)E,
+                  (long long)topk_groups, (long long)groups, sigmoid ? " (sigmoid: at least 2 experts a group)" : "");
 }
 
 LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_t topk_groups, const ls_tensor *bias,
@@ -228,7 +230,8 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
     TENSORS(bad_tensor("logits", logits, BIT(LS_F32), 2, 0) || bad_tensor("weights", weights, BIT(LS_F32), 2, 0));
     int64_t T = DIM(logits, 0), E = DIM(logits, 1), k = DIM(weights, 1);
     TENSORS(bad_size("weights", weights, 0, T) || bad_tensor("ids", ids, BIT(LS_I64), 2, 0));
-    TENSORS(bad_size("ids", ids, 0, T) || bad_size("ids", ids, 1, k) || bad_routing(E, k, groups, topk_groups));
+    TENSORS(bad_size("ids", ids, 0, T) || bad_size("ids", ids, 1, k));
+    TENSORS(bad_routing(E, k, sigmoid, groups, topk_groups));
     TENSORS(bias && (bad_tensor("bias", bias, BIT(LS_F32), 1, 0) || bad_size("bias", bias, 0, E)));
     return route(logits->data, T, E, k, sigmoid, groups, topk_groups, bias ? bias->data : NULL, norm, scaling,
                   weights->data, ids->data);
@@ -331,7 +334,7 @@ LS_API int ls_experts(const ExpertTable *routed, const ExpertTable *shared, cons
 static int bad_moe_block(const MoEBlock *b) {
     if (!b) return refuse(LS_BAD_BLOCK, "no MoEBlock");
     if (b->hidden <= 0) return refuse(LS_BAD_BLOCK, "hidden %lld", (long long)b->hidden);
-    if (bad_routing(b->experts, b->topk, b->groups, b->topk_groups)) return LS_BAD_BLOCK;
+    if (bad_routing(b->experts, b->topk, b->sigmoid, b->groups, b->topk_groups)) return LS_BAD_BLOCK;
     if (!b->router) return refuse(LS_BAD_BLOCK, "router is NULL");
     if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
     CHECK(bad_table(LS_BAD_BLOCK, "routed", &b->routed, b->experts, b->hidden));

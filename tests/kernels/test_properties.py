@@ -264,6 +264,22 @@ def test_route_is_an_error_or_the_routing(data):
     torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_route_refuses_sigmoid_groups_of_one_expert():
+    """Sigmoid scores a group by its best two experts: a limit on groups of one expert would score every group -inf
+    and keep the first ones whatever the logits (route.c did). Refused by the wrapper and, past it, by the C side;
+    softmax's groups of one, or no limit, still route."""
+    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="at least 2 experts a group"):
+        native.route(kernels(ISAS[0]), logits, 2, True, 8, 4, None, True, 1.0)
+    lib = kernels(ISAS[0]).lib
+    weights, ids = torch.empty(2, 2), torch.empty(2, 2, dtype=torch.int64)
+    code = lib.ls_route(native.desc(logits), 1, 8, 4, None, 1, 1.0, native.desc(weights), native.desc(ids))
+    assert code == native.abi.BAD_TENSOR and "at least 2 experts a group" in lib.ls_last_error().decode()
+    for sigmoid, topk_groups in ((False, 4), (True, 8)):
+        got = native.route(kernels(ISAS[0]), logits, 2, sigmoid, 8, topk_groups, None, True, 1.0)
+        assert torch.equal(got[1], _route_reference(logits, 2, sigmoid, 8, topk_groups, None, True, 1.0)[1])
+
+
 @pytest.mark.parametrize("sigmoid", [False, True])
 @pytest.mark.parametrize("groups", [1, 4])
 def test_route_chooses_with_the_bias_and_weighs_without_it(sigmoid, groups):

@@ -23,10 +23,13 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
     logits = logits.contiguous()
     bias = bias.contiguous() if bias is not None else None
     tokens, experts = tensor("route", "logits", logits, F32, (None, None))
+    # sigmoid scores a group by its best two experts: a limit on groups of one would score every group -inf
     if (not 0 < topk_groups <= groups or experts % groups or not 0 < k <= topk_groups * (experts // groups)
+            or (sigmoid and topk_groups < groups and experts // groups < 2)
             or (bias is not None and bias.shape != (experts,))):
         raise ValueError(f"route: {k} of {experts} experts from the best {topk_groups} of {groups} groups cannot be "
-                         f"chosen (bias {None if bias is None else tuple(bias.shape)})")
+                         f"chosen (sigmoid {sigmoid}: at least 2 experts a group; bias "
+                         f"{None if bias is None else tuple(bias.shape)})")
     if bias is not None:
         tensor("route", "bias", bias, F32, (experts,))
     weights, ids = torch.empty(tokens, k), torch.empty(tokens, k, dtype=torch.int64)
