@@ -9,7 +9,7 @@ from latentserve.attention.decode.base import MLADecodeBackend
 from latentserve.attention.decode.paged import PagedMQADecodeBackend
 from latentserve.attention.metadata import MLADecodeMetadata
 from latentserve.kernels import native
-from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.policy import default_policy
 
 
 class NativeMQADecodeBackend(MLADecodeBackend):
@@ -30,12 +30,12 @@ class NativeMQADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def is_available(cls) -> bool:
-        return native.native_kernels(cpu_features())[0] is not None
+        return default_policy().kernels is not None
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None,
                  sliding_window: int | None = None):
         super().__init__(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config, sliding_window)
-        self.kernels = native.native_kernels(cpu_features())[0]
+        self.kernels = default_policy().kernels
         self.paged = PagedMQADecodeBackend(num_heads, scale, kv_lora_rank, qk_rope_head_dim, config)
 
     def runs_natively(self, kv_cache: torch.Tensor) -> bool:
