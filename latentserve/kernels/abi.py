@@ -9,7 +9,7 @@ import struct
 
 import torch
 
-MAX_DIMS, MAX_ROPE = 5, 1024  # LS_MAX_DIMS, LS_MAX_ROPE
+MAX_DIMS, MAX_ROPE, MAX_LATENT = 5, 1024, 2048  # LS_MAX_DIMS, LS_MAX_ROPE, LS_MAX_LATENT
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.int8: 3, torch.uint8: 4,
           torch.int32: 5, torch.int64: 6}  # ls_dtype
 DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS = 0, 1, 2, 3, 4  # ls_weight_kind

@@ -203,6 +203,9 @@ LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls
                          const ls_tensor *out, int threads) {
     TENSORS(bad_tensor("q", q, ACT, 3, 0) || bad_tensor("kv_cache", kv_cache, CACHE, 3, 0));
     int64_t T = DIM(q, 0), H = DIM(q, 1), D = DIM(q, 2);
+    if (D > LS_MAX_LATENT)
+        return refuse(LS_BAD_TENSOR, "q: rows of %lld (latent + rope), over the %d decode attention takes",
+                      (long long)D, LS_MAX_LATENT);
     TENSORS(bad_size("kv_cache", kv_cache, 2, cache_width(kv_cache, D)) || bad_tensor("out", out, ACT, 3, 0));
     TENSORS(bad_size("out", out, 0, T));
     TENSORS(bad_size("out", out, 1, H));
@@ -254,6 +257,9 @@ static int bad_mla_block(const MLABlock *b) {
         return refuse(LS_BAD_BLOCK, "sizes hidden %lld, heads %lld, nope %lld, latent %lld, v_dim %lld, q_lora %lld",
                       (long long)b->hidden, (long long)b->heads, (long long)b->nope, (long long)b->latent,
                       (long long)b->v_dim, (long long)b->q_lora);
+    if (b->latent + b->rope > LS_MAX_LATENT)
+        return refuse(LS_BAD_BLOCK, "latent %lld + rope %lld, over the %d decode attention takes", (long long)b->latent,
+                      (long long)b->rope, LS_MAX_LATENT);
     if (b->style < LS_ROPE_GPTJ || b->style > LS_ROPE_NEOX) return refuse(LS_BAD_BLOCK, "style is %d", b->style);
     if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
     if (!b->input_norm || !b->kv_a_norm || !b->post_norm || (b->q_lora && !b->q_a_norm))

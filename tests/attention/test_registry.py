@@ -148,6 +148,17 @@ def test_validate_configuration_lists_reasons():
     assert len(CudaOnlyPrefill.validate_configuration("cpu", CFG)) == 2
 
 
+def test_native_decode_takes_no_cache_rows_wider_than_its_kernel():
+    """Cache rows past the kernel's LS_MAX_LATENT (latent + rope) go to PAGED, not to a kernel that refuses them."""
+    from latentserve.attention.decode.native import NativeMQADecodeBackend
+    from latentserve.kernels import native
+
+    wide = SelectorConfig(torch.float32, 4, native.abi.MAX_LATENT - 63, 16, 64, 12)
+    assert any("at most 2048 (latent + rope), not 2049" in r
+               for r in NativeMQADecodeBackend.validate_configuration("cpu", wide))
+    assert get_mla_decode_backend("cpu", wide).get_name() == "PAGED"
+
+
 def test_decode_registry_and_selector():
     from latentserve.kernels.native import native_kernels
     from latentserve.kernels.cpu import cpu_features

@@ -3,6 +3,8 @@ thing, are a ValueError naming the argument, before any address goes to C. Each 
 or write, or a silently wrong result, before the checks; `make sanitize` runs these under AddressSanitizer."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -113,6 +115,24 @@ def test_mla_decode_checks_the_tokens_it_writes():
     q, cache, table, _, lens, scale, latent = _decode_args()
     with pytest.raises(ValueError, match=r"query_start_loc must rise from >= 0 to at most the 1 query tokens"):
         native.mla_decode(_k(), q, cache, table, torch.tensor([0, 3], dtype=torch.int32), lens, scale, latent)
+
+
+def test_mla_decode_refuses_rows_wider_than_its_stack_takes():
+    """Each decode item keeps its heads' queries and sums on its thread's stack: cache rows past LS_MAX_LATENT
+    (latent + rope) once overran it (a segfault at 262144), now a ValueError from the wrapper and, past it, from C."""
+    width = native.abi.MAX_LATENT + 1
+    q, cache = torch.randn(1, 2, width), torch.randn(1, BLOCK, width)
+    table, qsl, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), torch.tensor(
+        [2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"q's rows of {width} \(latent \+ rope\) are wider than the 2048"):
+        native.mla_decode(_k(), q, cache, table, qsl, lens, 0.1, 8)
+    out = torch.empty(1, 2, 8)
+    lib = _k().lib
+    code = lib.ls_mla_decode(*(native.desc(t) for t in (q, cache, table, qsl, lens)), ctypes.c_float(0.1),
+                             native.desc(out), 1)
+    assert code == native.abi.BAD_TENSOR and "over the 2048 decode attention takes" in lib.ls_last_error().decode()
+    at_limit = torch.randn(1, 2, native.abi.MAX_LATENT), torch.randn(1, BLOCK, native.abi.MAX_LATENT)
+    assert native.mla_decode(_k(), *at_limit, table, qsl, lens, 0.1, 8).shape == (1, 2, 8)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from latentserve.attention.backend import SelectorConfig
 from latentserve.attention.decode.base import MLADecodeBackend
 from latentserve.attention.decode.paged import PagedMQADecodeBackend
 from latentserve.attention.metadata import MLADecodeMetadata
@@ -31,6 +32,14 @@ class NativeMQADecodeBackend(MLADecodeBackend):
     @classmethod
     def is_available(cls) -> bool:
         return default_policy().kernels is not None
+
+    @classmethod
+    def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:
+        reasons = super().validate_configuration(device, selector_config)
+        width = selector_config.kv_lora_rank + selector_config.qk_rope_head_dim
+        if width > native.abi.MAX_LATENT:
+            reasons.append(f"NATIVE takes cache rows of at most {native.abi.MAX_LATENT} (latent + rope), not {width}")
+        return reasons
 
     def __init__(self, num_heads: int, scale: float, kv_lora_rank: int, qk_rope_head_dim: int, config: Any = None,
                  sliding_window: int | None = None):

@@ -132,6 +132,9 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     fn = "mla_decode"
     q = q.contiguous()
     tokens, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None))
+    if dim > abi.MAX_LATENT:
+        raise ValueError(f"{fn}: q's rows of {dim} (latent + rope) are wider than the {abi.MAX_LATENT} the kernel "
+                         "takes")
     tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, kv_cache_row_width(dim, kv_cache.dtype)))
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
