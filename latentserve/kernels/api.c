@@ -174,6 +174,9 @@ LS_API int ls_mla_prologue(const ls_tensor *q, const ls_tensor *kv, const ls_ten
     TENSORS(bad_size("q", q, 0, T) || bad_rotary(cos, sin, T, R));
     if (R >= width || R > D) return refuse(LS_BAD_TENSOR, "%lld rope dims with kv rows of %lld and q heads of %lld",
                                           (long long)R, (long long)width, (long long)D);
+    if (width > LS_MAX_LATENT) /* a cache row decode attention could not read, staged on the stack (prologue.c) */
+        return refuse(LS_BAD_TENSOR, "kv: rows of %lld (latent + rope), over the %d decode attention takes",
+                      (long long)width, LS_MAX_LATENT);
     if (style < LS_ROPE_GPTJ || style > LS_ROPE_NEOX) return refuse(LS_BAD_TENSOR, "rope style %d", style);
     TENSORS(bad_tensor("w", w, ACT, 1, 0) || bad_size("w", w, 0, L));
     TENSORS(bad_tensor("kv_c", kv_c, BIT(kv->dtype), 2, 0) || bad_size("kv_c", kv_c, 0, T) || bad_size("kv_c", kv_c, 1, L));

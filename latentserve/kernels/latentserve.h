@@ -9,9 +9,9 @@
 #define LS_API __attribute__((visibility("default")))
 
 /* LS_INT8_ROW_SCALES: the bytes an int8 latent cache row carries after its values, two fp32 scales (kv_rows.h).
- * LS_MAX_LATENT: the widest cache row (latent + rope) decode attention takes: each item keeps its heads' scaled
- * queries and sums on its thread's stack (mla_tiles.h decode_item; 2048: 128 KB), and wider rows would overrun it
- * (DeepSeek's rows are 576). */
+ * LS_MAX_LATENT: the widest cache row (latent + rope) the prologue writes and decode attention takes: each decode
+ * item keeps its heads' scaled queries and sums on its thread's stack (mla_tiles.h decode_item; 2048: 128 KB), the
+ * prologue a row, and wider rows would overrun it (DeepSeek's rows are 576). */
 enum { LS_MAX_DIMS = 5, LS_MAX_ROPE = 1024, LS_INT8_ROW_SCALES = 8, LS_MAX_LATENT = 2048 };
 
 /* Element types a descriptor names (torch's float32, bfloat16, float8_e4m3fn, int8, uint8, int32, int64). */

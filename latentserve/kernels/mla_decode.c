@@ -26,6 +26,9 @@ typedef struct {
 
 INLINE int64_t lane_padded(int64_t heads) { return (heads + LANE_HEADS - 1) / LANE_HEADS * LANE_HEADS; }
 
+/* Heads an item takes at most: decode_lanes_item keeps their lane groups on the stack (real models: up to 128). */
+#define ITEM_HEADS 256
+
 /* Floats an ItemMemory of `heads` takes (a multiple of 16: each thread's stays 64-byte aligned). */
 INLINE int64_t item_floats(int64_t heads, int64_t D, int64_t L) {
     return lane_padded(heads) * (D + L + 3) + LANE_HEADS * ROW_TILE * 3 / 2 + ROW_TILE * D;
@@ -191,7 +194,9 @@ int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const 
     if (!token || !partial) return scratch_release(mark), LS_NO_MEMORY;
     for (int64_t t = 0; t < T; t++)
         for (int64_t c = first[t]; c < first[t + 1]; c++) token[c] = t;
-    int64_t heads = per < 1 ? 1 : per > H ? H : per, blocks = (H + heads - 1) / heads;
+    int64_t heads = per < 1 ? 1 : per > H ? H : per;
+    heads = heads > ITEM_HEADS ? ITEM_HEADS : heads;
+    int64_t blocks = (H + heads - 1) / heads;
 #ifdef LS_BF16DOT
     int dot = qbf && cf != KV_F32; /* bf16 products through vdpbf16ps, the heads in the lanes */
 #else

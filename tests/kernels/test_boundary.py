@@ -89,6 +89,10 @@ def test_mla_prologue_checks_what_it_reads_and_where_it_writes():
     assert torch.equal(cache, before)  # nothing written
     with pytest.raises(ValueError, match=r"even number of rope dims up to 1024, got 15"):
         native.mla_prologue(_k(), q, kv, weight, eps, cos[:, :15], sin[:, :15], style, cache, slots)
+    wide = native.abi.MAX_LATENT + 1 - ROPE  # a latent whose cache row decode attention could not read
+    q, kv, weight = torch.randn(4, HEADS, NOPE + ROPE), torch.randn(4, wide + ROPE), torch.randn(wide)
+    with pytest.raises(ValueError, match=r"kv's rows of 2049 \(latent \+ rope\) are wider than the 2048"):
+        native.mla_prologue(_k(), q, kv, weight, eps, cos, sin, style, torch.zeros(1, BLOCK, wide + ROPE), slots)
 
 
 def _decode_args(seq_len: int = 6, tokens: int = 1):

@@ -135,6 +135,23 @@ def test_mla_decode_is_an_error_or_attention_over_the_blocks(data):
              reference, wrong, 2e-2, 2e-2)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_mla_decode_splits_many_heads_into_items(isa, dtype):
+    """300 heads of one token (an item takes at most 256: their lane groups live on its stack) over 300 positions:
+    each head's attention as one head's alone."""
+    g = torch.Generator().manual_seed(3)
+    heads, latent, dim, length = 300, 32, 48, 300
+    q = torch.randn(1, heads, dim, generator=g).to(dtype)
+    cache = torch.randn(-(-length // 16), 16, dim, generator=g).to(dtype)
+    table = torch.arange(cache.shape[0], dtype=torch.int32)[None]
+    got = native.mla_decode(kernels(isa), q, cache, table, torch.tensor([0, 1], dtype=torch.int32),
+                            torch.tensor([length], dtype=torch.int32), 0.1, latent)
+    rows = cache.reshape(-1, dim)[:length].float()
+    expected = torch.softmax(0.1 * q[0].float() @ rows.t(), dim=-1) @ rows[:, :latent]
+    torch.testing.assert_close(got[0].float(), expected, rtol=2e-2, atol=2e-2)
+
+
 @SETTINGS
 @given(st.data())
 def test_experts_are_an_error_or_the_weighted_mlps(data):

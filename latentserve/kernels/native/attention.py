@@ -33,6 +33,9 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     rope = rotary(fn, cos, sin, tokens)
     if rope >= width or rope > dim:
         raise ValueError(f"{fn}: {rope} rope dims do not fit kv's rows of {width} and q's heads of {dim}")
+    if width > abi.MAX_LATENT:
+        raise ValueError(f"{fn}: kv's rows of {width} (latent + rope) are wider than the {abi.MAX_LATENT} decode "
+                         "attention takes")
     tensor(fn, "weight", weight, (kv.dtype,), (width - rope,))
     capacity = slots(fn, slot_mapping, tokens, kv_cache, width)
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
