@@ -36,7 +36,8 @@ def build_block(attn: DeepseekAttention, norms: Norms, dtype: torch.dtype) -> Bu
     core, m = attn.attn, attn.attn.mla
     kernels = core.kernels
     all_norms = [*norms, attn.kv_a_layernorm] + ([attn.q_a_layernorm] if attn.q_lora else [])
-    if (kernels is None or not isinstance(core.decode_backend, NativeMQADecodeBackend) or m.qk_rope_head_dim > 1024
+    if (kernels is None or not isinstance(core.decode_backend, NativeMQADecodeBackend)
+            or m.qk_rope_head_dim > native.abi.MAX_ROPE
             or not all(n.weight.dtype == dtype and n.weight.is_contiguous() for n in all_norms)):
         return None
     names = ("q_a", "q_b", "kv_a", "o_proj") if attn.q_lora else ("q_b", "kv_a", "o_proj")
