@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Callable, Iterator, NoReturn
 
 import torch
@@ -18,10 +19,12 @@ from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.engine_config import EngineConfig, parse_dtype, parse_kv_cache_dtype
 from latentserve.engine.reasoning import reasoning_parser_names
 from latentserve.layers.quant.config import QUANTIZATIONS
+from latentserve.models.formats import is_gguf
 from latentserve.sampling_params import SamplingParams
 
 _ENGINE_DEFAULTS = EngineConfig()
 _SAMPLING_DEFAULTS = SamplingParams()
+LOAD_FORMATS = ("auto", "safetensors", "gguf")  # vLLM's --load-format values for what latentserve reads
 
 
 class CLIError(Exception):
@@ -143,6 +146,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = _ENGINE_DEFAULTS
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="what --model is: auto (a .gguf file is GGUF, a folder a checkpoint), safetensors (a "
+                        "checkpoint folder) or gguf (a GGUF file); checked against the path")
     g.add_argument("--dtype", type=dtype_name, default=d.dtype, help="weights and compute dtype")
     g.add_argument("--device", type=device_name, default=d.device, help="cpu or cuda[:N]")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
@@ -252,10 +258,23 @@ def sampling_params_from_args(args: argparse.Namespace, **overrides) -> Sampling
         return SamplingParams(**(defaults | {k: v for k, v in flags.items() if v is not None} | overrides))
 
 
+def check_load_format(load_format: str, model: str | None) -> None:
+    """A CLIError where `--load-format` names another kind of file than --model is (vLLM's names: safetensors for
+    a checkpoint folder, gguf for a GGUF file; auto: either, as the path says)."""
+    if load_format == "auto":
+        return
+    gguf = model is not None and is_gguf(Path(model))
+    if (load_format == "gguf") != gguf:
+        what = "a GGUF file" if gguf else f"a checkpoint folder ({model or 'the embedded model'})"
+        raise CLIError(f"--load-format {load_format}: --model is {what}; give --load-format "
+                       f"{'gguf' if gguf else 'safetensors'} or auto")
+
+
 def build_llm(args: argparse.Namespace, **overrides) -> LLM:
     """The engine the flags of `add_engine_args` describe (`overrides`: other `LLM` settings)."""
     if args.model is None and not default_model_dir().is_dir():
         raise CLIError(f"the embedded model is missing ({default_model_dir()}); pass --model PATH")
+    check_load_format(args.load_format, args.model)
     print_notes(args)
     kv_pool = {} if args.kv_cache_memory_bytes is None else {"kv_cache_memory_bytes": args.kv_cache_memory_bytes}
     if kv_pool and args.num_kv_blocks is not None:

@@ -34,7 +34,6 @@ FLAGS = (
     VLLMFlag(("--cpu-offload-gb",), "weights are not offloaded: --quantization int8 or int4 makes them smaller"),
     VLLMFlag(("--distributed-executor-backend",), "latentserve spawns its ranks itself (--data-parallel-size N) "
              "or runs under torchrun"),
-    VLLMFlag(("--load-format",), "checkpoints are read as safetensors", accepted=("auto", "safetensors")),
     VLLMFlag(("--download-dir",), _LOCAL),
     VLLMFlag(("--revision",), _LOCAL),
     VLLMFlag(("--tokenizer-revision",), _LOCAL),

@@ -192,10 +192,24 @@ REFUSALS = {
                                     "give its size with --kv-cache-memory-bytes",
     "--kv-cache-dtype fp8_e5m2": "kv_cache_dtype 'fp8_e5m2' is not supported; the fp8 cache is e4m3",
     "--swap-space 4": "--swap-space 4: preempted requests are recomputed",
-    "--load-format gguf": "--load-format gguf: checkpoints are read as safetensors",
     "--allowed-origins '*'": "expected a list",
     "--kv-cache-memory-bytes lots": "expected a size in bytes",
 }
+
+
+def test_load_format_is_checked_against_the_model(model_dir, tmp_path, monkeypatch, capsys):
+    """vLLM's --load-format: safetensors for a checkpoint folder, gguf for a GGUF file, auto either; the other
+    pairings are refused (before any load) naming what --model is."""
+    start([str(model_dir), "--load-format", "safetensors", *shlex.split(SMALL)], monkeypatch)[0].close()
+    assert main(["serve", str(model_dir), "--load-format", "gguf"]) == 1
+    assert "--load-format gguf: --model is a checkpoint folder" in capsys.readouterr().err
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")  # refused on its name and kind before anything reads it
+    assert main(["serve", str(gguf), "--load-format", "safetensors"]) == 1
+    assert "--load-format safetensors: --model is a GGUF file; give --load-format gguf" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", str(model_dir), "--load-format", "pt"])
+    assert "invalid choice: 'pt'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags", REFUSALS)
