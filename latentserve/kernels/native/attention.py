@@ -41,8 +41,8 @@ def mla_prologue(kernels: NativeKernels, q: torch.Tensor, kv: torch.Tensor, weig
     kv_c = torch.empty(tokens, width - rope, dtype=kv.dtype)
     k_pe = torch.empty(tokens, rope, dtype=kv.dtype)
     code = call(kernels, "ls_mla_prologue", desc(q), desc(kv), desc(weight), eps, desc(cos), desc(sin),
-                 ROPE_STYLES.index(style), desc(kv_c), desc(k_pe), desc(kv_cache), desc(slot_mapping),
-                 torch.get_num_threads())
+                ROPE_STYLES.index(style), desc(kv_c), desc(k_pe), desc(kv_cache), desc(slot_mapping),
+                torch.get_num_threads())
     if code == abi.SLOT_PAST_CACHE:
         raise slot_error(fn, slot_mapping, capacity)
     refused(kernels, fn, code)
@@ -116,8 +116,8 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
     y, normed = torch.empty_like(x), torch.empty_like(x)
     code = call(kernels, "ls_mla_attention_block", ctypes.byref(block), desc(x), desc(cos), desc(sin),
-                 desc(kv_cache), desc(block_table), desc(query_start_loc), desc(seq_lens), desc(slot_mapping),
-                 desc(y), desc(normed), torch.get_num_threads())
+                desc(kv_cache), desc(block_table), desc(query_start_loc), desc(seq_lens), desc(slot_mapping),
+                desc(y), desc(normed), torch.get_num_threads())
     if code == abi.SLOT_PAST_CACHE:
         raise slot_error(fn, slot_mapping, capacity)
     if code in METADATA_ERRORS:
@@ -144,7 +144,7 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
     out = torch.empty(tokens, heads, latent, dtype=q.dtype)
     code = call(kernels, "ls_mla_decode", desc(q), desc(kv_cache), desc(block_table), desc(query_start_loc),
-                 desc(seq_lens), scale, desc(out), torch.get_num_threads())
+                desc(seq_lens), scale, desc(out), torch.get_num_threads())
     if code in METADATA_ERRORS:
         raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     refused(kernels, fn, code)

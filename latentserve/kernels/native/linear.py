@@ -19,7 +19,7 @@ def int8_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, o
     check_int8("int8_linear", "packed", packed, out_features, k)
     y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
     refused(kernels, "int8_linear", call(kernels, "ls_int8_linear", desc(x), desc(packed), desc(y),
-                                           torch.get_num_threads()))
+                                         torch.get_num_threads()))
     return y
 
 
@@ -33,7 +33,7 @@ def _int8(kernels: NativeKernels, name: str, x: torch.Tensor, q: torch.Tensor, s
     """y of `shape` from kernel `name` (ls_int8_heads or its lanes form), the arguments checked."""
     y = torch.empty(shape, dtype=written_dtype(out_dtype))
     refused(kernels, name, call(kernels, name, desc(x), desc(q), desc(scale), desc(qsum), desc(y),
-                                  torch.get_num_threads()))
+                                torch.get_num_threads()))
     return y
 
 
@@ -66,7 +66,7 @@ def dense_linear(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor,
     n, _ = tensor("dense_linear", "weight", weight, KERNEL_DTYPES, (None, k))
     y = torch.empty(m, n, dtype=written_dtype(out_dtype))
     refused(kernels, "dense_linear", call(kernels, "ls_dense_linear", desc(x), desc(weight), desc(y),
-                                            torch.get_num_threads()))
+                                          torch.get_num_threads()))
     return y
 
 
@@ -80,7 +80,7 @@ def dense_heads(kernels: NativeKernels, x: torch.Tensor, w: torch.Tensor,
         raise ValueError(f"dense_heads: w [H, K, N] must have N % 16 == 0, got {list(w.shape)}")
     y = torch.empty(m, h, n, dtype=written_dtype(out_dtype))
     refused(kernels, "dense_heads", call(kernels, "ls_dense_heads", desc(x), desc(w), desc(y),
-                                           torch.get_num_threads()))
+                                         torch.get_num_threads()))
     return y
 
 
@@ -92,7 +92,7 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     check_int4("int4_linear", "packed", packed, out_features, k, group_size)
     y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
     refused(kernels, "int4_linear", call(kernels, "ls_int4_linear", desc(x), desc(packed), group_size, desc(y),
-                                           torch.get_num_threads()))
+                                         torch.get_num_threads()))
     return y
 
 
@@ -106,5 +106,5 @@ def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps:
     rows = x.reshape(-1, shape[-1]).contiguous()
     y = torch.empty_like(rows)
     refused(kernels, "rms_norm", call(kernels, "ls_rms_norm", desc(rows), desc(weight), eps, desc(y),
-                                        torch.get_num_threads()))
+                                      torch.get_num_threads()))
     return y.view(x.shape)

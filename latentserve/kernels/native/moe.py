@@ -34,8 +34,8 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
         tensor("route", "bias", bias, F32, (experts,))
     weights, ids = torch.empty(tokens, k), torch.empty(tokens, k, dtype=torch.int64)
     refused(kernels, "route", call(kernels, "ls_route", desc(logits), int(sigmoid), groups, topk_groups,
-                                     None if bias is None else desc(bias), int(norm), scaling, desc(weights),
-                                     desc(ids)))
+                                   None if bias is None else desc(bias), int(norm), scaling, desc(weights),
+                                   desc(ids)))
     return weights, ids
 
 
@@ -116,7 +116,7 @@ def moe_block(kernels: NativeKernels, block: MoEBlock, x: torch.Tensor, residual
     tensor("moe_block", "residual", residual, dtype, (tokens, block.hidden))
     y = torch.empty_like(residual)
     code = call(kernels, "ls_moe_block", ctypes.byref(block), desc(x), desc(residual), desc(y),
-                 torch.get_num_threads())
+                torch.get_num_threads())
     if code == abi.BAD_EXPERT:
         raise ValueError(f"moe_block: the routing chose an expert outside the {block.experts} the block holds")
     refused(kernels, "moe_block", code)
