@@ -220,7 +220,6 @@ LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls
                       out->data, bf(q) | bf(out) << 2 | cache_io(kv_cache), threads);
 }
 
-/* k of E experts from the best topk_groups of `groups` equal groups. */
 /* k of E experts can be chosen from the best topk_groups of `groups`; sigmoid scores a group by its best two experts,
  * so a limit on groups of one expert would score every group -inf (torch's topk(2) refuses it too). */
 static int bad_routing(int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups) {

@@ -5,8 +5,7 @@
 #include "quant.h"
 
 /* Activation rows a pass over the weight: their int8 (512 KB at K = 2048; AVX2's nibbles, int8_row_bytes, twice
- * that) stay in L2. Past a K of a few thousand (a dense MLP's down projection) they do not: passes tiled in rows and
- * blocks together are a candidate for prefill's scaling over threads (benchmarks/RESULTS.md, AVX2 against ik). */
+ * that) stay in L2; past a K of a few thousand (a dense MLP's down projection) they do not. */
 #define ROW_CHUNK 256
 
 /* y[m0 .. m0 + rows, block b's outputs] = dots[16 * m + j]. */
