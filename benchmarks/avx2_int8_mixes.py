@@ -1,8 +1,10 @@
 """The exact int8 products' instruction mixes on AVX2 without VNNI, in register-only loops on one core: how fast
 this core runs latentserve's (`kernels/int8_nibbles.h`: each activation byte as two nibbles, vpmaddubsw of each
 against the signed weights, int16 sums widened once per 8 steps) against the sign trick ik_llama.cpp and llama.cpp
-use (vpshufd the activations, vpsignb them by the weights, vpmaddubsw with |w|, vpmaddwd, vpaddd), and the vector
-ports' rate for vpaddw and vpmaddubsw alone. No memory is read: this is the ceiling of each mix, the floor under
+use (vpshufd the activations, vpsignb them by the weights, vpmaddubsw with |w|, vpmaddwd, vpaddd), against words
+(int16 activations and weights widened to int16 once for many rows, vpmaddwd and vpaddd: tried as a kernel and not
+adopted, benchmarks/RESULTS.md "Tried and not adopted"), and the vector ports' rate for vpaddw and vpmaddubsw
+alone. No memory is read: this is the ceiling of each mix, the floor under
 any kernel built on it (benchmarks/RESULTS.md "As an AVX2-only CPU").
 
 The clock is measured in the same rounds (a chain of dependent imuls, 3 cycles each), so the cycle counts hold
@@ -81,6 +83,25 @@ static double sign(void) {
     _mm256_storeu_si256((__m256i *)r, _mm256_add_epi32(_mm256_add_epi32(c0, c1), _mm256_add_epi32(c2, c3)));
     return dt + r[0] * 1e-300;
 }
+/* words: the activations as int16 and the weights widened once to int16 for many rows, vpmaddwd + vpaddd: 3 rows
+ * x 4 registers of 8 pairs = 192 products for 24 operations. */
+static double words(void) {
+    __m256i w0 = _mm256_set1_epi16(7), w1 = _mm256_set1_epi16(9), w2 = _mm256_set1_epi16(5), w3 = _mm256_set1_epi16(3);
+    __m256i x = _mm256_set1_epi16(3), c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0,
+            c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+    double t = now();
+#define MADD(c, w) c = _mm256_add_epi32(c, _mm256_madd_epi16(w, x))
+    for (long i = 0; i < ITER; i++) {
+        MADD(c0, w0); MADD(c1, w1); MADD(c2, w2); MADD(c3, w3); MADD(c4, w0); MADD(c5, w1);
+        MADD(c6, w2); MADD(c7, w3); MADD(c8, w0); MADD(c9, w1); MADD(c10, w2); MADD(c11, w3);
+        KEEP("+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5), "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9),
+             "+x"(c10), "+x"(c11), "+x"(x));
+    }
+    double dt = now() - t;
+    int r[8];
+    _mm256_storeu_si256((__m256i *)r, _mm256_add_epi32(c0, c11));
+    return dt + r[0] * 1e-300;
+}
 #define TWELVE(op) op(c0); op(c1); op(c2); op(c3); op(c4); op(c5); op(c6); op(c7); op(c8); op(c9); op(c10); op(c11)
 #define ALL "+x"(c0), "+x"(c1), "+x"(c2), "+x"(c3), "+x"(c4), "+x"(c5), "+x"(c6), "+x"(c7), "+x"(c8), "+x"(c9), \
             "+x"(c10), "+x"(c11)
@@ -99,8 +120,8 @@ static double twelve(int multiply) {
     return dt + r[0] * 1e-300;
 }
 int main(void) {
-    double ghz = clock_ghz(), o = ours(), s = sign(), a = twelve(0), m = twelve(1);
-    printf("%.4f %.6f %.6f %.6f %.6f\n", ghz, o, s, a, m);
+    double ghz = clock_ghz(), o = ours(), s = sign(), a = twelve(0), m = twelve(1), w = words();
+    printf("%.4f %.6f %.6f %.6f %.6f %.6f\n", ghz, o, s, a, m, w);
     return 0;
 }
 """
@@ -108,11 +129,11 @@ int main(void) {
 
 def run_once(binary: Path) -> dict[str, float]:
     """One round: the clock (GHz) and each loop's cycles per iteration at it."""
-    ghz, ours, sign, adds, mults = map(float, subprocess.run([str(binary)], capture_output=True, text=True,
+    ghz, ours, sign, adds, mults, words = map(float, subprocess.run([str(binary)], capture_output=True, text=True,
                                                               check=True).stdout.split())
     per_iter = lambda seconds: seconds * ghz * 1e9 / 50_000_000  # noqa: E731 (ITER)
     return {"GHz": ghz, "ours": per_iter(ours), "sign": per_iter(sign), "vpaddw": per_iter(adds),
-            "vpmaddubsw": per_iter(mults)}
+            "vpmaddubsw": per_iter(mults), "words": per_iter(words)}
 
 
 def main() -> None:
@@ -136,6 +157,8 @@ def main() -> None:
           f"{128 / med['ours']:.1f} | {18 / med['ours']:.2f} |")
     print(f"| sign trick (4 x vpshufd, vpsignb, vpmaddubsw, vpmaddwd, vpaddd) | {med['sign']:.2f} | "
           f"{128 / med['sign']:.1f} | {20 / med['sign']:.2f} |")
+    print(f"| words (12 vpmaddwd, 12 vpaddd: 192 products) | {med['words']:.2f} | {192 / med['words']:.1f} | "
+          f"{24 / med['words']:.2f} |")
     print(f"| 12 vpaddw | {med['vpaddw']:.2f} | | {12 / med['vpaddw']:.2f} |")
     print(f"| 12 vpmaddubsw | {med['vpmaddubsw']:.2f} | | {12 / med['vpmaddubsw']:.2f} |")
     print(f"ours / sign, products a cycle: {med['sign'] / med['ours']:.2f}x")

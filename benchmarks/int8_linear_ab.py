@@ -32,11 +32,12 @@ STREAM_BYTES = beyond_cache(96 << 20, 3)  # copies of a weight: at least three t
 
 
 def kernels_of(tree: str, isa: str) -> native.NativeKernels:
-    """`isa`'s build of the kernel sources under `tree` (same file names as this tree's)."""
+    """`isa`'s build of the kernel sources under `tree` (this tree's source file names; its own headers, which only
+    key the cache: a header renamed or added in one tree is no error)."""
     directory = Path(tree).resolve() / "latentserve" / "kernels"
     sources, headers = build.SOURCES, build.HEADERS
     build.SOURCES = tuple(directory / p.name for p in sources)
-    build.HEADERS = tuple(directory / p.name for p in headers)
+    build.HEADERS = tuple(sorted(directory.glob("*.h")))
     try:
         return native.NativeKernels(isa, build._open(build._build(isa)))
     finally:
