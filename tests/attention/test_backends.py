@@ -1,4 +1,9 @@
 """Every prefill and decode backend against the naive fp32 reference."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -90,3 +95,29 @@ def test_sdpa_widens_v_over_its_row_without_reading_it():
     out, lse = backend._attend(q, k, v, causal=True, distance=0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(lse).all()
+    padded, _ = backend._attend(q, k, v.contiguous(), causal=True, distance=0)  # widened by padding: v's 16 columns
+    torch.testing.assert_close(padded, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sdpa_runs_bf16_where_the_cpu_flash_kernel_refuses_it():
+    """Under `ATEN_CPU_CAPABILITY=avx2` on a CPU with AMX, torch's CPU flash kernel raises on bf16 blocks of 64
+    queries and keys or more; TORCH_SDPA then runs them in fp32. Elsewhere the kernel takes bf16 as it is. Either
+    way a bf16 prefill of 96 tokens matches REFERENCE within bf16's rounding."""
+    script = textwrap.dedent("""
+        import torch
+        from latentserve.attention.prefill.reference import ReferencePrefillBackend
+        from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend, cpu_flash_takes
+        gen = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(96, 4, 24, generator=gen).bfloat16() for _ in range(2))
+        v = torch.randn(96, 4, 16, generator=gen).bfloat16()
+        dims = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+        out, lse = TorchSDPAPrefillBackend(4, 24**-0.5, **dims)._attend(q, k, v, causal=True, distance=0)
+        ref, ref_lse = ReferencePrefillBackend(4, 24**-0.5, **dims)._attend(q, k, v, causal=True, distance=0)
+        assert out.dtype == torch.bfloat16, out.dtype
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-2, atol=1e-2)
+        print(torch.backends.cpu.get_cpu_capability(), cpu_flash_takes(torch.bfloat16))
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,6 +1,8 @@
 """TORCH_SDPA: PyTorch's fused flash attention, which also returns the log-sum-exp."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -8,13 +10,30 @@ from latentserve.attention.backend import SelectorConfig
 from latentserve.attention.prefill.varlen import VarlenPrefillBackend, hidden_keys
 
 
+@functools.cache
+def cpu_flash_takes(dtype: torch.dtype) -> bool:
+    """Whether PyTorch's CPU flash kernel runs `dtype` on this CPU. With ATen's AVX2 kernels on a CPU with AMX
+    (`ATEN_CPU_CAPABILITY=avx2`), torch 2.13 packs bf16 blocks of 64 queries and keys or more for AMX, which only its
+    AVX-512 kernels can, and raises "pack_vnni2 is only supported when avx512 is supported": tried once, on blocks
+    that take that path."""
+    x = torch.zeros(1, 1, 256, 64, dtype=dtype)
+    try:
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(x, x, x, 0.0, False)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                     hidden: torch.Tensor | None = None):
     """q, k, v `[1, N, S, D]` with one head dim -> out `[1, N, Sq, D]`, lse `[1, N, Sq]`; `hidden` `[Sq, Sk]`: keys
-    masked out (CPU only)."""
+    masked out (CPU only). A dtype the CPU kernel refuses here (`cpu_flash_takes`) runs in fp32, out in its dtype."""
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse
+    if not cpu_flash_takes(q.dtype):
+        out, lse = _flash_with_lse(q.float(), k.float(), v.float(), causal, scale, hidden)
+        return out.to(q.dtype), lse
     if hidden is None:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device).masked_fill_(hidden, float("-inf"))
@@ -60,10 +79,11 @@ class TorchSDPAPrefillBackend(VarlenPrefillBackend):
     def _attend(self, q, k, v, causal, distance):
         if causal and q.shape[0] != k.shape[0]:
             raise ValueError(f"causal prefill needs as many keys as queries, got {q.shape[0]} and {k.shape[0]}")
+        width = v.shape[-1]
         v, first = _widen(v, q.shape[-1])
         qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         hidden = None
         if self.sliding_window is not None:
             hidden = hidden_keys(q.shape[0], k.shape[0], distance, causal, self.sliding_window, q.device)
         out, lse = _flash_with_lse(qh, kh, vh, causal, self.scale, hidden)
-        return out[0].transpose(0, 1)[..., first:], lse[0].transpose(0, 1).float()
+        return out[0].transpose(0, 1)[..., first:first + width], lse[0].transpose(0, 1).float()
