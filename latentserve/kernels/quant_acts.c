@@ -74,7 +74,8 @@ static void quantize_int8(const void *x, int bf16, int64_t M, int64_t K, int8_t 
 }
 
 /* x's rows for the int4 kernels: quantized per XBLOCK columns (xq, scales xs), and per group of G columns the
- * corrections (8 * (sum of x - sum of quantized x), sum of x) that int4.c's formula takes. */
+ * corrections (8 * (sum of x - sum of quantized x), sum of x) that int4.c's formula takes. The sums of x run on 8
+ * lanes in every build, so the corrections, and int4's outputs, are the same on AVX2 and AVX-512 CPUs. */
 static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t G, int8_t *xq, float *xs, float *corr) {
     int64_t groups = K / G, chunks = K / XBLOCK;
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
@@ -82,15 +83,15 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     for (int64_t m = 0; m < M; m++) {
         const int8_t *q = xq + m * K;
         for (int64_t g = 0; g < groups; g++) { /* vector sums of x; integer sums of q times each block's scale */
-            vfloat sum = vzero();
+            __m256 sum = _mm256_setzero_ps(); /* 8 lanes on every build: the same bits on AVX2 and AVX-512 */
             float rounded = 0.f;
-            for (int64_t k = g * G; k < (g + 1) * G; k += LANES) sum = vadd(sum, vload(x, bf16, m * K + k));
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) sum = _mm256_add_ps(sum, vload8(x, bf16, m * K + k));
             for (int64_t b = g * G; b < (g + 1) * G; b += span) {
                 int32_t qsum = 0;
                 for (int64_t k = b; k < b + span; k++) qsum += q[k];
                 rounded += (float)qsum * xs[m * chunks + b / XBLOCK];
             }
-            float exact = vreduce_add(sum);
+            float exact = vreduce8_add(sum);
             corr[(m * groups + g) * 2] = 8.f * (exact - rounded);
             corr[(m * groups + g) * 2 + 1] = exact;
         }

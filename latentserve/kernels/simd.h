@@ -38,6 +38,20 @@ INLINE void store_out(void *y, int bf16, int64_t i, float v) {
         ((float *)y)[i] = v;
 }
 
+/* 8 fp32 lanes on every build (AVX2's vfloat): for a sum that must come out the same on AVX2 and AVX-512 CPUs, taken
+ * in this order everywhere (quant_acts.c's sums of x for int4's corrections). */
+INLINE __m256 vload8(const void *x, int bf16, int64_t i) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+INLINE float vreduce8_add(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 #ifdef LS_AVX512
 #define LANES 16
 typedef __m512 vfloat;
@@ -78,12 +92,7 @@ INLINE void vstore_out(void *y, int bf16, int64_t i, vfloat v) {
 #else
 #define LANES 8
 typedef __m256 vfloat;
-INLINE vfloat vload(const void *x, int bf16, int64_t i) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-            _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
-    return _mm256_loadu_ps((const float *)x + i);
-}
+#define vload vload8
 INLINE vfloat vabs(vfloat v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
 INLINE float vmax_reduce(vfloat v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -179,11 +188,7 @@ static inline void silu_mul(const float *h, int64_t I, float *a) {
 #define vmul _mm256_mul_ps
 #define vsub _mm256_sub_ps
 #define vadd _mm256_add_ps
-INLINE float vreduce_add(vfloat v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+#define vreduce_add vreduce8_add
 INLINE int32_t hsum_epi32(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));

@@ -121,6 +121,23 @@ def test_experts_do_not_depend_on_the_thread_count(isa, formats):
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs two builds")
+@pytest.mark.parametrize("formats", [("int8", "int8"), ("int4", "int4"), ("int4", "int8")])
+def test_every_build_gives_the_quantized_experts_the_same_bits(formats):
+    """The quantized linears' products are the same on every build (test_quant_native.py), and so is what the
+    driver does around them: a few tokens (pairs of blocks) and many (the experts in waves), bf16 and fp32 x."""
+    g = torch.Generator().manual_seed(4)
+    routed, _ = _experts(g, formats, 6, 128, 64)
+    shared, _ = _experts(g, formats, 1, 128, 128)
+    for tokens, dtype in ((1, torch.float32), (5, torch.bfloat16), (40, torch.float32), (40, torch.bfloat16)):
+        x = torch.randn(tokens, 128, generator=g).to(dtype)
+        ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=g)
+        want = native.experts(kernels("avx2"), x, routed, ids, weights, shared)
+        for isa in ISAS:
+            assert torch.equal(native.experts(kernels(isa), x, routed, ids, weights, shared), want), (isa, tokens)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("ids", [[[1, 4]], [[0, 1], [2, 3]], [[0, 1], [2, 3], [0, 2]], [[0, 1], [0, 2], [0, 3]]])
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

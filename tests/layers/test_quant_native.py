@@ -153,45 +153,28 @@ def test_int4_few_rows_read_two_blocks_at_once_and_keep_each_rows_result(isa, gr
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not {"avx2", "avx512_vnni"} <= set(ISAS), reason="needs the AVX2 and AVX-512 builds")
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs two builds")
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_avx2_and_avx512_builds_agree_bitwise(group):
-    """The AVX2 kernel (int16 sums over 4 units; from 3 rows a block's halves in turn, 4 rows a pass) does the
-    AVX-512 one's float operations in its order: with integer x, whose sums are exact in any order (the builds sum x
-    in vectors of 8 and 16 lanes), both give the same bits at every row count, past the passes' tails and a chunk."""
-    g = torch.Generator().manual_seed(8)
-    w, x = torch.randn(117, 384, generator=g) * 0.05, torch.randint(-40, 41, (301, 384), generator=g).float()
-    packed = native.pack_int4(*quantize_int4(w, group))
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for rows in (*range(1, 10), 21, 47, 301):
-                got, want = (native.int4_linear(kernels(isa), x[:rows], packed, group, 117)
-                             for isa in ("avx2", "avx512_vnni"))
-                assert torch.equal(got, want), (threads, rows)
-    finally:
-        torch.set_num_threads(before)
-
-
-@pytest.mark.skipif(not {"avx2", "avx2_vnni"} <= set(ISAS), reason="needs a CPU with AVX-VNNI")
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_the_avx_vnni_build_gives_the_avx2_builds_bits(group):
-    """vpdpbusd's int32 sums are vpmaddubsw's (int8: on whole bytes, not nibbles) and every float operation after them
-    is the same, in the same order, on the same 8 lanes: int8 and int4 products, alone and in the experts, equal the
-    AVX2 build's bit for bit at any x, at every row count (1-9, a pass's tails, past a chunk) and thread count."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_build_gives_int8_and_int4_the_same_bits(group, dtype):
+    """The builds' integer sums are equal (vpdpbusd, AVX2's vpmaddubsw on nibbles, AMX tiles), every float operation
+    after them is the same on each output's lane in the same order, and the sums of x that int4's corrections take
+    run on 8 lanes in every build (quant_acts.c): int8 and int4 products at any x equal the AVX2 build's bit for bit,
+    at every row count (1-9, a pass's tails, past a chunk, AMX's rows) and thread count."""
     g = torch.Generator().manual_seed(9)
-    w, x = torch.randn(117, 384, generator=g) * 0.05, torch.randn(301, 384, generator=g)
+    w, x = torch.randn(117, 384, generator=g) * 0.05, torch.randn(301, 384, generator=g).to(dtype)
     int8, int4 = native.pack_int8(*quantize_int8(w)), native.pack_int4(*quantize_int4(w, group))
     before = torch.get_num_threads()
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for rows in (*range(1, 10), 21, 47, 301):
-                got, want = ((native.int8_linear(kernels(isa), x[:rows], int8, 117),
-                              native.int4_linear(kernels(isa), x[:rows], int4, group, 117))
-                             for isa in ("avx2_vnni", "avx2"))
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (threads, rows)
+                want = (native.int8_linear(kernels("avx2"), x[:rows], int8, 117),
+                        native.int4_linear(kernels("avx2"), x[:rows], int4, group, 117))
+                for isa in ISAS:
+                    got = (native.int8_linear(kernels(isa), x[:rows], int8, 117),
+                           native.int4_linear(kernels(isa), x[:rows], int4, group, 117))
+                    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (isa, threads, rows)
     finally:
         torch.set_num_threads(before)
 
