@@ -112,7 +112,8 @@ def test_experts_at_prefill_equal_the_vnni_build(fmt, threads):
     assert torch.equal(_bits(got), _bits(want))
 
 
-def test_the_amx_build_is_chosen_only_with_amx():
+def test_the_amx_build_is_chosen_only_with_amx(monkeypatch):
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)  # the choice by the CPU, not the developer's setting
     here = dataclasses.replace(cpu_features(), capability="AVX512", vnni=True, avx512_bf16=True, amx=True,
                                avx_vnni=False)
     assert native.kernel_isa(here)[0] == "avx512_amx"
@@ -138,6 +139,7 @@ def test_an_amx_build_without_the_tiles_falls_back_with_the_reason(monkeypatch, 
     assert isinstance(why, str) and "this build has no AMX code" in why
     assert "refusing the avx512_amx build" in caplog.text
     fallback = object()
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     monkeypatch.setattr(build, "load", lambda isa: why if isa == "avx512_amx" else fallback)
     here = dataclasses.replace(cpu_features(), capability="AVX512", vnni=True, avx512_bf16=True, amx=True)
     built, reason = native.native_kernels(here)

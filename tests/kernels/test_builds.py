@@ -172,6 +172,7 @@ def test_a_failed_build_names_why_and_layers_keep_torch_kernels(monkeypatch, tmp
 def test_avx512_builds_fall_back_to_the_next_that_compiles(monkeypatch):
     """A compiler that cannot build AVX512-BF16 code still gives an AVX-512 machine its VNNI kernels, and one that
     builds no AVX-512 at all the AVX2 ones."""
+    monkeypatch.delenv(native.NATIVE_ENV, raising=False)
     features = dataclasses.replace(cpu_features(), capability="AVX512", vnni=True, avx512_bf16=True, amx=False)
     assert native.kernel_isa(features)[0] == "avx512_bf16"
     vnni, avx2 = object(), object()

@@ -218,8 +218,10 @@ def test_fp8_checkpoint_requantized_to_int8(tmp_path, monkeypatch):
 def test_llm_auto_dtype_sets_weights_and_kv_cache(tmp_path, monkeypatch, native_bf16, dtype):
     from latentserve import LLM
     from latentserve.kernels.cpu import AUTO_DTYPE_ENV
+    from latentserve.kernels.native import NATIVE_ENV
 
     monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+    monkeypatch.delenv(NATIVE_ENV, raising=False)  # the CPU is simulated: no developer's build named
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if native_bf16 else "AVX2")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     src = make_checkpoint(tmp_path, "v3", dtype=torch.bfloat16)
