@@ -4,7 +4,8 @@ chooses from. ms per call, round-robin over the kernels (each sees the same nois
 Shapes: a routed expert's fused gate_up (2816 x 2048) and down (2048 x 1408), and lm_head (102400 x 2048). At a few
 rows each call takes the next of enough copies of the weight to stream it from memory (more than the L3), as a
 model's weights stream. Kernels: bf16 `F.linear`; int8 through fbgemm (`linear_dynamic`, activations quantized per
-call), oneDNN's `_int_mm` (activations quantized per row), latentserve's row kernel (`int8_heads`: one output row
+call, `fbgemm_int8.py`), latentserve's torch layer where its kernels do not run (`IntMMInt8Linear`: activations
+quantized per row, oneDNN's `_int_mm`), latentserve's row kernel (`int8_heads`: one output row
 at a time, what int8 layers ran up to 24 rows before the blocked layout) and latentserve's layer (the weight in
 blocks of 16 outputs, at every row count); int4 through PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 activations) and
 latentserve's layer (its own kernel at every row count). `_weight_int8pack_mm`
@@ -26,19 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from latentserve.kernels.cpu import cpu_features  # noqa: E402
 from latentserve.layers.quant.int4 import Int4PackLinear, NativeInt4Linear, quantize_int4  # noqa: E402
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, NativeInt8Linear, quantize_int8  # noqa: E402
+from benchmarks.fbgemm_int8 import FbgemmInt8Linear  # noqa: E402
+from latentserve.layers.quant.int8 import IntMMInt8Linear, NativeInt8Linear, quantize_int8  # noqa: E402
 from latentserve.kernels.native import activations, int8_heads, native_kernels  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 SHAPES = {(2816, 2048): ROWS, (2048, 1408): ROWS, (102400, 2048): (1, 2, 4, 8)}
 STREAM_BYTES = 64 << 20  # int4 copies of a small weight until they are twice the L3
-
-
-def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 x times the int8 weight q (per-row `scale`) through oneDNN's `_int_mm`, activations quantized per row."""
-    s = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
-    xq = torch.div(x, s).round_().to(torch.int8)
-    return torch._int_mm(xq, q.t()).float().mul_(s).mul_(scale)
 
 
 def kernels(out_features: int, in_features: int, copies: int) -> dict[str, list]:
@@ -57,8 +52,8 @@ def kernels(out_features: int, in_features: int, copies: int) -> dict[str, list]
         layer.dequant_rows = None  # int4pack_mm at every row count
     return {
         "bf16": [lambda x, m=wb.clone(): F.linear(x, m) for _ in range(copies)],
-        "int8 fbgemm": [FbgemmInt8Linear(q8, s8, None, not features.vnni) for _ in range(copies)],
-        "int8 _int_mm": [lambda x, q=q8.clone(): int8_gemm(x.float(), q, s8) for _ in range(copies)],
+        "int8 fbgemm": [FbgemmInt8Linear(q8, s8, not features.vnni) for _ in range(copies)],
+        "int8 _int_mm": [IntMMInt8Linear(q8.clone(), s8, None) for _ in range(copies)],
         "int8 rows": [lambda x, q=q8.clone()[None], qsum=q8.sum(dim=1, dtype=torch.int32):
                       int8_heads(native, activations(x, in_features)[:, None], q, s8, qsum) for _ in range(copies)],
         "int8 latentserve": [NativeInt8Linear(q8.clone(), s8, None, native) for _ in range(copies)],

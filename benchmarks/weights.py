@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import best_time  # noqa: E402
 from latentserve.kernels.cpu import auto_dtype, cpu_features  # noqa: E402
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, quantize_int4  # noqa: E402
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, quantize_int8  # noqa: E402
+from benchmarks.fbgemm_int8 import FbgemmInt8Linear, fbgemm_available  # noqa: E402
+from latentserve.layers.quant.int8 import Int8Linear, quantize_int8  # noqa: E402
 
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -193,8 +194,8 @@ def kernel_table(threads: int) -> list[str]:
         kernels = {
             "fp32": [lambda x, m=m: torch.nn.functional.linear(x, m) for m in w],
             "bf16": [lambda x, m=m.bfloat16(): torch.nn.functional.linear(x.bfloat16(), m) for m in w],
-            "fbgemm": [FbgemmInt8Linear(q, s, None, not features.vnni) for q, s in q8] if features.fbgemm else None,
-            "x86": _x86_packed(q8, features) if features.fbgemm else None,
+            "fbgemm": [FbgemmInt8Linear(q, s, not features.vnni) for q, s in q8] if fbgemm_available() else None,
+            "x86": [FbgemmInt8Linear(q, s, not features.vnni, "x86") for q, s in q8] if fbgemm_available() else None,
             "int8 dequant": [Int8Linear(q, s, None) for q, s in q8],
             "int4 bf16": [Int4PackLinear(q, s, m, None, torch.bfloat16) for q, s, m in q4],
             "int4 fp32": [Int4PackLinear(q, s, m, None, torch.float32) for q, s, m in q4],
@@ -239,7 +240,7 @@ def quantize_speed(threads: int) -> list[str]:
     steps = {
         "int8 quantize, whole tensor (before)": lambda i: _whole_int8(w[i]),
         "int8 quantize, blockwise": lambda i: quantize_int8(w[i]),
-        "int8 fbgemm prepack": lambda i: FbgemmInt8Linear(*q8[i], None, False),
+        "int8 fbgemm prepack": lambda i: FbgemmInt8Linear(*q8[i], False),
         "int4 quantize, whole tensor (before)": lambda i: _whole_int4(w[i], 64),
         "int4 quantize, blockwise": lambda i: quantize_int4(w[i], 64),
         "int4pack conversion": lambda i: Int4PackLinear(*q4[i], None, torch.bfloat16),
@@ -275,20 +276,6 @@ def load_speed(path: Path, threads: int) -> dict:
         del model
         gc.collect()
     return result
-
-
-def _x86_packed(q8, features) -> list:
-    """fbgemm's kernel on a weight packed by torch's default "x86" quantized engine."""
-    previous = torch.backends.quantized.engine
-    layers = []
-    for q, s in q8:
-        layer = FbgemmInt8Linear(q, s, None, not features.vnni)
-        torch.backends.quantized.engine = "x86"
-        qweight = torch._make_per_channel_quantized_tensor(q, s.double(), torch.zeros(len(s), dtype=torch.long), 0)
-        layer.packed = torch.ops.quantized.linear_prepack(qweight, None)
-        torch.backends.quantized.engine = previous
-        layers.append(layer)
-    return layers
 
 
 def main() -> None:

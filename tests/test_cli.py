@@ -379,7 +379,7 @@ def test_backends_prints_the_kernel_policy_and_the_weight_kernels_it_gives(capsy
         assert f"latentserve's kernels: not used ({why})" in weights and "linears: latentserve's" not in weights
         assert f"decode attention block: the layer's modules one by one ({why})" in weights
         assert f"decode MoE block: the layer's modules one by one ({why})" in weights
-        assert ("int8: fbgemm int8 linear_dynamic" if policy.features.fbgemm else "int8: int8 dequantize") in weights
+        assert "int8: int8 per-row torch._int_mm" in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
 
 

@@ -8,6 +8,7 @@ from benchmarks.decode_bytes import decode_bytes_per_token, gguf_decode_bytes
 from latentserve import LLM
 from latentserve.models.formats import gguf as gguf_format
 from tests.checkpoints import load_reference, make_checkpoint
+from tests.kernels.builds import needs_the_engines_kernels
 from tests.models.gguf_checkpoint import write_gguf
 
 
@@ -37,6 +38,7 @@ def test_fp32_decode_bytes_are_the_checkpoints_tensors_a_token_reads(tmp_path):
     assert counted == {part: 4 * n for part, n in expected.items()}
 
 
+@needs_the_engines_kernels  # the absorbed products run in int8 through latentserve's kernels
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantized_decode_reads_the_int8_absorbed_products_not_the_full_precision_ones(tmp_path, quantization):
     # int4 takes input widths in multiples of 32

@@ -21,7 +21,6 @@ class CpuFeatures:
     amx: bool
     vnni: bool  # int8 dot products (AVX512-VNNI or AVX-VNNI)
     onednn_bf16: bool
-    fbgemm: bool  # torch ships the fbgemm quantized engine (torch.ops.quantized.linear_dynamic's fast path)
     avx_vnni: bool = False  # AVX-VNNI itself (vpdpbusd on 256 bits, VEX-encoded): the avx2_vnni kernels' build
 
     @property
@@ -30,7 +29,7 @@ class CpuFeatures:
         return self.capability.startswith("AVX512") and (self.avx512_bf16 or self.amx) and self.onednn_bf16
 
     def describe(self) -> str:
-        flags = [name for name in ("avx512_bf16", "amx", "vnni", "avx_vnni", "onednn_bf16", "fbgemm")
+        flags = [name for name in ("avx512_bf16", "amx", "vnni", "avx_vnni", "onednn_bf16")
                  if getattr(self, name)]
         return f"capability {self.capability}; " + (", ".join(flags) if flags else "no bf16/int8 extensions")
 
@@ -43,7 +42,6 @@ def cpu_features() -> CpuFeatures:
         amx=torch.cpu._is_amx_tile_supported(),
         vnni=torch.cpu._is_vnni_supported(),
         onednn_bf16=torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-        fbgemm="fbgemm" in torch.backends.quantized.supported_engines,
         avx_vnni="avx_vnni" in cpu_flags(),
     )
 

@@ -27,7 +27,7 @@ from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n
-from latentserve.layers.quant.int8 import Int8Linear, NativeInt8Linear
+from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.loader import empty_model, process_weights_after_loading
@@ -39,8 +39,9 @@ WEIGHTS = "model.quantized.safetensors"
 ALIGN = 64  # every tensor starts on a cache line, as torch's own allocations do (the kernels load whole lines)
 COPIED = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja",
           "generation_config.json")
-# The quantized layers whose state is plain tensors and plain attributes; fbgemm's packed weight is opaque.
-SAVABLE = {cls.__name__: cls for cls in (Int8Linear, NativeInt8Linear, Int4Linear, Int4PackLinear, NativeInt4Linear)}
+# The quantized layers, whose state is plain tensors and plain attributes.
+SAVABLE = {cls.__name__: cls for cls in (Int8Linear, IntMMInt8Linear, NativeInt8Linear, Int4Linear, Int4PackLinear,
+                                         NativeInt4Linear)}
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                        torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
                        torch.bool: "BOOL"}
@@ -93,9 +94,6 @@ def _quantized_modules(model: nn.Module) -> dict[str, dict]:
     for name, module in model.named_modules():
         if not hasattr(module, "kernel"):
             continue
-        if type(module).__name__ not in SAVABLE:
-            raise SavedModelError(f"{name} runs {module.kernel!r}, whose packed weight cannot be saved: saving needs "
-                                  "latentserve's kernels (`latentserve backends` says why they are not used here)")
         specs[name] = {"class": type(module).__name__, "attributes": _attributes(module, name),
                        "buffers": list(module._buffers), "parameters": list(module._parameters)}
     return specs

@@ -14,7 +14,7 @@ from latentserve.config import AttentionConfig, MLAConfig
 from latentserve.kernels import native
 from tests.attention.mla_case import MLA, SCALE, Request, naive_mla, run_layer, setup
 from tests.attention.test_paged_decode import make_batch_with_layout
-from tests.kernels.builds import ISAS, kernels, needs_a_build
+from tests.kernels.builds import ISAS, kernels, needs_a_build, needs_the_engines_kernels
 
 pytestmark = needs_a_build
 
@@ -26,6 +26,7 @@ def _native_layer(config: AttentionConfig, num_blocks: int, isa: str, kv_cache_d
     return layer, builder, cache
 
 
+@needs_the_engines_kernels
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["contiguous", "fragmented", "mixed"])
 @pytest.mark.parametrize("block_size", [1, 16])
@@ -43,6 +44,7 @@ def test_native_matches_naive_fp32(isa, kind, block_size, query_len):
     assert (out - naive_mla(layer, batch)).abs().max().item() <= 1e-5
 
 
+@needs_the_engines_kernels
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_native_in_low_and_full_precision_against_reference_backend(isa, dtype):
@@ -62,6 +64,7 @@ def test_native_in_low_and_full_precision_against_reference_backend(isa, dtype):
     assert (out.float() - ref).abs().max().item() <= (2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+@needs_the_engines_kernels
 @pytest.mark.parametrize("isa", ISAS)
 def test_bf16_cache_under_fp32_queries(isa):
     config = AttentionConfig(block_size=16, decode_backend="NATIVE")
@@ -105,6 +108,7 @@ def test_deepseek_shapes_and_every_split_of_heads(isa, threads):
     assert (out.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
 
 
+@needs_the_engines_kernels
 def test_selector_prefers_native_on_cpu_and_falls_back_without_the_kernels(monkeypatch):
     from tests.attention.test_registry import CFG
 
@@ -127,6 +131,7 @@ def test_refuses_what_it_cannot_read():
         backend.forward(torch.zeros(1, 4, 40), torch.zeros(2, 16, 48), md)
 
 
+@needs_the_engines_kernels
 def test_a_cache_dtype_it_cannot_read_goes_to_paged(monkeypatch):
     backend = NativeMQADecodeBackend(4, SCALE, 32, 8)
     g = torch.Generator().manual_seed(4)

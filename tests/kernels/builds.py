@@ -6,10 +6,15 @@ import pytest
 
 from latentserve.kernels import native
 from latentserve.kernels.cpu import cpu_features
+from latentserve.kernels.policy import default_policy
 
 
 ISAS = native.runnable_isas(cpu_features())
 needs_a_build = pytest.mark.skipif(not ISAS, reason="no AVX2 on this CPU")
+# What models and layers built by the engine's own choice run: without the kernels (no compiler, or
+# LATENTSERVE_NATIVE_KERNELS=0) they take PyTorch's, and tests of the kernels' paths through them skip.
+needs_the_engines_kernels = pytest.mark.skipif(default_policy().kernels is None,
+                                               reason=f"the engine runs PyTorch's kernels: {default_policy().why}")
 
 
 def kernels(isa: str) -> native.NativeKernels:

@@ -23,7 +23,7 @@ from latentserve.layers.quant.int4 import (
     int4pack_block_n,
     quantize_int4,
 )
-from latentserve.layers.quant.int8 import FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8
+from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import quantize_linear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
 
@@ -107,22 +107,31 @@ def test_int8_quantization_error_is_half_a_step():
     assert ((q.float() * scale[:, None] - w).abs() <= scale[:, None] / 2 + 1e-6).all()
 
 
-@pytest.mark.skipif(not cpu_features().fbgemm, reason="no fbgemm quantized engine in this torch")
+def test_rows_are_quantized_symmetric_half_to_even_and_a_non_finite_row_is_nan():
+    x = torch.tensor([[127.0, 0.5, -1.5, 2.5, -127.0], [0.0, 0.0, 0.0, 0.0, 0.0], [1.0, float("inf"), 0.0, 0.0, 0.0],
+                      [1.0, float("nan"), 0.0, 0.0, 0.0]])
+    xq, scale = quantize_rows(x.to(torch.bfloat16))
+    assert xq.dtype == torch.int8 and scale.shape == (4, 1)
+    assert xq[0].tolist() == [127, 0, -2, 2, -127] and scale[0, 0] == 1.0  # halves to even
+    assert xq[1].tolist() == [0] * 5 and scale[1, 0] == torch.tensor(1e-12) / 127
+    assert (xq[2:] == 0).all() and scale[2:].isnan().all()
+
+
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fbgemm_int8_matches_the_dequantized_weight_within_activation_rounding(rows):
+def test_int_mm_int8_is_exact_integer_sums_of_per_row_quantized_activations(rows):
+    """An fp64 reference of the same arithmetic: each row quantized on its own (so a row's result does not depend on
+    the others), products of the integers summed exactly, scaled by both scales."""
     w, bias, x = _layer(64, 96)
-    x = x[:rows]
+    x = x[:rows] * torch.linspace(0.01, 100, rows)[:, None]  # rows of very different ranges
     q, scale = quantize_int8(w)
-    layer = FbgemmInt8Linear(q, scale, torch.nn.Parameter(bias), reduce_range=True)
-    w_deq = q.float() * scale[:, None]
-    packed_back = torch.ops.quantized.linear_unpack(layer.packed)[0]
-    assert torch.equal(packed_back.int_repr(), q)
-    expected = x @ w_deq.t() + bias
-    # Activations are quantized per tensor to 7 bits over [min(x, 0), max(x, 0)]: each is off by half a step.
-    step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127
-    bound = step / 2 * w_deq.abs().sum(dim=1) + 1e-4
-    assert ((layer(x) - expected).abs() <= bound).all()
-    assert ((layer(x) - expected).abs() > 0).any()  # activations really are quantized
+    layer = IntMMInt8Linear(q, scale, torch.nn.Parameter(bias))
+    scale_x = x.abs().amax(dim=1, keepdim=True) / 127
+    xq = (x / scale_x).round()
+    expected = (xq.double() @ q.double().t()) * scale_x.double() * scale.double() + bias.double()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(layer(x[-1:]), layer(x)[-1:])  # a row's result is its own
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+    assert IntMMInt8Linear(q, scale, None, torch.float32)(x.to(torch.bfloat16)).dtype == torch.float32
 
 
 def test_int8_fallback_matches_the_dequantized_weight():
@@ -181,19 +190,19 @@ def test_kernels_are_chosen_by_the_policy(monkeypatch):
         assert int8.kernels is here.kernels and int4.kernels is here.kernels
         w96 = torch.randn(48, 96)  # latentserve's int4 kernel takes inputs in multiples of 64
         assert isinstance(quantize_linear("l", w96, None, QuantConfig("int4", 32), "cpu", here), Int4PackLinear)
-        avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", fbgemm=False, avx_vnni=False))
+        avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", avx_vnni=False))
         int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu", avx2)
         assert isinstance(int8, NativeInt8Linear) and int8.kernels.isa == "avx2"
         int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", avx2)
         assert isinstance(int4, NativeInt4Linear) and int4.kernels.isa == "avx2"
     torch_only = _policy(here.features, kernels=False)  # PyTorch's kernels
     int8 = quantize_linear("l", w, None, QuantConfig("int8"), "cpu", torch_only)
-    assert isinstance(int8, FbgemmInt8Linear if here.features.fbgemm else Int8Linear)
+    assert isinstance(int8, IntMMInt8Linear)
     assert isinstance(quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", torch_only), Int4PackLinear)
     assert isinstance(quantize_linear("l", w[:40], None, QuantConfig("int4", 32), "cpu", torch_only),
                       Int4Linear)  # 40 % 16
-    avx2 = _policy(dataclasses.replace(here.features, capability="AVX2", fbgemm=False), kernels=False)
-    assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu", avx2), Int8Linear)
+    avx2 = _policy(dataclasses.replace(here.features, capability="AVX2"), kernels=False)
+    assert isinstance(quantize_linear("l", w, None, QuantConfig("int8"), "cpu", avx2), IntMMInt8Linear)
     int4 = quantize_linear("l", w, None, QuantConfig("int4", 32), "cpu", avx2)
     assert isinstance(int4, Int4PackLinear) and int4.compute_dtype == torch.bfloat16
     assert int4.gemm_dtype == torch.float32  # its many-row GEMM: bf16 is emulated on AVX2
@@ -205,7 +214,7 @@ def test_without_a_policy_quantize_linear_takes_the_default_one(monkeypatch):
     w, _, _ = _layer(48, 64)
     monkeypatch.setenv(NATIVE_ENV, "0")  # the default policy then has no kernels
     assert default_policy().kernels is None
-    assert type(quantize_linear("l", w, None, QuantConfig("int8"), "cpu")) in (FbgemmInt8Linear, Int8Linear)
+    assert type(quantize_linear("l", w, None, QuantConfig("int8"), "cpu")) is IntMMInt8Linear
 
 
 @pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")

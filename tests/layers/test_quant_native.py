@@ -10,8 +10,8 @@ from latentserve.kernels import native
 from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NativeInt4Linear, quantize_int4
-from latentserve.layers.quant.int8 import NativeInt8Linear, quantize_int8
-from tests.kernels.builds import ISAS, kernels, needs_a_build
+from latentserve.layers.quant.int8 import IntMMInt8Linear, NativeInt8Linear, quantize_int8
+from tests.kernels.builds import ISAS, kernels, needs_a_build, needs_the_engines_kernels
 
 
 pytestmark = needs_a_build
@@ -206,6 +206,26 @@ def test_int8_layer_gives_each_row_its_own_result():
     assert NativeInt8Linear(q, scale, None, kernels(ISAS[0]), torch.float32)(x[:2].bfloat16()).dtype == torch.float32
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                              (torch.bfloat16, torch.float32)])
+def test_the_torch_int8_layer_gives_the_kernels_bits(isa, dtype, out_dtype):
+    """Where latentserve's kernels do not run, int8 layers run their arithmetic through torch._int_mm: every output
+    equal to the kernel's, at decode and prefill row counts, a row of zeros and rows holding an infinity or a NaN
+    included (NaN out, as the kernel gives)."""
+    w, x = _data(300, 70, 2048, seed=5)
+    x[3] = 0.0
+    x[4, 7], x[5, 9] = float("inf"), float("nan")
+    x = (x * torch.logspace(-3, 3, len(x))[:, None]).to(dtype)
+    q, scale = quantize_int8(w)
+    bias = torch.nn.Parameter(torch.randn(70))
+    native_layer = NativeInt8Linear(q, scale, bias, kernels(isa), out_dtype)
+    torch_layer = IntMMInt8Linear(q, scale, bias, out_dtype)
+    for rows in (1, 2, 7, 16, 300):
+        torch.testing.assert_close(torch_layer(x[:rows]), native_layer(x[:rows]), rtol=0, atol=0, equal_nan=True)
+    assert torch_layer(x[:6])[4:].isnan().all()
+
+
 def test_pack_int4_layout():
     """Blocks of 16 outputs (the last padded with zeros), per group the 16 (scale, minimum) pairs, then per 8 columns
     64 bytes: byte 4j + i is output j's column i (low nibble) and 4 + i (high)."""
@@ -267,6 +287,7 @@ def test_int8_lanes_names_a_shape_it_cannot_lay_out():
         native.int8_lanes(torch.zeros(2, 32, 8))
 
 
+@needs_the_engines_kernels
 def test_int8_models_run_the_absorbed_decode_products_in_int8(tmp_path):
     from latentserve.models import load_model
     from latentserve.layers.quant.config import QuantConfig

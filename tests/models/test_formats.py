@@ -2,7 +2,6 @@
 same weights dequantized into a plain checkpoint."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -153,13 +152,13 @@ def _quantized_reference(src: Path, dst: Path, config: QuantConfig) -> Path:
 
 
 def _portable_kernels(monkeypatch) -> None:
-    """Kernels whose arithmetic is exact fp32: the dequantizing ones (latentserve's and fbgemm quantize
-    activations, int4pack runs them in bf16)."""
+    """Kernels whose arithmetic is exact fp32: the dequantizing ones (the int8 ones quantize activations, int4pack
+    runs them in bf16)."""
     monkeypatch.setenv(NATIVE_ENV, "0")
-    policy = KernelPolicy(dataclasses.replace(cpu_features(), fbgemm=False), None, "test", 1)
+    policy = KernelPolicy(cpu_features(), None, "test", 1)
     monkeypatch.setattr(loader, "default_policy", lambda: policy)
-    portable = quant_linear.KernelChoice(Int4Linear.kernel, "test")
-    monkeypatch.setattr(quant_linear, "int4_kernel", lambda *args: portable)
+    monkeypatch.setattr(quant_linear, "int8_kernel", lambda *args: quant_linear.KernelChoice(Int8Linear.kernel, "test"))
+    monkeypatch.setattr(quant_linear, "int4_kernel", lambda *args: quant_linear.KernelChoice(Int4Linear.kernel, "test"))
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -1,7 +1,6 @@
 """What the loader leaves of the MLPs: plain routed experts stacked, quantized gate and up fused into one layer."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -35,8 +34,8 @@ def test_plain_experts_are_stacked_from_the_checkpoint(tmp_path, dtype) -> None:
 def test_quantized_gate_and_up_are_one_layer_quantized_as_the_two(tmp_path) -> None:
     """Every bias-free MLP (dense, shared, routed) gets one gate_up layer; per-row int8 of the fused weight equals
     the two halves' own quantization."""
-    # Neither latentserve's kernels nor fbgemm: the portable kernel keeps its int8 weight readable.
-    policy = KernelPolicy(dataclasses.replace(cpu_features(), fbgemm=False), None, "test", 1)
+    # PyTorch's kernels: the int8 weight stays readable.
+    policy = KernelPolicy(cpu_features(), None, "test", 1)
     src = make_checkpoint(tmp_path, "v3")
     tensors = load_file(src / SINGLE_FILE)
     model = load_model(src, dtype=torch.float32, quantization=QuantConfig("int8"), policy=policy)

@@ -11,7 +11,7 @@ from latentserve.layers.quant.int8 import NativeInt8Linear
 
 
 def activation_dtype(expert: nn.Module, default: torch.dtype) -> torch.dtype:
-    """The dtype `expert`'s first layer computes in (fbgemm: fp32; int4pack: its compute dtype; else `default`):
+    """The dtype `expert`'s first layer computes in (int4pack: its compute dtype; else `default`):
     feeding it that dtype saves a conversion per layer, and the expert's intermediate stays in it."""
     first = getattr(expert, "gate_up_proj", None) or getattr(expert, "gate_proj", None)
     return getattr(first, "activation_dtype", None) or default

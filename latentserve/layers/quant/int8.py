@@ -1,10 +1,6 @@
 """int8 weights, symmetric per output channel: w ≈ q * scale[out]."""
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager
-from typing import Iterator
-
 import torch
 from torch import nn
 
@@ -31,21 +27,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-@contextmanager
-def _packing_for_fbgemm() -> Iterator[None]:
-    """Pack for fbgemm itself, whatever torch's default quantized engine ("x86" picks per op; one run measured its
-    packing 1.9x slower at 1 row, others equal: benchmarks/RESULTS.md). Quantized tensors are deprecated as a user
-    API, but fbgemm's packing takes one."""
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = "fbgemm"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        torch.backends.quantized.engine = previous
-
-
 class Int8Linear(nn.Module):
     """The portable kernel: the weight is dequantized to the activations' dtype at each call."""
 
@@ -63,30 +44,37 @@ class Int8Linear(nn.Module):
         return linear(x, w, self.bias)
 
 
-class FbgemmInt8Linear(nn.Module):
-    """Dynamic int8 through fbgemm: each call quantizes the activations per tensor (uint8) and runs an int8 GEMM
-    on the prepacked weight (`torch.ops.quantized.linear_dynamic`), fp32 out."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq int8 `[M, K]`, scale fp32 `[M, 1]`) for x `[M, K]`, as latentserve's kernels quantize an int8 layer's
+    activations (`kernels/quant_acts.c`): per row, symmetric, scale = max(max |x|, 1e-12) / 127, xq = x / scale
+    rounded half to even. A row holding a NaN or an infinity gets scale NaN and xq 0, so its outputs are NaN."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
+    scale.masked_fill_(~scale.isfinite(), float("nan"))
+    return x.div(scale).round_().nan_to_num_(0.0).to(torch.int8), scale
 
-    kernel = "fbgemm int8 linear_dynamic"
-    activation_dtype = torch.float32  # what the kernel takes and returns
 
-    def __init__(
-        self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, reduce_range: bool,
-        out_dtype: torch.dtype | None = None,
-    ) -> None:
+class IntMMInt8Linear(nn.Module):
+    """latentserve's int8 arithmetic through PyTorch, where its kernels do not run (no compiler, no AVX2,
+    `LATENTSERVE_NATIVE_KERNELS=0`, inputs not a multiple of 4): activations quantized per row (`quantize_rows`),
+    exact int32 sums by `torch._int_mm`, then sum * x's scale * the weight's in fp32. The same bits as
+    `NativeInt8Linear` at every row count, so each row's result is its own."""
+
+    kernel = "int8 per-row torch._int_mm"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None,
+                 out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.out_dtype = out_dtype  # None: the activations' dtype
-        # Without VNNI fbgemm's u8*s8 pair sums saturate int16: 7-bit activations avoid that.
-        self.reduce_range = reduce_range
-        zero_points = torch.zeros(q.shape[0], dtype=torch.long)
-        with _packing_for_fbgemm():
-            qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zero_points, 0)
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic(x.float(), self.packed, self.reduce_range).to(self.out_dtype or x.dtype)
+        xq, xs = quantize_rows(x.reshape(-1, self.in_features))
+        y = torch._int_mm(xq, self.qweight.t()).float().mul_(xs).mul_(self.scale)
+        y = y.view(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 
 

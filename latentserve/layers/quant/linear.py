@@ -14,7 +14,7 @@ from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
 )
 from latentserve.layers.quant.int8 import (
-    FbgemmInt8Linear, Int8Linear, NativeInt8Linear, quantize_int8,
+    Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8,
 )
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, QuantizedWeight
 
@@ -31,17 +31,15 @@ class KernelChoice:
 def int8_kernel(policy: KernelPolicy, device: torch.device, in_features: int | None = None) -> KernelChoice:
     if device.type != "cpu":
         return KernelChoice(Int8Linear.kernel, "not a CPU")
-    kernels, why, features = policy.kernels, policy.why, policy.features
+    kernels, why = policy.kernels, policy.why
     if kernels is not None and (in_features is None or in_features % 4 == 0):
         return KernelChoice(NativeInt8Linear.kernel, f"built for {kernels.isa} ({why}); at every row count, the weight "
                             "in blocks of 16 outputs (faster than oneDNN's int8 GEMM at 512 rows: "
                             "benchmarks/RESULTS.md)")
     if kernels is not None:
         why = f"{in_features} inputs, latentserve's int8 kernel needs a multiple of 4"
-    if features.fbgemm:
-        return KernelChoice(FbgemmInt8Linear.kernel, f"latentserve's kernels: {why}; fbgemm is the fastest int8 "
-                            "linear torch ships")
-    return KernelChoice(Int8Linear.kernel, f"latentserve's kernels: {why}; torch has no fbgemm quantized engine here")
+    return KernelChoice(IntMMInt8Linear.kernel, f"latentserve's kernels: {why}; their arithmetic through torch (the "
+                        "same bits, slower at few rows: benchmarks/RESULTS.md)")
 
 
 def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | None = None,
@@ -73,7 +71,7 @@ def quantize_linear(
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
     says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
     layers). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
-    int4pack_mm's cost grows with every 4 rows (one row per sequence here), fbgemm's barely
+    int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
     (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default one)."""
     device, policy = torch.device(device), policy or default_policy()
     if name == LM_HEAD and config.method == "int4":
@@ -90,8 +88,8 @@ def quantize_linear(
         out_dtype = torch.float32 if name == LM_HEAD else None
         if kernel == NativeInt8Linear.kernel:
             return NativeInt8Linear(q, scale, bias, policy.kernels, out_dtype)
-        if kernel == FbgemmInt8Linear.kernel:
-            return FbgemmInt8Linear(q, scale, bias, reduce_range=not features.vnni, out_dtype=out_dtype)
+        if kernel == IntMMInt8Linear.kernel:
+            return IntMMInt8Linear(q, scale, bias, out_dtype)
         return Int8Linear(q.to(device), scale.to(device), bias)
     q, scale, minimum = ((weight.q, weight.scale, weight.minimum) if isinstance(weight, Int4Weight)
                          else quantize_int4(weight, int4_group(config, name, weight.shape[1])))
