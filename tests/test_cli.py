@@ -219,7 +219,7 @@ def test_backends_lists_every_member_and_why_not(capsys):
         "device 'cpu'" in prefill
     from latentserve.attention.decode.native import NativeMQADecodeBackend
 
-    if NativeMQADecodeBackend.is_available():
+    if NativeMQADecodeBackend.unavailable_reason() is None:
         assert "NATIVE: latentserve.attention.decode.native.NativeMQADecodeBackend\n    cpu: valid (default)" in decode
         assert "PAGED: latentserve.attention.decode.paged.PagedMQADecodeBackend\n    cpu: valid\n" in decode
     else:

@@ -44,15 +44,16 @@ class BackendCapabilities:
         return torch.device(device).type in cls.supported_device_types
 
     @classmethod
-    def is_available(cls) -> bool:
-        return True
+    def unavailable_reason(cls) -> str | None:
+        """Why this installation cannot run the backend at all; None where it can."""
+        return None
 
     @classmethod
     def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:
         """Every reason this backend cannot serve the configuration; empty when it can."""
         reasons = []
-        if not cls.is_available():
-            reasons.append(f"{cls.get_name()} is not available in this installation")
+        if (why := cls.unavailable_reason()) is not None:
+            reasons.append(f"{cls.get_name()} is not available here: {why}")
         if not cls.supports_device(device):
             reasons.append(f"{cls.get_name()} does not support device {torch.device(device).type!r}")
         if not cls.supports_dtype(selector_config.dtype):

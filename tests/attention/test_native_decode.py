@@ -117,7 +117,8 @@ def test_selector_prefers_native_on_cpu_and_falls_back_without_the_kernels(monke
     assert NativeMQADecodeBackend.validate_configuration("cpu", dataclasses.replace(CFG, dtype=torch.float16))
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert get_mla_decode_backend("cpu", CFG) is PagedMQADecodeBackend
-    with pytest.raises(ValueError, match="NATIVE is not available"):
+    with pytest.raises(ValueError, match=r"NATIVE is not available here: latentserve's kernels are not used "
+                       r"\(LATENTSERVE_NATIVE_KERNELS=0\)"):
         get_mla_decode_backend("cpu", CFG, "NATIVE")
 
 

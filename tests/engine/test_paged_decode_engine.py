@@ -29,7 +29,7 @@ def test_cpu_decode_backends_match_reference_engine(checkpoint, block_size, back
     kwargs = dict(dtype="float32", block_size=block_size, num_kv_blocks=4096 // block_size, max_num_batched_tokens=512)
     llm = LLM(model=str(checkpoint), decode_backend=backend, **kwargs)
     layer = next(iter(llm.engine.model.static_forward_context.values()))
-    default = NativeMQADecodeBackend if NativeMQADecodeBackend.is_available() else PagedMQADecodeBackend
+    default = NativeMQADecodeBackend if NativeMQADecodeBackend.unavailable_reason() is None else PagedMQADecodeBackend
     assert type(layer.decode_backend) is (default if backend is None else PagedMQADecodeBackend)
     ours = llm.generate(PROMPTS, PARAMS)
     reference = LLM(model=str(checkpoint), decode_backend="REFERENCE", **kwargs).generate(PROMPTS, PARAMS)

@@ -30,8 +30,9 @@ class NativeMQADecodeBackend(MLADecodeBackend):
         return "NATIVE"
 
     @classmethod
-    def is_available(cls) -> bool:
-        return default_policy().kernels is not None
+    def unavailable_reason(cls) -> str | None:
+        policy = default_policy()
+        return None if policy.kernels is not None else f"latentserve's kernels are not used ({policy.why})"
 
     @classmethod
     def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:
