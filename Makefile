@@ -6,7 +6,7 @@ TORCH_SPEC := torch==2.13.0
 WHEELS := $(wildcard /opt/wheels)
 FIND_LINKS := $(if $(WHEELS),--find-links $(WHEELS),--extra-index-url https://download.pytorch.org/whl/cpu)
 
-.PHONY: demo test bench sanitize clean
+.PHONY: demo test test-torch-kernels bench sanitize clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The suite as the engine runs where latentserve's kernels do not (no C compiler, no AVX2): on PyTorch's kernels.
+test-torch-kernels: $(VENV)/.installed
+	LATENTSERVE_NATIVE_KERNELS=0 $(PY) -m pytest -q
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py

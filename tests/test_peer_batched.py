@@ -10,6 +10,7 @@ from gguf import GGUFWriter
 
 from benchmarks import peer_batched
 from benchmarks.peer_batched import batched_prompts, gguf_vocab, parse_rows
+from tests.kernels.builds import needs_a_compiler
 
 
 def test_alike_prompts_are_token_zero_everywhere():
@@ -66,6 +67,7 @@ def test_build_names_what_is_missing(tmp_path):
     assert "ggml/include/ggml.h" in message and "libllama.so" in message and "include/llama.h" not in message
 
 
+@needs_a_compiler  # the command names it
 def test_compile_command_takes_the_forks_define_headers_and_every_library_directory(tmp_path):
     source, build = tmp_path / "src", tmp_path / "build"
     for header in ("include/llama.h", "ggml/include/ggml.h"):

@@ -14,7 +14,7 @@ import pytest
 
 from latentserve.kernels import build, native
 from latentserve.kernels.cpu import cpu_features
-from tests.kernels.builds import ISAS, kernels
+from tests.kernels.builds import ISAS, kernels, needs_a_compiler
 
 ISA = ISAS[0] if ISAS else "avx2"
 FAKE_CC = """#!/bin/sh
@@ -25,7 +25,7 @@ cp "$FAKE_CC_LIBRARY" "$out"
 """
 
 
-@pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")), reason="no C compiler")
+@needs_a_compiler
 @pytest.mark.parametrize("isa", ISAS)
 def test_every_runnable_build_compiles(isa):
     built = native.load(isa)
