@@ -27,7 +27,7 @@ from latentserve.kernels.policy import KernelPolicy, default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n
-from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear
+from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.loader import empty_model, process_weights_after_loading
@@ -55,11 +55,13 @@ class SavedModelError(ValueError):
 
 def kernel_layout(modules: set[str]) -> dict[str, Any]:
     """What the packed weights' layout depends on: the kernels' instruction set and, where int4pack_mm's layout is
-    used, its block of output rows on this CPU."""
+    used, its block of output rows on this CPU, where torch._int_mm's, the parts it takes int8 weights in."""
     kernels = default_policy().kernels
     layout = {"kernels": kernels.layout if kernels is not None else None}
     if Int4PackLinear.__name__ in modules:
         layout["int4pack_block_n"] = int4pack_block_n()
+    if IntMMInt8Linear.__name__ in modules:
+        layout["int_mm_parts"] = int_mm_parts()
     return layout
 
 

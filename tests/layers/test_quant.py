@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import subprocess
 import sys
 
@@ -115,6 +116,31 @@ def test_rows_are_quantized_symmetric_half_to_even_and_a_non_finite_row_is_nan()
     assert xq[0].tolist() == [127, 0, -2, 2, -127] and scale[0, 0] == 1.0  # halves to even
     assert xq[1].tolist() == [0] * 5 and scale[1, 0] == torch.tensor(1e-12) / 127
     assert (xq[2:] == 0).all() and scale[2:].isnan().all()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="oneDNN's x86 int8 paths")
+def test_without_vnni_int_mm_takes_the_weight_in_two_parts_and_stays_exact():
+    """oneDNN without VNNI (forced by ONEDNN_MAX_CPU_ISA, read at its first call: a fresh process) saturates
+    `_int_mm`'s sums; the layer then splits the weight and its outputs are the exact sums' as ever."""
+    script = (
+        "import torch\n"
+        "from latentserve.layers.quant.int8 import IntMMInt8Linear, int_mm_parts, quantize_int8, quantize_rows\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "a = torch.full((1, 256), 127, dtype=torch.int8)\n"
+        "assert torch._int_mm(a, a.t()).item() != 127 * 127 * 256  # the saturation itself\n"
+        "assert int_mm_parts() == 2\n"
+        "q, scale = quantize_int8(torch.randn(40, 256, generator=g))\n"
+        "q[0] = 127; q[1] = -127\n"
+        "x = torch.randn(9, 256, generator=g); x[0] = 1.0\n"
+        "layer = IntMMInt8Linear(q, scale, None)\n"
+        "assert layer.qweight.shape == (2, 40, 256)\n"
+        "xq, xs = quantize_rows(x)\n"
+        "exact = (xq.long() @ q.long().t()).float() * xs * scale\n"
+        "assert torch.equal(layer(x), exact), (layer(x) - exact).abs().max()\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 @pytest.mark.parametrize("rows", [1, 5])

@@ -10,6 +10,7 @@ from latentserve.kernels import native
 from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import NativeInt4Linear, quantize_int4
+from latentserve.layers.quant import int8 as int8_layers
 from latentserve.layers.quant.int8 import IntMMInt8Linear, NativeInt8Linear, quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build, needs_the_engines_kernels
 
@@ -209,10 +210,14 @@ def test_int8_layer_gives_each_row_its_own_result():
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                               (torch.bfloat16, torch.float32)])
-def test_the_torch_int8_layer_gives_the_kernels_bits(isa, dtype, out_dtype):
-    """Where latentserve's kernels do not run, int8 layers run their arithmetic through torch._int_mm: every output
-    equal to the kernel's, at decode and prefill row counts, a row of zeros and rows holding an infinity or a NaN
-    included (NaN out, as the kernel gives)."""
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_torch_int8_layer_gives_the_kernels_bits(monkeypatch, isa, dtype, out_dtype, parts):
+    """Where latentserve's kernels do not run, int8 layers run their arithmetic through torch._int_mm (the weight
+    whole, or in two parts where _int_mm saturates): every output equal to the kernel's, at decode and prefill row
+    counts, a row of zeros and rows holding an infinity or a NaN included (NaN out, as the kernel gives)."""
+    if parts < int8_layers.int_mm_parts():
+        pytest.skip("torch._int_mm saturates here: the weight goes in two parts")
+    monkeypatch.setattr(int8_layers, "int_mm_parts", lambda: parts)
     w, x = _data(300, 70, 2048, seed=5)
     x[3] = 0.0
     x[4, 7], x[5, 9] = float("inf"), float("nan")
@@ -221,6 +226,7 @@ def test_the_torch_int8_layer_gives_the_kernels_bits(isa, dtype, out_dtype):
     bias = torch.nn.Parameter(torch.randn(70))
     native_layer = NativeInt8Linear(q, scale, bias, kernels(isa), out_dtype)
     torch_layer = IntMMInt8Linear(q, scale, bias, out_dtype)
+    assert len(torch_layer.qweight) == parts
     for rows in (1, 2, 7, 16, 300):
         torch.testing.assert_close(torch_layer(x[:rows]), native_layer(x[:rows]), rtol=0, atol=0, equal_nan=True)
     assert torch_layer(x[:6])[4:].isnan().all()

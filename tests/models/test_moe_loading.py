@@ -9,9 +9,8 @@ from safetensors.torch import load_file
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import QuantConfig
-from latentserve.kernels.cpu import cpu_features
-from latentserve.kernels.policy import KernelPolicy
-from latentserve.layers.quant.int8 import quantize_int8
+from latentserve.layers.quant import linear as quant_linear
+from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
 from latentserve.models import load_model
 from latentserve.models.loader import SINGLE_FILE
 from tests.checkpoints import make_checkpoint
@@ -31,14 +30,14 @@ def test_plain_experts_are_stacked_from_the_checkpoint(tmp_path, dtype) -> None:
     assert torch.equal(stacked.w2[5], tensors[f"{prefix}.down_proj.weight"].to(dtype))
 
 
-def test_quantized_gate_and_up_are_one_layer_quantized_as_the_two(tmp_path) -> None:
+def test_quantized_gate_and_up_are_one_layer_quantized_as_the_two(tmp_path, monkeypatch) -> None:
     """Every bias-free MLP (dense, shared, routed) gets one gate_up layer; per-row int8 of the fused weight equals
     the two halves' own quantization."""
-    # PyTorch's kernels: the int8 weight stays readable.
-    policy = KernelPolicy(cpu_features(), None, "test", 1)
+    # The portable kernel: it holds the int8 weight as it is.
+    monkeypatch.setattr(quant_linear, "int8_kernel", lambda *args: quant_linear.KernelChoice(Int8Linear.kernel, "test"))
     src = make_checkpoint(tmp_path, "v3")
     tensors = load_file(src / SINGLE_FILE)
-    model = load_model(src, dtype=torch.float32, quantization=QuantConfig("int8"), policy=policy)
+    model = load_model(src, dtype=torch.float32, quantization=QuantConfig("int8"))
     mlps = {name: m for name, m in model.named_modules() if isinstance(m, GatedMLP)}
     assert mlps and all(m.gate_up_proj is not None and not hasattr(m, "gate_proj") for m in mlps.values())
     assert all(m.stacked is None for m in model.modules() if isinstance(m, MoE))

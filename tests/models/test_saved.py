@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from latentserve import LLM, SamplingParams
 from latentserve.cli import main
+from latentserve.kernels.native import NATIVE_ENV
 from latentserve.layers.quant import heads, int4, int8
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.models import saved as saved_module
@@ -157,6 +158,21 @@ def test_other_cpu_build_is_refused(saved, tmp_path):
     with pytest.raises(SavedModelError, match=f"saved for kernel layout .*{other}.*quantize the original checkpoint "
                                               "here"):
         LLM(copy, **ENGINE)
+
+
+def test_a_model_on_pytorchs_int8_kernel_saves_and_needs_the_same_int_mm_parts(checkpoint, tmp_path, monkeypatch):
+    """Without latentserve's kernels int8 layers run torch._int_mm; the saved weight is in the parts it takes here
+    (two where it saturates), which the layout records."""
+    monkeypatch.setenv(NATIVE_ENV, "0")
+    llm = LLM(checkpoint, quantization="int8", dtype="bfloat16", **ENGINE)
+    assert type(llm.engine.model.lm_head) is int8.IntMMInt8Linear
+    path = llm.save_quantized(tmp_path / "model")
+    parts = int8.int_mm_parts()
+    assert json.loads((path / MANIFEST).read_text())["layout"] == {"kernels": None, "int_mm_parts": parts}
+    assert outputs(LLM(path, **ENGINE)) == outputs(llm)
+    monkeypatch.setattr(saved_module, "int_mm_parts", lambda: 3 - parts)
+    with pytest.raises(SavedModelError, match=f"saved for kernel layout .*'int_mm_parts': {parts}"):
+        LLM(path, **ENGINE)
 
 
 def test_contradicting_settings_are_refused(saved):

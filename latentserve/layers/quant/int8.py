@@ -1,6 +1,8 @@
 """int8 weights, symmetric per output channel: w ≈ q * scale[out]."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -54,11 +56,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.div(scale).round_().nan_to_num_(0.0).to(torch.int8), scale
 
 
+@functools.cache
+def int_mm_parts() -> int:
+    """How many `torch._int_mm` products sum int8 x int8 exactly here: 1 where it sums exactly (oneDNN with VNNI);
+    2 where it saturates (oneDNN without VNNI shifts the activations to u8 and adds u8 x s8 pairs in int16:
+    127 * 127 summed over 64 columns came out 8160, not 1032256, under `ONEDNN_MAX_CPU_ISA=AVX2`). Then the weight
+    goes in as its high and low parts, q = 16 * (q >> 4) + (q & 15): pair sums of at most 2 * 255 * 15."""
+    rows = torch.tensor([[127] * 64, [-127] * 64, [127, -127] * 32], dtype=torch.int8)
+    exact = rows.long() @ rows.long().t()
+    return 1 if torch.equal(torch._int_mm(rows, rows.t()).long(), exact) else 2
+
+
 class IntMMInt8Linear(nn.Module):
     """latentserve's int8 arithmetic through PyTorch, where its kernels do not run (no compiler, no AVX2,
     `LATENTSERVE_NATIVE_KERNELS=0`, inputs not a multiple of 4): activations quantized per row (`quantize_rows`),
-    exact int32 sums by `torch._int_mm`, then sum * x's scale * the weight's in fp32. The same bits as
-    `NativeInt8Linear` at every row count, so each row's result is its own."""
+    exact int32 sums by `torch._int_mm` (in `int_mm_parts` products), then sum * x's scale * the weight's in fp32.
+    The same bits as `NativeInt8Linear` at every row count, so each row's result is its own."""
 
     kernel = "int8 per-row torch._int_mm"
 
@@ -67,13 +80,16 @@ class IntMMInt8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = q.shape[1], q.shape[0]
         self.out_dtype = out_dtype  # None: the activations' dtype
-        self.register_buffer("qweight", q)
+        self.register_buffer("qweight", q[None] if int_mm_parts() == 1 else torch.stack([q >> 4, q & 15]))
         self.register_buffer("scale", scale)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xq, xs = quantize_rows(x.reshape(-1, self.in_features))
-        y = torch._int_mm(xq, self.qweight.t()).float().mul_(xs).mul_(self.scale)
+        y = torch._int_mm(xq, self.qweight[0].t())
+        if len(self.qweight) == 2:
+            y = y.mul_(16).add_(torch._int_mm(xq, self.qweight[1].t()))
+        y = y.float().mul_(xs).mul_(self.scale)
         y = y.view(*x.shape[:-1], self.out_features).to(self.out_dtype or x.dtype)
         return y if self.bias is None else y.add_(self.bias)
 

@@ -14,7 +14,7 @@ from latentserve.layers.quant.int4 import (
     INT4_DEQUANT_ROWS, Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n, quantize_int4,
 )
 from latentserve.layers.quant.int8 import (
-    Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8,
+    Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts, quantize_int8,
 )
 from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, QuantizedWeight
 
@@ -38,8 +38,10 @@ def int8_kernel(policy: KernelPolicy, device: torch.device, in_features: int | N
                             "benchmarks/RESULTS.md)")
     if kernels is not None:
         why = f"{in_features} inputs, latentserve's int8 kernel needs a multiple of 4"
+    parts = ("" if int_mm_parts() == 1 else
+             "; _int_mm saturates without VNNI: the weight in two parts, two products a call, twice the memory")
     return KernelChoice(IntMMInt8Linear.kernel, f"latentserve's kernels: {why}; their arithmetic through torch (the "
-                        "same bits, slower at few rows: benchmarks/RESULTS.md)")
+                        f"same bits, slower at few rows: benchmarks/RESULTS.md){parts}")
 
 
 def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | None = None,
