@@ -14,6 +14,8 @@ def _pretend(monkeypatch, capability: str, avx512_bf16: bool, amx: bool = False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    # oneDNN's bf16 follows the CPU too (and ONEDNN_MAX_CPU_ISA, when a developer caps it)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: avx512_bf16 or amx)
 
 
 @pytest.mark.parametrize("capability, avx512_bf16, amx, expected", [

@@ -223,6 +223,7 @@ def test_llm_auto_dtype_sets_weights_and_kv_cache(tmp_path, monkeypatch, native_
     monkeypatch.delenv(NATIVE_ENV, raising=False)  # the CPU is simulated: no developer's build named
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512" if native_bf16 else "AVX2")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # ONEDNN_MAX_CPU_ISA aside
     src = make_checkpoint(tmp_path, "v3", dtype=torch.bfloat16)
     engine = LLM(model=str(src), num_kv_blocks=8, block_size=4, max_model_len=32).engine
     assert engine.model.lm_head.weight.dtype == dtype
