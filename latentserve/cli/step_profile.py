@@ -30,8 +30,8 @@ ATTENTION, MOE, STEP = "latentserve/attention", "latentserve/moe", "latentserve/
 CATEGORIES = ("weight GEMMs", "attention", "MoE routing + dispatch", "other ops", "Python + framework")
 GEMM_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::_grouped_mm",
-    "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
-    "quantized::linear_dynamic", "quantized::linear", "aten::_scaled_mm", "aten::mkldnn_linear",
+    "aten::_weight_int4pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::_int_mm",
+    "aten::_scaled_mm", "aten::mkldnn_linear",
 })
 
 
