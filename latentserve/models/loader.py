@@ -37,8 +37,7 @@ INDEX_FILE = "model.safetensors.index.json"
 STORED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 _GATE_UP = re.compile(r"^(.+)\.(gate|up)_proj$")
-# Each quantizes ~200 M weights/s, so a few outrun reading the checkpoint; more would
-# only hold more tensors in flight.
+# Each quantizes ~200 M weights/s, so a few outrun reading the checkpoint; more would only hold more tensors in flight.
 MAX_QUANTIZE_WORKERS = 8
 
 

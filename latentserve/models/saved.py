@@ -54,8 +54,8 @@ class SavedModelError(ValueError):
 
 
 def kernel_layout(modules: set[str]) -> dict[str, Any]:
-    """What the packed weights' layout depends on: the kernels' instruction set and, where int4pack_mm's layout is
-    used, its block of output rows on this CPU, where torch._int_mm's, the parts it takes int8 weights in."""
+    """What the packed weights' layout depends on: the kernels' instruction set; where int4pack_mm runs, its block of
+    output rows on this CPU; where torch._int_mm runs, the parts it takes an int8 weight in (`int_mm_parts`)."""
     kernels = default_policy().kernels
     layout = {"kernels": kernels.layout if kernels is not None else None}
     if Int4PackLinear.__name__ in modules:

@@ -158,6 +158,8 @@ def test_int_mm_int8_is_exact_integer_sums_of_per_row_quantized_activations(rows
     assert torch.equal(layer(x[-1:]), layer(x)[-1:])  # a row's result is its own
     assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
     assert IntMMInt8Linear(q, scale, None, torch.float32)(x.to(torch.bfloat16)).dtype == torch.float32
+    with pytest.raises(ValueError, match="x has 48 columns, the layer takes 96"):
+        layer(torch.randn(4, 48))  # as many values as 2 rows of 96: a reshape alone would take them
 
 
 def test_int8_fallback_matches_the_dequantized_weight():

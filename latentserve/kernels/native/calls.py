@@ -37,6 +37,8 @@ def refused(kernels: NativeKernels, fn: str, code: int) -> None:
 
 def activations(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as the kernels take it: `[rows, in_features]`, contiguous, fp32 or bf16."""
+    if x.shape[-1] != in_features:  # a reshape alone would regroup a wrong width's values into rows
+        raise ValueError(f"x has {x.shape[-1]} columns, the layer takes {in_features}")
     x = x.reshape(-1, in_features)
     return (x if x.dtype in KERNEL_DTYPES else x.float()).contiguous()
 

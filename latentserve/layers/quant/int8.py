@@ -85,7 +85,7 @@ class IntMMInt8Linear(nn.Module):
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = quantize_rows(x.reshape(-1, self.in_features))
+        xq, xs = quantize_rows(native.activations(x, self.in_features))
         y = torch._int_mm(xq, self.qweight[0].t())
         if len(self.qweight) == 2:
             y = y.mul_(16).add_(torch._int_mm(xq, self.qweight[1].t()))
