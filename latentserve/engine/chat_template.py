@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from latentserve.engine.detokenizer import TokenizerInfo
@@ -27,29 +28,92 @@ def _token_text(tokenizer: TokenizerInfo, token_id: int | None) -> str:
     return "" if token_id is None else tokenizer.tokenizer.id_to_token(token_id) or ""
 
 
-def render_chat(tokenizer: TokenizerInfo, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The prompt text of a conversation, ending where the assistant's reply starts.
+# Variables latentserve itself gives the template: a chat_template_kwargs key may not replace one.
+RESERVED = {"messages": "the messages", "tools": "tools", "add_generation_prompt": "add_generation_prompt",
+            "bos_token": "the tokenizer's BOS token", "eos_token": "the tokenizer's EOS token",
+            "chat_template": "the server's --chat-template", "tokenize": "nothing: rendering never tokenizes"}
 
-    ValueError if the model has no chat template or the template rejects the conversation.
+
+@lru_cache(maxsize=4)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a template reads that it does not set itself: those chat_template_kwargs may give."""
+    compiled = _compile(template)
+    return frozenset(meta.find_undeclared_variables(compiled.environment.parse(template))
+                     - compiled.environment.globals.keys() - RESERVED.keys())
+
+
+def check_template_kwargs(template: str, kwargs: dict[str, Any]) -> None:
+    """ValueError naming a chat_template_kwargs key the template would not read (it would be ignored) or one that
+    would replace what latentserve gives it."""
+    for name in kwargs:
+        if name in RESERVED:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by {RESERVED[name]}, not by chat_template_kwargs")
+    unread = sorted(set(kwargs) - template_variables(template))
+    if unread:
+        takes = ", ".join(sorted(template_variables(template))) or "none"
+        raise ValueError(f"chat_template_kwargs: the chat template reads no variable {', '.join(map(repr, unread))} "
+                         f"(the variables it reads: {takes})")
+
+
+def _final_text(messages: list[dict]) -> str:
+    """The text of the last message, which continue_final_message continues."""
+    if not messages or messages[-1].get("role") != "assistant":
+        raise ValueError("continue_final_message: the last message must be the assistant's, to continue")
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("text") is not None]
+        content = texts[-1] if texts else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the last message has no text to continue")
+    return content
+
+
+def _cut_after(rendered: str, final: str) -> str:
+    """`rendered` up to the end of the final message's text (the template's closing of that message dropped). A
+    template that trims the message keeps the trimmed text, one that keeps its spaces keeps those."""
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the last message's text")
+    kept = final.lstrip()
+    return rendered[: at + len(kept)] if rendered[at: at + len(kept)] == kept else rendered[: at + len(final.strip())]
+
+
+def render_chat(tokenizer: TokenizerInfo, messages: list[dict], tools: list[dict] | None = None, *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text of a conversation: ending where the assistant's reply starts (`add_generation_prompt`), where
+    the conversation's last message ends, or inside that last (assistant) message, to be continued
+    (`continue_final_message`). `chat_template_kwargs`: more variables for the template (e.g. `thinking`).
+
+    ValueError if the model has no chat template, a keyword is not one the template reads, or the template rejects
+    the conversation.
     """
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template (tokenizer_config.json chat_template)")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message continues the last message: it needs add_generation_prompt false")
+    kwargs = chat_template_kwargs or {}
+    check_template_kwargs(tokenizer.chat_template, kwargs)
+    final = _final_text(messages) if continue_final_message else None
     try:
         template = _compile(tokenizer.chat_template)
-        return template.render(
+        rendered = template.render(
+            **kwargs,
             messages=messages,
             tools=tools,
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
             bos_token=_token_text(tokenizer, tokenizer.bos_token_id),
             eos_token=_token_text(tokenizer, tokenizer.eos_token_id),
         )
     except jinja2.TemplateError as e:
         raise ValueError(f"the chat template failed on these messages: {e}") from e
+    return rendered if final is None else _cut_after(rendered, final)
 
 
-def chat_prompt_ids(tokenizer: TokenizerInfo, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the rendered conversation; the template writes any BOS itself."""
-    return tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+def chat_prompt_ids(tokenizer: TokenizerInfo, messages: list[dict], tools: list[dict] | None = None,
+                    **options: Any) -> list[int]:
+    """Token ids of the rendered conversation (`render_chat`'s options); the template writes any BOS itself."""
+    return tokenizer.encode(render_chat(tokenizer, messages, tools, **options), add_special_tokens=False)
 
 
 def load_chat_template(value: str) -> str:
