@@ -203,7 +203,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="emulated collective bandwidth (GB/s)")
     g.add_argument("--reasoning-parser", choices=reasoning_parser_names(), default=None,
                    help="split a reasoning model's output into reasoning_content and content")
-    g.add_argument("--speculative-config", type=speculative_config, default=None,
+    g.add_argument("--speculative-config", type=json_object, default=None,
                    help='speculative decoding with the checkpoint\'s MTP layer, as JSON: '
                         '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
     g.add_argument("--batch-invariant", action="store_true",
@@ -215,14 +215,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_vllm_flags(parser)
 
 
-def speculative_config(text: str) -> dict:
-    """--speculative-config: vLLM's JSON form, e.g. '{"method": "mtp", "num_speculative_tokens": 2}'."""
+def json_object(text: str) -> dict:
+    """vLLM's form of a settings flag (--speculative-config, --default-chat-template-kwargs): a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f'expected a JSON object like {{"method": "mtp"}}, got {text!r}')
+        raise argparse.ArgumentTypeError(f'expected a JSON object like {{"name": "value"}}, got {text!r}')
     return value
 
 

@@ -12,6 +12,7 @@ from latentserve.cli.args import (
     add_engine_args,
     add_generation_config_arg,
     build_llm,
+    json_object,
     non_negative_float,
     positive_int,
     user_errors,
@@ -63,6 +64,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="vLLM's switch for tool_choice auto; needs --tool-call-parser, which enables it here anyway")
     g.add_argument("--chat-template", default=None,
                    help="a jinja2 chat template, or the path of a file holding one (default: the tokenizer's)")
+    g.add_argument("--default-chat-template-kwargs", type=json_object, default=None,
+                   help='variables for the chat template, as JSON (e.g. \'{"thinking": true}\'); a request\'s '
+                        'chat_template_kwargs win')
     g.add_argument("--allowed-origins", type=json_list, default=None,
                    help='browser origins allowed to call the server, as JSON: \'["https://app.example"]\' or '
                         '\'["*"]\' (default: no CORS headers, so browsers refuse other origins)')
@@ -114,7 +118,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                             max_request_bytes=args.max_request_bytes, body_read_timeout=args.body_read_timeout,
                             metrics_prefix=args.metrics_prefix,
                             log_level=args.uvicorn_log_level, tool_call_parser=args.tool_call_parser,
-                            chat_template=chat_template, cors=cors, ssl_keyfile=args.ssl_keyfile,
+                            chat_template=chat_template,
+                            default_chat_template_kwargs=args.default_chat_template_kwargs, cors=cors,
+                            ssl_keyfile=args.ssl_keyfile,
                             ssl_certfile=args.ssl_certfile)
 
 

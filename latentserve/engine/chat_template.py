@@ -42,17 +42,22 @@ def template_variables(template: str) -> frozenset[str]:
                      - compiled.environment.globals.keys() - RESERVED.keys())
 
 
+class TemplateKwargsError(ValueError):
+    """A chat_template_kwargs key the template would not read (it would be ignored), or one that would replace what
+    latentserve gives it."""
+
+
 def check_template_kwargs(template: str, kwargs: dict[str, Any]) -> None:
-    """ValueError naming a chat_template_kwargs key the template would not read (it would be ignored) or one that
-    would replace what latentserve gives it."""
+    """TemplateKwargsError naming the first bad key of `kwargs`."""
     for name in kwargs:
         if name in RESERVED:
-            raise ValueError(f"chat_template_kwargs: {name!r} is set by {RESERVED[name]}, not by chat_template_kwargs")
+            raise TemplateKwargsError(f"chat_template_kwargs: {name!r} is set by {RESERVED[name]}, not by "
+                                      "chat_template_kwargs")
     unread = sorted(set(kwargs) - template_variables(template))
     if unread:
         takes = ", ".join(sorted(template_variables(template))) or "none"
-        raise ValueError(f"chat_template_kwargs: the chat template reads no variable {', '.join(map(repr, unread))} "
-                         f"(the variables it reads: {takes})")
+        raise TemplateKwargsError(f"chat_template_kwargs: the chat template reads no variable "
+                                  f"{', '.join(map(repr, unread))} (the variables it reads: {takes})")
 
 
 def _final_text(messages: list[dict]) -> str:

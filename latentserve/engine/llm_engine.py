@@ -20,7 +20,7 @@ from latentserve.engine.detokenizer import IncrementalDetokenizer, TokenizerInfo
     load_tokenizer
 from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.model_runner import ModelRunner
-from latentserve.engine.reasoning import make_reasoning_parser
+from latentserve.engine.reasoning import make_reasoning_parser, parser_for_prompt
 from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
@@ -202,8 +202,7 @@ class LLMEngine:
         if self._structured is None:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs needs a tokenizer: this checkpoint has no tokenizer.json")
-            end = self.reasoning_parser.end_token_id if self.reasoning_parser is not None else None
-            self._structured = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size, end)
+            self._structured = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size)
         return self._structured
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -250,7 +249,9 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         request = Request(request_id, token_ids, params, eos, prompt, detokenizer)
         if params.structured_outputs is not None:
-            request.structured_output = self.structured_outputs.new_request(params.structured_outputs)
+            reasoning = parser_for_prompt(self.reasoning_parser, token_ids)
+            request.structured_output = self.structured_outputs.new_request(
+                params.structured_outputs, reasoning.end_token_id if reasoning is not None else None)
         if params.bad_words:
             request.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
             vocab_size = self.model.config.vocab_size

@@ -184,10 +184,12 @@ def _version() -> str:
 def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_waiting: int | None = None,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_prefix: str = "latentserve",
               tool_call_parser: str | None = None, body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT,
-              chat_template: str | None = None, cors: CORS | None = None) -> FastAPI:
+              chat_template: str | None = None, cors: CORS | None = None,
+              default_chat_template_kwargs: dict | None = None) -> FastAPI:
     """The OpenAI-compatible app over `engine` (one process's, or the front end of data-parallel ranks); its
-    lifespan starts and stops the engine thread. `chat_template` replaces the tokenizer's; `cors` None sends no
-    CORS headers (browsers then refuse other origins' pages)."""
+    lifespan starts and stops the engine thread. `chat_template` replaces the tokenizer's, and
+    `default_chat_template_kwargs` are its variables where a request gives none; `cors` None sends no CORS headers
+    (browsers then refuse other origins' pages)."""
     async_engine = AsyncLLMEngine(engine, max_waiting, model_name, metrics_prefix)
     state = ServerState()
 
@@ -208,8 +210,8 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     _add_error_handlers(app)
     completions = ServingCompletion(async_engine, model_name)
     tool_parser = get_tool_parser(tool_call_parser)() if tool_call_parser is not None else None
-    chat = ServingChat(async_engine, model_name, tool_parser, chat_template)
-    tokens = ServingTokens(async_engine, model_name, chat_template)
+    chat = ServingChat(async_engine, model_name, tool_parser, chat_template, default_chat_template_kwargs)
+    tokens = ServingTokens(async_engine, model_name, chat_template, default_chat_template_kwargs)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})

@@ -33,6 +33,7 @@ class ServerConfig:
     log_level: str = "info"
     tool_call_parser: str | None = None  # e.g. deepseek_v3: tool_choice "auto" finds calls in the model's format
     chat_template: str | None = None  # replaces the tokenizer's (the template's text)
+    default_chat_template_kwargs: dict | None = None  # template variables; a request's chat_template_kwargs win
     cors: CORS | None = None  # None: no CORS headers
     ssl_keyfile: str | None = None  # with ssl_certfile: serve HTTPS
     ssl_certfile: str | None = None
@@ -93,7 +94,7 @@ def make_app(engine: Engine, model_name: str, config: ServerConfig) -> FastAPI:
     """The app `serve` runs: `engine` served as `model_name` (or config.served_model_name) with `config`."""
     return build_app(engine, config.served_model_name or model_name, config.api_key, config.max_waiting,
                      config.max_request_bytes, config.metrics_prefix, config.tool_call_parser, config.body_read_timeout,
-                     config.chat_template, config.cors)
+                     config.chat_template, config.cors, config.default_chat_template_kwargs)
 
 
 def serve(engine: Engine, model_name: str, config: ServerConfig) -> int:

@@ -26,7 +26,6 @@ UNSUPPORTED = {
     "guided_grammar": "vLLM's older guided_grammar is not supported: send structured_outputs={\"grammar\": ...}",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty is not supported (it applies to beam search)",
-    "continue_final_message": "continue_final_message is not supported",
     "reasoning_effort": "reasoning_effort is not supported",
     "audio": "audio output is not supported",
     "modalities": "modalities other than text are not supported",
@@ -217,7 +216,23 @@ class ResponseFormat(StrictModel):
         return self
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(StrictModel):
+    """How chat messages are rendered (vLLM's fields): `chat_template_kwargs` are more variables for the template
+    (e.g. DeepSeek-V3.1's `thinking`, GLM's `enable_thinking`), over the server's --default-chat-template-kwargs."""
+
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise PydanticCustomError("continue_final_message", "{field}: needs add_generation_prompt=false",
+                                      {"field": "continue_final_message"})
+        return self
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -248,14 +263,13 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's POST /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
 
     @model_validator(mode="before")
@@ -271,9 +285,6 @@ class TokenizeRequest(StrictModel):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
-        if self.messages is not None and not self.add_generation_prompt:
-            raise PydanticCustomError("unsupported", "{field}: only true is supported",
-                                      {"field": "add_generation_prompt"})
         return self
 
 

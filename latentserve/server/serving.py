@@ -5,19 +5,19 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import replace
-from typing import AsyncIterator, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from latentserve.engine.chat_template import render_chat
+from latentserve.engine.chat_template import TemplateKwargsError, check_template_kwargs, render_chat
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.outputs import CompletionOutput, RequestOutput
 from latentserve.engine.request import Logprobs
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
-from latentserve.server.protocol import ChatMessage, SamplingRequest
+from latentserve.server.protocol import ChatMessage, ChatTemplateFields, SamplingRequest
 from latentserve.server.protocol_responses import ErrorInfo, ErrorResponse, PromptLogprob, PromptLogprobs, UsageInfo
 from latentserve.server.structured_outputs import SpecError, requested_structured_outputs
 
@@ -156,14 +156,20 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
 class Serving:
     """Runs validated requests on the async engine; subclasses turn outputs into one API's bodies."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
+                 default_chat_template_kwargs: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
-        if chat_template is not None:
+        if chat_template is not None or default_chat_template_kwargs:
             if self.tokenizer is None:
-                raise ValueError("a chat template was given, but the model has no tokenizer to render it with")
+                raise ValueError("a chat template or its kwargs were given, but the model has no tokenizer to render "
+                                 "chat with")
+        if chat_template is not None:
             self.tokenizer = replace(self.tokenizer, chat_template=chat_template)
+        self.default_chat_template_kwargs = default_chat_template_kwargs or {}
+        if self.default_chat_template_kwargs:
+            check_template_kwargs(self.tokenizer.chat_template or "", self.default_chat_template_kwargs)
         self.generation_defaults: dict = engine.engine.generation_defaults
 
     def with_defaults(self, req: SamplingRequest) -> SamplingRequest:
@@ -217,14 +223,21 @@ class Serving:
         return OpenAIError(400, f"this model's maximum context length is {limit} tokens, but the prompt has {count} "
                                 f"tokens and asks for {wanted} more ({count + wanted} in all)", param=param)
 
-    async def render(self, messages: list[ChatMessage], tools: list[dict] | None = None) -> str:
+    async def render(self, messages: list[ChatMessage], fields: ChatTemplateFields,
+                     tools: list[dict] | None = None) -> str:
         """The conversation's prompt text (with the tools offered), rendered with the chat template on a worker
-        thread."""
+        thread as `fields` ask."""
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
+        kwargs = self.default_chat_template_kwargs | (fields.chat_template_kwargs or {})
         rendered = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in messages]
         try:
-            return await asyncio.to_thread(render_chat, self.tokenizer, rendered, tools)
+            return await asyncio.to_thread(render_chat, self.tokenizer, rendered, tools,
+                                           add_generation_prompt=fields.add_generation_prompt,
+                                           continue_final_message=fields.continue_final_message,
+                                           chat_template_kwargs=kwargs)
+        except TemplateKwargsError as e:
+            raise OpenAIError(400, str(e), param="chat_template_kwargs") from e
         except ValueError as e:
             raise OpenAIError(400, str(e), param="messages") from e
 

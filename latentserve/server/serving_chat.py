@@ -7,7 +7,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
 from latentserve.engine.outputs import RequestOutput
-from latentserve.engine.reasoning import ReasoningParser
+from latentserve.engine.reasoning import ReasoningParser, parser_for_prompt
 from latentserve.engine.request import Logprobs
 from latentserve.engine.structured.backend import build_grammar
 from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
@@ -31,8 +31,8 @@ from latentserve.server.tools import ToolPlan, plan_tools
 
 class ServingChat(Serving):
     def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None,
-                 chat_template: str | None = None) -> None:
-        super().__init__(engine, model_name, chat_template)
+                 chat_template: str | None = None, default_chat_template_kwargs: dict | None = None) -> None:
+        super().__init__(engine, model_name, chat_template, default_chat_template_kwargs)
         self.tool_parser = tool_parser
 
     @property
@@ -47,19 +47,20 @@ class ServingChat(Serving):
         plan = self._plan_tools(req)
         if plan.structured_outputs is not None:
             params = replace(params, structured_outputs=plan.structured_outputs)
-        prompt = await self.render(req.messages, plan.tools)
+        prompt = await self.render(req.messages, req, plan.tools)
         token_ids = (await self.prompt_ids([prompt], params, req.max_new_tokens, "messages", False))[0]
+        reasoning_parser = parser_for_prompt(self.reasoning_parser, token_ids)
         request_id = random_id("chatcmpl")
         stream = self.add_request(token_ids, params, request_id)
         if req.stream:
-            return self._stream(req, stream, request_id, top_k, plan)
+            return self._stream(req, stream, request_id, top_k, plan, reasoning_parser)
         outputs = await self.run_to_end([stream], raw_request)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         output = outputs[0]
         choices = []
         for c in output.outputs:
-            message, finish_reason = ChatOutput(self.reasoning_parser, plan, self.tool_parser).message(
+            message, finish_reason = ChatOutput(reasoning_parser, plan, self.tool_parser).message(
                 c.text, c.finish_reason)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                       stop_reason=c.stop_reason,
@@ -78,8 +79,8 @@ class ServingChat(Serving):
             raise OpenAIError(400, str(e).replace("structured_outputs.json", "tools parameters"), param=param) from e
         return plan
 
-    def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str,
-                top_k: int | None, plan: ToolPlan) -> StreamingResponse:
+    def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str, top_k: int | None,
+                plan: ToolPlan, reasoning_parser: ReasoningParser | None) -> StreamingResponse:
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
         parsers: dict[int, ChatOutput] = {}
 
@@ -93,7 +94,7 @@ class ServingChat(Serving):
             for completion in output.outputs:
                 if completion.index not in sent:
                     sent[completion.index] = (0, 0)
-                    parsers[completion.index] = ChatOutput(self.reasoning_parser, plan, self.tool_parser)
+                    parsers[completion.index] = ChatOutput(reasoning_parser, plan, self.tool_parser)
                     out.append(chunk(completion.index, DeltaMessage(role="assistant", content="")))
                 parser = parsers[completion.index]
                 chars, tokens = sent[completion.index]

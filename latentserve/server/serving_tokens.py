@@ -12,7 +12,7 @@ class ServingTokens(Serving):
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self._check(req.model)
         if req.messages is not None:
-            text = await self.render(req.messages)
+            text = await self.render(req.messages, req)
             add_special_tokens = bool(req.add_special_tokens) if "add_special_tokens" in req.model_fields_set else False
         else:
             text, add_special_tokens = req.prompt, req.add_special_tokens

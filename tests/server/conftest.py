@@ -70,10 +70,12 @@ class LiveServer:
 
     def __init__(self, model_dir: Path, api_key: str | None = None, max_waiting: int | None = None,
                  engine=None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tool_call_parser: str | None = None,
-                 body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT, **settings) -> None:
+                 body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT, chat_template: str | None = None,
+                 default_chat_template_kwargs: dict | None = None, **settings) -> None:
         self.engine = engine if engine is not None else LLMEngine(model_dir, EngineConfig(**{**ENGINE, **settings}))
         self.app = build_app(self.engine, MODEL_NAME, api_key, max_waiting, max_request_bytes,
-                             tool_call_parser=tool_call_parser, body_read_timeout=body_read_timeout)
+                             tool_call_parser=tool_call_parser, body_read_timeout=body_read_timeout,
+                             chat_template=chat_template, default_chat_template_kwargs=default_chat_template_kwargs)
         self.async_engine = self.app.state.engine
         sock = free_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -6,6 +6,7 @@ from typing import Callable
 from latentserve.engine.detokenizer import TokenizerInfo
 
 _PARSERS: dict[str, type["ReasoningParser"]] = {}
+_TRAILING_TOKENS = 4  # the prompt's last tokens searched for the end of the reasoning (newlines may follow it)
 
 
 class ReasoningParser:
@@ -28,6 +29,21 @@ class ReasoningParser:
         old_reasoning, old_content = self.extract_reasoning(previous_text, partial=True)
         reasoning, content = self.extract_reasoning(text, partial=not finished)
         return _delta(old_reasoning, reasoning), _delta(old_content, content)
+
+
+def parser_for_prompt(parser: ReasoningParser | None, prompt_token_ids: list[int]) -> ReasoningParser | None:
+    """The parser for a request with this prompt: None when the prompt itself closed the reasoning (its last token,
+    past any whitespace-only ones, is the parser's end token): the chat template turned thinking off (DeepSeek-V3.1
+    writes `</think>`, GLM and Kimi `<think></think>`), so the whole output is the answer, and a structured-output
+    constraint applies from its first token."""
+    if parser is None or parser.end_token_id is None:
+        return parser
+    for token_id in reversed(prompt_token_ids[-_TRAILING_TOKENS:]):
+        if token_id == parser.end_token_id:
+            return None
+        if parser.tokenizer.decode([token_id], False).strip():
+            return parser
+    return parser
 
 
 def held_back(text: str, marker: str) -> int:

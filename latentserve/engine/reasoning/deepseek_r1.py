@@ -1,13 +1,16 @@
-"""DeepSeek-R1, and GLM-4.5 and later (`glm45`): the output is reasoning up to `</think>`, then the answer. The chat
-template may already have written `<think>` into the prompt, so the output need not start with it; without `</think>`
-everything is reasoning."""
+"""DeepSeek-R1, DeepSeek-V3.1 and later (`deepseek_v3`), and GLM-4.5 and later (`glm45`): the output is reasoning up
+to `</think>`, then the answer. The chat template may already have written `<think>` into the prompt, so the output
+need not start with it; without `</think>` everything is reasoning. With thinking off (V3.1's default, GLM's
+`enable_thinking: false`) the template writes the `</think>` itself, and the request gets no parser
+(`parser_for_prompt`)."""
 from __future__ import annotations
 
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.reasoning.base import ReasoningParser, held_back, register_reasoning_parser
 
 
-@register_reasoning_parser("glm45")  # GLM writes its reasoning the same way; off, its template writes <think></think>
+@register_reasoning_parser("glm45")
+@register_reasoning_parser("deepseek_v3")
 @register_reasoning_parser("deepseek_r1")
 class DeepSeekR1ReasoningParser(ReasoningParser):
     start_token = "<think>"

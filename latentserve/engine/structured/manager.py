@@ -20,21 +20,22 @@ _CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: TokenizerInfo, vocab_size: int, reasoning_end_token_id: int | None = None) -> None:
+    def __init__(self, tokenizer: TokenizerInfo, vocab_size: int) -> None:
         import xgrammar as xgr
         if tokenizer.eos_token_id is None:
             raise ValueError("structured outputs need the tokenizer's eos_token (tokenizer_config.json) to end on")
         self.vocab_size = vocab_size
-        self.reasoning_end_token_id = reasoning_end_token_id
         info = tokenizer_info(tokenizer.tokenizer, vocab_size, [tokenizer.eos_token_id])
         # One thread: compilation runs beside the engine's steps, not inside them; the cache below is the only one.
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="latentserve-grammar")
         self.cache: OrderedDict[tuple, Future[xgr.CompiledGrammar]] = OrderedDict()
 
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """The grammar state of one request; the spec is checked now (ValueError), compiled later."""
-        return StructuredOutputRequest(params, self.compiled(params), self.reasoning_end_token_id)
+    def new_request(self, params: StructuredOutputsParams,
+                    reasoning_end_token_id: int | None = None) -> StructuredOutputRequest:
+        """The grammar state of one request, constrained after `reasoning_end_token_id` (from the first output token
+        if None); the spec is checked now (ValueError), compiled later."""
+        return StructuredOutputRequest(params, self.compiled(params), reasoning_end_token_id)
 
     def compiled(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
         key = params.key()

@@ -64,7 +64,7 @@ def test_a_token_off_the_grammar_is_rejected():
 
 def test_constraint_starts_after_the_reasoning_end_token():
     end = 7
-    state = StructuredOutputManager(TOKENIZER, 4096, reasoning_end_token_id=end).new_request(SPEC)
+    state = StructuredOutputManager(TOKENIZER, 4096).new_request(SPEC, reasoning_end_token_id=end)
     state.grammar.result()
     thinking = ids("I think, then") + ids(" more")
     assert state.sync(thinking) and not state.constrains_next
