@@ -22,6 +22,7 @@ from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.cli import main, make_parser, vllm_flags
 from latentserve.cli import serve as serve_cli
 from latentserve.engine.chat_template import render_chat
+from tests.engine.test_chat_template import THINKING
 
 REPO = Path(__file__).resolve().parents[2]
 # Small pools for the tests: the flags themselves (--kv-cache-memory-bytes is one under test).
@@ -82,6 +83,23 @@ def test_vllm_reasoning_line(monkeypatch):
         assert client.app.state.engine.engine.reasoning_parser is not None
         message = chat(client, DEFAULT_MODEL_DIR.name)["choices"][0]["message"]
         assert "reasoning_content" in message
+
+
+def test_vllm_thinking_line(tmp_path, monkeypatch):
+    """DeepSeek-V3.1's line with thinking on by default: the prompt opens the reasoning; a request turns it off."""
+    template = tmp_path / "thinking.jinja"
+    template.write_text(THINKING)
+    argv = vllm_line("vllm serve deepseek-ai/DeepSeek-V3.1 --reasoning-parser deepseek_v3 --chat-template {template} "
+                     "--default-chat-template-kwargs '{{\"thinking\": true}}'", DEFAULT_MODEL_DIR, template=template)
+    client, config = start(argv, monkeypatch)
+    assert config.default_chat_template_kwargs == {"thinking": True}
+    with client:
+        name, tokenizer = DEFAULT_MODEL_DIR.name, client.app.state.engine.engine.tokenizer.tokenizer
+        messages = [{"role": "user", "content": "hi"}]
+        tokens = client.post("/tokenize", json={"model": name, "messages": messages}).json()["tokens"]
+        assert tokens[-1] == tokenizer.token_to_id("<think>")
+        off = chat(client, name, chat_template_kwargs={"thinking": False})["choices"][0]["message"]
+        assert off["reasoning_content"] is None and off["content"]
 
 
 def test_vllm_mtp_line(monkeypatch):
@@ -225,6 +243,7 @@ def test_flags_without_counterpart_are_refused_by_name(model_dir, flags, capsys)
     ("--model {other}", "the model is given twice"),
     ("--chat-template no-such-template", "is neither a file nor a jinja2 template"),
     ("--chat-template '{{% for %}}'", "does not compile"),
+    ("--default-chat-template-kwargs '{{\"enable_thinking\": true}}'", "reads no variable 'enable_thinking'"),
     ("--ssl-keyfile key.pem", "HTTPS needs both ssl_keyfile and ssl_certfile"),
     ("--num-kv-blocks 64 --kv-cache-memory-bytes 1G", "give one"),
     ("--generation-config {other}", "no generation_config.json there"),
