@@ -285,6 +285,10 @@ class TokenizeRequest(ChatTemplateFields):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of prompt and messages")
+        chat_only = sorted(self.model_fields_set & ChatTemplateFields.model_fields.keys())
+        if self.prompt is not None and chat_only:
+            raise PydanticCustomError("chat_only", "{field}: renders messages; this request sends a prompt",
+                                      {"field": chat_only[0]})
         return self
 
 

@@ -140,3 +140,10 @@ def test_default_kwargs_the_template_does_not_read_fail_at_start(servers):
     with pytest.raises(ValueError, match="reads no variable 'enable_thinking'"):
         build_app(servers[1].engine, MODEL_NAME, chat_template=THINKING,
                   default_chat_template_kwargs={"enable_thinking": True})
+
+
+def test_chat_fields_with_a_prompt_are_refused(servers):
+    response = httpx.post(f"{servers[1].url}/tokenize", timeout=30, json={
+        "model": MODEL_NAME, "prompt": "hi", "chat_template_kwargs": {"thinking": True}})
+    assert response.status_code == 400
+    assert "chat_template_kwargs: renders messages; this request sends a prompt" in response.json()["error"]["message"]
