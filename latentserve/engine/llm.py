@@ -11,6 +11,7 @@ from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine,
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.engine_config import EngineConfig
+from latentserve.engine.llm_chat import Conversation, chat_tokenizer, conversations_of, render_conversation
 from latentserve.engine.llm_engine import LLMEngine, engine_tokenizer, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.prompts import Prompt, PromptType, parse_prompts
@@ -135,6 +136,30 @@ class LLM:
             outputs = self.dp_engine.generate(prompts, params)
             progress.update(len(outputs))  # the ranks answer once all their requests are done
             return outputs
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a list of them: one
+        output per conversation. `chat_template` replaces the model's for this call; the other options are
+        `render_chat`'s."""
+        tokenizer = chat_tokenizer(self.get_tokenizer(), chat_template)
+        rendered = [render_conversation(tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        chat_template_kwargs=chat_template_kwargs)
+                    for conversation in conversations_of(messages)]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for output, (text, _) in zip(outputs, rendered):
+            output.prompt = text  # as vLLM: the rendered conversation, though the engine was given its ids
+        return outputs
 
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], progress: tqdm) -> list[RequestOutput]:
         """The one-process engine runs the requests to their end."""
