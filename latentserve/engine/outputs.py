@@ -84,7 +84,7 @@ class RequestOutput:
         )
 
 
-def logprob_dict(entry: Logprobs, token_text: Callable[[int], str] | None) -> LogprobsOnePosition:
+def _logprob_dict(entry: Logprobs, token_text: Callable[[int], str] | None) -> LogprobsOnePosition:
     """vLLM's dict of one position: the chosen token with its rank, then the top-k ranked 1..k (a chosen token among
     them takes its place there, as in vLLM)."""
     def logprob(token_id: int, value: float, rank: int) -> Logprob:
@@ -100,7 +100,7 @@ def _converted(entries: list[Logprobs | None], built: list[LogprobsOnePosition |
                token_text: Callable[[int], str] | None) -> list[LogprobsOnePosition | None]:
     """`entries` as Logprob dicts. A request's output is rebuilt every step: `built` keeps the positions converted
     (and their tokens decoded) for earlier outputs, so each position is converted once."""
-    built.extend(None if entry is None else logprob_dict(entry, token_text) for entry in entries[len(built):])
+    built.extend(None if entry is None else _logprob_dict(entry, token_text) for entry in entries[len(built):])
     return list(built)
 
 
