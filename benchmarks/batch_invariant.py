@@ -30,7 +30,7 @@ def run_round(llm: LLM, prompts: list[list[int]], output_len: int, clock=time.pr
     """Output tokens per second of one batch of requests."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     start = clock()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = clock() - start
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 

@@ -102,8 +102,8 @@ def perplexity(args) -> None:
     results = {}
     for name in ("bfloat16", "fp8", "int8"):
         llm = LLM(kv_cache_dtype=name, max_num_batched_tokens=args.chunk, enable_prefix_caching=False)
-        out = llm.generate([PASSAGE], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        logprobs = [out.prompt_logprobs[p][t] for p, t in enumerate(out.prompt_token_ids) if p > 0]
+        out = llm.generate([PASSAGE], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        logprobs = [out.prompt_logprobs[p][t].logprob for p, t in enumerate(out.prompt_token_ids) if p > 0]
         results[name] = math.exp(-sum(logprobs) / len(logprobs))
         print(f"{name} cache: {len(logprobs)} tokens, perplexity {results[name]:.4f}")
     for name in ("fp8", "int8"):

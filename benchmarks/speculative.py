@@ -87,10 +87,10 @@ def decode_time(llm: LLM, prompts, max_tokens: int, clock) -> float:
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = clock()
-    llm.generate(prompts, one)
+    llm.generate(prompts, one, use_tqdm=False)
     t_one = clock() - start
     start = clock()
-    llm.generate(prompts, many)
+    llm.generate(prompts, many, use_tqdm=False)
     return max(clock() - start - t_one, 1e-9)
 
 
@@ -114,7 +114,8 @@ def bench_model(name: str, path: Path, groups_for, args) -> None:
         groups = groups_for(batch)
         tokens = sum(len(prompts) for prompts in groups) * (args.max_tokens - 1)
         for llm in engines.values():
-            llm.generate(groups[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+            warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            llm.generate(groups[0], warm_up, use_tqdm=False)
         before = {k: _counters(engines[k]) for k in args.k}
         rates: dict[int, list[float]] = {k: [] for k in engines}
         for _ in range(args.repeats):

@@ -41,7 +41,7 @@ from latentserve import LLM, SamplingParams
 model, kwargs = sys.argv[1], ast.literal_eval(sys.argv[2])
 llm = LLM(model if model != "embedded" else None, **kwargs)
 prompt = "And God said" if model == "embedded" else [1, 2, 3, 4]
-llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
 elapsed = time.perf_counter() - imported
 hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
 print(elapsed, int(hwm.split()[1]) / 1024)

@@ -143,6 +143,10 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included: a logprob's decoded_token (vLLM's)."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token's text; return the stop string it completed (the text is cut before it), if any."""
         self.token_ids.append(token_id)

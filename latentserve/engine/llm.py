@@ -5,18 +5,20 @@ import functools
 from pathlib import Path
 from typing import Any, Sequence
 
+from tqdm import tqdm
+
 from latentserve.distributed.dp_engine import ExternalDPEngine, SpawnedDPEngine, launched_by_torchrun
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.engine_config import EngineConfig
+from latentserve.engine.llm_chat import Conversation, chat_tokenizer, conversations_of, render_conversation
 from latentserve.engine.llm_engine import LLMEngine, engine_tokenizer, tokenize_prompt
 from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.prompts import Prompt, PromptType, parse_prompts
 from latentserve.engine.reasoning import make_reasoning_parser
 from latentserve.models.formats import model_folder
 from latentserve.models.saved import save_quantized
 from latentserve.sampling_params import SamplingParams
-
-Prompt = str | list[int]
 
 
 def default_model_dir() -> Path:
@@ -116,20 +118,51 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. Every prompt is validated before any runs."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Outputs in the order of `prompts`. Every prompt is validated before any runs. `use_tqdm`: a progress bar
+        over the finished requests, on stderr."""
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        if self.dp_engine is not None:
-            return self.dp_engine.generate(prompts, params)
+        with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as progress:
+            if self.dp_engine is None:
+                return self._run(prompts, params, progress)
+            outputs = self.dp_engine.generate(prompts, params)
+            progress.update(len(outputs))  # the ranks answer once all their requests are done
+            return outputs
+
+    def chat(
+        self,
+        messages: Conversation | list[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Reply to one conversation (a list of {"role", "content"} messages) or to each of a list of them: one
+        output per conversation. `chat_template` replaces the model's for this call; the other options are
+        `render_chat`'s."""
+        tokenizer = chat_tokenizer(self.get_tokenizer(), chat_template)
+        rendered = [render_conversation(tokenizer, conversation, tools, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
+                                        chat_template_kwargs=chat_template_kwargs)
+                    for conversation in conversations_of(messages)]
+        outputs = self.generate([ids for _, ids in rendered], sampling_params, use_tqdm)
+        for output, (text, _) in zip(outputs, rendered):
+            output.prompt = text  # as vLLM: the rendered conversation, though the engine was given its ids
+        return outputs
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], progress: tqdm) -> list[RequestOutput]:
+        """The one-process engine runs the requests to their end."""
         requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params)]
         for request in requests:
             self.engine.scheduler.add_request(request)
@@ -139,6 +172,7 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
+                        progress.update()
         except BaseException:
             # A failed step (or Ctrl-C) leaves none of this call's requests behind to haunt the next call.
             for request in requests:

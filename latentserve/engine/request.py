@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +39,14 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
-Logprobs = dict[int, float]  # token id -> logprob, for one position
+@dataclass
+class Logprobs:
+    """One position's logprobs as the sampler computes them; outputs.py turns them into vLLM's Logprob dicts."""
+
+    token_id: int  # the sampled token, or the prompt token the position predicts
+    logprob: float
+    rank: int  # vocabulary entries at least as likely as the token, itself included (1: the argmax)
+    top: list[tuple[int, float]]  # the k likeliest (token id, logprob), likeliest first
 
 
 class Request:
@@ -88,6 +96,9 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None
         )
         self.cumulative_logprob = 0.0
+        # The positions of logprobs and prompt_logprobs outputs.py has turned into vLLM's Logprob dicts so far.
+        self.built_logprobs: list[dict] = []
+        self.built_prompt_logprobs: list[dict | None] = []
         self._generator: torch.Generator | None = None
         self._prompt_tensor: torch.Tensor | None = None
 
@@ -139,10 +150,10 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.logprobs is not None:
-            if logprobs is None or token_id not in logprobs:
+            if logprobs is None or logprobs.token_id != token_id:
                 raise ValueError(f"request {self.request_id!r} asked for logprobs: the sampled token's logprob is missing")
             self.logprobs.append(logprobs)
-            self.cumulative_logprob += logprobs[token_id]
+            self.cumulative_logprob += logprobs.logprob
 
     def append_prompt_logprobs(self, first_position: int, entries: list[Logprobs]) -> None:
         """Record prompt logprobs for positions first_position.. (positions already known are kept)."""

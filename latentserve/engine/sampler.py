@@ -155,25 +155,20 @@ def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator]
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]) -> list[Logprobs | None]:
-    """Per row: the given token's logprob plus the row's top-k (vLLM's dict shape)."""
+    """Per row: the given token's logprob and rank over the whole row, and the row's top-k."""
     wanted = [k for k in num_logprobs if k is not None]
     if not wanted:
         return [None] * len(num_logprobs)
     max_k = min(max(wanted), logprobs.shape[-1])
     top = logprobs.topk(max_k, dim=-1)
     top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1).tolist()
-    ids = token_ids.tolist()
-    result: list[Logprobs | None] = []
-    for row, k in enumerate(num_logprobs):
-        if k is None:
-            result.append(None)
-            continue
-        entry = {ids[row]: chosen[row]}
-        for token_id, value in zip(top_ids[row][:k], top_values[row][:k]):
-            entry.setdefault(token_id, value)
-        result.append(entry)
-    return result
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1))
+    # vLLM's rank: how many entries are at least as likely, so a tie with the token counts against it.
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()
+    ids, values = token_ids.tolist(), chosen.squeeze(-1).tolist()
+    return [None if k is None else
+            Logprobs(ids[row], values[row], ranks[row], list(zip(top_ids[row][:k], top_values[row][:k])))
+            for row, k in enumerate(num_logprobs)]
 
 
 class Sampler:

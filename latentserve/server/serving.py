@@ -13,8 +13,7 @@ from pydantic import BaseModel
 
 from latentserve.engine.chat_template import TemplateKwargsError, check_template_kwargs, render_chat
 from latentserve.engine.detokenizer import TokenizerInfo
-from latentserve.engine.outputs import CompletionOutput, RequestOutput
-from latentserve.engine.request import Logprobs
+from latentserve.engine.outputs import CompletionOutput, Logprob, LogprobsOnePosition, RequestOutput
 from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestStream
 from latentserve.server.protocol import ChatMessage, ChatTemplateFields, SamplingRequest
@@ -84,9 +83,9 @@ def usage(outputs: list[RequestOutput], num_hidden_tokens: int = 0) -> UsageInfo
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def top_entries(entry: Logprobs, k: int) -> list[tuple[int, float]]:
-    """The k likeliest (token id, logprob) pairs of one position, likeliest first."""
-    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+def top_entries(entry: LogprobsOnePosition, k: int) -> list[tuple[int, Logprob]]:
+    """The k likeliest (token id, Logprob) pairs of one position, likeliest first."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)
 
 
 def sse(payload: BaseModel | dict) -> str:
@@ -344,6 +343,11 @@ class Serving:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    @staticmethod
+    def logprob_text(token_id: int, logprob: Logprob) -> str:
+        """`token_text` of a token the engine decoded with its logprob."""
+        return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
     def prompt_logprobs(self, output: RequestOutput, k: int | None) -> PromptLogprobs | None:
         """vLLM's prompt_logprobs: per prompt position (None at the first), token id -> logprob, rank, text."""
         if k is None or output.prompt_logprobs is None:
@@ -353,9 +357,7 @@ class Serving:
             if entry is None:
                 result.append(None)
                 continue
-            top = top_entries(entry, k)
-            ranks = {t: rank for rank, (t, _) in enumerate(top, 1)}
-            chosen = {token_id: entry[token_id], **dict(top)}
-            result.append({str(t): PromptLogprob(logprob=lp, rank=ranks.get(t), decoded_token=self.token_text(t))
-                           for t, lp in chosen.items()})
+            chosen = {token_id: entry[token_id], **dict(top_entries(entry, k))}
+            result.append({str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                                 decoded_token=self.logprob_text(t, lp)) for t, lp in chosen.items()})
         return result

@@ -6,9 +6,8 @@ from dataclasses import replace
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
-from latentserve.engine.outputs import RequestOutput
+from latentserve.engine.outputs import Logprob, LogprobsOnePosition, RequestOutput
 from latentserve.engine.reasoning import ReasoningParser, parser_for_prompt
-from latentserve.engine.request import Logprobs
 from latentserve.engine.structured.backend import build_grammar
 from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
 from latentserve.server.chat_output import ChatOutput
@@ -115,11 +114,11 @@ class ServingChat(Serving):
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return self.stream_response([stream], chunks, usage_chunk if include_usage else None)
 
-    def _top(self, token_id: int, logprob: float) -> TopLogprob:
-        text = self.token_text(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+    def _top(self, token_id: int, logprob: Logprob) -> TopLogprob:
+        text = self.logprob_text(token_id, logprob)
+        return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
 
-    def _logprobs(self, token_ids: list[int], entries: list[Logprobs] | None, k: int | None,
+    def _logprobs(self, token_ids: list[int], entries: list[LogprobsOnePosition] | None, k: int | None,
                   listed: int) -> ChatLogprobs | None:
         """The first `listed` tokens' logprobs in chat's shape."""
         if entries is None or k is None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
 
-from latentserve.engine.outputs import CompletionOutput, RequestOutput
-from latentserve.engine.request import Logprobs
+from latentserve.engine.outputs import CompletionOutput, LogprobsOnePosition, RequestOutput
 from latentserve.server.async_engine import RequestStream
 from latentserve.server.protocol import CompletionRequest, random_id
 from latentserve.server.protocol_responses import CompletionChoice, CompletionLogprobs, CompletionResponse, UsageInfo
@@ -70,9 +69,9 @@ class ServingCompletion(Serving):
         for token_id, entry in zip(output.prompt_token_ids, output.prompt_logprobs):
             text = self.token_text(token_id)
             result.tokens.append(text)
-            result.token_logprobs.append(None if entry is None else entry[token_id])
+            result.token_logprobs.append(None if entry is None else entry[token_id].logprob)
             result.top_logprobs.append(None if entry is None else
-                                       {self.token_text(t): lp for t, lp in top_entries(entry, k)})
+                                       {self.logprob_text(t, lp): lp.logprob for t, lp in top_entries(entry, k)})
             result.text_offset.append(offset)
             offset += len(text)
         return result
@@ -110,17 +109,18 @@ class ServingCompletion(Serving):
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return self.stream_response(streams, chunks, usage_chunk if include_usage else None)
 
-    def _logprobs(self, token_ids: list[int], entries: list[Logprobs] | None, k: int | None,
+    def _logprobs(self, token_ids: list[int], entries: list[LogprobsOnePosition] | None, k: int | None,
                   offset: int) -> CompletionLogprobs | None:
         """OpenAI's legacy logprobs: each token's text, logprob, top-k alternatives and text offset."""
         if entries is None or k is None:
             return None
         result = CompletionLogprobs()
         for token_id, entry in zip(token_ids, entries):
-            text = self.token_text(token_id)
+            chosen = entry[token_id]
+            text = self.logprob_text(token_id, chosen)
             result.tokens.append(text)
-            result.token_logprobs.append(entry[token_id])
-            result.top_logprobs.append({self.token_text(t): lp for t, lp in top_entries(entry, k)})
+            result.token_logprobs.append(chosen.logprob)
+            result.top_logprobs.append({self.logprob_text(t, lp): lp.logprob for t, lp in top_entries(entry, k)})
             result.text_offset.append(offset)
             offset += len(text)
         return result

@@ -57,7 +57,7 @@ def _assert_same(outputs, expected) -> None:
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         for pos in range(1, len(ref.prompt_token_ids)):
             token = ref.prompt_token_ids[pos]
-            assert abs(out.prompt_logprobs[pos][token] - ref.prompt_logprobs[pos][token]) <= 1e-4, pos
+            assert abs(out.prompt_logprobs[pos][token].logprob - ref.prompt_logprobs[pos][token].logprob) <= 1e-4, pos
 
 
 
@@ -165,7 +165,7 @@ def test_torchrun_launch(checkpoint, reference, tmp_path):
             assert tokens == ref.outputs[0].token_ids
             for pos, entry in enumerate(logprobs, start=1):
                 token = ref.prompt_token_ids[pos]
-                assert abs(entry[str(token)] - ref.prompt_logprobs[pos][token]) <= 1e-4
+                assert abs(entry[str(token)] - ref.prompt_logprobs[pos][token].logprob) <= 1e-4
 
 
 def test_workers_exit_when_the_front_end_is_killed():

@@ -13,5 +13,6 @@ outputs = llm.generate(json.loads(prompts_json), SamplingParams(temperature=0.0,
                                                                 prompt_logprobs=0))
 rank = llm.dp_engine.group.rank
 with open(f"{out_path}.{rank}", "w") as f:
-    json.dump([[o.outputs[0].token_ids, o.prompt_logprobs[1:]] for o in outputs], f)
+    json.dump([[o.outputs[0].token_ids, [{t: lp.logprob for t, lp in entry.items()} for entry in o.prompt_logprobs[1:]]]
+               for o in outputs], f)
 llm.shutdown()

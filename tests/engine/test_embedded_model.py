@@ -21,6 +21,6 @@ def test_default_llm_matches_transformers_greedy():
             ref_logprobs = ref(torch.tensor([prompt])).logits[0].log_softmax(-1)
             expected = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)
         for pos in range(1, len(prompt)):
-            assert abs(out.prompt_logprobs[pos][prompt[pos]] - ref_logprobs[pos - 1, prompt[pos]].item()) <= 1e-4
+            assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref_logprobs[pos - 1, prompt[pos]].item()) <= 1e-4
         assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
         assert out.outputs[0].text == llm.get_tokenizer().decode(out.outputs[0].token_ids)

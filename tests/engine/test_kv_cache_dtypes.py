@@ -49,14 +49,14 @@ def _assert_close(outputs, expected, tolerance: float = FP8_LOGPROB_TOLERANCE) -
     for out, ref in zip(outputs, expected, strict=True):
         for pos in range(1, len(ref.prompt_token_ids) if ref.prompt_logprobs else 0):
             token = ref.prompt_token_ids[pos]
-            drift = max(drift, abs(out.prompt_logprobs[pos][token] - ref.prompt_logprobs[pos][token]))
+            drift = max(drift, abs(out.prompt_logprobs[pos][token].logprob - ref.prompt_logprobs[pos][token].logprob))
         pairs = zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, out.outputs[0].token_ids,
                     ref.outputs[0].token_ids)
         for ours, theirs, token, their_token in pairs:
             if token != their_token:
                 break
-            assert math.isfinite(ours[token])
-            drift = max(drift, abs(ours[token] - theirs[token]))
+            assert math.isfinite(ours[token].logprob)
+            drift = max(drift, abs(ours[token].logprob - theirs[token].logprob))
     assert drift <= tolerance
     return drift
 
@@ -114,7 +114,7 @@ def test_embedded_model_perplexity_over_a_quantized_cache(name):
     for name in ("bfloat16", name):
         llm = LLM(kv_cache_dtype=name, max_num_batched_tokens=16, enable_prefix_caching=False, num_threads=1)
         out = llm.generate([PASSAGE[:600]], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-        logprobs = [out.prompt_logprobs[p][t] for p, t in enumerate(out.prompt_token_ids) if p > 0]
+        logprobs = [out.prompt_logprobs[p][t].logprob for p, t in enumerate(out.prompt_token_ids) if p > 0]
         perplexities.append(math.exp(-sum(logprobs) / len(logprobs)))
     assert perplexities[1] != perplexities[0] and perplexities[1] <= 1.005 * perplexities[0]
 

@@ -40,7 +40,7 @@ def test_matches_transformers(checkpoints, variant):
             ref_logprobs = ref(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
         assert out.prompt_logprobs[0] is None
         for pos in range(1, len(prompt)):
-            ours = out.prompt_logprobs[pos][prompt[pos]]
+            ours = out.prompt_logprobs[pos][prompt[pos]].logprob
             assert abs(ours - ref_logprobs[pos - 1, prompt[pos]].item()) <= 1e-4, (variant, pos)
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
         assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist(), variant
@@ -96,7 +96,7 @@ def test_half_precision_kv_cache_stays_close(checkpoints, kv_cache_dtype):
     for a, b in zip(full, half):
         for pos in range(1, len(a.prompt_token_ids)):
             token = a.prompt_token_ids[pos]
-            assert abs(a.prompt_logprobs[pos][token] - b.prompt_logprobs[pos][token]) <= 5e-2
+            assert abs(a.prompt_logprobs[pos][token].logprob - b.prompt_logprobs[pos][token].logprob) <= 5e-2
 
 
 def test_prefix_cache_hits_are_reported(checkpoints):
@@ -128,7 +128,10 @@ def test_logprobs_shape(checkpoints):
     assert len(completion.logprobs) == 3
     for token, entry in zip(completion.token_ids, completion.logprobs):
         assert token in entry and 2 <= len(entry) <= 3
-        assert max(entry.values()) == entry[token]  # greedy: the chosen token is the most likely
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2] and entry[token].rank == 1
+        assert all(lp.decoded_token is None for lp in entry.values())  # the checkpoint has no tokenizer
+        # greedy: the chosen token is the most likely
+        assert max(lp.logprob for lp in entry.values()) == entry[token].logprob
 
 
 def test_seeded_sampling_is_reproducible(checkpoints):

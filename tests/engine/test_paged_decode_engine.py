@@ -35,6 +35,6 @@ def test_cpu_decode_backends_match_reference_engine(checkpoint, block_size, back
     reference = LLM(model=str(checkpoint), decode_backend="REFERENCE", **kwargs).generate(PROMPTS, PARAMS)
     for a, b in zip(ours, reference):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        ours_lp = torch.tensor([lp[t] for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
-        ref_lp = torch.tensor([lp[t] for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
+        ours_lp = torch.tensor([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)])
+        ref_lp = torch.tensor([lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)])
         assert (ours_lp - ref_lp).abs().max().item() <= 1e-4

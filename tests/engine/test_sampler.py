@@ -111,20 +111,48 @@ def test_seeded_request_ignores_batch_composition():
     assert via_request == alone
 
 
-def test_logprobs_dict_holds_chosen_and_top_k_of_raw_logits():
+def naive_rank(row: torch.Tensor, token_id: int) -> int:
+    """vLLM's rank, counted one entry at a time: the entries at least as likely as the token, itself included."""
+    value = float(row[token_id])
+    return sum(1 for x in row.tolist() if x >= value)
+
+
+def test_logprobs_hold_chosen_and_top_k_of_raw_logits():
     torch.manual_seed(4)
     logits = torch.randn(3, V)
     params = [SamplingParams(temperature=2.0, logprobs=3), SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=0)]
     out = Sampler()(logits, metadata(params))
     ref = torch.log_softmax(logits.double(), -1)
     first = out.logprobs[0]
-    chosen = out.sampled_token_ids[0]
-    top3 = ref[0].topk(3).indices.tolist()
-    assert set(first) == set(top3) | {chosen} and len(first) in (3, 4)
-    for token_id, value in first.items():
+    assert first.token_id == out.sampled_token_ids[0]
+    assert first.logprob == pytest.approx(float(ref[0, first.token_id]), abs=1e-5)
+    assert first.rank == naive_rank(ref[0], first.token_id)
+    assert [t for t, _ in first.top] == ref[0].topk(3).indices.tolist()
+    for token_id, value in first.top:
         assert value == pytest.approx(float(ref[0, token_id]), abs=1e-5)
     assert out.logprobs[1] is None
-    assert out.logprobs[2] == {out.sampled_token_ids[2]: pytest.approx(float(ref[2].max()), abs=1e-5)}
+    last = out.logprobs[2]
+    assert (last.token_id, last.rank, last.top) == (int(ref[2].argmax()), 1, [])
+    assert last.logprob == pytest.approx(float(ref[2].max()), abs=1e-5)
+
+
+def test_rank_of_a_sampled_token_counts_the_row():
+    """Hot sampling picks unlikely tokens: each one's rank is the naive count over its full row."""
+    torch.manual_seed(6)
+    logits = torch.randn(64, V)
+    params = [SamplingParams(temperature=5.0, seed=i, logprobs=2) for i in range(64)]
+    out = Sampler()(logits, metadata(params))
+    ref = torch.log_softmax(logits.float(), -1)
+    ranks = [entry.rank for entry in out.logprobs]
+    assert ranks == [naive_rank(ref[row], token) for row, token in enumerate(out.sampled_token_ids)]
+    assert max(ranks) > 3  # some sampled tokens lie outside the top-2
+
+
+def test_rank_counts_ties_against_the_token():
+    logits = torch.zeros(1, V)
+    logits[0, [4, 9, 30]] = 2.0
+    entries = compute_prompt_logprobs(torch.cat([logits, logits]), [9, 5], 1)
+    assert [e.rank for e in entries] == [3, V]  # three tokens share the top; every token ties with token 5
 
 
 def test_banned_tokens_are_never_sampled_but_logprobs_stay_raw():
@@ -133,7 +161,8 @@ def test_banned_tokens_are_never_sampled_but_logprobs_stay_raw():
     params = [SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=1.0)]
     out = Sampler()(logits, metadata(params, banned=[[7], [7]]))
     assert 7 not in out.sampled_token_ids
-    assert 7 in out.logprobs[0]
+    # The raw top token is the banned one; the chosen token ties with every other one below it.
+    assert out.logprobs[0].top[0][0] == 7 and out.logprobs[0].rank == V
     with pytest.raises(ValueError, match="outside the vocabulary"):
         metadata(params, banned=[[V], []])
     r = Request("r", [1], SamplingParams(min_tokens=2, stop_token_ids=[3]), eos_token_id=7)
@@ -148,8 +177,9 @@ def test_prompt_logprobs_match_reference():
     ref = torch.log_softmax(logits.double(), -1)
     assert len(entries) == 3
     for row, (entry, target) in enumerate(zip(entries, targets)):
-        assert set(entry) == set(ref[row].topk(2).indices.tolist()) | {target}
-        assert entry[target] == pytest.approx(float(ref[row, target]), abs=1e-5)
+        assert [t for t, _ in entry.top] == ref[row].topk(2).indices.tolist()
+        assert entry.token_id == target and entry.rank == naive_rank(ref[row], target)
+        assert entry.logprob == pytest.approx(float(ref[row, target]), abs=1e-5)
     assert compute_prompt_logprobs(logits, [], 2) == []
     with pytest.raises(ValueError, match="5 prompt tokens to score but only 4 rows"):
         compute_prompt_logprobs(logits, [1] * 5, 2)

@@ -3,7 +3,7 @@ import torch
 
 from latentserve.engine.block_manager import BlockManager
 from latentserve.engine.detokenizer import IncrementalDetokenizer
-from latentserve.engine.request import Request, RequestStatus
+from latentserve.engine.request import Logprobs, Request, RequestStatus
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.sampling_params import SamplingParams
 
@@ -290,11 +290,11 @@ def test_prompt_logprobs_accumulate_across_chunks():
         out = scheduler.schedule()
         s = out.scheduled[0]
         targets = r.prompt_logprob_targets(s.num_computed_tokens, s.num_new_tokens)
-        entries = [{t: -float(s.num_computed_tokens + 1 + i)} for i, t in enumerate(targets)]
+        entries = [Logprobs(t, -float(s.num_computed_tokens + 1 + i), 1, []) for i, t in enumerate(targets)]
         scheduler.update(out, [5] if s.do_sample else [], [None] if s.do_sample else None, {"p": entries})
     assert r.num_cached_tokens == 0  # prompt logprobs need every position: no cache hit
     assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == 20
-    assert [next(iter(e.items())) for e in r.prompt_logprobs[1:]] == [(t, -float(i)) for i, t in enumerate(r.prompt_token_ids) if i > 0]
+    assert [(e.token_id, e.logprob) for e in r.prompt_logprobs[1:]] == [(t, -float(i)) for i, t in enumerate(r.prompt_token_ids) if i > 0]
 
 
 def test_scheduler_output_builds_attention_metadata():

@@ -28,7 +28,7 @@ def _assert_same(outputs, expected) -> None:
     for out, ref in zip(outputs, expected, strict=True):
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
         for ours, theirs, token in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs, ref.outputs[0].token_ids):
-            assert math.isfinite(ours[token]) and abs(ours[token] - theirs[token]) <= 1e-4
+            assert math.isfinite(ours[token].logprob) and abs(ours[token].logprob - theirs[token].logprob) <= 1e-4
 
 
 def test_context_read_through_a_small_workspace(checkpoint):

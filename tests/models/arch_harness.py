@@ -93,13 +93,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
 
 
 def prompt_logprobs(out) -> list[float]:
-    return [out.prompt_logprobs[pos][out.prompt_token_ids[pos]] for pos in range(1, len(out.prompt_token_ids))]
+    return [out.prompt_logprobs[pos][out.prompt_token_ids[pos]].logprob for pos in range(1, len(out.prompt_token_ids))]
 
 
 def output_logprobs(out) -> torch.Tensor:
     """The log-prob of each generated token."""
     completion = out.outputs[0]
-    return torch.tensor([lp[t] for lp, t in zip(completion.logprobs, completion.token_ids)])
+    return torch.tensor([lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)])
 
 
 class ArchSuite:

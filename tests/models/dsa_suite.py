@@ -37,9 +37,9 @@ class DSASuite(ArchSuite):
         reference = greedy[2]
         for out in (first, second):
             assert out.outputs[0].token_ids == reference.outputs[0].token_ids
-            torch.testing.assert_close(torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs,
+            torch.testing.assert_close(torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs,
                                                                             out.outputs[0].token_ids)]),
-                                       torch.tensor([lp[t] for lp, t in zip(reference.outputs[0].logprobs,
+                                       torch.tensor([lp[t].logprob for lp, t in zip(reference.outputs[0].logprobs,
                                                                             reference.outputs[0].token_ids)]),
                                        rtol=0, atol=1e-5)
 

@@ -41,8 +41,8 @@ def _score(chunk: int = 512, **settings) -> tuple[float, list[int]]:
     out = llm.generate([HELD_OUT], PARAMS)[0]
     positions = out.prompt_logprobs[1:]
     targets = out.prompt_token_ids[1:]
-    nll = -sum(p[t] for p, t in zip(positions, targets)) / len(targets)
-    return math.exp(nll), [max(p, key=p.get) for p in positions]
+    nll = -sum(p[t].logprob for p, t in zip(positions, targets)) / len(targets)
+    return math.exp(nll), [max(p, key=lambda t: p[t].logprob) for p in positions]
 
 
 @pytest.fixture(scope="module")

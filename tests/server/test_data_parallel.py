@@ -70,6 +70,31 @@ def test_per_step_outputs_match_one_process(dp_llm, offline):
     assert dp_llm.engine.step() == [] and rank_steps(dp_llm) == [[], []]  # nothing to do: no rank steps
 
 
+def _logprob_summary(entries):
+    return [None if e is None else {t: (round(lp.logprob, 4), lp.rank, lp.decoded_token) for t, lp in e.items()}
+            for e in entries]
+
+
+def test_offline_prompt_dicts_and_chat_on_the_ranks(dp_llm, offline):
+    """LLM.generate's prompt dicts and LLM.chat run on the ranks, their outputs' Logprob objects sent back: as in
+    one process."""
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    ours = dp_llm.generate([{"prompt": "Hello there"}, {"prompt_token_ids": PROMPTS[0]}], params, use_tqdm=False)
+    theirs = offline.generate(["Hello there", PROMPTS[0]], params, use_tqdm=False)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.prompt, a.prompt_token_ids, a.outputs[0].token_ids) == (b.prompt, b.prompt_token_ids,
+                                                                          b.outputs[0].token_ids)
+        assert _logprob_summary(a.prompt_logprobs) == _logprob_summary(b.prompt_logprobs)
+        assert _logprob_summary(a.outputs[0].logprobs) == _logprob_summary(b.outputs[0].logprobs)
+    assert ours[0].outputs[0].logprobs[0][ours[0].outputs[0].token_ids[0]].decoded_token is not None
+    conversations = [[{"role": "user", "content": "Hi!"}],
+                     [{"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "one"}]}]]
+    ours = dp_llm.chat(conversations, GREEDY, use_tqdm=False)
+    theirs = offline.chat(conversations, GREEDY, use_tqdm=False)
+    assert [(o.prompt, o.outputs[0].token_ids) for o in ours] == [(o.prompt, o.outputs[0].token_ids) for o in theirs]
+    assert ours[1].prompt == "<s><|user|>Name one\n<|assistant|>"
+
+
 def test_one_request_runs_on_one_rank_while_the_other_steps_empty(dp_llm, offline):
     rank_steps(dp_llm)
     ref = offline.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids

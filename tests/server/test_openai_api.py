@@ -41,7 +41,7 @@ def test_completion_matches_offline(client, offline, prompt):
     assert out.usage.completion_tokens == len(ref_completion.token_ids)
     decoded = [tokenizer.decode([t], skip_special_tokens=False) for t in ref_completion.token_ids]
     assert choice.logprobs.tokens == decoded
-    expected = [lp[t] for t, lp in zip(ref_completion.token_ids, ref_completion.logprobs)]
+    expected = [lp[t].logprob for t, lp in zip(ref_completion.token_ids, ref_completion.logprobs)]
     assert choice.logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     for top, chosen in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs):
         assert len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-4)  # greedy: the chosen is the top
@@ -86,10 +86,10 @@ def test_chat_top_logprobs(client, offline, model_dir):
     content = out.choices[0].logprobs.content
     assert len(content) == len(ref.token_ids)
     for entry, token_id, lps in zip(content, ref.token_ids, ref.logprobs):
-        assert entry.logprob == pytest.approx(lps[token_id], abs=1e-4)
+        assert entry.logprob == pytest.approx(lps[token_id].logprob, abs=1e-4)
         values = [t.logprob for t in entry.top_logprobs]
         assert values == sorted(values, reverse=True)
-        assert values == pytest.approx(sorted(lps.values(), reverse=True)[:3], abs=1e-4)
+        assert values == pytest.approx(sorted((lp.logprob for lp in lps.values()), reverse=True)[:3], abs=1e-4)
         assert bytes(entry.bytes).decode() == entry.token
 
 

@@ -153,10 +153,11 @@ def test_echo_returns_the_prompt_with_its_logprobs(client, offline, max_tokens):
     num_prompt = len(ref.prompt_token_ids)
     assert len(lp.token_logprobs) == num_prompt + (len(ref.outputs[0].token_ids) if max_tokens else 0)
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    expected = [entry[t] for t, entry in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    expected = [entry[t].logprob for t, entry in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
     assert lp.token_logprobs[1:num_prompt] == pytest.approx(expected, abs=1e-4)
     for top, entry in zip(lp.top_logprobs[1:num_prompt], ref.prompt_logprobs[1:]):
-        assert sorted(top.values(), reverse=True) == pytest.approx(sorted(entry.values(), reverse=True)[:k], abs=1e-4)
+        want = sorted((lp.logprob for lp in entry.values()), reverse=True)[:k]
+        assert sorted(top.values(), reverse=True) == pytest.approx(want, abs=1e-4)
     assert out.usage.completion_tokens == (len(ref.outputs[0].token_ids) if max_tokens else 0)
 
 
@@ -165,8 +166,16 @@ def test_prompt_logprobs_in_vllm_shape(client, offline):
     out = complete(client, temperature=0, max_tokens=2, prompt_logprobs=1)
     entries = out.choices[0].model_extra["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(ref.prompt_token_ids)
+    tokenizer = offline.get_tokenizer()
+    outside_top = 0
     for token_id, entry, ref_entry in zip(ref.prompt_token_ids[1:], entries[1:], ref.prompt_logprobs[1:]):
-        assert entry[str(token_id)]["logprob"] == pytest.approx(ref_entry[token_id], abs=1e-4)
+        assert entry.keys() == {str(t) for t in ref_entry}
+        for t, lp in ref_entry.items():
+            assert entry[str(t)]["logprob"] == pytest.approx(lp.logprob, abs=1e-4)
+            assert entry[str(t)]["rank"] == lp.rank
+            assert entry[str(t)]["decoded_token"] == tokenizer.decode([t], skip_special_tokens=False)
+        outside_top += ref_entry[token_id].rank > 1
+    assert outside_top > 0  # prompt tokens outside the top-1 carry their true rank (vLLM's), not null
 
 
 def test_chat_n_and_logit_bias(client, offline, model_dir):
