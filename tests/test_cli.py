@@ -413,3 +413,25 @@ def test_generation_config_gives_the_sampling_defaults(model_dir, tmp_path, caps
     assert code == 0 and json.loads(out) == json.loads(flagged)
     code, _, err = run_cli([*base, "--generation-config", str(tmp_path)], capsys)
     assert code == 1 and "no generation_config.json there" in err
+
+
+def test_chat_template_kwargs_reach_the_template(model_dir, tmp_path, capsys, monkeypatch):
+    """A template that writes a word after the assistant tag when `thinking` is set: the reply continues it."""
+    for f in model_dir.iterdir():
+        if f.name != "tokenizer_config.json":
+            (tmp_path / f.name).symlink_to(f)
+    template = CHAT_TEMPLATE + "{% if thinking is defined and thinking %}in the beginning{% endif %}"
+    config = dict(bos_token=BOS, eos_token=EOS, add_bos_token=False, chat_template=template)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n"))
+    argv = ["chat", "--model", str(tmp_path), "--max-tokens", "6", *GREEDY, *ENGINE_FLAGS]
+    code, out, err = run_cli([*argv, "--chat-template-kwargs", '{"thinking": true}'], capsys)
+    assert code == 0, err
+    llm = LLM(model=str(tmp_path), **ENGINE)
+    ids = llm.get_tokenizer().tokenizer.encode(BOS + USER + "hello there" + ASSISTANT + "in the beginning",
+                                               add_special_tokens=False).ids
+    assert out == llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=6))[0].outputs[0].text + "\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n"))
+    assert run_cli(argv, capsys)[1] != out  # without the variable the prompt, and here the reply, differ
+    code, _, err = run_cli([*argv, "--chat-template-kwargs", '{"enable_thinking": true}'], capsys)
+    assert code == 1 and "reads no variable 'enable_thinking' (the variables it reads: thinking)" in err

@@ -10,6 +10,7 @@ from latentserve.cli.args import (
     add_engine_args,
     add_sampling_args,
     build_llm,
+    json_object,
     sampling_params_from_args,
     user_errors,
     write,
@@ -26,6 +27,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split(":", 1)[1].strip() + f" Reads stdin; ends at end of input or {EXIT_COMMAND}.",
     )
     add_sampling_args(p, max_tokens=128)
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None,
+                   help='variables for the chat template, as JSON (e.g. \'{"thinking": true}\')')
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -36,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     engine = llm.engine
     if engine.tokenizer is None:
         raise CLIError(f"the model in {llm.model_dir} has no tokenizer.json: chat needs one")
-    with user_errors():  # no chat template, or one that does not compile
-        chat_prompt_ids(engine.tokenizer, [dict(role="user", content="")])
+    options = dict(chat_template_kwargs=args.chat_template_kwargs)
+    with user_errors():  # no chat template, one that does not compile, or variables it does not read
+        chat_prompt_ids(engine.tokenizer, [dict(role="user", content="")], **options)
     interactive = sys.stdin.isatty()
     messages: list[dict[str, str]] = []
     while True:
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         messages.append(dict(role="user", content=line.rstrip("\n")))
         with user_errors():  # e.g. the template rejects the turn, or the conversation outgrew max_model_len
-            engine.add_request(chat_prompt_ids(engine.tokenizer, messages), params)
+            engine.add_request(chat_prompt_ids(engine.tokenizer, messages, **options), params)
         streamer = TextStreamer()
         run_engine(engine, streamer)
         write("\n")
