@@ -16,6 +16,7 @@ from latentserve.engine.llm_engine import LLMEngine, engine_tokenizer, tokenize_
 from latentserve.engine.outputs import RequestOutput
 from latentserve.engine.prompts import Prompt, PromptType, parse_prompts
 from latentserve.engine.reasoning import make_reasoning_parser
+from latentserve.engine.vllm_options import split_vllm_kwargs
 from latentserve.models.formats import model_folder
 from latentserve.models.saved import save_quantized
 from latentserve.sampling_params import SamplingParams
@@ -68,6 +69,7 @@ class LLM:
     """`LLM(model=path, ...)`; `generate(prompts, sampling_params)` runs them to completion."""
 
     def __init__(self, model: str | Path | None = None, **kwargs: Any) -> None:
+        kwargs = split_vllm_kwargs(kwargs)  # vLLM's options without a counterpart: refused, or noted
         fields = EngineConfig.__dataclass_fields__
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:

@@ -22,6 +22,7 @@ from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.cli import main, make_parser, vllm_flags
 from latentserve.cli import serve as serve_cli
 from latentserve.engine.chat_template import render_chat
+from latentserve.engine.vllm_options import OPTIONS
 from tests.engine.test_chat_template import THINKING
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ def test_vllm_recipe_line(monkeypatch, capsys):
                      "--enable-prefix-caching --enable-chunked-prefill --kv-cache-dtype auto "
                      "--served-model-name ds3 --max-num-seqs 4", DEFAULT_MODEL_DIR)
     client, _ = start(argv, monkeypatch)
-    assert "note: --trust-remote-code: latentserve runs its own DeepSeek code and never executes" in \
+    assert "note: --trust-remote-code: latentserve runs its own model code and never executes" in \
         capsys.readouterr().err
     with client:
         chat(client, "ds3")
@@ -292,7 +293,7 @@ def test_real_start_with_https_cors_and_log_level(model_dir, tmp_path):
     assert "Uvicorn running on" not in err and "Application startup complete" not in err  # info lines: off
 
 
-@pytest.mark.parametrize("flag", vllm_flags.FLAGS, ids=lambda flag: flag.names[0])
+@pytest.mark.parametrize("flag", OPTIONS, ids=lambda flag: flag.names[0])
 def test_every_vllm_flag_without_counterpart_says_why(flag, capsys):
     """Refused ones exit 2 naming the flag and the reason; accepted values and no-op flags parse (no-ops with a note)."""
     argv = ["serve", flag.names[0]] + (["0.5" if not flag.accepted else "8"] if flag.takes_value else [])
@@ -306,4 +307,4 @@ def test_every_vllm_flag_without_counterpart_says_why(flag, capsys):
     assert exit_info.value.code == 2
     assert f"{flag.names[0]} {argv[-1]}: {flag.reason}" in capsys.readouterr().err
     for value in flag.accepted:
-        assert vllm_flags.NOTES_DEST in vars(make_parser().parse_args(["serve", flag.names[0], value]))
+        assert vllm_flags.NOTES_DEST in vars(make_parser().parse_args(["serve", flag.names[0], str(value)]))
