@@ -18,9 +18,12 @@ class _VLLMFlagAction(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values,
                  option_string: str | None = None) -> None:
-        if self.flag.note:
-            # A new list: the default one is shared by every parse.
-            setattr(namespace, NOTES_DEST, [*getattr(namespace, NOTES_DEST), f"{option_string}: {self.flag.reason}"])
+        if not self.flag.takes_value:  # a switch given: True
+            if True not in self.flag.accepted:
+                parser.error(f"{option_string}: {self.flag.reason}")
+            if self.flag.note:  # a new list: the default one is shared by every parse
+                setattr(namespace, NOTES_DEST,
+                        [*getattr(namespace, NOTES_DEST), f"{option_string}: {self.flag.reason}"])
         elif values not in [str(value) for value in self.flag.accepted]:
             parser.error(f"{option_string} {values}: {self.flag.reason}")
 

@@ -12,7 +12,7 @@ from latentserve.engine.vllm_options import OPTIONS, split_vllm_kwargs
 def _refused_values(option) -> list:
     """A switch takes only booleans; an option with a value no boolean, and no number it does not accept."""
     if not option.takes_value:
-        return [1, "yes"]
+        return [1, "yes"] + [b for b in (True, False) if b not in option.accepted]
     return [True] + [v for v in (0, 1, 0.5, 8) if v not in option.accepted]
 
 
