@@ -37,6 +37,12 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def answer_id(engine_id: str, prefix: str, req: SamplingRequest) -> str:
+    """The id an answer carries: `prefix-<request_id>` when the request names one (vLLM's field), else the engine's
+    id; the engine's ids stay unique whatever clients send."""
+    return engine_id if req.request_id is None else f"{prefix}-{req.request_id}"
+
+
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     """The path of the first string in `value` (JSON data) that is not valid Unicode, or None."""
     if isinstance(value, str):
@@ -70,6 +76,27 @@ class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = Field(None, description="outputs always match the schema: true and false are the same here")
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("response_format", "{field}: json_schema is required with type 'json_schema' "
+                                      "and only allowed with it", {"field": "response_format"})
+        return self
+
+
 class SamplingRequest(StrictModel):
     """The sampling fields that completions and chat share (OpenAI's, then vLLM's extensions)."""
 
@@ -98,6 +125,11 @@ class SamplingRequest(StrictModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: StrictBool = False
     allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    return_token_ids: StrictBool = Field(False, description="the choices' token ids (and the prompt's) in the answer")
+    return_tokens_as_token_ids: StrictBool = Field(False, description="logprobs name tokens as 'token_id:<id>'")
+    request_id: str | None = Field(None, min_length=1, max_length=256, description="the answer's id ends with it")
+    priority: int = Field(0, description="only 0: requests are scheduled first come, first served")
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
@@ -128,6 +160,9 @@ class SamplingRequest(StrictModel):
                                           "token {token}", {"field": "logit_bias", "bias": bias, "token": token})
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
+        if self.priority != 0:
+            raise PydanticCustomError("priority", "{field}: latentserve schedules requests first come, first served "
+                                      "(vLLM's default policy), so only 0 is taken", {"field": "priority"})
         if self.best_of is not None and self.best_of < self.n:
             raise PydanticCustomError("best_of", "best_of: must be >= n, got n={n} and best_of={best_of}",
                                       {"field": "best_of", "n": self.n, "best_of": self.best_of})
@@ -148,6 +183,7 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: score the prompt, generate nothing")
     logprobs: int | None = Field(None, ge=0)
     echo: StrictBool = False
+    add_special_tokens: StrictBool = True
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -195,27 +231,6 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class JsonSchemaFormat(StrictModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-
-    name: str = Field(max_length=64)
-    description: str | None = None
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = Field(None, description="outputs always match the schema: true and false are the same here")
-
-
-class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _check_format(self):
-        if (self.type == "json_schema") != (self.json_schema is not None):
-            raise PydanticCustomError("response_format", "{field}: json_schema is required with type 'json_schema' "
-                                      "and only allowed with it", {"field": "response_format"})
-        return self
-
-
 class ChatTemplateFields(StrictModel):
     """How chat messages are rendered (vLLM's fields): `chat_template_kwargs` are more variables for the template
     (e.g. DeepSeek-V3.1's `thinking`, GLM's `enable_thinking`), over the server's --default-chat-template-kwargs."""
@@ -238,7 +253,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0)
-    response_format: ResponseFormat | None = None
+    add_special_tokens: StrictBool = Field(False, description="the template writes the special tokens itself")
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")
     parallel_tool_calls: StrictBool | None = Field(None, description="false: at most one call")

@@ -348,6 +348,12 @@ class Serving:
         """`token_text` of a token the engine decoded with its logprob."""
         return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
 
+    @staticmethod
+    def token_label(token_id: int, text: str, as_id: bool) -> str:
+        """How logprobs name a token: its text, or (vLLM's return_tokens_as_token_ids) 'token_id:<id>', which
+        names tokens whose bytes are not whole characters."""
+        return f"token_id:{token_id}" if as_id else text
+
     def prompt_logprobs(self, output: RequestOutput, k: int | None) -> PromptLogprobs | None:
         """vLLM's prompt_logprobs: per prompt position (None at the first), token id -> logprob, rank, text."""
         if k is None or output.prompt_logprobs is None:

@@ -11,7 +11,7 @@ from latentserve.engine.reasoning import ReasoningParser, parser_for_prompt
 from latentserve.engine.structured.backend import build_grammar
 from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
 from latentserve.server.chat_output import ChatOutput
-from latentserve.server.protocol import ChatCompletionRequest, random_id
+from latentserve.server.protocol import ChatCompletionRequest, answer_id, random_id
 from latentserve.server.protocol_responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -47,26 +47,31 @@ class ServingChat(Serving):
         if plan.structured_outputs is not None:
             params = replace(params, structured_outputs=plan.structured_outputs)
         prompt = await self.render(req.messages, req, plan.tools)
-        token_ids = (await self.prompt_ids([prompt], params, req.max_new_tokens, "messages", False))[0]
+        token_ids = (await self.prompt_ids([prompt], params, req.max_new_tokens, "messages",
+                                           req.add_special_tokens))[0]
         reasoning_parser = parser_for_prompt(self.reasoning_parser, token_ids)
         request_id = random_id("chatcmpl")
+        response_id = answer_id(request_id, "chatcmpl", req)
         stream = self.add_request(token_ids, params, request_id)
         if req.stream:
-            return self._stream(req, stream, request_id, top_k, plan, reasoning_parser)
+            return self._stream(req, stream, response_id, top_k, plan, reasoning_parser)
         outputs = await self.run_to_end([stream], raw_request)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
-        output = outputs[0]
+        output, ids = outputs[0], req.return_token_ids
         choices = []
         for c in output.outputs:
             message, finish_reason = ChatOutput(reasoning_parser, plan, self.tool_parser).message(
                 c.text, c.finish_reason)
+            listed = self.num_listed_tokens(c, req.skip_special_tokens)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                       stop_reason=c.stop_reason,
-                                      logprobs=self._logprobs(c.token_ids, c.logprobs, top_k,
-                                                              self.num_listed_tokens(c, req.skip_special_tokens))))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage(outputs),
-                                      prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs))
+                                      logprobs=self._logprobs(c.token_ids, c.logprobs, top_k, listed,
+                                                              req.return_tokens_as_token_ids),
+                                      token_ids=c.token_ids if ids else None))
+        return ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage(outputs),
+                                      prompt_logprobs=self.prompt_logprobs(output, req.prompt_logprobs),
+                                      prompt_token_ids=output.prompt_token_ids if ids else None)
 
     def _plan_tools(self, req: ChatCompletionRequest) -> ToolPlan:
         try:
@@ -78,15 +83,19 @@ class ServingChat(Serving):
             raise OpenAIError(400, str(e).replace("structured_outputs.json", "tools parameters"), param=param) from e
         return plan
 
-    def _stream(self, req: ChatCompletionRequest, stream: RequestStream, request_id: str, top_k: int | None,
+    def _stream(self, req: ChatCompletionRequest, stream: RequestStream, response_id: str, top_k: int | None,
                 plan: ToolPlan, reasoning_parser: ReasoningParser | None) -> StreamingResponse:
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
         parsers: dict[int, ChatOutput] = {}
+        ids = req.return_token_ids
 
         def chunk(index: int, delta: DeltaMessage, logprobs: ChatLogprobs | None = None,
-                  finish_reason: str | None = None) -> ChatCompletionChunk:
-            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice])
+                  finish_reason: str | None = None, token_ids: list[int] | None = None,
+                  prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
+            choice = ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                     token_ids=token_ids)
+            return ChatCompletionChunk(id=response_id, model=self.model_name, choices=[choice],
+                                       prompt_token_ids=prompt_token_ids)
 
         def chunks(_: int, output: RequestOutput) -> list[ChatCompletionChunk]:
             out = []
@@ -94,7 +103,9 @@ class ServingChat(Serving):
                 if completion.index not in sent:
                     sent[completion.index] = (0, 0)
                     parsers[completion.index] = ChatOutput(reasoning_parser, plan, self.tool_parser)
-                    out.append(chunk(completion.index, DeltaMessage(role="assistant", content="")))
+                    out.append(chunk(completion.index, DeltaMessage(role="assistant", content=""),
+                                     token_ids=[] if ids else None,
+                                     prompt_token_ids=output.prompt_token_ids if ids else None))
                 parser = parsers[completion.index]
                 chars, tokens = sent[completion.index]
                 delta = parser.delta(completion.text[:chars], completion.text, completion.finished())
@@ -104,28 +115,30 @@ class ServingChat(Serving):
                     listed = self.num_listed_tokens(completion, req.skip_special_tokens) - tokens
                     sent[completion.index] = (len(completion.text), len(completion.token_ids))
                     out.append(chunk(completion.index, delta or DeltaMessage(content=""),
-                                     self._logprobs(token_ids, entries, top_k, listed),
-                                     parser.finish_reason(completion.finish_reason, parser.call_ids)))
+                                     self._logprobs(token_ids, entries, top_k, listed, req.return_tokens_as_token_ids),
+                                     parser.finish_reason(completion.finish_reason, parser.call_ids),
+                                     token_ids if ids else None))
             return out
 
         def usage_chunk(info: UsageInfo) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=info)
+            return ChatCompletionChunk(id=response_id, model=self.model_name, choices=[], usage=info)
 
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return self.stream_response([stream], chunks, usage_chunk if include_usage else None)
 
-    def _top(self, token_id: int, logprob: Logprob) -> TopLogprob:
+    def _top(self, token_id: int, logprob: Logprob, as_id: bool) -> TopLogprob:
         text = self.logprob_text(token_id, logprob)
-        return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
+        return TopLogprob(token=self.token_label(token_id, text, as_id), logprob=logprob.logprob,
+                          bytes=list(text.encode()))
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsOnePosition] | None, k: int | None,
-                  listed: int) -> ChatLogprobs | None:
-        """The first `listed` tokens' logprobs in chat's shape."""
+                  listed: int, as_ids: bool) -> ChatLogprobs | None:
+        """The first `listed` tokens' logprobs in chat's shape (tokens named by id: `as_ids`)."""
         if entries is None or k is None:
             return None
         content = []
         for token_id, entry in zip(token_ids[:max(listed, 0)], entries):
-            chosen = self._top(token_id, entry[token_id])
-            top = [self._top(t, lp) for t, lp in top_entries(entry, k)]
+            chosen = self._top(token_id, entry[token_id], as_ids)
+            top = [self._top(t, lp, as_ids) for t, lp in top_entries(entry, k)]
             content.append(ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
         return ChatLogprobs(content=content)
