@@ -242,7 +242,7 @@ class LLMEngine:
 
     def _request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt: str | None) -> Request:
         detokenizer = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output,
                                                  params.spaces_between_special_tokens)

@@ -11,6 +11,7 @@ def test_defaults_match_vllm():
     assert p.bad_words == [] and p.logit_bias is None and p.allowed_token_ids is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.include_stop_str_in_output
     assert p.truncate_prompt_tokens is None and p.num_samples == 1 and not p.uses_penalties
+    assert p.detokenize is True
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,8 @@ def test_defaults_match_vllm():
         ({"stop_token_ids": [3, -1]}, "stop_token_ids entry must be >= 0"),
         ({"logprobs": -1}, "logprobs must be >= 0"),
         ({"prompt_logprobs": 1.0}, "prompt_logprobs must be an int"),
+        ({"stop": "end", "detokenize": False}, r"stop strings \['end'\] need detokenize=True"),
+        ({"detokenize": 0}, "detokenize must be a bool"),
         ({"n": 3, "best_of": 2}, "best_of must be >= n"),
         ({"best_of": 0}, "best_of must be >= 1"),
         ({"min_p": 5}, r"min_p must be in \[0.0, 1.0\]"),
