@@ -62,7 +62,7 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: as many as max_model_len allows
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
-    logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one); -1: the whole vocabulary
     prompt_logprobs: int | None = None  # same, per prompt token
     detokenize: bool = True  # False: no output text (token ids only), which saves decoding each token
     skip_special_tokens: bool = True
@@ -103,7 +103,7 @@ class SamplingParams:
         self.bad_words = self._normalize_bad_words(self.bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0)
+                _check_int(name, getattr(self, name), -1)  # -1: the whole vocabulary (vLLM's)
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
                      "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
