@@ -62,8 +62,9 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16  # None: as many as max_model_len allows
     min_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are out
-    logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one); -1: the whole vocabulary
     prompt_logprobs: int | None = None  # same, per prompt token
+    detokenize: bool = True  # False: no output text (token ids only), which saves decoding each token
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the last k prompt tokens; -1: the last max_model_len
@@ -102,9 +103,13 @@ class SamplingParams:
         self.bad_words = self._normalize_bad_words(self.bad_words)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), 0)
-        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+                _check_int(name, getattr(self, name), -1)  # -1: the whole vocabulary (vLLM's)
+        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
             _check_bool(name, getattr(self, name))
+        if self.stop and not self.detokenize:
+            # Stop strings are found in the output text, which detokenize=False never builds.
+            raise ValueError(f"stop strings {self.stop!r} need detokenize=True (stop_token_ids work without it)")
         if self.truncate_prompt_tokens is not None:
             _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
             if self.truncate_prompt_tokens == 0:

@@ -88,7 +88,7 @@ class EngineConfig:
     # A request's tokens and logprobs independent of what else its steps hold (latentserve.batch_invariant).
     batch_invariant: bool = False
     tokenizer: str | None = None  # folder with tokenizer.json (and tokenizer_config.json); None: the model's
-    max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for (vLLM's default); -1: no cap
+    max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for (vLLM's default); -1: the vocabulary size
     # Default sampling settings: "auto" from the model's generation_config.json, "vllm" none, or a folder holding one
     generation_config: str = "auto"
 
@@ -104,7 +104,7 @@ class EngineConfig:
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if not _is_int_at_least(self.max_logprobs, -1):
-            raise ValueError(f"max_logprobs must be an int >= -1 (-1: no cap), got {self.max_logprobs!r}")
+            raise ValueError(f"max_logprobs must be an int >= -1 (-1: the vocabulary size), got {self.max_logprobs!r}")
 
 
 def prefix_caching(config: EngineConfig, model_config: ModelConfig) -> bool:

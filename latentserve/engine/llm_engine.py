@@ -65,12 +65,18 @@ def engine_tokenizer(model_dir: Path, tokenizer: str | None) -> TokenizerInfo | 
     return load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
 
 
-def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
-    """vLLM's cap on the top-k of logprobs (-1: none): each k costs a sort and a dict per token."""
+def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """vLLM's cap on the top-k of logprobs: each k costs a sort and a dict per token. As in vLLM, a k of -1 is the
+    whole vocabulary, and so is a cap of -1 (no k may exceed the vocabulary)."""
+    cap = vocab_size if max_logprobs == -1 else max_logprobs
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
-        if k is not None and max_logprobs != -1 and k > max_logprobs:
-            raise ValueError(f"{name}={k} exceeds this engine's max_logprobs={max_logprobs} (--max-logprobs)")
+        if k is None or (vocab_size if k == -1 else k) <= cap:
+            continue
+        asked = f"{name}={k}" + (f" (the whole vocabulary: {vocab_size} tokens)" if k == -1 else "")
+        limit = (f"the vocabulary ({vocab_size} tokens)" if max_logprobs == -1
+                 else f"this engine's max_logprobs={max_logprobs} (--max-logprobs)")
+        raise ValueError(f"{asked} exceeds {limit}")
 
 
 class LLMEngine:
@@ -216,7 +222,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate_for_vocab(self.model.config.vocab_size)
-        check_logprobs(params, self.max_logprobs)
+        check_logprobs(params, self.max_logprobs, self.model.config.vocab_size)
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer: this checkpoint has no tokenizer.json")
         if params.structured_outputs is not None:
@@ -242,7 +248,7 @@ class LLMEngine:
 
     def _request(self, request_id: str, token_ids: list[int], params: SamplingParams, prompt: str | None) -> Request:
         detokenizer = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and params.detokenize:
             detokenizer = IncrementalDetokenizer(self.tokenizer.tokenizer, token_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output,
                                                  params.spaces_between_special_tokens)

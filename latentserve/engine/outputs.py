@@ -14,7 +14,7 @@ class Logprob:
 
     logprob: float
     rank: int | None = None
-    decoded_token: str | None = None  # None when the engine has no tokenizer
+    decoded_token: str | None = None  # None when the engine has no tokenizer or the request has detokenize=False
 
 
 LogprobsOnePosition = dict[int, Logprob]  # token id -> Logprob: the chosen token first, then the top-k by rank

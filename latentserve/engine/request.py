@@ -46,7 +46,7 @@ class Logprobs:
     token_id: int  # the sampled token, or the prompt token the position predicts
     logprob: float
     rank: int  # vocabulary entries at least as likely as the token, itself included (1: the argmax)
-    top: list[tuple[int, float]]  # the k likeliest (token id, logprob), likeliest first
+    top: list[tuple[int, float]]  # the k likeliest (token id, logprob), likeliest first; k = -1: the whole vocabulary
 
 
 class Request:

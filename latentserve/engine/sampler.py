@@ -34,7 +34,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [B] fp32, 1.0 where off
     min_p: torch.Tensor | None  # [B] fp32, 0.0 where off
     generators: dict[int, torch.Generator]  # row -> the seeded request's own stream
-    num_logprobs: list[int | None]  # per row: top-k logprobs wanted, None for none
+    num_logprobs: list[int | None]  # per row: top-k logprobs wanted (-1: the whole row), None for none
     banned: torch.Tensor | None  # [B, V] bool: stop tokens a row may not sample yet (min_tokens)
     allowed_mask: torch.Tensor | None  # [B, V] bool: True where a row with allowed_token_ids may not sample
     bad_words: BadWords | None
@@ -154,20 +154,35 @@ def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator]
     return noise.log_().neg_()
 
 
+def _top_logprobs(logprobs: torch.Tensor, num_logprobs: list[int | None]) -> list[list[tuple[int, float]] | None]:
+    """Per row its k likeliest (token id, logprob), likeliest first; k = -1: the whole row. Only the rows that ask
+    for -1 pay for a full sort: the others share one top-k of the largest finite k."""
+    result: list[list[tuple[int, float]] | None] = [None] * len(num_logprobs)
+    finite = [k for k in num_logprobs if k is not None and k != -1]
+    if finite:
+        top = logprobs.topk(min(max(finite), logprobs.shape[-1]), dim=-1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+        for row, k in enumerate(num_logprobs):
+            if k is not None and k != -1:
+                result[row] = list(zip(top_ids[row][:k], top_values[row][:k]))
+    full_rows = [row for row, k in enumerate(num_logprobs) if k == -1]
+    if full_rows:
+        full = logprobs[full_rows].sort(dim=-1, descending=True)
+        for row, ids, values in zip(full_rows, full.indices.tolist(), full.values.tolist()):
+            result[row] = list(zip(ids, values))
+    return result
+
+
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]) -> list[Logprobs | None]:
-    """Per row: the given token's logprob and rank over the whole row, and the row's top-k."""
-    wanted = [k for k in num_logprobs if k is not None]
-    if not wanted:
+    """Per row: the given token's logprob and rank over the whole row, and the row's top-k (k = -1: all of it)."""
+    if all(k is None for k in num_logprobs):
         return [None] * len(num_logprobs)
-    max_k = min(max(wanted), logprobs.shape[-1])
-    top = logprobs.topk(max_k, dim=-1)
-    top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    top = _top_logprobs(logprobs, num_logprobs)
     chosen = logprobs.gather(-1, token_ids.unsqueeze(-1))
     # vLLM's rank: how many entries are at least as likely, so a tie with the token counts against it.
     ranks = (logprobs >= chosen).sum(dim=-1).tolist()
     ids, values = token_ids.tolist(), chosen.squeeze(-1).tolist()
-    return [None if k is None else
-            Logprobs(ids[row], values[row], ranks[row], list(zip(top_ids[row][:k], top_values[row][:k])))
+    return [None if k is None else Logprobs(ids[row], values[row], ranks[row], top[row])
             for row, k in enumerate(num_logprobs)]
 
 

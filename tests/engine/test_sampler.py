@@ -136,6 +136,28 @@ def test_logprobs_hold_chosen_and_top_k_of_raw_logits():
     assert last.logprob == pytest.approx(float(ref[2].max()), abs=1e-5)
 
 
+def test_logprobs_minus_one_hold_the_whole_row_by_rank():
+    """Rows asking -1 get every entry, likeliest first; rows asking a finite k or none are as before."""
+    torch.manual_seed(7)
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=1.0, seed=0, logprobs=-1), SamplingParams(temperature=0, logprobs=3),
+              SamplingParams(temperature=0), SamplingParams(temperature=0, logprobs=-1)]
+    out = Sampler()(logits, metadata(params))
+    ref = torch.log_softmax(logits.double(), -1)
+    for row in (0, 3):
+        entry = out.logprobs[row]
+        ids = [t for t, _ in entry.top]
+        assert sorted(ids) == list(range(V))
+        values = [value for _, value in entry.top]
+        assert values == sorted(values, reverse=True)
+        assert values == pytest.approx([float(ref[row, t]) for t in ids], abs=1e-5)
+        assert entry.rank == naive_rank(ref[row], entry.token_id)
+    assert [t for t, _ in out.logprobs[1].top] == ref[1].topk(3).indices.tolist()
+    assert out.logprobs[2] is None
+    prompt = compute_prompt_logprobs(logits, [4, 8], -1)
+    assert [sorted(t for t, _ in e.top) for e in prompt] == [list(range(V))] * 2
+
+
 def test_rank_of_a_sampled_token_counts_the_row():
     """Hot sampling picks unlikely tokens: each one's rank is the naive count over its full row."""
     torch.manual_seed(6)

@@ -11,6 +11,15 @@ def test_defaults_match_vllm():
     assert p.bad_words == [] and p.logit_bias is None and p.allowed_token_ids is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens and not p.include_stop_str_in_output
     assert p.truncate_prompt_tokens is None and p.num_samples == 1 and not p.uses_penalties
+    assert p.detokenize is True
+
+
+def test_whole_vocabulary_logprobs_and_no_text_without_stop_strings_are_accepted():
+    p = SamplingParams(logprobs=-1, prompt_logprobs=-1, detokenize=False, stop_token_ids=[3], bad_words=["x"],
+                       include_stop_str_in_output=True)
+    assert (p.logprobs, p.prompt_logprobs, p.detokenize) == (-1, -1, False)
+    assert [(c.logprobs, c.prompt_logprobs) for c in map(SamplingParams(n=2, logprobs=-1, prompt_logprobs=-1).for_sample,
+                                                        range(2))] == [(-1, -1), (-1, None)]
 
 
 @pytest.mark.parametrize(
@@ -31,7 +40,10 @@ def test_defaults_match_vllm():
         ({"seed": True}, "seed must be an int"),
         ({"stop": ["ok", ""]}, "non-empty str"),
         ({"stop_token_ids": [3, -1]}, "stop_token_ids entry must be >= 0"),
-        ({"logprobs": -1}, "logprobs must be >= 0"),
+        ({"logprobs": -2}, "logprobs must be >= -1"),
+        ({"prompt_logprobs": -5}, "prompt_logprobs must be >= -1"),
+        ({"stop": "end", "detokenize": False}, r"stop strings \['end'\] need detokenize=True"),
+        ({"detokenize": 0}, "detokenize must be a bool"),
         ({"prompt_logprobs": 1.0}, "prompt_logprobs must be an int"),
         ({"n": 3, "best_of": 2}, "best_of must be >= n"),
         ({"best_of": 0}, "best_of must be >= 1"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import openai
+import pydantic
 import pytest
 
 from latentserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -217,6 +218,11 @@ def test_every_request_field_maps_to_its_own_sampling_param():
     default = SamplingParams()
     for field in dataclasses.fields(SamplingParams):
         if field.name == "structured_outputs":  # min_tokens excludes it: checked on its own below
+            continue
+        if field.name == "detokenize":  # not in vLLM's API: the server's responses are text
+            assert got.detokenize is True
+            with pytest.raises(pydantic.ValidationError, match="detokenize"):
+                CompletionRequest(**body, detokenize=False)
             continue
         assert getattr(got, field.name) == expected[field.name], field.name
         assert getattr(got, field.name) != getattr(default, field.name), f"{field.name}: choose a non-default value"

@@ -50,3 +50,13 @@ def _run(llm: LLM, prompt: str, params: SamplingParams, request_id: str):
             counts.append(len(out.outputs[0].token_ids))
             if out.finished:
                 return out, [b - a for a, b in zip(counts, counts[1:])]
+
+
+def test_tokens_without_text_equal_the_tokens_with_text(engines) -> None:
+    _, spec = engines
+    params = [SamplingParams(temperature=t, seed=0, max_tokens=23, detokenize=d) for d in (True, False) for t in (0, 1)]
+    before = spec.engine.spec_decoding_stats.num_accepted_tokens
+    outs = [o.outputs[0] for o in spec.generate([PROMPTS[0]] * 4, params)]
+    assert spec.engine.spec_decoding_stats.num_accepted_tokens > before
+    assert [o.token_ids for o in outs[2:]] == [o.token_ids for o in outs[:2]]
+    assert all(o.text for o in outs[:2]) and [o.text for o in outs[2:]] == ["", ""]
