@@ -211,7 +211,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="folder with tokenizer.json and tokenizer_config.json (default: the model's)")
     g.add_argument("--max-logprobs", type=_int_at_least(-1), default=d.max_logprobs,
-                   help="largest logprobs / prompt_logprobs a request may ask for (-1: no cap)")
+                   help="largest logprobs / prompt_logprobs a request may ask for (-1: the vocabulary size)")
     add_vllm_flags(parser)
 
 

@@ -133,7 +133,7 @@ class SamplingRequest(StrictModel):
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the last k prompt tokens (-1: all fit)")
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object")
 
@@ -252,7 +252,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1, description="-1: the whole vocabulary")
     add_special_tokens: StrictBool = Field(False, description="the template writes the special tokens itself")
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = Field(None, description="default: auto with tools, none without")

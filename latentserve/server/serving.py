@@ -84,8 +84,8 @@ def usage(outputs: list[RequestOutput], num_hidden_tokens: int = 0) -> UsageInfo
 
 
 def top_entries(entry: LogprobsOnePosition, k: int) -> list[tuple[int, Logprob]]:
-    """The k likeliest (token id, Logprob) pairs of one position, likeliest first."""
-    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda item: item[1].rank)
+    """The k likeliest (token id, Logprob) pairs of one position (-1: all), likeliest first."""
+    return sorted(((t, lp) for t, lp in entry.items() if k == -1 or lp.rank <= k), key=lambda item: item[1].rank)
 
 
 def sse(payload: BaseModel | dict) -> str:

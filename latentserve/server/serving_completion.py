@@ -17,7 +17,9 @@ class ServingCompletion(Serving):
         req = self.with_defaults(req)
         # echo with max_tokens=0 scores the prompt: the request generates one token, which is not returned.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-        prompt_k = max(req.logprobs or 0, req.prompt_logprobs or 0) if req.echo and req.logprobs is not None else None
+        prompt_k = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # the echoed prompt lists its top logprobs too
+            prompt_k = -1 if prompt_k == -1 else max(req.logprobs, prompt_k or 0)
         params = sampling_params(req, max_tokens, req.logprobs, prompt_k)
         prompts = await self.prompt_ids(req.prompts, params, max_tokens, add_special_tokens=req.add_special_tokens)
         request_id = random_id("cmpl")

@@ -117,3 +117,24 @@ def test_completion_response_format(http):
                  response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
     jsonschema.validate(json.loads(body["choices"][0]["text"]), schema)
     assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_whole_vocabulary_of_logprobs(http, model_dir):
+    """-1 (vLLM's): every token's logprob, refused under the default --max-logprobs."""
+    refused = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "prompt_logprobs": -1})
+    assert refused.status_code == 400 and "exceeds this engine's max_logprobs=20" in refused.json()["error"]["message"]
+    server = LiveServer(model_dir, max_logprobs=-1)
+    try:
+        body = {"model": MODEL_NAME, "max_tokens": 3, "temperature": 0}
+        completion = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                                json={**body, "prompt": PROMPT, "prompt_logprobs": -1}).json()
+        positions = completion["choices"][0]["prompt_logprobs"][1:]
+        assert positions and all(len(p) == 96 for p in positions)  # the tokenizer's vocabulary
+        assert all(sorted(e["rank"] for e in p.values()) == list(range(1, 97)) for p in positions)
+        chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={**body, "messages": MESSAGES, "logprobs": True, "top_logprobs": -1}).json()
+        content = chat["choices"][0]["logprobs"]["content"]
+        assert content and all(len(c["top_logprobs"]) == 96 for c in content)
+        assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)  # greedy: the top one
+    finally:
+        server.stop()
