@@ -27,17 +27,14 @@ from latentserve.engine.request import Request
 from latentserve.engine.state_pool import StatePool
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
+from latentserve.engine.spec_decode.build import build_spec_decoder, check_speculation
 from latentserve.engine.spec_decode.config import DraftingPolicy
-from latentserve.engine.spec_decode.decoder import SpecDecoder
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
-from latentserve.engine.spec_decode.mtp_proposer import MTPProposer
 from latentserve.layers.quant.config import resolve_quantization
-from latentserve.kernels.cpu import last_level_cache_bytes
 from latentserve.kernels.policy import KernelPolicy
 from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
-from latentserve.models.loader import load_model, weight_bytes
-from latentserve.models.mtp import load_mtp
+from latentserve.models.loader import load_model
 from latentserve.models.saved import load_saved, read_saved
 from latentserve.sampling_params import SamplingParams
 
@@ -114,12 +111,8 @@ class LLMEngine:
         model_config = ModelConfig.from_pretrained(model_dir)
         if config.batch_invariant:
             check_batch_invariant(config, model_config, dtype, cache_dtype, self.kernel_policy)
-        if spec is not None and model_config.num_nextn_predict_layers < 1:
-            raise ValueError(f"speculative_config method 'mtp' needs an MTP layer, but {model_dir}/config.json "
-                             "declares none (num_nextn_predict_layers is 0)")
-        if spec is not None and model_config.linear_attention is not None:
-            raise ValueError(f"speculative_config: {model_config.model_type} has linear-attention layers, whose state "
-                             "cannot roll back rejected drafts; run it without speculative decoding")
+        if spec is not None:
+            check_speculation(spec, model_config, model_dir)
         quantization = saved.quantization if saved is not None else resolve_quantization(
             config.quantization, config.quantization_group_size, model_config.quantization, config.lm_head_quantized)
         self.quantization = quantization  # what save_quantized records
@@ -158,14 +151,9 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size, prefix_caching(config, model_config),
                          StatePool(config.max_num_seqs) if self.model.state_layers else None),
         )
-        spec_decoder = None
-        if spec is not None:
-            mtp = load_mtp(model_dir, self.model, attn_config, dtype, config.device, self.kernel_policy)
-            proposer = MTPProposer(mtp, attn_config, num_blocks, cache_dtype, num_spec, config.device)
-            policy = spec.drafting_policy(weight_bytes(self.model, mtp), config.device, last_level_cache_bytes())
-            if policy.max_batch_size == 0:
-                logger.warning("speculative decoding: %s", policy.reason)
-            spec_decoder = SpecDecoder(self.model, proposer, max_model_len, policy)
+        spec_decoder = None if spec is None else build_spec_decoder(
+            spec, model_dir, self.model, attn_config, dtype, config.device, self.kernel_policy, num_blocks, cache_dtype,
+            max_model_len)
         self.runner = ModelRunner(
             self.model, attn_config, dbo, num_blocks, cache_dtype, config.device, expert_group, spec_decoder,
             config.max_num_seqs if self.model.state_layers else 0,

@@ -1,4 +1,5 @@
-"""`SpeculativeConfig`: `LLM(..., speculative_config={"method": "mtp", "num_speculative_tokens": k})`."""
+"""`SpeculativeConfig`: `LLM(..., speculative_config={"method": "mtp", "num_speculative_tokens": k})`, or
+`{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}` (drafts from the request's own tokens)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,8 @@ from typing import Any
 
 import torch
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "ngram")
+NGRAM_DEFAULT = 5  # vLLM's prompt_lookup_min and _max when neither is given
 AUTO = "auto"
 
 
@@ -50,10 +52,14 @@ class SpeculativeConfig:
     # positions, which costs later drafts some acceptance, never exactness). None: always draft; "auto": by where
     # drafting pays on this device and model (`auto_policy`).
     disable_by_batch_size: int | None | str = AUTO
+    # ngram: the lengths of the token runs looked up (one given: both; neither: 5 and 5, as vLLM)
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {METHODS}, got {self.method!r}")
+        self._check_lookup()
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, got {k!r}")
@@ -61,6 +67,23 @@ class SpeculativeConfig:
         if b is not None and b != AUTO and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be an int >= 1, None or 'auto', "
                              f"got {b!r}")
+
+    def _check_lookup(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            if lo is not None or hi is not None:
+                raise ValueError("speculative_config: prompt_lookup_min / prompt_lookup_max apply to method 'ngram' "
+                                 f"only, not {self.method!r}")
+            return
+        lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
+        lo, hi = (NGRAM_DEFAULT, NGRAM_DEFAULT) if lo is None else (lo, hi)
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"speculative_config: {name} must be an int >= 1, got {n!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min={lo} exceeds prompt_lookup_max={hi}")
+        object.__setattr__(self, "prompt_lookup_min", lo)  # frozen: the resolved values, set once
+        object.__setattr__(self, "prompt_lookup_max", hi)
 
     def drafting_policy(self, weight_bytes: int, device: str | torch.device,
                         cache_bytes: int | None) -> DraftingPolicy:
@@ -82,5 +105,5 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; supported: "
                              f"{sorted(cls.__dataclass_fields__)}")
         if "method" not in value:
-            raise ValueError("speculative_config: 'method' is required (supported: 'mtp')")
+            raise ValueError(f"speculative_config: 'method' is required (supported: {', '.join(METHODS)})")
         return cls(**value)

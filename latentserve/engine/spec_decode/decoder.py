@@ -1,9 +1,9 @@
 """`SpecDecoder`: one speculative step after the main model's forward — verify drafts, sample, propose the next.
 
 The main model ran every scheduled token, drafts included (a decode with k+1 new tokens), and returned its hidden
-states (after the final norm: the MTP layer reads them too). Requests with drafts are verified by rejection sampling over their k+1 positions;
-the others sample their last position as without speculation. The MTP layer then runs over the step's positions
-and proposes each sampling request's drafts for the next step.
+states (after the final norm: the MTP layer reads them too). Requests with drafts are verified by rejection sampling
+over their k+1 positions; the others sample their last position as without speculation. The proposer (the MTP layer
+over the step's positions, or a lookup in each request's own tokens) then drafts each sampling request's next step.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from latentserve.engine.sampler import Sampler, SamplingMetadata
 from latentserve.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from latentserve.engine.spec_decode.config import DraftingPolicy
 from latentserve.engine.spec_decode.metrics import SpecDecodingStats
-from latentserve.engine.spec_decode.mtp_proposer import DraftRequest, MTPProposer
+from latentserve.engine.spec_decode.proposal import Proposal, Proposer
 from latentserve.engine.spec_decode.verifier import supports_speculation, verify
 from latentserve.models.deepseek import DeepseekForCausalLM
 
@@ -32,7 +32,7 @@ class SpecStepOutput:
 
 class SpecDecoder:
     def __init__(
-        self, model: DeepseekForCausalLM, proposer: MTPProposer, max_model_len: int,
+        self, model: DeepseekForCausalLM, proposer: Proposer, max_model_len: int,
         policy: DraftingPolicy,
     ) -> None:
         self.model = model
@@ -92,17 +92,14 @@ class SpecDecoder:
 
     def _propose(self, scheduled: list[ScheduledRequest], starts: list[int], emitted: dict[int, list[int]],
                  hidden, input_ids, positions, common) -> list[list[int]]:
-        """The MTP over the step's positions: pair p holds h_p and token p+1; a request's last kept pair reads the
-        token it sampled (or its next prompt token)."""
-        requests = []
+        """Each scheduled request's drafts for the next step (none where it did not sample)."""
+        proposals = []
         for s, start in zip(scheduled, starts):
             new = emitted.get(id(s), [])
             kept = s.num_new_tokens - s.num_drafts + max(len(new) - 1, 0)
-            end = s.num_computed_tokens + kept  # the position after the last kept pair
-            next_token = new[-1] if new else s.request.all_token_ids[end]
-            requests.append(DraftRequest(start + kept - 1, next_token, end, s.block_ids,
-                                         self._num_drafts(s.request, end) if new else 0))
-        return self.proposer.propose(requests, input_ids, positions, hidden, common)
+            wanted = self._num_drafts(s.request, s.num_computed_tokens + kept) if new else 0
+            proposals.append(Proposal(s, start, new, kept, wanted))
+        return self.proposer.propose(proposals, input_ids, positions, hidden, common)
 
     def _num_drafts(self, request: Request, num_computed: int) -> int:
         """Drafts worth proposing: none for requests verification cannot serve; chained ones stay within the

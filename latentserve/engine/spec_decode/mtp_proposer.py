@@ -27,6 +27,7 @@ from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.attention.metadata import CommonAttentionMetadata
 from latentserve.config import AttentionConfig
 from latentserve.engine.argmax import argmax
+from latentserve.engine.spec_decode.proposal import Proposal
 from latentserve.models.mtp import DeepseekMTP
 from latentserve.ubatch.dbo import run_forward
 
@@ -40,6 +41,11 @@ class DraftRequest:
     next_position: int  # the position after that pair: where a chained draft's pair sits
     block_ids: list[int]
     num_drafts: int  # 0: the request does not sample this step (or drafts nothing)
+
+
+def _draft_request(p: Proposal) -> DraftRequest:
+    next_token = p.emitted[-1] if p.emitted else p.scheduled.request.all_token_ids[p.end]
+    return DraftRequest(p.start + p.kept - 1, next_token, p.end, p.scheduled.block_ids, p.num_drafts)
 
 
 class MTPProposer:
@@ -65,11 +71,16 @@ class MTPProposer:
 
     @torch.no_grad()
     def propose(
-        self, requests: list[DraftRequest], input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+        self, proposals: list[Proposal], input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
         common: CommonAttentionMetadata,
     ) -> list[list[int]]:
         """The main step's input ids, positions, output hidden states `[T, hidden]` and attention metadata ->
-        each request's drafts."""
+        each request's drafts. Pair p holds h_p and token p+1; a request's last kept pair reads the token it sampled
+        (or its next prompt token)."""
+        return self._draft([_draft_request(p) for p in proposals], input_ids, positions, hidden, common)
+
+    def _draft(self, requests: list[DraftRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+               hidden: torch.Tensor, common: CommonAttentionMetadata) -> list[list[int]]:
         ids = input_ids.roll(-1)
         ids[torch.tensor([r.last_row for r in requests], device=ids.device)] = torch.tensor(
             [r.next_token for r in requests], dtype=ids.dtype, device=ids.device)

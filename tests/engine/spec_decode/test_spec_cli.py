@@ -31,5 +31,5 @@ def test_generate_with_mtp_prints_the_greedy_completions(tmp_path, capsys) -> No
 def test_bad_speculative_config_is_a_usage_error(capsys) -> None:
     code, _, err = _run(["generate", "--prompt", "x", "--speculative-config", "mtp"], capsys)
     assert code == 2 and "--speculative-config: not JSON" in err
-    code, _, err = _run(["generate", "--prompt", "x", "--speculative-config", '{"method": "ngram"}'], capsys)
+    code, _, err = _run(["generate", "--prompt", "x", "--speculative-config", '{"method": "eagle"}'], capsys)
     assert code != 0 and "method must be one of" in err

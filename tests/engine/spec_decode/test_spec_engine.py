@@ -7,7 +7,7 @@ import torch
 
 from latentserve import LLM, SamplingParams
 from latentserve.engine.spec_decode import SpeculativeConfig
-from latentserve.engine import llm_engine
+from latentserve.engine.spec_decode import build as spec_build
 from latentserve.engine.spec_decode.config import auto_policy
 from tests.models.mtp_checkpoint import make_mtp_checkpoint, reference_mtp_logprobs
 
@@ -117,7 +117,7 @@ def test_auto_policy_drafts_where_verification_is_cheap() -> None:
 @pytest.mark.parametrize("cache_bytes", [1, 2**40])
 def test_auto_drafting_follows_the_policy(checkpoint, baseline, monkeypatch, caplog, cache_bytes: int) -> None:
     """Weights streamed past the cache: drafting at one request and not at two; weights in the cache: never."""
-    monkeypatch.setattr(llm_engine, "last_level_cache_bytes", lambda: cache_bytes)
+    monkeypatch.setattr(spec_build, "last_level_cache_bytes", lambda: cache_bytes)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM(model=checkpoint, speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **ENGINE)
     assert llm.engine.drafting_policy.max_batch_size == (1 if cache_bytes == 1 else 0)
@@ -190,7 +190,7 @@ def _rows(cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
 
 def test_refusals(checkpoint, tmp_path) -> None:
     with pytest.raises(ValueError, match="method must be one of"):
-        SpeculativeConfig.from_value({"method": "ngram"})
+        SpeculativeConfig.from_value({"method": "eagle"})
     with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
         SpeculativeConfig.from_value({"method": "mtp", "num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="disable_by_batch_size must be an int >= 1, None or 'auto'"):
