@@ -1,4 +1,5 @@
-"""MTP speculative decoding: acceptance per draft position and decode tok/s with and without it.
+"""Speculative decoding (MTP, or n-gram lookup: `--method ngram`): acceptance per draft position and decode tok/s
+with and without it.
 
 The engines live in this process and run the same greedy requests in turns (`--repeats` rounds; medians of the
 rates and of each round's ratio). Decode tok/s = generated tokens past the first / (time of the whole request -
@@ -14,6 +15,8 @@ model over 1 and k+1 tokens per request (plus logits), the MTP layer over k+1 to
 (1 + a + ... + a^k) / ratio. It leaves out the engine's own per-step work, alike in both. It runs on the embedded
 model and on a V3-shaped random checkpoint `--layers` deep (a random MTP layer accepts nothing, so its end-to-end
 rate is cost only; the model's speedup is the cost model's, at the stated acceptance).
+`--method ngram --prompt-repeats 3` drafts by lookup in the request's own tokens, on prompts that say their verse
+opening three times over (the model then goes on repeating it: the copying an edit or a quotation does).
 Run: `.venv/bin/python benchmarks/speculative.py [--quick] [--batch 1 4 16] [--k 1 2] [--cost-model]`.
 """
 from __future__ import annotations
@@ -55,12 +58,13 @@ RANDOM_MODEL = dict(
 CONTEXT = 40  # tokens already cached when the cost model times a step
 
 
-def embedded_groups(batch: int) -> list[list[str]]:
+def embedded_groups(batch: int, repeats: int = 1) -> list[list[str]]:
     """Batch 1 runs every prompt alone in turn (one prompt's greedy continuation may loop, which drafts love);
-    larger batches take the first `batch` prompts together."""
+    larger batches take the first `batch` prompts together. `repeats`: each prompt said that many times."""
+    prompts = [", ".join([prompt] * repeats) for prompt in PROMPTS]
     if batch == 1:
-        return [[prompt] for prompt in PROMPTS]
-    return [[PROMPTS[i % len(PROMPTS)] for i in range(batch)]]
+        return [[prompt] for prompt in prompts]
+    return [[prompts[i % len(prompts)] for i in range(batch)]]
 
 
 def random_mtp_checkpoint(path: Path, layers: int) -> Path:
@@ -100,15 +104,17 @@ def bench_model(name: str, path: Path, groups_for, args) -> None:
     engine = dict(num_threads=args.threads, max_num_seqs=max(args.batch), num_kv_blocks=512)
     engines = {0: LLM(model=path, **engine)}
     for k in args.k:
-        spec = {"method": "mtp", "num_speculative_tokens": k}
+        spec = {"method": args.method, "num_speculative_tokens": k}
+        if args.method == "ngram":
+            spec["prompt_lookup_min"], spec["prompt_lookup_max"] = 1, args.lookup_max
         if not args.default_disable:  # draft at every batch size, to find the crossover
             spec["disable_by_batch_size"] = None
         engines[k] = LLM(model=path, speculative_config=spec, **engine)
     clock = CLOCKS[args.clock]
     print(f"\n{name}: decode tok/s ({args.clock} time, median of {args.repeats} interleaved rounds), greedy, "
-          f"{args.max_tokens} tokens per request, {args.threads} thread(s)")
+          f"{args.max_tokens} tokens per request, {args.threads} thread(s), drafts by {args.method}")
     columns = [f"k={k} (ratio) | k={k} acceptance per position | k={k} mean accepted length" for k in args.k]
-    print("| batch | no MTP | " + " | ".join(columns) + " |")
+    print("| batch | no drafts | " + " | ".join(columns) + " |")
     print("|---|---|" + "---|---|---|" * len(args.k))
     for batch in args.batch:
         groups = groups_for(batch)
@@ -215,12 +221,15 @@ def main() -> None:
                    help="keep the default disable_by_batch_size (otherwise every batch size drafts)")
     p.add_argument("--skip-random", action="store_true", help="the embedded model only")
     p.add_argument("--quick", action="store_true", help="batch 1 and 4, k=1, one repeat")
+    p.add_argument("--method", choices=["mtp", "ngram"], default="mtp")
+    p.add_argument("--lookup-max", type=int, default=3, help="ngram: prompt_lookup_max (prompt_lookup_min is 1)")
+    p.add_argument("--prompt-repeats", type=int, default=1, help="each embedded prompt said this many times")
     args = p.parse_args()
     if args.quick:
         args.batch, args.k, args.repeats, args.max_tokens = [1, 4], [1], 1, 24
     torch.set_num_threads(args.threads)
     embedded = default_model_dir()
-    bench_model("embedded model", embedded, embedded_groups, args)
+    bench_model("embedded model", embedded, lambda b: embedded_groups(b, args.prompt_repeats), args)
     if args.cost_model:
         cost_model("embedded model", embedded, args)
     if args.skip_random:
