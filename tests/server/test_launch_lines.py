@@ -114,6 +114,17 @@ def test_vllm_mtp_line(monkeypatch):
         chat(client, DEFAULT_MODEL_DIR.name)
 
 
+def test_vllm_ngram_line(monkeypatch):
+    argv = vllm_line("vllm serve deepseek-ai/DeepSeek-V2-Lite-Chat --speculative-config '{{\"method\": \"ngram\", "
+                     "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}}'", DEFAULT_MODEL_DIR)
+    client, _ = start(argv, monkeypatch)
+    with client:
+        engine = client.app.state.engine.engine
+        proposer = engine.runner.spec_decoder.proposer
+        assert (type(proposer).__name__, proposer.k, proposer.min_n, proposer.max_n) == ("NgramProposer", 3, 4, 4)
+        chat(client, DEFAULT_MODEL_DIR.name)
+
+
 def test_vllm_recipe_line(monkeypatch, capsys):
     argv = vllm_line("vllm serve deepseek-ai/DeepSeek-V3 --trust-remote-code --tensor-parallel-size 1 "
                      "--enable-prefix-caching --enable-chunked-prefill --kv-cache-dtype auto "
