@@ -1,6 +1,7 @@
 """The tool parser interface and its registry."""
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 from latentserve.server.tool_protocol import FunctionCall
@@ -16,6 +17,17 @@ class ToolParser:
     def extract_tool_calls(self, text: str, partial: bool = False,
                            tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
         raise NotImplementedError
+
+
+def decode_argument(text: str, is_string: bool) -> object:
+    """An argument written as text: the text itself for a string, else its JSON value (the text where it is not
+    JSON: a model may write an untyped value raw)."""
+    if is_string:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:

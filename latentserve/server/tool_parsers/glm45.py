@@ -7,7 +7,7 @@ import json
 import re
 
 from latentserve.engine.reasoning.base import held_back
-from latentserve.server.tool_parsers.base import ToolParser, register_tool_parser
+from latentserve.server.tool_parsers.base import ToolParser, decode_argument, register_tool_parser
 from latentserve.server.tool_protocol import FunctionCall
 
 CALL_BEGIN = "<tool_call>"
@@ -29,18 +29,9 @@ def _allows_string(kind: object) -> bool:
     return kind == "string" or (isinstance(kind, list) and "string" in kind)
 
 
-def _decode(value: str, is_string: bool) -> object:
-    if is_string:
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:  # an untyped parameter written raw, as the template writes every string
-        return value
-
-
 def _call(name: str, arguments_text: str, tools: list[dict] | None) -> FunctionCall:
     strings = _string_keys(tools, name)
-    arguments = {m["key"].strip(): _decode(m["value"], m["key"].strip() in strings)
+    arguments = {m["key"].strip(): decode_argument(m["value"], m["key"].strip() in strings)
                  for m in _ARGUMENT.finditer(arguments_text)}
     return FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False))
 
