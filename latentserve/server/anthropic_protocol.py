@@ -17,8 +17,8 @@ BLOCKS_BY_ROLE = {"user": ("text", "tool_result"), "assistant": ("text", "tool_u
 
 
 class CacheControl(StrictModel):
-    """Anthropic's prompt-caching breakpoint. Accepted wherever Anthropic takes it: the engine caches every prompt's
-    prefix by itself, so a breakpoint asks for nothing more."""
+    """Anthropic's prompt-caching breakpoint. Accepted wherever Anthropic takes it: prefix caching (on by default)
+    caches every prompt's prefix without breakpoints, so one asks for nothing more."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
