@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, health, metrics, API key, draining, and errors in OpenAI's format."""
+"""The FastAPI app: OpenAI routes and Anthropic's /v1/messages, health, metrics, API key, draining, and errors in
+OpenAI's format (Anthropic's on its route)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from latentserve.server.anthropic_protocol import (
+    AnthropicCountTokensRequest,
+    AnthropicCountTokensResponse,
+    AnthropicErrorResponse,
+    AnthropicMessagesRequest,
+    AnthropicMessagesResponse,
+    anthropic_error,
+)
 from latentserve.server.async_engine import AsyncLLMEngine, Engine
 from latentserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from latentserve.server.protocol_responses import (
@@ -31,12 +40,16 @@ from latentserve.server.protocol_responses import (
 from latentserve.server.serving import OpenAIError, unavailable
 from latentserve.server.serving_chat import ServingChat
 from latentserve.server.serving_completion import ServingCompletion
+from latentserve.server.serving_messages import AnthropicServingMessages
 from latentserve.server.serving_tokens import ServingTokens
 from latentserve.server.tool_parsers import get_tool_parser
 
 logger = logging.getLogger(__name__)
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 503)}
+_ANTHROPIC_ERRORS = {status: {"model": AnthropicErrorResponse} for status in _ERRORS}
+# Anthropic's routes: their errors are in Anthropic's shape, and their clients send the API key as x-api-key.
+ANTHROPIC_PREFIX = "/v1/messages"
 # Largest request body by default: room for a prompt far past any context window, small enough to parse quickly.
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 # Seconds a request body may stall before its end.
@@ -75,20 +88,24 @@ class _Gate:
         if self.state.draining:
             error = unavailable("the server is shutting down")
         elif self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
-            error = OpenAIError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                                type="authentication_error", code="invalid_api_key")
+            how = "'Authorization: Bearer <key>' or 'x-api-key: <key>'" if _is_anthropic(scope["path"]) else \
+                "'Authorization: Bearer <key>'"
+            error = OpenAIError(401, f"missing or wrong API key (send {how})", type="authentication_error",
+                                code="invalid_api_key")
         else:
             self.state.in_flight += 1
             try:
                 return await self.app(scope, receive, send)
             finally:
                 self.state.in_flight -= 1
-        await _error_response(error)(scope, receive, send)
+        await _error_response(error, scope["path"])(scope, receive, send)
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"")
-        return hmac.compare_digest(given, b"Bearer " + self.api_key.encode())
+        key = self.api_key.encode()
+        if _is_anthropic(scope["path"]) and b"x-api-key" in headers:
+            return hmac.compare_digest(headers[b"x-api-key"], key)
+        return hmac.compare_digest(headers.get(b"authorization", b""), b"Bearer " + key)
 
 
 class _BodyLimit:
@@ -106,7 +123,7 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await _error_response(self._error())(scope, receive, send)
+            return await _error_response(self._error(), scope["path"])(scope, receive, send)
         received, body_done = 0, False
 
         async def limited_receive() -> dict:
@@ -131,8 +148,14 @@ class _BodyLimit:
                                 "(--max-request-bytes)", code="request_too_large")
 
 
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code)
+def _is_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def _error_response(error: OpenAIError, path: str) -> JSONResponse:
+    """The error in the format of the API `path` belongs to."""
+    body = anthropic_error(error).model_dump() if _is_anthropic(path) else error.body()
+    return JSONResponse(body, status_code=error.status_code)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -155,23 +178,23 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_response(exc)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _error_response(OpenAIError(400, message, param=param))
+        return _error_response(OpenAIError(400, message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _error_response(OpenAIError(exc.status_code, str(exc.detail), type=error_type))
+        return _error_response(OpenAIError(exc.status_code, str(exc.detail), type=error_type), request.url.path)
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error")
-        return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"))
+        return _error_response(OpenAIError(500, f"internal error: {exc!r}", type="server_error"), request.url.path)
 
 
 def _version() -> str:
@@ -211,6 +234,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     completions = ServingCompletion(async_engine, model_name)
     tool_parser = get_tool_parser(tool_call_parser)() if tool_call_parser is not None else None
     chat = ServingChat(async_engine, model_name, tool_parser, chat_template, default_chat_template_kwargs)
+    messages = AnthropicServingMessages(chat)
     tokens = ServingTokens(async_engine, model_name, chat_template, default_chat_template_kwargs)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
@@ -261,5 +285,14 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     @app.post("/v1/chat/completions", responses=_ERRORS, response_model=ChatCompletionResponse)
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await chat.create(req, raw_request)
+
+    @app.post(ANTHROPIC_PREFIX, responses=_ANTHROPIC_ERRORS, response_model=AnthropicMessagesResponse)
+    async def create_messages(req: AnthropicMessagesRequest, raw_request: Request):
+        """Anthropic's Messages API."""
+        return await messages.create_messages(req, raw_request)
+
+    @app.post(f"{ANTHROPIC_PREFIX}/count_tokens", responses=_ANTHROPIC_ERRORS)
+    async def count_tokens(req: AnthropicCountTokensRequest) -> AnthropicCountTokensResponse:
+        return await messages.count_tokens(req)
 
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Request as HTTPRequest
@@ -91,6 +91,16 @@ def top_entries(entry: LogprobsOnePosition, k: int) -> list[tuple[int, Logprob]]
 def sse(payload: BaseModel | dict) -> str:
     text = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {text}\n\n"
+
+
+@dataclass(frozen=True)
+class EventFormat:
+    """How a stream writes its events and errors, and what closes it: OpenAI's `data:` lines and `[DONE]` by
+    default (the Anthropic route writes its own)."""
+
+    event: Callable[[BaseModel | dict], str] = sse
+    error: Callable[[OpenAIError], str] = lambda error: sse(error.body())
+    end: str = "data: [DONE]\n\n"
 
 
 def encode(tokenizer: TokenizerInfo, text: str, add_special_tokens: bool = True) -> tuple[int, Callable[[], list[int]]]:
@@ -299,33 +309,36 @@ class Serving:
 
     def stream_response(self, streams: list[RequestStream],
                         chunks: Callable[[int, RequestOutput], Iterable[BaseModel]],
-                        usage_chunk: Callable[[UsageInfo], BaseModel] | None) -> StreamingResponse:
-        return StreamingResponse(self._events(streams, chunks, usage_chunk), media_type="text/event-stream")
+                        usage_chunk: Callable[[UsageInfo], BaseModel] | None,
+                        events: EventFormat = EventFormat()) -> StreamingResponse:
+        return StreamingResponse(self._events(streams, chunks, usage_chunk, events), media_type="text/event-stream")
 
     async def _events(self, streams: list[RequestStream], chunks: Callable[[int, RequestOutput], Iterable[BaseModel]],
-                      usage_chunk: Callable[[UsageInfo], BaseModel] | None) -> AsyncIterator[str]:
-        """Server-sent events: the chunks of each output (prompt index, output), the usage if asked, then [DONE]."""
+                      usage_chunk: Callable[[UsageInfo], BaseModel] | None, events: EventFormat) -> AsyncIterator[str]:
+        """Server-sent events: the chunks of each output (prompt index, output), the usage if asked, then the end
+        ([DONE]), written as `events` says."""
         last: dict[int, RequestOutput] = {}
         try:
             async for i, output in merge(streams):
                 if output.error is not None:
-                    yield sse(OpenAIError(400, output.error).body())
+                    yield events.error(OpenAIError(400, output.error))
                     break
                 last[i] = output
                 for chunk in chunks(i, output):
-                    yield sse(chunk)
+                    yield events.event(chunk)
             else:
                 if usage_chunk is not None:
-                    yield sse(usage_chunk(usage(list(last.values()))))
+                    yield events.event(usage_chunk(usage(list(last.values()))))
         except EngineDeadError as e:
-            yield sse(unavailable(str(e)).body())
+            yield events.error(unavailable(str(e)))
         except ValueError as e:  # the engine refused the request
-            yield sse(OpenAIError(400, str(e)).body())
+            yield events.error(OpenAIError(400, str(e)))
         finally:
             for stream in streams:
                 if not stream.finished:  # the client went away (this generator was cancelled or closed), or an error
                     self.engine.abort(stream.request_id)
-        yield "data: [DONE]\n\n"
+        if events.end:
+            yield events.end
 
     def num_listed_tokens(self, completion: CompletionOutput, skip_special_tokens: bool) -> int:
         """How many of the completion's tokens its logprobs list: not the last ones, whose text a stop string cut

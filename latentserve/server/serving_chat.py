@@ -1,7 +1,7 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response, StreamingResponse
@@ -9,6 +9,7 @@ from fastapi.responses import Response, StreamingResponse
 from latentserve.engine.outputs import Logprob, LogprobsOnePosition, RequestOutput
 from latentserve.engine.reasoning import ReasoningParser, parser_for_prompt
 from latentserve.engine.structured.backend import build_grammar
+from latentserve.sampling_params import SamplingParams
 from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
 from latentserve.server.chat_output import ChatOutput
 from latentserve.server.protocol import ChatCompletionRequest, answer_id, random_id
@@ -28,6 +29,26 @@ from latentserve.server.tool_parsers import ToolParser
 from latentserve.server.tools import ToolPlan, plan_tools
 
 
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request ready for the engine."""
+
+    req: ChatCompletionRequest  # with the model's generation defaults filled in
+    params: SamplingParams
+    plan: ToolPlan
+    token_ids: list[int]  # the rendered prompt's
+    reasoning_parser: ReasoningParser | None  # None also where the prompt already closed the reasoning
+
+    @property
+    def top_k(self) -> int | None:
+        return _top_k(self.req)
+
+
+def _top_k(req: ChatCompletionRequest) -> int | None:
+    """How many top logprobs each token lists; None: no logprobs."""
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
 class ServingChat(Serving):
     def __init__(self, engine: AsyncLLMEngine, model_name: str, tool_parser: ToolParser | None = None,
                  chat_template: str | None = None, default_chat_template_kwargs: dict | None = None) -> None:
@@ -38,31 +59,39 @@ class ServingChat(Serving):
     def reasoning_parser(self) -> ReasoningParser | None:
         return getattr(self.engine.engine, "reasoning_parser", None)
 
-    async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
+    async def prepare(self, req: ChatCompletionRequest) -> PreparedChat:
+        """Everything before the engine runs the request: its sampling params and tool plan, the rendered prompt's
+        token ids and the reasoning parser for them (also what /v1/messages runs, translated into a chat request)."""
         self.check_model(req.model)
         req = self.with_defaults(req)
-        top_k = (req.top_logprobs or 0) if req.logprobs else None
-        params = sampling_params(req, req.max_new_tokens, top_k)
+        params = sampling_params(req, req.max_new_tokens, _top_k(req))
         plan = self._plan_tools(req)
         if plan.structured_outputs is not None:
             params = replace(params, structured_outputs=plan.structured_outputs)
         prompt = await self.render(req.messages, req, plan.tools)
         token_ids = (await self.prompt_ids([prompt], params, req.max_new_tokens, "messages",
                                            req.add_special_tokens))[0]
-        reasoning_parser = parser_for_prompt(self.reasoning_parser, token_ids)
+        return PreparedChat(req, params, plan, token_ids, parser_for_prompt(self.reasoning_parser, token_ids))
+
+    def output(self, prepared: PreparedChat) -> ChatOutput:
+        """A new parser of one choice's output text."""
+        return ChatOutput(prepared.reasoning_parser, prepared.plan, self.tool_parser)
+
+    async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
+        prepared = await self.prepare(req)
+        req, top_k = prepared.req, prepared.top_k
         request_id = random_id("chatcmpl")
         response_id = answer_id(request_id, "chatcmpl", req)
-        stream = self.add_request(token_ids, params, request_id)
+        stream = self.add_request(prepared.token_ids, prepared.params, request_id)
         if req.stream:
-            return self._stream(req, stream, response_id, top_k, plan, reasoning_parser)
+            return self._stream(prepared, stream, response_id)
         outputs = await self.run_to_end([stream], raw_request)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening
         output, ids = outputs[0], req.return_token_ids
         choices = []
         for c in output.outputs:
-            message, finish_reason = ChatOutput(reasoning_parser, plan, self.tool_parser).message(
-                c.text, c.finish_reason)
+            message, finish_reason = self.output(prepared).message(c.text, c.finish_reason)
             listed = self.num_listed_tokens(c, req.skip_special_tokens)
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish_reason,
                                       stop_reason=c.stop_reason,
@@ -83,8 +112,8 @@ class ServingChat(Serving):
             raise OpenAIError(400, str(e).replace("structured_outputs.json", "tools parameters"), param=param) from e
         return plan
 
-    def _stream(self, req: ChatCompletionRequest, stream: RequestStream, response_id: str, top_k: int | None,
-                plan: ToolPlan, reasoning_parser: ReasoningParser | None) -> StreamingResponse:
+    def _stream(self, prepared: PreparedChat, stream: RequestStream, response_id: str) -> StreamingResponse:
+        req, top_k = prepared.req, prepared.top_k
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) sent
         parsers: dict[int, ChatOutput] = {}
         ids = req.return_token_ids
@@ -102,7 +131,7 @@ class ServingChat(Serving):
             for completion in output.outputs:
                 if completion.index not in sent:
                     sent[completion.index] = (0, 0)
-                    parsers[completion.index] = ChatOutput(reasoning_parser, plan, self.tool_parser)
+                    parsers[completion.index] = self.output(prepared)
                     out.append(chunk(completion.index, DeltaMessage(role="assistant", content=""),
                                      token_ids=[] if ids else None,
                                      prompt_token_ids=output.prompt_token_ids if ids else None))

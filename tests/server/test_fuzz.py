@@ -35,7 +35,8 @@ def schema(fuzz_server):
 @pytest.mark.parametrize("method, path", [
     ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
     ("GET", "/v1/models/{model_id}"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
-    ("GET", "/ping"), ("GET", "/health"), ("GET", "/metrics"),
+    ("GET", "/ping"), ("GET", "/health"), ("GET", "/metrics"), ("POST", "/v1/messages"),
+    ("POST", "/v1/messages/count_tokens"),
 ])
 def test_no_server_errors(fuzz_server, schema, method, path):
     operation = next(op for op in (r.ok() for r in schema.get_all_operations())
