@@ -24,13 +24,26 @@ class CacheControl(StrictModel):
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlockParam(StrictModel):
+class BlockParam(StrictModel):
+    """A content block sent in a conversation. A key set to null that this server does not know is dropped: clients
+    echo back the blocks they were given with their newer optional fields empty, which ask for nothing; any other
+    unknown key is refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
+
+
+class TextBlockParam(BlockParam):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
 
 
-class ToolUseBlockParam(StrictModel):
+class ToolUseBlockParam(BlockParam):
     """A call an assistant made, sent back in the conversation."""
 
     type: Literal["tool_use"]
@@ -40,7 +53,7 @@ class ToolUseBlockParam(StrictModel):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlockParam(StrictModel):
+class ToolResultBlockParam(BlockParam):
     """A call's result, in a user message."""
 
     type: Literal["tool_result"]
@@ -60,7 +73,7 @@ class ToolResultBlockParam(StrictModel):
         return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
 
 
-class ThinkingBlockParam(StrictModel):
+class ThinkingBlockParam(BlockParam):
     """An assistant's earlier reasoning, sent back. Its signature is not checked (this server signs nothing)."""
 
     type: Literal["thinking"]

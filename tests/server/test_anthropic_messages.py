@@ -208,6 +208,15 @@ def test_tool_result_renders_as_the_chat_paths_tool_message(tools_server, is_err
     second = client.messages.create(max_tokens=5, messages=messages, tool_choice={"type": "none"}, **body)
     assert second.usage.input_tokens == len(expected)
     assert [b.type for b in second.content] == ["text"] and second.stop_reason in ("end_turn", "max_tokens")
+    # The block echoed back as a dict, with the client's newer optional fields null: they ask for nothing.
+    echoed = {**block.model_dump(), "caller": None, "toolset_name": None}
+    messages[-2] = {"role": "assistant", "content": [echoed]}
+    assert client.messages.count_tokens(model=MODEL_NAME, messages=messages, tools=TOOLS).input_tokens == len(
+        rendered_ids(DEFAULT_MODEL_DIR, reference, tools=OPENAI_TOOLS))
+    with pytest.raises(anthropic.BadRequestError, match="caller"):
+        client.messages.count_tokens(model=MODEL_NAME, tools=TOOLS,
+                                     messages=messages[:-2] + [{"role": "assistant", "content": [
+                                         {**echoed, "caller": "me"}]}, messages[-1]])
 
 
 @pytest.fixture(scope="module")
