@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from latentserve.server.protocol import StrictModel, find_lone_surrogate
+from latentserve.server.protocol import StrictModel, UnicodeModel
 from latentserve.server.serving import OpenAIError
 
 # The content blocks each role's messages may hold here: text only (no images or documents), the tool calls an
@@ -153,7 +153,7 @@ class AnthropicMetadata(StrictModel):
     user_id: str | None = Field(None, description="accepted and not used")
 
 
-class AnthropicCountTokensRequest(StrictModel):
+class AnthropicCountTokensRequest(UnicodeModel):
     """POST /v1/messages/count_tokens: what the prompt of a messages request holds."""
 
     model: str
@@ -163,15 +163,6 @@ class AnthropicCountTokensRequest(StrictModel):
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
     cache_control: CacheControl | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_raw(cls, data: Any) -> Any:
-        path = find_lone_surrogate(data)
-        if path is not None:
-            raise PydanticCustomError("lone_surrogate", "{field}: the string is not valid Unicode (a lone surrogate)",
-                                      {"field": path})
-        return data
 
 
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):

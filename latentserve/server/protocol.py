@@ -72,6 +72,20 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class UnicodeModel(StrictModel):
+    """A request body: a string in it that is not valid Unicode (a lone surrogate, which JSON can carry and no
+    tokenizer can encode) is refused by its path."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = find_lone_surrogate(data)
+        if path is not None:
+            raise PydanticCustomError("lone_surrogate", "{field}: the string is not valid Unicode (a lone surrogate)",
+                                      {"field": path})
+        return data
+
+
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
@@ -97,7 +111,7 @@ class ResponseFormat(StrictModel):
         return self
 
 
-class SamplingRequest(StrictModel):
+class SamplingRequest(UnicodeModel):
     """The sampling fields that completions and chat share (OpenAI's, then vLLM's extensions)."""
 
     model: str
@@ -142,10 +156,6 @@ class SamplingRequest(StrictModel):
     def _check_raw(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        path = find_lone_surrogate(data)
-        if path is not None:
-            raise PydanticCustomError("lone_surrogate", "{field}: the string is not valid Unicode (a lone surrogate)",
-                                      {"field": path})
         for name, reason in UNSUPPORTED.items():
             if data.get(name) is not None and name not in cls.model_fields:
                 raise PydanticCustomError("unsupported", "{field}: " + reason, {"field": name})
@@ -231,7 +241,7 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatTemplateFields(StrictModel):
+class ChatTemplateFields(UnicodeModel):
     """How chat messages are rendered (vLLM's fields): `chat_template_kwargs` are more variables for the template
     (e.g. DeepSeek-V3.1's `thinking`, GLM's `enable_thinking`), over the server's --default-chat-template-kwargs."""
 
@@ -286,15 +296,6 @@ class TokenizeRequest(ChatTemplateFields):
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
     return_token_strs: StrictBool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_raw(cls, data: Any) -> Any:
-        path = find_lone_surrogate(data)
-        if path is not None:
-            raise PydanticCustomError("lone_surrogate", "{field}: the string is not valid Unicode (a lone surrogate)",
-                                      {"field": path})
-        return data
 
     @model_validator(mode="after")
     def _one_input(self):

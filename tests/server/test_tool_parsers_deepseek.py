@@ -9,7 +9,7 @@ from latentserve.engine.reasoning import get_reasoning_parser
 from latentserve.server.chat_output import ChatOutput
 from latentserve.server.tool_parsers import get_tool_parser
 from latentserve.server.tools import ToolPlan
-from tests.server.test_tool_parsers_glm_kimi import TOKENIZER, TOOLS, WEATHER
+from tests.server.test_tool_parsers_glm_kimi import TOKENIZER, TOOLS, WEATHER, streamed_parts
 
 
 def v31_calls(*calls: tuple[str, dict]) -> str:
@@ -79,14 +79,6 @@ def test_streamed_deltas_add_up_to_the_whole_message(name, step):
     message, reason = output().message(text, "stop")
     assert message.reasoning_content == "Weather wanted." and message.content.strip() == "Let me check."
     assert [c.function.name for c in message.tool_calls] == ["get_weather", "get_time"] and reason == "tool_calls"
-    streaming, previous, got = output(), "", {"reasoning": "", "content": "", "calls": []}
-    for cut in list(range(step, len(text), step)) + [len(text)]:
-        delta = streaming.delta(previous, text[:cut], finished=cut == len(text))
-        previous = text[:cut]
-        if delta is None:
-            continue
-        got["reasoning"] += delta.reasoning_content or ""
-        got["content"] += delta.content or ""
-        got["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+    got = streamed_parts(output(), text, step)
     assert (got["reasoning"], got["content"]) == (message.reasoning_content, message.content)
     assert got["calls"] == [(c.function.name, c.function.arguments) for c in message.tool_calls]

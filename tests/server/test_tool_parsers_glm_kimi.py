@@ -88,6 +88,21 @@ STREAMS = [
 ]
 
 
+def streamed_parts(streaming: ChatOutput, text: str, step: int) -> dict:
+    """The reasoning, content and calls `streaming`'s deltas add up to when `text` arrives `step` characters at a
+    time."""
+    previous, got = "", {"reasoning": "", "content": "", "calls": []}
+    for cut in list(range(step, len(text), step)) + [len(text)]:
+        delta = streaming.delta(previous, text[:cut], finished=cut == len(text))
+        previous = text[:cut]
+        if delta is None:
+            continue
+        got["reasoning"] += delta.reasoning_content or ""
+        got["content"] += delta.content or ""
+        got["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+    return got
+
+
 @pytest.mark.parametrize("reasoning_name, tool_name, text, reasoning, content, names", STREAMS)
 @pytest.mark.parametrize("step", [1, 3, 7])
 def test_streamed_deltas_add_up_to_the_whole_message(reasoning_name, tool_name, text, reasoning, content, names, step):
@@ -98,15 +113,7 @@ def test_streamed_deltas_add_up_to_the_whole_message(reasoning_name, tool_name, 
     assert (message.reasoning_content, message.content) == (reasoning, content)
     assert [c.function.name for c in message.tool_calls] == names
     assert reason == ("tool_calls" if names else "stop")
-    streaming, previous, got = output(), "", {"reasoning": "", "content": "", "calls": []}
-    for cut in list(range(step, len(text), step)) + [len(text)]:
-        delta = streaming.delta(previous, text[:cut], finished=cut == len(text))
-        previous = text[:cut]
-        if delta is None:
-            continue
-        got["reasoning"] += delta.reasoning_content or ""
-        got["content"] += delta.content or ""
-        got["calls"] += [(c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+    got = streamed_parts(output(), text, step)
     assert (got["reasoning"] or None, got["content"] or None) == (reasoning, content)
     assert got["calls"] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
 

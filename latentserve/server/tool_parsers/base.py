@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from latentserve.engine.reasoning.base import held_back
 from latentserve.server.tool_protocol import FunctionCall
 
 _PARSERS: dict[str, type["ToolParser"]] = {}
@@ -17,6 +18,15 @@ class ToolParser:
     def extract_tool_calls(self, text: str, partial: bool = False,
                            tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
         raise NotImplementedError
+
+
+def split_at_calls(text: str, begin: str, partial: bool) -> tuple[str, str]:
+    """(the content before the calls' marker `begin`, the text from the marker on); a partial output holds back a
+    content tail that could still become the marker."""
+    content, marker, calls_text = text.partition(begin)
+    if not marker and partial:
+        content = content[: len(content) - held_back(content, begin)]
+    return content, marker + calls_text
 
 
 def decode_argument(text: str, is_string: bool) -> object:

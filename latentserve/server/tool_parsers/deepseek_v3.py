@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import re
 
-from latentserve.engine.reasoning.base import held_back
-from latentserve.server.tool_parsers.base import ToolParser, register_tool_parser
+from latentserve.server.tool_parsers.base import ToolParser, register_tool_parser, split_at_calls
 from latentserve.server.tool_protocol import FunctionCall
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -15,11 +14,11 @@ _CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*?)<｜tool▁sep｜>(
 
 @register_tool_parser("deepseek_v3")
 class DeepSeekV3ToolParser(ToolParser):
+    call = _CALL  # one call, with its `name` and `arguments` groups
+
     def extract_tool_calls(self, text: str, partial: bool = False,
                            tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
-        content, marker, calls_text = text.partition(CALLS_BEGIN)
-        if not marker and partial:
-            content = content[: len(content) - held_back(content, CALLS_BEGIN)]
+        content, calls_text = split_at_calls(text, CALLS_BEGIN, partial)
         calls = [FunctionCall(name=m["name"].strip(), arguments=m["arguments"].strip())
-                 for m in _CALL.finditer(calls_text)]
+                 for m in self.call.finditer(calls_text)]
         return content or None, calls

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 import re
 
-from latentserve.engine.reasoning.base import held_back
-from latentserve.server.tool_parsers.base import ToolParser, decode_argument, register_tool_parser
+from latentserve.server.tool_parsers.base import ToolParser, decode_argument, register_tool_parser, split_at_calls
 from latentserve.server.tool_protocol import FunctionCall
 
 CALLS_BEGIN = "<｜DSML｜function_calls>"
@@ -26,8 +25,6 @@ def _call(name: str, arguments_text: str) -> FunctionCall:
 class DeepSeekV32ToolParser(ToolParser):
     def extract_tool_calls(self, text: str, partial: bool = False,
                            tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
-        content, marker, calls_text = text.partition(CALLS_BEGIN)
-        if not marker and partial:
-            content = content[: len(content) - held_back(content, CALLS_BEGIN)]
+        content, calls_text = split_at_calls(text, CALLS_BEGIN, partial)
         calls = [_call(m["name"], m["arguments"]) for m in _INVOKE.finditer(calls_text)]
         return content or None, calls

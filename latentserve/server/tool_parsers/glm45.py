@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from latentserve.engine.reasoning.base import held_back
-from latentserve.server.tool_parsers.base import ToolParser, decode_argument, register_tool_parser
+from latentserve.server.tool_parsers.base import ToolParser, decode_argument, register_tool_parser, split_at_calls
 from latentserve.server.tool_protocol import FunctionCall
 
 CALL_BEGIN = "<tool_call>"
@@ -40,8 +39,6 @@ def _call(name: str, arguments_text: str, tools: list[dict] | None) -> FunctionC
 class GLM45ToolParser(ToolParser):
     def extract_tool_calls(self, text: str, partial: bool = False,
                            tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
-        content, marker, calls_text = text.partition(CALL_BEGIN)
-        if not marker and partial:
-            content = content[: len(content) - held_back(content, CALL_BEGIN)]
-        calls = [_call(m["name"].strip(), m["arguments"], tools) for m in _CALL.finditer(marker + calls_text)]
+        content, calls_text = split_at_calls(text, CALL_BEGIN, partial)
+        calls = [_call(m["name"].strip(), m["arguments"], tools) for m in _CALL.finditer(calls_text)]
         return content or None, calls

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import re
 
-from latentserve.engine.reasoning.base import held_back
-from latentserve.server.tool_parsers.base import ToolParser, register_tool_parser
+from latentserve.server.tool_parsers.base import ToolParser, register_tool_parser, split_at_calls
 from latentserve.server.tool_protocol import FunctionCall
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -23,8 +22,6 @@ def _name(call_id: str) -> str:
 class KimiK2ToolParser(ToolParser):
     def extract_tool_calls(self, text: str, partial: bool = False,
                            tools: list[dict] | None = None) -> tuple[str | None, list[FunctionCall]]:
-        content, marker, calls_text = text.partition(SECTION_BEGIN)
-        if not marker and partial:
-            content = content[: len(content) - held_back(content, SECTION_BEGIN)]
+        content, calls_text = split_at_calls(text, SECTION_BEGIN, partial)
         calls = [FunctionCall(name=_name(m["id"]), arguments=m["arguments"]) for m in _CALL.finditer(calls_text)]
         return content or None, calls
