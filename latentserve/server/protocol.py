@@ -87,7 +87,15 @@ class UnicodeModel(StrictModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: StrictBool = False
+    include_usage: StrictBool = False  # a last chunk with the usage
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries its prompt's usage so far
+
+    @model_validator(mode="after")
+    def _usage_first(self):
+        if self.continuous_usage_stats and not self.include_usage:
+            raise PydanticCustomError("stream_options", "{field}: continuous_usage_stats needs include_usage=true",
+                                      {"field": "stream_options"})
+        return self
 
 
 class JsonSchemaFormat(StrictModel):

@@ -310,13 +310,15 @@ class Serving:
     def stream_response(self, streams: list[RequestStream],
                         chunks: Callable[[int, RequestOutput], Iterable[BaseModel]],
                         usage_chunk: Callable[[UsageInfo], BaseModel] | None,
-                        events: EventFormat = EventFormat()) -> StreamingResponse:
-        return StreamingResponse(self._events(streams, chunks, usage_chunk, events), media_type="text/event-stream")
+                        events: EventFormat = EventFormat(), continuous_usage: bool = False) -> StreamingResponse:
+        return StreamingResponse(self._events(streams, chunks, usage_chunk, events, continuous_usage),
+                                 media_type="text/event-stream")
 
     async def _events(self, streams: list[RequestStream], chunks: Callable[[int, RequestOutput], Iterable[BaseModel]],
-                      usage_chunk: Callable[[UsageInfo], BaseModel] | None, events: EventFormat) -> AsyncIterator[str]:
-        """Server-sent events: the chunks of each output (prompt index, output), the usage if asked, then the end
-        ([DONE]), written as `events` says."""
+                      usage_chunk: Callable[[UsageInfo], BaseModel] | None, events: EventFormat,
+                      continuous_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: the chunks of each output (prompt index, output), each with its prompt's usage so far
+        where `continuous_usage`, the usage if asked, then the end ([DONE]), written as `events` says."""
         last: dict[int, RequestOutput] = {}
         try:
             async for i, output in merge(streams):
@@ -325,6 +327,8 @@ class Serving:
                     break
                 last[i] = output
                 for chunk in chunks(i, output):
+                    if continuous_usage:
+                        chunk.usage = usage([output])
                     yield events.event(chunk)
             else:
                 if usage_chunk is not None:

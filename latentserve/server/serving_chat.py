@@ -152,8 +152,10 @@ class ServingChat(Serving):
         def usage_chunk(info: UsageInfo) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=response_id, model=self.model_name, choices=[], usage=info)
 
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return self.stream_response([stream], chunks, usage_chunk if include_usage else None)
+        options = req.stream_options
+        include_usage = options is not None and options.include_usage
+        return self.stream_response([stream], chunks, usage_chunk if include_usage else None,
+                                    continuous_usage=options is not None and options.continuous_usage_stats)
 
     def _top(self, token_id: int, logprob: Logprob, as_id: bool) -> TopLogprob:
         text = self.logprob_text(token_id, logprob)

@@ -115,8 +115,10 @@ class ServingCompletion(Serving):
         def usage_chunk(info: UsageInfo) -> CompletionResponse:
             return CompletionResponse(id=response_id, model=self.model_name, choices=[], usage=info)
 
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return self.stream_response(streams, chunks, usage_chunk if include_usage else None)
+        options = req.stream_options
+        include_usage = options is not None and options.include_usage
+        return self.stream_response(streams, chunks, usage_chunk if include_usage else None,
+                                    continuous_usage=options is not None and options.continuous_usage_stats)
 
     def _logprobs(self, token_ids: list[int], entries: list[LogprobsOnePosition] | None, k: int | None,
                   offset: int, as_ids: bool) -> CompletionLogprobs | None:

@@ -138,3 +138,22 @@ def test_the_whole_vocabulary_of_logprobs(http, model_dir):
         assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)  # greedy: the top one
     finally:
         server.stop()
+
+
+def test_continuous_usage_stats(http):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = [PROMPT, "a quick brown fox jumps"]
+    whole = _post(http, "/v1/completions", prompt=prompts, return_token_ids=True)
+    events = _events(http, "/v1/completions", prompt=prompts, stream_options=options)
+    for index, choice in enumerate(whole["choices"]):
+        mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        counts = [e["usage"]["completion_tokens"] for e in mine]
+        assert counts == sorted(counts) and counts[-1] == len(choice["token_ids"])
+        assert {e["usage"]["prompt_tokens"] for e in mine} == {len(choice["prompt_token_ids"])}
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    chat = _events(http, "/v1/chat/completions", messages=MESSAGES, stream_options=options)
+    assert all(e["usage"] is not None for e in chat)
+    assert chat[-2]["usage"]["completion_tokens"] == chat[-1]["usage"]["completion_tokens"]
+    refused = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": PROMPT, "stream": True,
+                                                 "stream_options": {"continuous_usage_stats": True}})
+    assert refused.status_code == 400 and "needs include_usage=true" in refused.json()["error"]["message"]
