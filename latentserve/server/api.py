@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes and Anthropic's /v1/messages, health, metrics, API key, draining, and errors in
-OpenAI's format (Anthropic's on its route)."""
+"""The FastAPI app: OpenAI routes (the stateless Responses API among them) and Anthropic's /v1/messages, health,
+metrics, API key, draining, and errors in OpenAI's format (Anthropic's on its route)."""
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +27,7 @@ from latentserve.server.anthropic_protocol import (
 )
 from latentserve.server.async_engine import AsyncLLMEngine, Engine
 from latentserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from latentserve.server.responses_protocol import ResponsesRequest, ResponsesResponse
 from latentserve.server.protocol_responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -41,6 +42,7 @@ from latentserve.server.serving import OpenAIError, unavailable
 from latentserve.server.serving_chat import ServingChat
 from latentserve.server.serving_completion import ServingCompletion
 from latentserve.server.serving_messages import AnthropicServingMessages
+from latentserve.server.serving_responses import ServingResponses
 from latentserve.server.serving_tokens import ServingTokens
 from latentserve.server.tool_parsers import get_tool_parser
 
@@ -235,6 +237,7 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     tool_parser = get_tool_parser(tool_call_parser)() if tool_call_parser is not None else None
     chat = ServingChat(async_engine, model_name, tool_parser, chat_template, default_chat_template_kwargs)
     messages = AnthropicServingMessages(chat)
+    responses = ServingResponses(chat)
     tokens = ServingTokens(async_engine, model_name, chat_template, default_chat_template_kwargs)
     card = ModelCard(id=model_name, max_model_len=engine.max_model_len)
 
@@ -285,6 +288,11 @@ def build_app(engine: Engine, model_name: str, api_key: str | None = None, max_w
     @app.post("/v1/chat/completions", responses=_ERRORS, response_model=ChatCompletionResponse)
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
         return await chat.create(req, raw_request)
+
+    @app.post("/v1/responses", responses=_ERRORS, response_model=ResponsesResponse)
+    async def create_response(req: ResponsesRequest, raw_request: Request):
+        """OpenAI's Responses API, stateless: nothing is stored."""
+        return await responses.create(req, raw_request)
 
     @app.post(ANTHROPIC_PREFIX, responses=_ANTHROPIC_ERRORS, response_model=AnthropicMessagesResponse)
     async def create_messages(req: AnthropicMessagesRequest, raw_request: Request):
