@@ -32,12 +32,36 @@ class InputText(StrictModel):
     annotations: list[Any] | None = Field(None, description="accepted and not used")
 
 
+# The input items and message content parts this server takes: text only (no images or files), function calls and
+# their outputs, and reasoning sent back.
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+PART_TYPES = ("input_text", "output_text")
+
+
+def _check_types(values: list, allowed: tuple[str, ...], where: str, default: str | None = None) -> None:
+    """A 400 naming the first item or part whose type `where` may not hold."""
+    for i, value in enumerate(values):
+        kind = value.get("type", default) if isinstance(value, dict) else None
+        if kind not in allowed:
+            raise PydanticCustomError(
+                "input", "{field}: {where} {index} is of type '{kind}', which this server does not take (it takes "
+                "{allowed})", {"field": "input", "where": where, "index": i, "kind": kind,
+                                "allowed": ", ".join(allowed)})
+
+
 class InputMessage(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
     id: str | None = None  # an output message sent back
     status: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("content"), list):
+            _check_types(data["content"], PART_TYPES, "a message's content part")
+        return data
 
     def chat_content(self) -> str | list[dict]:
         if isinstance(self.content, str):
@@ -148,6 +172,8 @@ class ResponsesRequest(UnicodeModel):
         for name, reason in UNSUPPORTED.items():
             if data.get(name) is not None:
                 raise PydanticCustomError("unsupported", "{field}: not supported: " + reason, {"field": name})
+        if isinstance(data.get("input"), list):
+            _check_types(data["input"], ITEM_TYPES, "item", default="message")
         for i, tool in enumerate(data.get("tools") or []):
             if isinstance(tool, dict) and tool.get("type") != "function":
                 raise PydanticCustomError(
