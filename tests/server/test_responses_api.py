@@ -180,7 +180,8 @@ def test_function_call_output_renders_as_the_chat_paths_tool_message(tools_serve
     reference = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function", "function": {
             "name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"}, {"role": "user", "content": "And tomorrow?"}]
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny"},
+        {"role": "user", "content": "And tomorrow?"}]
     expected = chat(client, reference, max_tokens=5, tools=CHAT_TOOLS, tool_choice="none")
     assert second.usage.input_tokens == expected.usage.prompt_tokens == len(
         rendered_ids(DEFAULT_MODEL_DIR, reference, tools=CHAT_TOOLS))
