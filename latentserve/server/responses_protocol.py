@@ -214,7 +214,7 @@ class OutputMessage(BaseModel):
     type: Literal["message"] = "message"
     id: str
     role: Literal["assistant"] = "assistant"
-    status: Literal["in_progress", "completed"] = "completed"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
     content: list[OutputText]
 
 
@@ -223,7 +223,7 @@ class ReasoningItem(BaseModel):
     id: str
     summary: list[Any] = []
     content: list[ReasoningText]
-    status: Literal["in_progress", "completed"] = "completed"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 class FunctionCallOutput(BaseModel):
@@ -232,7 +232,7 @@ class FunctionCallOutput(BaseModel):
     call_id: str
     name: str
     arguments: str
-    status: Literal["in_progress", "completed"] = "completed"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
 OutputItem = ReasoningItem | OutputMessage | FunctionCallOutput

@@ -143,11 +143,12 @@ class _StreamItems:
         self.done: list[OutputItem] = []
         self.open: OutputItem | None = None
 
-    def close(self) -> list[StreamEvent]:
+    def close(self, status: str = "completed") -> list[StreamEvent]:
+        """Close the open item as `status` (incomplete: the output was cut while it was being written)."""
         item, index = self.open, len(self.done)
         if item is None:
             return []
-        self.open, item.status = None, "completed"
+        self.open, item.status = None, status
         self.done.append(item)
         if isinstance(item, FunctionCallOutput):
             events: list[StreamEvent] = [ArgumentsDoneEvent(item_id=item.id, output_index=index, name=item.name,
@@ -248,7 +249,10 @@ class ServingResponses:
             return Response(status_code=499)  # nobody is listening
         completion = outputs[0].outputs[0]
         message, _ = self.chat.output(prepared).message(completion.text, completion.finish_reason)
-        return self._response(req, prepared, response_id, created_at, outputs[0], output_items(message))
+        items = output_items(message)
+        if items and completion.finish_reason == "length":
+            items[-1].status = "incomplete"  # cut while it was being written, as OpenAI marks it
+        return self._response(req, prepared, response_id, created_at, outputs[0], items)
 
     def _stream(self, req: ResponsesRequest, prepared: PreparedChat, stream: RequestStream, response_id: str,
                 created_at: int) -> StreamingResponse:
@@ -268,7 +272,7 @@ class ServingResponses:
             if delta is not None:
                 result += items.events(delta)
             if completion.finished():
-                result += items.close()
+                result += items.close("incomplete" if completion.finish_reason == "length" else "completed")
                 final = self._response(req, prepared, response_id, created_at, output, items.done)
                 result.append(ResponseEvent(type=f"response.{final.status}", response=final))
             return result

@@ -103,6 +103,9 @@ def test_max_output_tokens_makes_the_response_incomplete(client):
     assert (short.status, short.incomplete_details.reason, short.usage.output_tokens) == (
         "incomplete", "max_output_tokens", 3)
     assert text.startswith(short.output_text) and len(short.output_text) < len(text)
+    assert short.output[-1].status == "incomplete"  # the item being written when the output was cut
+    _, final = streamed(client, max_output_tokens=3)
+    assert final.output[-1].status == "incomplete"
 
 
 def test_stream_reassembles_the_response(client):
