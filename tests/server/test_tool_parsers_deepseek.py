@@ -9,7 +9,8 @@ from latentserve.engine.reasoning import get_reasoning_parser
 from latentserve.server.chat_output import ChatOutput
 from latentserve.server.tool_parsers import get_tool_parser
 from latentserve.server.tools import ToolPlan
-from tests.server.test_tool_parsers_glm_kimi import TOKENIZER, TOOLS, WEATHER, streamed_parts
+from tests.server.test_tool_parsers_glm_kimi import (TOKENIZER, TOOLS, WEATHER, calls_closed_one_by_one,
+                                                   streamed_parts)
 
 
 def v31_calls(*calls: tuple[str, dict]) -> str:
@@ -59,13 +60,7 @@ def test_v3_and_v31_formats_are_not_each_other():
 
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
 def test_partial_output_holds_back_markers_and_closes_calls_one_by_one(name):
-    text, parser, seen_calls, previous_content = OUTPUTS[name], get_tool_parser(name)(), 0, ""
-    for cut in range(1, len(text) + 1):
-        content, calls = parser.extract_tool_calls(text[:cut], partial=cut < len(text), tools=TOOLS)
-        assert (content or "").startswith(previous_content) and "<" not in (content or "")
-        assert len(calls) >= seen_calls
-        previous_content, seen_calls = content or "", len(calls)
-    assert seen_calls == 2
+    assert calls_closed_one_by_one(name, OUTPUTS[name]) == 2
 
 
 @pytest.mark.parametrize("name", sorted(OUTPUTS))
