@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
-from latentserve.server.protocol import StrictModel, UnicodeModel
+from latentserve.server.protocol import EchoedModel, StrictModel, UnicodeModel
 from latentserve.server.serving import OpenAIError
 
 # The content blocks each role's messages may hold here: text only (no images or documents), the tool calls an
@@ -24,26 +24,13 @@ class CacheControl(StrictModel):
     ttl: Literal["5m", "1h"] | None = None
 
 
-class BlockParam(StrictModel):
-    """A content block sent in a conversation. A key set to null that this server does not know is dropped: clients
-    echo back the blocks they were given with their newer optional fields empty, which ask for nothing; any other
-    unknown key is refused."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_unknown_nulls(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
-        return data
-
-
-class TextBlockParam(BlockParam):
+class TextBlockParam(EchoedModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
 
 
-class ToolUseBlockParam(BlockParam):
+class ToolUseBlockParam(EchoedModel):
     """A call an assistant made, sent back in the conversation."""
 
     type: Literal["tool_use"]
@@ -53,7 +40,7 @@ class ToolUseBlockParam(BlockParam):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlockParam(BlockParam):
+class ToolResultBlockParam(EchoedModel):
     """A call's result, in a user message."""
 
     type: Literal["tool_result"]
@@ -73,7 +60,7 @@ class ToolResultBlockParam(BlockParam):
         return self.content if isinstance(self.content, str) else "".join(block.text for block in self.content)
 
 
-class ThinkingBlockParam(BlockParam):
+class ThinkingBlockParam(EchoedModel):
     """An assistant's earlier reasoning, sent back. Its signature is not checked (this server signs nothing)."""
 
     type: Literal["thinking"]

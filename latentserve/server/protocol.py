@@ -72,6 +72,19 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+class EchoedModel(StrictModel):
+    """A part of a conversation that clients send back as they received it (a content block, an output item). A key
+    set to null that this server does not know is dropped: newer clients add optional fields, echoed back empty,
+    which ask for nothing; any other unknown key is refused."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
+
+
 class UnicodeModel(StrictModel):
     """A request body: a string in it that is not valid Unicode (a lone surrogate, which JSON can carry and no
     tokenizer can encode) is refused by its path."""

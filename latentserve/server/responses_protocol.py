@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from latentserve.server.protocol import StrictModel, UnicodeModel
+from latentserve.server.protocol import EchoedModel, StrictModel, UnicodeModel
 from latentserve.server.protocol_responses import now
 
 # Fields of OpenAI's request that need state or features this server does not keep: refused by name, never ignored.
@@ -24,7 +24,7 @@ UNSUPPORTED = {
 }
 
 
-class InputText(StrictModel):
+class InputText(EchoedModel):
     """A text part of an input message; output_text (an assistant's reply sent back) may carry its annotations."""
 
     type: Literal["input_text", "output_text"]
@@ -49,7 +49,7 @@ def _check_types(values: list, allowed: tuple[str, ...], where: str, default: st
                                 "allowed": ", ".join(allowed)})
 
 
-class InputMessage(StrictModel):
+class InputMessage(EchoedModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[InputText]
@@ -69,7 +69,7 @@ class InputMessage(StrictModel):
         return [{"type": "text", "text": part.text} for part in self.content]
 
 
-class FunctionCallItem(StrictModel):
+class FunctionCallItem(EchoedModel):
     """A call the model made, sent back."""
 
     type: Literal["function_call"]
@@ -80,7 +80,7 @@ class FunctionCallItem(StrictModel):
     status: str | None = None
 
 
-class FunctionCallOutputItem(StrictModel):
+class FunctionCallOutputItem(EchoedModel):
     """A call's result."""
 
     type: Literal["function_call_output"]
@@ -90,7 +90,7 @@ class FunctionCallOutputItem(StrictModel):
     status: str | None = None
 
 
-class ReasoningItemParam(StrictModel):
+class ReasoningItemParam(EchoedModel):
     """A reasoning item sent back: dropped, as the chat path's assistant messages carry no reasoning."""
 
     type: Literal["reasoning"]

@@ -189,6 +189,14 @@ def test_function_call_output_renders_as_the_chat_paths_tool_message(tools_serve
     assert second.usage.input_tokens == expected.usage.prompt_tokens == len(
         rendered_ids(DEFAULT_MODEL_DIR, reference, tools=CHAT_TOOLS))
     assert second.output_text == expected.choices[0].message.content
+    # The call echoed back as a dict with the client's newer optional fields null: they ask for nothing.
+    echoed = {**call.model_dump(exclude_none=True), "caller": None, "namespace": None}
+    conversation[1] = echoed
+    again = respond(client, input=conversation, tools=TOOLS, tool_choice="none", max_output_tokens=5)
+    assert again.usage.input_tokens == second.usage.input_tokens
+    with pytest.raises(openai.BadRequestError, match="caller"):
+        respond(client, input=[*conversation[:1], {**echoed, "caller": "me"}, *conversation[2:]], tools=TOOLS,
+                tool_choice="none", max_output_tokens=5)
 
 
 def test_json_schema_text_format_validates(tools_server):
