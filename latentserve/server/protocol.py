@@ -33,6 +33,15 @@ UNSUPPORTED = {
 }
 
 
+def refuse_unsupported(data: dict, unsupported: dict[str, str]) -> dict:
+    """`data` without the fields of `unsupported` (name -> why) set to null, which ask for nothing; a 400 naming the
+    first one set to anything else (a field known and not implemented is refused, never ignored)."""
+    for name, reason in unsupported.items():
+        if data.get(name) is not None:
+            raise PydanticCustomError("unsupported", "{field}: " + reason, {"field": name})
+    return {k: v for k, v in data.items() if not (k in unsupported and v is None)}
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -177,11 +186,7 @@ class SamplingRequest(UnicodeModel):
     def _check_raw(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name, reason in UNSUPPORTED.items():
-            if data.get(name) is not None and name not in cls.model_fields:
-                raise PydanticCustomError("unsupported", "{field}: " + reason, {"field": name})
-        # An explicit null asks for nothing: dropped rather than refused as an unknown field.
-        return {k: v for k, v in data.items() if not (k in UNSUPPORTED and v is None and k not in cls.model_fields)}
+        return refuse_unsupported(data, {k: v for k, v in UNSUPPORTED.items() if k not in cls.model_fields})
 
     @model_validator(mode="after")
     def _check_common(self):

@@ -8,11 +8,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
-from latentserve.server.protocol import EchoedModel, StrictModel, UnicodeModel
+from latentserve.server.protocol import EchoedModel, StrictModel, UnicodeModel, refuse_unsupported
 from latentserve.server.protocol_responses import now
 
 # Fields of OpenAI's request that need state or features this server does not keep: refused by name, never ignored.
-UNSUPPORTED = {
+UNSUPPORTED = {name: "not supported: " + why for name, why in {
     "previous_response_id": "this server stores no responses: send the whole conversation as input",
     "conversation": "this server stores no conversations: send the whole conversation as input",
     "include": "no extra output data (encrypted reasoning, logprobs, sources) is available",
@@ -21,7 +21,7 @@ UNSUPPORTED = {
     "prompt": "stored prompt templates are not supported",
     "max_tool_calls": "max_tool_calls is not supported: use parallel_tool_calls=false for one call at most",
     "top_logprobs": "logprobs are not supported on this route: use /v1/chat/completions",
-}
+}.items()}
 
 
 class InputText(EchoedModel):
@@ -169,9 +169,7 @@ class ResponsesRequest(UnicodeModel):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        for name, reason in UNSUPPORTED.items():
-            if data.get(name) is not None:
-                raise PydanticCustomError("unsupported", "{field}: not supported: " + reason, {"field": name})
+        data = refuse_unsupported(data, UNSUPPORTED)
         if isinstance(data.get("input"), list):
             _check_types(data["input"], ITEM_TYPES, "item", default="message")
         for i, tool in enumerate(data.get("tools") or []):
@@ -179,8 +177,7 @@ class ResponsesRequest(UnicodeModel):
                 raise PydanticCustomError(
                     "tools", "{field}: tools[{index}] is of type '{kind}'; this server runs function tools only",
                     {"field": "tools", "index": i, "kind": tool.get("type")})
-        # An explicit null asks for nothing.
-        return {k: v for k, v in data.items() if not (k in UNSUPPORTED and v is None)}
+        return data
 
     @model_validator(mode="after")
     def _stateless(self):

@@ -14,6 +14,7 @@ from latentserve.server.async_engine import AsyncLLMEngine, RequestStream
 from latentserve.server.chat_output import ChatOutput
 from latentserve.server.protocol import ChatCompletionRequest, answer_id, random_id
 from latentserve.server.protocol_responses import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -76,6 +77,16 @@ class ServingChat(Serving):
     def output(self, prepared: PreparedChat) -> ChatOutput:
         """A new parser of one choice's output text."""
         return ChatOutput(prepared.reasoning_parser, prepared.plan, self.tool_parser)
+
+    async def final_message(self, prepared: PreparedChat, stream: RequestStream,
+                            raw_request: HTTPRequest) -> tuple[RequestOutput, AssistantMessage] | None:
+        """A one-choice request run to its end, and its choice parsed (the other APIs' answers); None when the client
+        went away."""
+        outputs = await self.run_to_end([stream], raw_request)
+        if outputs is None:
+            return None
+        completion = outputs[0].outputs[0]
+        return outputs[0], self.output(prepared).message(completion.text, completion.finish_reason)[0]
 
     async def create(self, req: ChatCompletionRequest, raw_request: HTTPRequest) -> ChatCompletionResponse | Response:
         prepared = await self.prepare(req)

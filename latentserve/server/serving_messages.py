@@ -250,17 +250,17 @@ class AnthropicServingMessages:
         stream = self.chat.add_request(prepared.token_ids, prepared.params, message_id)
         if req.stream:
             return self._stream(prepared, stream, message_id)
-        outputs = await self.chat.run_to_end([stream], raw_request)
-        if outputs is None:
+        done = await self.chat.final_message(prepared, stream, raw_request)
+        if done is None:
             return Response(status_code=499)  # nobody is listening
-        completion = outputs[0].outputs[0]
-        message, _ = self.chat.output(prepared).message(completion.text, completion.finish_reason)
+        output, message = done
+        completion = output.outputs[0]
         blocks = content_blocks(message)
         reason, sequence = stop_reason(completion.finish_reason, completion.stop_reason,
                                        any(isinstance(block, ToolUseBlock) for block in blocks))
         return AnthropicMessagesResponse(id=message_id, model=self.chat.model_name, content=blocks,
                                          stop_reason=reason, stop_sequence=sequence,
-                                         usage=AnthropicUsage(input_tokens=len(outputs[0].prompt_token_ids),
+                                         usage=AnthropicUsage(input_tokens=len(output.prompt_token_ids),
                                                               output_tokens=len(completion.token_ids)))
 
     def _stream(self, prepared: PreparedChat, stream: RequestStream, message_id: str) -> StreamingResponse:

@@ -244,15 +244,14 @@ class ServingResponses:
         stream = self.chat.add_request(prepared.token_ids, prepared.params, response_id)
         if req.stream:
             return self._stream(req, prepared, stream, response_id, created_at)
-        outputs = await self.chat.run_to_end([stream], raw_request)
-        if outputs is None:
+        done = await self.chat.final_message(prepared, stream, raw_request)
+        if done is None:
             return Response(status_code=499)  # nobody is listening
-        completion = outputs[0].outputs[0]
-        message, _ = self.chat.output(prepared).message(completion.text, completion.finish_reason)
+        output, message = done
         items = output_items(message)
-        if items and completion.finish_reason == "length":
+        if items and output.outputs[0].finish_reason == "length":
             items[-1].status = "incomplete"  # cut while it was being written, as OpenAI marks it
-        return self._response(req, prepared, response_id, created_at, outputs[0], items)
+        return self._response(req, prepared, response_id, created_at, output, items)
 
     def _stream(self, req: ResponsesRequest, prepared: PreparedChat, stream: RequestStream, response_id: str,
                 created_at: int) -> StreamingResponse:
