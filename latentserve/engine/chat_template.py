@@ -120,8 +120,8 @@ def render_chat(tokenizer: TokenizerInfo, messages: list[dict], tools: list[dict
     the conversation's last message ends, or inside that last (assistant) message, to be continued
     (`continue_final_message`). `chat_template_kwargs`: more variables for the template (e.g. `thinking`).
 
-    ValueError if the model has no chat template, a keyword is not one the template reads, or the template rejects
-    the conversation.
+    ValueError if the model has no chat template (nor encoding), a keyword is not one the renderer reads, or the
+    renderer rejects the conversation.
     """
     renderer = chat_renderer(tokenizer)
     if renderer is None:
