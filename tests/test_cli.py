@@ -435,3 +435,20 @@ def test_chat_template_kwargs_reach_the_template(model_dir, tmp_path, capsys, mo
     assert run_cli(argv, capsys)[1] != out  # without the variable the prompt, and here the reply, differ
     code, _, err = run_cli([*argv, "--chat-template-kwargs", '{"enable_thinking": true}'], capsys)
     assert code == 1 and "reads no variable 'enable_thinking' (the variables it reads: thinking)" in err
+
+
+def test_chat_in_tokenizer_mode_deepseek_v32(model_dir, capsys, monkeypatch):
+    """The chat command renders DeepSeek-V3.2's encoding (its own tokens, whatever this tokenizer makes of them), and
+    thinking is its switch; another mode is refused naming the two there are."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello there\n"))
+    argv = ["chat", "--model", str(model_dir), "--max-tokens", "6", *GREEDY, *ENGINE_FLAGS, "--tokenizer-mode",
+            "deepseek_v32", "--chat-template-kwargs", '{"thinking": true}']
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    prompt = "<｜begin▁of▁sentence｜><｜User｜>hello there<｜Assistant｜><think>"
+    ids = load_tokenizer(model_dir).encode(prompt, add_special_tokens=False)
+    assert out == greedy(model_dir, [ids], 6)[0].outputs[0].text + "\n"
+    code, _, err = run_cli([*argv[:-2], "--chat-template-kwargs", '{"reasoning": true}'], capsys)
+    assert code == 1 and "reads no variable 'reasoning' (the variables it reads: enable_thinking, thinking)" in err
+    code, _, err = run_cli(["chat", "--tokenizer-mode", "mistral"], capsys)
+    assert code == 2 and "invalid choice: 'mistral'" in err and "deepseek_v32" in err

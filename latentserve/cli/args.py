@@ -18,6 +18,7 @@ from latentserve.engine.generation_config import generation_defaults
 from latentserve.engine.llm import LLM, default_model_dir
 from latentserve.engine.engine_config import EngineConfig, parse_dtype, parse_kv_cache_dtype
 from latentserve.engine.reasoning import reasoning_parser_names
+from latentserve.engine.tokenizer_mode import TOKENIZER_MODES
 from latentserve.layers.quant.config import QUANTIZATIONS
 from latentserve.models.formats import is_gguf
 from latentserve.sampling_params import SamplingParams
@@ -210,6 +211,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a request's tokens and logprobs independent of the requests batched with it (slower)")
     g.add_argument("--tokenizer", default=None,
                    help="folder with tokenizer.json and tokenizer_config.json (default: the model's)")
+    g.add_argument("--tokenizer-mode", choices=TOKENIZER_MODES, default=d.tokenizer_mode,
+                   help="how chats are rendered: auto (the chat template; a DeepSeek-V3.2 checkpoint without one gets "
+                        "its built-in encoding) or deepseek_v32 (DeepSeek-V3.2's chat encoding, built in)")
     g.add_argument("--max-logprobs", type=_int_at_least(-1), default=d.max_logprobs,
                    help="largest logprobs / prompt_logprobs a request may ask for (-1: the vocabulary size)")
     add_vllm_flags(parser)
@@ -310,6 +314,7 @@ def build_llm(args: argparse.Namespace, **overrides) -> LLM:
             enable_prefix_caching=args.enable_prefix_caching,
             enable_chunked_prefill=args.enable_chunked_prefill,
             tokenizer=args.tokenizer,
+            tokenizer_mode=args.tokenizer_mode,
             max_logprobs=args.max_logprobs,
             **kv_pool,
             **overrides,

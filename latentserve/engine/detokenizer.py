@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from latentserve.engine.chat_renderer import ChatRenderer
 from latentserve.engine.tiktoken_tokenizer import TIKTOKEN_FILE, tiktoken_tokenizer
 
 # Tokens of the prompt's tail decoded with the first output tokens, so that the
@@ -31,6 +32,10 @@ class TokenizerInfo:
     eos_token_id: int | None = None
     add_bos_token: bool = False
     chat_template: str | None = None
+    # A built-in chat encoding that renders chats in the template's place (tokenizer_mode.py chooses it), and the
+    # tokenizer mode asked for ("auto": none, whatever the checkpoint then defaulted to).
+    chat_encoding: ChatRenderer | None = None
+    tokenizer_mode: str = "auto"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

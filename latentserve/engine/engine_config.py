@@ -10,6 +10,7 @@ import torch
 from latentserve.config import (DTYPES, FP8_KV_CACHE_DTYPES, INT8_KV_CACHE_DTYPES, INT8_KV_SCALE_BYTES, DBOConfig)
 from latentserve.distributed.link_emulator import LinkEmulator
 from latentserve.engine.spec_decode.config import SpeculativeConfig
+from latentserve.engine.tokenizer_mode import check_tokenizer_mode
 from latentserve.kernels import native
 from latentserve.kernels.cpu import auto_dtype
 from latentserve.kernels.policy import KernelPolicy
@@ -88,6 +89,8 @@ class EngineConfig:
     # A request's tokens and logprobs independent of what else its steps hold (latentserve.batch_invariant).
     batch_invariant: bool = False
     tokenizer: str | None = None  # folder with tokenizer.json (and tokenizer_config.json); None: the model's
+    # How chats are rendered: "auto" the chat template, "deepseek_v32" DeepSeek-V3.2's encoding (tokenizer_mode.py)
+    tokenizer_mode: str = "auto"
     max_logprobs: int = 20  # largest logprobs / prompt_logprobs a request may ask for (vLLM's default); -1: the vocabulary size
     # Default sampling settings: "auto" from the model's generation_config.json, "vllm" none, or a folder holding one
     generation_config: str = "auto"
@@ -101,6 +104,7 @@ class EngineConfig:
             if value is not None and not _is_int_at_least(value, 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
         LinkEmulator(self.link_latency_us, self.link_bandwidth_gbps)  # validates
+        check_tokenizer_mode(self.tokenizer_mode)
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if not _is_int_at_least(self.max_logprobs, -1):

@@ -90,7 +90,7 @@ class LLM:
         self.dp_engine = dp_engine(
             functools.partial(LLMEngine, self.model_dir, config), config.data_parallel_size, config.device
         )
-        self._tokenizer = engine_tokenizer(self.model_dir, config.tokenizer)
+        self._tokenizer = engine_tokenizer(self.model_dir, config.tokenizer, config.tokenizer_mode)
         self._generation_defaults = generation_defaults(self.model_dir, config.generation_config)
         self.engine = (DPLLMEngine(self.dp_engine, self._tokenizer, config.reasoning_parser,
                                    self._generation_defaults)

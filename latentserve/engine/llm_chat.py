@@ -1,10 +1,9 @@
 """`LLM.chat`'s conversations, as vLLM takes them, made into prompts with the model's chat template."""
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from latentserve.engine.chat_template import load_chat_template, render_chat
+from latentserve.engine.chat_template import load_chat_template, render_chat, with_chat_template
 from latentserve.engine.detokenizer import TokenizerInfo
 
 Conversation = list[dict[str, Any]]  # OpenAI's messages: {"role": ..., "content": ...}, oldest first
@@ -49,7 +48,7 @@ def chat_tokenizer(tokenizer: TokenizerInfo | None, chat_template: str | None) -
     in place of the model's, so that the engine's own stays as it is for other calls."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer, and this model has none (pass token ids to generate instead)")
-    return tokenizer if chat_template is None else replace(tokenizer, chat_template=load_chat_template(chat_template))
+    return tokenizer if chat_template is None else with_chat_template(tokenizer, load_chat_template(chat_template))
 
 
 def render_conversation(tokenizer: TokenizerInfo, conversation: Conversation, tools: list[dict] | None,

@@ -25,6 +25,7 @@ from latentserve.engine.outputs import RequestOutput, request_outputs
 from latentserve.engine.parallel_sampling import SampleGroup, sample_request_id
 from latentserve.engine.request import Request
 from latentserve.engine.state_pool import StatePool
+from latentserve.engine.tokenizer_mode import apply_tokenizer_mode
 from latentserve.engine.scheduler import Scheduler, SchedulerConfig
 from latentserve.engine.structured import StructuredOutputManager
 from latentserve.engine.spec_decode.build import build_spec_decoder, check_speculation
@@ -55,11 +56,16 @@ def tokenize_prompt(prompt: str | list[int], tokenizer: TokenizerInfo | None, vo
     return list(prompt)
 
 
-def engine_tokenizer(model_dir: Path, tokenizer: str | None) -> TokenizerInfo | None:
-    """The tokenizer of `tokenizer` (a folder that must hold one), else the model's if it has one."""
+def engine_tokenizer(model_dir: Path, tokenizer: str | None, tokenizer_mode: str) -> TokenizerInfo | None:
+    """The tokenizer of `tokenizer` (a folder that must hold one), else the model's if it has one, with the chat
+    encoding `tokenizer_mode` gives it."""
     if tokenizer is not None:
-        return load_tokenizer(tokenizer)
-    return load_tokenizer(model_dir) if has_tokenizer(model_dir) else None
+        info = load_tokenizer(tokenizer)
+    elif has_tokenizer(model_dir):
+        info = load_tokenizer(model_dir)
+    else:
+        return None
+    return apply_tokenizer_mode(info, tokenizer_mode, model_dir)
 
 
 def check_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
@@ -125,7 +131,7 @@ class LLMEngine:
             else blocks_for_memory(config, model_config, cache_dtype)
         )
         check_kv_pool(config, num_blocks, max_model_len)
-        self.tokenizer = engine_tokenizer(model_dir, config.tokenizer)
+        self.tokenizer = engine_tokenizer(model_dir, config.tokenizer, config.tokenizer_mode)
         self.generation_defaults = generation_defaults(model_dir, config.generation_config)
         self.max_logprobs = config.max_logprobs
         expert_group = self._expert_parallel_group(config)

@@ -53,8 +53,6 @@ OPTIONS = (
                takes_value=False, accepted=(True,), note=True),
     VLLMOption(("--disable-custom-all-reduce",), "there are no custom all-reduce kernels (ranks reduce through "
                "torch.distributed): the flag changes nothing", takes_value=False, accepted=(True, False), note=True),
-    VLLMOption(("--tokenizer-mode",), "the tokenizer is the checkpoint's tokenizer.json (or Kimi's tiktoken.model) "
-               "through the tokenizers library", accepted=("auto",)),
     VLLMOption(("--task",), "latentserve runs generative models only", accepted=("auto", "generate")),
     VLLMOption(("--runner",), "latentserve runs generative models only", accepted=("auto", "generate")),
     VLLMOption(("--enable-lora",), "LoRA adapters are not supported", takes_value=False, accepted=(False,)),

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from latentserve.engine.chat_template import TemplateKwargsError, check_template_kwargs, render_chat
+from latentserve.engine.chat_renderer import TemplateKwargsError
+from latentserve.engine.chat_template import check_chat_kwargs, render_chat, with_chat_template
 from latentserve.engine.detokenizer import TokenizerInfo
 from latentserve.engine.outputs import CompletionOutput, Logprob, LogprobsOnePosition, RequestOutput
 from latentserve.sampling_params import SamplingParams
@@ -175,10 +176,10 @@ class Serving:
                 raise ValueError("a chat template or its kwargs were given, but the model has no tokenizer to render "
                                  "chat with")
         if chat_template is not None:
-            self.tokenizer = replace(self.tokenizer, chat_template=chat_template)
+            self.tokenizer = with_chat_template(self.tokenizer, chat_template)
         self.default_chat_template_kwargs = default_chat_template_kwargs or {}
         if self.default_chat_template_kwargs:
-            check_template_kwargs(self.tokenizer.chat_template or "", self.default_chat_template_kwargs)
+            check_chat_kwargs(self.tokenizer, self.default_chat_template_kwargs)
         self.generation_defaults: dict = engine.engine.generation_defaults
 
     def with_defaults(self, req: SamplingRequest) -> SamplingRequest:

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
-from latentserve.engine.chat_template import template_variables
+from latentserve.engine.chat_template import chat_variables
 from latentserve.engine.outputs import RequestOutput
 from latentserve.server.async_engine import RequestStream
 from latentserve.server.anthropic_protocol import (
@@ -225,8 +225,8 @@ class AnthropicServingMessages:
         """The chat-template variables that turn thinking on or off as asked; a 400 where that cannot be done."""
         if thinking is None:
             return None
-        template = (self.chat.tokenizer.chat_template if self.chat.tokenizer is not None else None) or ""
-        switches = [name for name in THINKING_SWITCHES if name in template_variables(template)]
+        variables = chat_variables(self.chat.tokenizer) if self.chat.tokenizer is not None else frozenset()
+        switches = [name for name in THINKING_SWITCHES if name in variables]
         enabled = thinking.type == "enabled"
         if not switches:
             raise OpenAIError(400, f"thinking: this model's chat template has no thinking switch (it reads neither "

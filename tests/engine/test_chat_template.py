@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from latentserve.assets import DEFAULT_MODEL_DIR
-from latentserve.engine.chat_template import TemplateKwargsError, render_chat, template_variables
+from latentserve.engine.chat_renderer import TemplateKwargsError
+from latentserve.engine.chat_template import render_chat, template_variables
 from latentserve.engine.detokenizer import load_tokenizer
 
 # DeepSeek-V3.1's shape: thinking on opens <think> after the assistant tag, off closes it at once.

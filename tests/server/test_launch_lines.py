@@ -103,6 +103,33 @@ def test_vllm_thinking_line(tmp_path, monkeypatch):
         assert off["reasoning_content"] is None and off["content"]
 
 
+def test_vllm_deepseek_v32_line(monkeypatch):
+    """DeepSeek-V3.2's line: its chat encoding built in (the checkpoint has no template), thinking switched per
+    request."""
+    argv = vllm_line("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 1 --tokenizer-mode deepseek_v32 "
+                     "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
+                     DEFAULT_MODEL_DIR)
+    client, _ = start(argv, monkeypatch)
+    with client:
+        name, tokenizer = DEFAULT_MODEL_DIR.name, engine_of(client).tokenizer
+        messages = [{"role": "user", "content": "hi"}]
+        tokens = client.post("/tokenize", json={"model": name, "messages": messages}).json()["tokens"]
+        assert tokens == tokenizer.encode("<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜></think>",
+                                          add_special_tokens=False)
+        chat(client, name, chat_template_kwargs={"thinking": True})
+
+
+def test_tokenizer_mode_values(model_dir, capsys):
+    """vLLM's other modes are refused naming the ones there are."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", str(model_dir), "--tokenizer-mode", "slow"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer-mode: invalid choice: 'slow'" in err and "auto" in err and "deepseek_v32" in err
+    assert make_parser().parse_args(["serve", "--tokenizer-mode", "deepseek_v32"]).tokenizer_mode == "deepseek_v32"
+    assert make_parser().parse_args(["chat"]).tokenizer_mode == "auto"
+
+
 def test_vllm_mtp_line(monkeypatch):
     argv = vllm_line("vllm serve deepseek-ai/DeepSeek-V3 --tensor-parallel-size 1 --speculative-config "
                      "'{{\"method\": \"mtp\", \"num_speculative_tokens\": 1}}'", DEFAULT_MODEL_DIR)
@@ -256,6 +283,7 @@ def test_flags_without_counterpart_are_refused_by_name(model_dir, flags, capsys)
     ("--chat-template no-such-template", "is neither a file nor a jinja2 template"),
     ("--chat-template '{{% for %}}'", "does not compile"),
     ("--default-chat-template-kwargs '{{\"enable_thinking\": true}}'", "reads no variable 'enable_thinking'"),
+    ("--tokenizer-mode deepseek_v32 --chat-template '{{{{ messages }}}}'", "give one of the two"),
     ("--ssl-keyfile key.pem", "HTTPS needs both ssl_keyfile and ssl_certfile"),
     ("--num-kv-blocks 64 --kv-cache-memory-bytes 1G", "give one"),
     ("--generation-config {other}", "no generation_config.json there"),

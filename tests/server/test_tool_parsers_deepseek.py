@@ -1,10 +1,14 @@
 """The deepseek_v31 and deepseek_v32 tool parsers on hand-written outputs in each model's exact format (as V3.1's
 chat template and V3.2's DSML encoding write an assistant's calls): whole, partial, and streamed through ChatOutput
-in every split, where the deltas must add up to the whole message."""
+in every split, where the deltas must add up to the whole message. The deepseek_v32 parser also reads back the calls
+latentserve's own V3.2 chat encoding writes into an assistant turn."""
 import json
+from dataclasses import replace
 
 import pytest
 
+from latentserve.engine.chat_template import render_chat
+from latentserve.engine.deepseek_v32_chat import EOS, DeepSeekV32Encoding
 from latentserve.engine.reasoning import get_reasoning_parser
 from latentserve.server.chat_output import ChatOutput
 from latentserve.server.tool_parsers import get_tool_parser
@@ -77,3 +81,32 @@ def test_streamed_deltas_add_up_to_the_whole_message(name, step):
     got = streamed_parts(output(), text, step)
     assert (got["reasoning"], got["content"]) == (message.reasoning_content, message.content)
     assert got["calls"] == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+
+
+# Values of every JSON kind, and strings that look like JSON, hold markup or span lines.
+ROUND_TRIP = [("get_weather", {**WEATHER, "exact": True, "note": None, "ratio": 0.5, "list": [1, "x", {"k": []}]}),
+              ("get_time", {}),
+              ("quote", {"text": 'He said "hi",\nthen <b>left</b>.', "number_as_text": "123", "json_as_text": "[1]",
+                         "unicode": "Zürich 東京"})]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_dsv32_encoding_round_trips_through_the_parser(thinking):
+    """An assistant turn with calls, rendered by the encoding: the text after the prompt that opens it (the model's
+    output, less the end token) parses back to the same calls, with its reasoning and text apart."""
+    tokenizer = replace(TOKENIZER, chat_encoding=DeepSeekV32Encoding(), tokenizer_mode="deepseek_v32")
+    ask = {"role": "user", "content": "Weather, time and a quote?"}
+    calls = [{"id": f"call-{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+             for i, (name, arguments) in enumerate(ROUND_TRIP)]
+    reply = {"role": "assistant", "content": "Let me check.", "reasoning_content": "Three calls.", "tool_calls": calls}
+    kwargs = {"thinking": thinking}
+    prompt = render_chat(tokenizer, [ask], chat_template_kwargs=kwargs)
+    whole = render_chat(tokenizer, [ask, reply], add_generation_prompt=False, chat_template_kwargs=kwargs)
+    assert whole.startswith(prompt) and whole.endswith(EOS)
+    output = whole[len(prompt):-len(EOS)]
+    message, reason = ChatOutput(get_reasoning_parser("deepseek_v3")(TOKENIZER) if thinking else None,
+                                 ToolPlan("auto", tools=TOOLS), get_tool_parser("deepseek_v32")()).message(output,
+                                                                                                          "stop")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == ROUND_TRIP
+    assert message.content.strip() == "Let me check." and reason == "tool_calls"
+    assert message.reasoning_content == ("Three calls." if thinking else None)
