@@ -250,7 +250,8 @@ def test_engine_flags_reach_llm(monkeypatch, capsys):
                         decode_backend="TORCH", seed=9, num_threads=3, data_parallel_size=1, enable_expert_parallel=False,
                         link_latency_us=0.0, link_bandwidth_gbps=None, reasoning_parser="deepseek_r1",
                         speculative_config=None, kv_cache_dtype="auto", enable_prefix_caching=None,
-                        enable_chunked_prefill=True, tokenizer=None, max_logprobs=20, batch_invariant=True)
+                        enable_chunked_prefill=True, tokenizer=None, tokenizer_mode="auto", max_logprobs=20,
+                        batch_invariant=True)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
