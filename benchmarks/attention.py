@@ -104,7 +104,7 @@ def bench_decode_backends(cases: list[tuple[int, int]], layers: int = 8, repeats
     keep_freed_memory()  # as the engine does: gather buffers reuse warm pages
     heads, latent, rope = 16, 256, 32
     names = ["NATIVE", "TORCH", "PAGED", "PAGED in place", "REFERENCE"]
-    if not MLADecodeBackendEnum.NATIVE.get_class().is_available():
+    if MLADecodeBackendEnum.NATIVE.get_class().unavailable_reason() is not None:
         names.remove("NATIVE")
     print(f"\n## Decode backends alone: {heads} heads x ({latent} + {rope}), block 16, {layers} layers, ms "
           f"(thread CPU time, fastest of {repeats}); REFERENCE (a per-token loop) up to 8 x 512 only")
