@@ -149,12 +149,19 @@ def with_chat_template(tokenizer: TokenizerInfo, template: str) -> TokenizerInfo
     return replace(tokenizer, chat_template=template, chat_encoding=None)
 
 
+def _is_file(value: str) -> bool:
+    # A template on one line can be longer than a file name may be: the OS refuses to look it up (ENAMETOOLONG).
+    try:
+        return Path(value).is_file()
+    except OSError:
+        return False
+
+
 def load_chat_template(value: str) -> str:
     """vLLM's --chat-template: a file's path, or the template itself; ValueError if it is neither or does not
     compile."""
-    path = Path(value)
-    if path.is_file():
-        template = path.read_text(encoding="utf-8")
+    if _is_file(value):
+        template = Path(value).read_text(encoding="utf-8")
     elif any(c in value for c in "{}\n"):
         template = value
     else:

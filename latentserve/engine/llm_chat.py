@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from latentserve.engine.chat_reasoning import turn_reasoning, with_reasoning
 from latentserve.engine.chat_template import load_chat_template, render_chat, with_chat_template
 from latentserve.engine.detokenizer import TokenizerInfo
 
@@ -40,7 +41,11 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     role = message.get("role")
     if role not in ROLES:
         raise ValueError(f"message {index}: role {role!r} is not one of {', '.join(ROLES)}")
-    return {**message, "content": _content_text(index, message.get("content"))}
+    try:
+        reasoning = turn_reasoning(role, message.get("reasoning_content"), message.get("reasoning"))
+    except ValueError as e:
+        raise ValueError(f"message {index}: {e}") from None
+    return with_reasoning({**message, "content": _content_text(index, message.get("content"))}, reasoning)
 
 
 def chat_tokenizer(tokenizer: TokenizerInfo | None, chat_template: str | None) -> TokenizerInfo:

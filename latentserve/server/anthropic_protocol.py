@@ -61,7 +61,8 @@ class ToolResultBlockParam(EchoedModel):
 
 
 class ThinkingBlockParam(EchoedModel):
-    """An assistant's earlier reasoning, sent back. Its signature is not checked (this server signs nothing)."""
+    """An assistant's earlier reasoning, sent back: the turn's reasoning_content. Its signature is not checked (this
+    server signs nothing)."""
 
     type: Literal["thinking"]
     thinking: str
@@ -83,6 +84,17 @@ def _check_block_types(blocks: list, allowed: tuple[str, ...], where: str) -> No
                                                  "allowed": ", ".join(allowed)})
 
 
+def _check_redacted(blocks: list, where: str) -> None:
+    """A 400 for a redacted_thinking block: its reasoning is encrypted by the service that wrote it, and this server
+    cannot read it back into the prompt (nor leave it out unseen)."""
+    for i, block in enumerate(blocks):
+        if isinstance(block, dict) and block.get("type") == "redacted_thinking":
+            raise PydanticCustomError(
+                "content_block", "{where}: block {index} is redacted_thinking, whose encrypted reasoning this server "
+                "cannot decode: send the reasoning as a thinking block, or leave the block out",
+                {"where": where, "index": i})
+
+
 class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlockParam]
@@ -91,7 +103,9 @@ class AnthropicMessage(StrictModel):
     @classmethod
     def _check_blocks(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("content"), list) and data.get("role") in BLOCKS_BY_ROLE:
-            _check_block_types(data["content"], BLOCKS_BY_ROLE[data["role"]], f"a {data['role']} message")
+            where = f"a {data['role']} message"
+            _check_redacted(data["content"], where)
+            _check_block_types(data["content"], BLOCKS_BY_ROLE[data["role"]], where)
         return data
 
 

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from latentserve.engine.chat_reasoning import turn_reasoning, with_reasoning
 from latentserve.server.tool_protocol import ChatTool, NamedToolChoice, ToolCallIn, ToolChoice
 
 # logit_bias values beyond this magnitude are refused (OpenAI's range).
@@ -252,6 +253,10 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None  # assistant messages: the calls it made
     tool_call_id: str | None = None  # tool messages: the call this is the result of
+    # Assistant messages: the turn's reasoning sent back, for the template to keep or drop (`reasoning` is its newer
+    # name; both with different text are refused).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _check_tool_fields(self):
@@ -259,12 +264,18 @@ class ChatMessage(StrictModel):
             raise ValueError("tool_calls is only allowed in assistant messages")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool messages need a tool_call_id, and only they may have one")
+        turn_reasoning(self.role, self.reasoning_content, self.reasoning)
         return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template gets it: content as text, the reasoning under both its names."""
+        reasoning = turn_reasoning(self.role, self.reasoning_content, self.reasoning)
+        return with_reasoning(self.model_dump(exclude_none=True) | {"content": self.text()}, reasoning)
 
 
 class ChatTemplateFields(UnicodeModel):

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
+from latentserve.engine.chat_reasoning import REASONING_JOIN
 from latentserve.server.protocol import EchoedModel, StrictModel, UnicodeModel, refuse_unsupported
 from latentserve.server.protocol_responses import now
 
@@ -90,15 +91,32 @@ class FunctionCallOutputItem(EchoedModel):
     status: str | None = None
 
 
+class ReasoningPartParam(EchoedModel):
+    type: Literal["summary_text", "reasoning_text"]  # a part of the summary, or of the content
+    text: str
+
+
 class ReasoningItemParam(EchoedModel):
-    """A reasoning item sent back: dropped, as the chat path's assistant messages carry no reasoning."""
+    """A reasoning item sent back: the reasoning_content of the assistant turn that follows it."""
 
     type: Literal["reasoning"]
     id: str | None = None
-    summary: list[Any]
-    content: list[Any] | None = None
+    summary: list[ReasoningPartParam]
+    content: list[ReasoningPartParam] | None = None
     encrypted_content: None = None
     status: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("encrypted_content") is not None:
+            raise PydanticCustomError("input", "{field}: a reasoning item's encrypted_content cannot be decoded by "
+                                      "this server: send the reasoning as its content or summary", {"field": "input"})
+        return data
+
+    def text(self) -> str:
+        """The reasoning: its own text (content) where the item has it, else its summary."""
+        return REASONING_JOIN.join(part.text for part in self.content or self.summary)
 
 
 def _item_type(item: Any) -> str | None:
@@ -189,7 +207,22 @@ class ResponsesRequest(UnicodeModel):
                                       "context is refused, never truncated", {"field": "truncation"})
         if self.input in ("", []):
             raise PydanticCustomError("input", "{field}: the input is empty", {"field": "input"})
+        if isinstance(self.input, list):
+            _check_reasoning_followed(self.input)
         return self
+
+
+def _check_reasoning_followed(items: list) -> None:
+    """A 400 naming a reasoning item that no assistant message or function call follows (after any more reasoning):
+    it would belong to no turn of the prompt."""
+    assistant_next = False  # whether the next item that is not reasoning is the assistant's
+    for i in reversed(range(len(items))):
+        if items[i].type != "reasoning":
+            assistant_next = items[i].type == "function_call" or getattr(items[i], "role", None) == "assistant"
+        elif not assistant_next:
+            raise PydanticCustomError("input", "{field}: item {index} is a reasoning item without the assistant "
+                                      "message or function call it reasoned toward after it",
+                                      {"field": "input", "index": i})
 
 
 # Responses

@@ -240,7 +240,7 @@ class Serving:
         if self.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer: chat needs one (use /v1/completions with token ids)")
         kwargs = self.default_chat_template_kwargs | (fields.chat_template_kwargs or {})
-        rendered = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in messages]
+        rendered = [m.template_message() for m in messages]
         try:
             return await asyncio.to_thread(render_chat, self.tokenizer, rendered, tools,
                                            add_generation_prompt=fields.add_generation_prompt,

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from latentserve.engine.chat_reasoning import join_reasoning
 from latentserve.engine.chat_template import chat_variables
 from latentserve.engine.outputs import RequestOutput
 from latentserve.server.async_engine import RequestStream
@@ -84,17 +85,19 @@ def _user_messages(message: AnthropicMessage) -> list[dict]:
 
 
 def _assistant_message(message: AnthropicMessage) -> dict:
-    """An assistant turn as a chat message: its text and its tool calls. Thinking blocks are dropped, as the chat
-    path's assistant messages carry no reasoning."""
+    """An assistant turn as a chat message: its text, its tool calls and its thinking as the reasoning_content the
+    chat template reads (several thinking blocks, as interleaved thinking writes them, joined by a blank line)."""
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
     texts = [block for block in message.content if block.type == "text"]
+    thinking = [block.thinking for block in message.content if block.type == "thinking"]
     # Compact JSON, as the model writes a call's arguments: the prompt repeats its own text.
     calls = [{"id": block.id, "type": "function",
               "function": {"name": block.name, "arguments": json.dumps(block.input, ensure_ascii=False,
                                                                        separators=(",", ":"))}}
              for block in message.content if block.type == "tool_use"]
-    return {"role": "assistant", "content": _texts(texts) or None, "tool_calls": calls or None}
+    return {"role": "assistant", "content": _texts(texts) or None, "tool_calls": calls or None,
+            "reasoning_content": join_reasoning(thinking)}
 
 
 def chat_messages(req: AnthropicCountTokensRequest) -> list[dict]:

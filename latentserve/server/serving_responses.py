@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from latentserve.engine.chat_reasoning import join_reasoning
 from latentserve.engine.outputs import RequestOutput
 from latentserve.server.async_engine import RequestStream
 from latentserve.server.protocol import ChatCompletionRequest
@@ -54,11 +55,15 @@ def _item_id(prefix: str) -> str:
 def chat_messages(req: ResponsesRequest) -> list[dict]:
     """The input as chat messages: the instructions first as a system message; function_call items as the tool
     calls of an assistant message (joined to the assistant's text just before them, as the chat path's assistant
-    message holds both), function_call_output items as tool messages. Reasoning items are dropped, as the chat path's
-    assistant messages carry no reasoning."""
+    message holds both), function_call_output items as tool messages; reasoning items as the reasoning_content of the
+    assistant message that the item after them makes or joins."""
     messages: list[dict] = [{"role": "system", "content": req.instructions}] if req.instructions else []
     items = [InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    reasoning: list[str] = []  # reasoning items waiting for their turn
     for item in items:
+        if item.type == "reasoning":
+            reasoning.append(item.text())
+            continue
         if item.type == "message":
             messages.append({"role": item.role, "content": item.chat_content()})
         elif item.type == "function_call":
@@ -71,6 +76,11 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif item.type == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if reasoning:  # the request checked this item is the assistant's: messages[-1] is the turn it made or joined
+            turn = messages[-1]
+            earlier = [turn["reasoning_content"]] if "reasoning_content" in turn else []
+            turn["reasoning_content"] = join_reasoning(earlier + reasoning)
+            reasoning = []
     return messages
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.engine.chat_renderer import TemplateKwargsError
-from latentserve.engine.chat_template import render_chat, template_variables
+from latentserve.engine.chat_template import load_chat_template, render_chat, template_variables
 from latentserve.engine.detokenizer import load_tokenizer
 
 # DeepSeek-V3.1's shape: thinking on opens <think> after the assistant tag, off closes it at once.
@@ -80,3 +80,12 @@ def test_bad_options_are_named():
     with pytest.raises(ValueError, match="no text to continue"):
         _ours(None, [CHAT[1], {"role": "assistant", "content": "  "}], add_generation_prompt=False,
               continue_final_message=True)
+
+
+def test_a_long_template_on_one_line_is_a_template_not_a_file_name(tmp_path):
+    template = "{{ messages[0]['content'] }}" * 20  # longer than the OS lets a file name be
+    assert load_chat_template(template) == template
+    (tmp_path / "t.jinja").write_text("{{ x }}")
+    assert load_chat_template(str(tmp_path / "t.jinja")) == "{{ x }}"
+    with pytest.raises(ValueError, match="neither a file nor a jinja2 template"):
+        load_chat_template("x" * 300)

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from latentserve import LLM, SamplingParams
 from latentserve.assets import DEFAULT_MODEL_DIR
+from tests.glm_style_template import CONVERSATION, GLM_STYLE_TEMPLATE, renamed
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 ENGINE = dict(max_num_seqs=4, num_kv_blocks=64, dtype="float32")
@@ -102,3 +103,24 @@ def test_a_batch_of_conversations_gets_one_reply_each(llm):
 def test_bad_conversations_are_refused_by_name(llm, messages, options, message):
     with pytest.raises(ValueError, match=message):
         llm.chat(messages, GREEDY, use_tqdm=False, **options)
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning"])
+def test_assistant_reasoning_reaches_the_template_as_transformers_renders_it(llm, key):
+    out = llm.chat(renamed(CONVERSATION, key), GREEDY, use_tqdm=False, chat_template=GLM_STYLE_TEMPLATE)[0]
+    want = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR).apply_chat_template(
+        CONVERSATION, chat_template=GLM_STYLE_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == want
+    assert "<think>r2</think>" in want and "r1" not in want  # the template's own rule: earlier reasoning dropped
+
+
+@pytest.mark.parametrize("message, error", [
+    ({"role": "user", "content": "hi", "reasoning_content": "r"},
+     "message 0: reasoning_content is only allowed in assistant messages"),
+    ({"role": "assistant", "content": "a", "reasoning_content": "r", "reasoning": "s"},
+     "message 0: reasoning_content and reasoning differ"),
+    ({"role": "assistant", "content": "a", "reasoning": 3}, "message 0: reasoning must be a string, got int"),
+])
+def test_bad_reasoning_is_refused_by_name(llm, message, error):
+    with pytest.raises(ValueError, match=error):
+        llm.chat([message], GREEDY, use_tqdm=False, add_generation_prompt=False, chat_template=GLM_STYLE_TEMPLATE)

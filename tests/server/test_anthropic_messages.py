@@ -196,7 +196,8 @@ def test_tool_result_renders_as_the_chat_paths_tool_message(tools_server, is_err
     [block] = first.content
     result = {"type": "tool_result", "tool_use_id": block.id, "content": [{"type": "text", "text": "Sunny"}],
               "is_error": is_error}
-    messages = MESSAGES + [{"role": "assistant", "content": [{"type": "thinking", "thinking": "dropped",
+    # The thinking becomes the turn's reasoning_content, which the embedded model's template does not read.
+    messages = MESSAGES + [{"role": "assistant", "content": [{"type": "thinking", "thinking": "unread",
                                                               "signature": ""}, block]},
                            {"role": "user", "content": [result, {"type": "text", "text": "And tomorrow?"}]}]
     # The chat path's conversation: the model's own call, its result as a tool message, the user's text after it.

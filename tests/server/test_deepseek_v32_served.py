@@ -6,7 +6,9 @@ import pytest
 
 from latentserve.assets import DEFAULT_MODEL_DIR
 from latentserve.engine.deepseek_v32_chat import tools_section  # its text is checked in tests/engine
+from latentserve.engine.chat_template import render_chat
 from latentserve.engine.detokenizer import load_tokenizer
+from latentserve.engine.tokenizer_mode import apply_tokenizer_mode
 from tests.server.conftest import MODEL_NAME, LiveServer
 
 TOKENIZER = load_tokenizer(DEFAULT_MODEL_DIR)
@@ -84,3 +86,16 @@ def test_refusals_name_the_field(server, body, param, words):
 def test_a_chat_template_besides_the_mode_is_refused():
     with pytest.raises(ValueError, match="give one of the two"):
         LiveServer(DEFAULT_MODEL_DIR, tokenizer_mode="deepseek_v32", chat_template="{{ messages }}")
+
+
+@pytest.mark.parametrize("key", ["reasoning_content", "reasoning"])
+def test_reasoning_sent_back_reaches_the_encoding(server, key):
+    """Thinking on: the tool-calling turn after the last user message keeps the reasoning it was sent back with."""
+    messages = [*HI, {**CALL, key: "Need the time."}, RESULT]
+    response = post(server, "/tokenize", messages=messages, chat_template_kwargs={"thinking": True})
+    assert response.status_code == 200, response.text
+    encoding = apply_tokenizer_mode(TOKENIZER, "deepseek_v32", DEFAULT_MODEL_DIR)
+    text = render_chat(encoding, [*HI, {**CALL, "reasoning_content": "Need the time."}, RESULT],
+                       chat_template_kwargs={"thinking": True})
+    assert "<｜Assistant｜><think>Need the time.</think>" in text
+    assert response.json()["tokens"] == ids(text)
