@@ -93,6 +93,7 @@ _T = ctypes.c_char_p  # a const ls_tensor *: `desc`'s bytes, or None
 SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_struct_layout": (ctypes.POINTER(Field), []),
     "ls_set_scratch_limit": (None, [_i64]),
+    "ls_set_read_ahead": (None, [_i64]),
     "ls_last_error": (ctypes.c_char_p, []),
     "ls_enable_amx": (_status, []),
     "ls_dense_linear": (_status, [_T, _T, _T, _i32]),

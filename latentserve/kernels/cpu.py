@@ -50,14 +50,27 @@ def cpu_features() -> CpuFeatures:
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them in /proc/cpuinfo (the first CPU's); empty where it does not (torch
     names no AVX-VNNI apart from AVX512-VNNI)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's maker as its CPUID names it ("GenuineIntel", "AuthenticAMD"), from /proc/cpuinfo; "" where Linux
+    does not say."""
+    return _cpuinfo("vendor_id").strip()
+
+
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo; "" where there is none."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 def last_level_cache_bytes() -> int | None:

@@ -38,7 +38,7 @@
  * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s
  * in the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep
  * the core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on
- * memory. So each group fetches the lines of the one READ_AHEAD bytes further into L1 (fetch_ahead); and on AVX-512
+ * memory. So each group fetches the lines of the one read_ahead bytes further into L1 (quant.h: on Intel) (fetch_ahead); and on AVX-512
  * a pass takes 8 rows with one integer accumulator a row (two passes of 4 unpacked and read each block twice; two
  * accumulators a row at 8 rows spilled): 8 rows are bound by the sums. Same sums, same float order, same bits. Intel
  * Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes, `benchmarks/stream.py --clock cpu --rounds 5 --group
@@ -50,12 +50,13 @@
  * one accumulator a row and 8 rows a pass: 1.08x (hot, one core). */
 #include "quant.h"
 
-/* The 64-byte lines of the group (64 + 8 * G bytes: scales and weights) READ_AHEAD bytes past the one at p, fetched
- * into L1 while this one is summed. Past a block's end it fetches the next block in memory: the one the drivers read
+/* The 64-byte lines of the group (64 + 8 * G bytes: scales and weights) read_ahead bytes past the one at p (rounded
+ * up to whole groups; none where read_ahead is 0), fetched into L1 while this one is summed. Past a block's end it fetches the next block in memory: the one the drivers read
  * next (a share's blocks and both halves of a pair walk forward; the experts walk an expert's blocks in order). A
  * prefetch does not fault, so the address is formed in integers. */
 INLINE void fetch_ahead(const uint8_t *p, int64_t G) {
-    const int64_t bytes = 64 + 8 * G, ahead = (READ_AHEAD + bytes - 1) / bytes * bytes;
+    if (!read_ahead) return;
+    const int64_t bytes = 64 + 8 * G, ahead = (read_ahead + bytes - 1) / bytes * bytes;
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)((uintptr_t)p + ahead + l), _MM_HINT_T0);
 }
 

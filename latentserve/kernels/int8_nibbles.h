@@ -62,7 +62,7 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* Unit u of a group (x, w at the group's first): hi, lo [i][h] (h: the unit's halves of 8 outputs) as nibble_step
  * for rows i < rows of nibbles x, xstride apart. ahead: unit u of the next block fetched into L2 (fetch_next); near:
- * the line READ_AHEAD bytes on into L1 (fetch_near). */
+ * the line read_ahead bytes on into L1 (fetch_near). */
 INLINE void lanes_unit(const uint8_t *x, int64_t xstride, const int8_t *w, int u, int64_t ahead, int near, int rows,
                        __m256i (*hi)[2], __m256i (*lo)[2]) {
     if (ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * u + ahead), _MM_HINT_T1);

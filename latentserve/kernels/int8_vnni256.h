@@ -29,7 +29,7 @@ INLINE void int8_rows(const int8_t *xq, int64_t xstride, const int8_t *w, int64_
 
 /* acc[i][h] (h: the unit's halves of 8 outputs) += the sums of units [c, end) of w for rows i < mb of u (x, xstride
  * apart), unit by unit: the weight's two vectors feed every row. ahead: each unit of the next block fetched into L2
- * (fetch_next); near: the line READ_AHEAD bytes on into L1 (fetch_near). */
+ * (fetch_next); near: the line read_ahead bytes on into L1 (fetch_near). */
 INLINE void lanes_span(const uint8_t *x, int64_t xstride, const int8_t *w, int64_t c, int64_t end, int64_t ahead,
                        int near, int mb, __m256i (*acc)[2]) {
     __m256i sum[MB][2]; /* in registers for the span (acc may live in memory) */

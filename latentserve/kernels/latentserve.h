@@ -103,6 +103,9 @@ LS_API const ls_field *ls_struct_layout(void);
 /* The most scratch memory one calling thread may hold (0: no limit, the default): beyond it a call returns
  * LS_NO_MEMORY, as it does when the system has no more. */
 LS_API void ls_set_scratch_limit(int64_t bytes);
+/* How far ahead (bytes; 0 or less: not at all) the few-row weight products fetch their weight stream into L1 (quant.h
+ * read_ahead). The loader sets it once, before any kernel runs; the results are the same bits whatever it is. */
+LS_API void ls_set_read_ahead(int64_t bytes);
 /* Why this thread's last call returned LS_BAD_TENSOR or LS_BAD_BLOCK, naming the argument or field. */
 LS_API const char *ls_last_error(void);
 /* The avx512_amx build's AMX tiles made usable in this process (Linux grants their state on request): LS_OK, or

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from latentserve.kernels.build import NATIVE_ENV, NativeKernels, native_kernels
-from latentserve.kernels.cpu import CpuFeatures, cpu_features
+from latentserve.kernels.cpu import CpuFeatures, cpu_features, cpu_vendor
 
 # MLA's absorbed per-head products: up to this many tokens latentserve's kernel beats bmm (V2-Lite's and the 94M
 # V3's heads, weights streamed: 1.4-2.1x fp32 and 1.5-3.8x bf16 at 1-4 tokens on 2 threads; at 8 tokens 0.98-1.33x
@@ -66,6 +66,10 @@ class KernelPolicy:
         build = f"built for {self.kernels.isa}" if self.kernels is not None else "not used"
         lines = [f"features: {self.features.describe()}", f"latentserve's kernels: {build} ({self.why})",
                  f"threads: {self.threads}"]
+        if self.kernels is not None:
+            ahead = self.kernels.read_ahead
+            lines.append(f"weight read-ahead at few rows: {f'{ahead} bytes' if ahead else 'none'} "
+                         f"({cpu_vendor() or 'maker unknown'})")
         if self.kernels is not None:
             fp32, bf16, short = (self.dense_rows(dtype, width) for dtype, width in
                                  ((torch.float32, 2048), (torch.bfloat16, 2048), (torch.bfloat16, 512)))

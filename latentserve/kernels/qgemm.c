@@ -35,13 +35,16 @@ INLINE void fetch_next(const int8_t *w, int64_t c, int64_t ahead, int mb) {
     if (mb >= FETCH_ROWS && ahead) _mm_prefetch((const char *)((uintptr_t)w + 64 * c + ahead), _MM_HINT_T1);
 }
 
-/* The line READ_AHEAD bytes past the unit at p, fetched into L1 while this one is summed (past a block's end: the
- * next block in memory, which the drivers read next). Two blocks' streams at 1-8 rows (lanes_sums_pair): the loads
- * wait on memory without it. Intel Xeon, 2 threads, CPU time, `int8_linear_ab.py --rows 1,2,4,8` (2816 / 1408 /
- * 102400 x 2048), before -> after: the AVX2 build 1.34-1.39x at 1 row, 1.58-1.70x at 2, 1.72-1.78x at 4, 1.39-1.40x
- * at 8; the AVX-512 one 1.04-1.07x, 1.15-1.22x, 1.25-1.30x, 1.01-1.06x (where fetch_next already ran). Not measured
- * on AMD, where fetch_next's next-block prefetch into L2 was slower below FETCH_ROWS. Same sums, same bits. */
-INLINE void fetch_near(const int8_t *p) { _mm_prefetch((const char *)((uintptr_t)p + READ_AHEAD), _MM_HINT_T0); }
+/* The line read_ahead bytes past the unit at p, fetched into L1 while this one is summed (past a block's end: the
+ * next block in memory, which the drivers read next); none where read_ahead is 0 (quant.h). Two blocks' streams at
+ * 1-8 rows (lanes_sums_pair): on Intel the loads wait on memory without it. Intel Xeon, 2 threads, CPU time,
+ * `int8_linear_ab.py --rows 1,2,4,8` (2816 / 1408 / 102400 x 2048), before -> after: the AVX2 build 1.34-1.39x at 1
+ * row, 1.58-1.70x at 2, 1.72-1.78x at 4, 1.39-1.40x at 8; the AVX-512 one 1.04-1.07x, 1.15-1.22x, 1.25-1.30x,
+ * 1.01-1.06x (where fetch_next already ran). On AMD Zen 4 it slowed batch-1 decode (kernels/build.py READ_AHEAD).
+ * Same sums, same bits. */
+INLINE void fetch_near(const int8_t *p) {
+    if (read_ahead) _mm_prefetch((const char *)((uintptr_t)p + read_ahead), _MM_HINT_T0);
+}
 
 #ifdef LS_AVX512
 /* dot[i] = sum_k (xq[i * xstride + k] + 128) * w[k] over mb activation rows. */
@@ -302,7 +305,7 @@ INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride,
 }
 #else
 /* As the AVX-512 version's turns of PAIR_CHUNK units (whole groups of NIBBLE_STEPS) at every row count, through
- * lanes_span as lanes_sums, each group's first rows fetching their stream's lines READ_AHEAD bytes on. No
+ * lanes_span as lanes_sums, each group's first rows fetching their stream's lines read_ahead bytes on. No
  * fetch_next: in these turns it measured 0.92-1.06x at 4-8 rows (the AVX2 build on Zen 4). */
 INLINE void lanes_sums_pair(const int8_t *x0, const int8_t *x1, int64_t xstride, const int8_t *w0, const int8_t *w1,
                             int64_t K, int64_t ahead, int mb, int32_t (*out)[MB][16]) {

@@ -80,10 +80,12 @@ INLINE int64_t block_bytes(Format f, int64_t K) {
 /* The 16 outputs of one block for rows first.. first + m of `a` (prepared for the block's format), into
  * dots[16 * i + j]; dense blocks: their first `outputs` rows. */
 void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block, int64_t K, float *dots);
-/* How far ahead of what is being summed the few-row kernels fetch their weight stream into L1 (int4.c fetch_ahead,
- * rounded up to whole groups; qgemm.c fetch_near, a pair's streams): measured on an Intel Xeon, where 4 KB ran the
- * same and 1 KB slower (int4); not yet measured on AMD. */
-#define READ_AHEAD 2048
+/* How far ahead of what is being summed the few-row kernels fetch their weight stream into L1, in bytes (int4.c
+ * fetch_ahead, rounded up to whole groups; qgemm.c fetch_near, a pair's streams); 0: not at all, the hardware
+ * prefetchers alone. Set once at load by the CPU's maker (ls_set_read_ahead, kernels/build.py READ_AHEAD): it is the
+ * memory system's business, not the instruction set's, and the same build ran faster with it on an Intel Xeon and
+ * slower on AMD Zen 4. */
+extern int64_t read_ahead;
 
 /* int8_block_dots of two blocks at once, each with its own rows (m of each), into dots0 and dots1: two streams of
  * weights in flight; on AMX tiles (from AMX_INT8_ROWS rows), the same rows of both read once for the two. The drivers

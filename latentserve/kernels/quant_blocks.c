@@ -8,6 +8,10 @@
  * that) stay in L2; past a K of a few thousand (a dense MLP's down projection) they do not. */
 #define ROW_CHUNK 256
 
+int64_t read_ahead; /* quant.h's; 0 until the loader sets it */
+
+LS_API void ls_set_read_ahead(int64_t bytes) { read_ahead = bytes > 0 ? bytes : 0; }
+
 /* y[m0 .. m0 + rows, block b's outputs] = dots[16 * m + j]. */
 static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, int64_t b, const float *dots) {
     int64_t outputs = N - 16 * b < 16 ? N - 16 * b : 16;
