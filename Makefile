@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 # instrumented, so libasan is preloaded; python's own allocations are never freed by design (no leak checks).
 SANITIZE_CC := gcc -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 SANITIZE_TESTS := tests/kernels tests/attention/test_native_decode.py tests/attention/test_native_decode_lanes.py \
+	tests/attention/test_native_prefill.py \
 	tests/layers/test_quant_native.py tests/layers/test_linear.py tests/layers/test_moe.py \
 	tests/models/test_attention_block.py tests/models/test_moe_block.py
 sanitize: $(VENV)/.installed

@@ -4,8 +4,10 @@ Decode also reports the bytes/s it achieves reading the latent cache, as a ratio
 bandwidth measured in the same run. DeepSeek-V2-Lite head dims (16 heads, L=512, R=64, P=V=128).
 `--decode-backends` times the decode backends alone (no layer around them: NATIVE, latentserve's C kernel, beside
 the torch ones) in bf16 and fp32 on the engine's block layout, calls alternating, CPU time of this thread (other tenants of a busy machine
-only add wall time): what the decode selector's choices rest on.
-Run: `.venv/bin/python benchmarks/attention.py [--quick] [--decode-backends]`.
+only add wall time): what the decode selector's choices rest on. `--prefill-backends` times the prefill backends
+alone (NATIVE beside TORCH_SDPA: one request's causal attention at DeepSeek's head dims, q and k 192, v 128 a view
+of kv_b's rows, as the layer hands them), bf16 and fp32, calls alternating, wall time on the process's threads.
+Run: `.venv/bin/python benchmarks/attention.py [--quick] [--decode-backends | --prefill-backends]`.
 """
 from __future__ import annotations
 
@@ -143,15 +145,53 @@ def bench_decode_backends(cases: list[tuple[int, int]], layers: int = 8, repeats
                   f"{best['PAGED in place'] / best['TORCH']:.2f}x | {native} |", flush=True)
 
 
+def bench_prefill_backends(lengths: list[int], repeats: int) -> None:
+    """NATIVE and TORCH_SDPA alone on one request of each length (16 heads, q and k 192, v 128), ms."""
+    from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
+
+    heads, nope, rope, v_dim = 16, 128, 64, 128
+    names = [n for n in ("NATIVE", "TORCH_SDPA")
+             if MLAPrefillBackendEnum.lookup(n).get_class().unavailable_reason() is None]
+    print(f"\n## Prefill backends alone: {heads} heads, q and k {nope + rope}, v {v_dim}, causal, ms (wall, fastest "
+          f"of {repeats}, calls alternating); G multiply-adds/s counts the causal half of both products")
+    print("| dtype | tokens | " + " | ".join(names) + " | NATIVE G/s | TORCH_SDPA vs NATIVE |")
+    print("|---|---|" + "---|" * (len(names) + 2))
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        for tokens in lengths:
+            q = torch.randn(tokens, heads, nope + rope, generator=g).to(dtype)
+            k = torch.randn(tokens, heads, nope + rope, generator=g).to(dtype)
+            v = torch.randn(tokens, heads, nope + v_dim, generator=g).to(dtype)[..., nope:]  # kv_b's value columns
+            backends = {n: MLAPrefillBackendEnum.lookup(n).get_class()(heads, 0.07, 512, nope, rope, v_dim)
+                        for n in names}
+            times = {n: [] for n in names}
+            for i in range(repeats + 1):
+                for n, b in backends.items():
+                    start = time.perf_counter()
+                    b._attend(q, k, v, True, 0)
+                    if i:
+                        times[n].append(time.perf_counter() - start)
+            best = {n: min(t) * 1e3 for n, t in times.items()}
+            macs = heads * tokens * tokens / 2 * (nope + rope + v_dim)
+            rate = f"{macs / best['NATIVE'] / 1e6:.0f}" if "NATIVE" in best else "−"
+            ratio = f"{best['TORCH_SDPA'] / best['NATIVE']:.2f}x" if len(best) == 2 else "−"
+            print(f"| {str(dtype).removeprefix('torch.')} | {tokens} | " + " | ".join(f"{best[n]:.1f}" for n in names)
+                  + f" | {rate} | {ratio} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     parser.add_argument("--decode-backends", action="store_true", help="only the decode backends alone")
+    parser.add_argument("--prefill-backends", action="store_true", help="only the prefill backends alone")
     args = parser.parse_args()
     torch.manual_seed(0)
     if args.decode_backends:
         torch.set_num_threads(1)  # the thread's CPU time is then the backends'
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.prefill_backends:
+        bench_prefill_backends([128] if args.quick else [512, 1024, 2048, 4096], repeats=2 if args.quick else 5)
+        return
     if args.decode_backends:
         cases = [(1, 64), (4, 64)] if args.quick else [(1, 512), (8, 512), (32, 512), (1, 4096), (2, 4096), (8, 4096)]
         bench_decode_backends(cases, repeats=2 if args.quick else 9)

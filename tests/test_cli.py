@@ -211,8 +211,14 @@ def test_backends_lists_every_member_and_why_not(capsys):
     code, out, err = run_cli(["backends"], capsys)
     assert code == 0, err
     prefill, decode = out.split("decode backends")
-    assert "TORCH_SDPA: latentserve.attention.prefill.torch_sdpa.TorchSDPAPrefillBackend\n    cpu: valid (default)" \
-        in prefill
+    from latentserve.attention.prefill.native import NativePrefillBackend
+
+    sdpa = "TORCH_SDPA: latentserve.attention.prefill.torch_sdpa.TorchSDPAPrefillBackend\n    cpu: valid"
+    if NativePrefillBackend.unavailable_reason() is None:
+        assert "NATIVE: latentserve.attention.prefill.native.NativePrefillBackend\n    cpu: valid (default)" in prefill
+        assert sdpa + "\n" in prefill
+    else:
+        assert sdpa + " (default)" in prefill
     assert "REFERENCE: latentserve.attention.prefill.reference.ReferencePrefillBackend\n    cpu: valid\n" in prefill
     assert "CUSTOM: unregistered" in prefill and "CUSTOM: unregistered" in decode
     assert "CLI_CUDA_ONLY: tests.test_cli.CudaOnlyPrefill\n    cpu: invalid: CLI_CUDA_ONLY does not support " \
@@ -273,7 +279,7 @@ def bare_model_dir(model_dir, tmp_path_factory) -> Path:
 
 MISTAKES = {
     "missing model": (["generate", "--model", "/nonexistent/model"], 1, "model directory /nonexistent/model does not"),
-    "unknown backend": (["generate", "--prefill-backend", "nope"], 2, "valid names: TORCH_SDPA, REFERENCE"),
+    "unknown backend": (["generate", "--prefill-backend", "nope"], 2, "valid names: NATIVE, TORCH_SDPA, REFERENCE"),
     "unregistered backend": (["generate", "--decode-backend", "custom"], 1, "must be registered before use"),
     "negative max tokens": (["generate", "--max-tokens", "-4"], 2, "--max-tokens: must be >= 1, got -4"),
     "missing prompts file": (["generate", "--prompts-file", "{tmp}/none.txt"], 1, "No such file"),

@@ -10,6 +10,7 @@ import struct
 import torch
 
 MAX_DIMS, MAX_ROPE, MAX_LATENT = 5, 1024, 2048  # LS_MAX_DIMS, LS_MAX_ROPE, LS_MAX_LATENT
+MAX_POSITIONS = 1 << 40  # LS_MAX_POSITIONS: prefill attention's distance and window
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.int8: 3, torch.uint8: 4,
           torch.int32: 5, torch.int64: 6}  # ls_dtype
 DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS = 0, 1, 2, 3, 4  # ls_weight_kind
@@ -105,6 +106,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_rms_norm": (_status, [_T, _T, _f32, _T, _i32]),
     "ls_mla_prologue": (_status, [_T, _T, _T, _f32, _T, _T, _i32, _T, _T, _T, _T, _i32]),
     "ls_mla_decode": (_status, [_T, _T, _T, _T, _T, _f32, _T, _i32]),
+    "ls_prefill_attention": (_status, [_T, _T, _T, _i32, _i64, _i64, _f32, _T, _T, _i32]),
     "ls_route": (_status, [_T, _i32, _i64, _i64, _T, _i32, _f32, _T, _T]),
     "ls_mla_attention_block": (_status, [ctypes.POINTER(MLABlock), _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
     "ls_moe_block": (_status, [ctypes.POINTER(MoEBlock), _T, _T, _T, _i32]),

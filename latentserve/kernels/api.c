@@ -220,6 +220,35 @@ LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls
                       out->data, bf(q) | bf(out) << 2 | cache_io(kv_cache), threads);
 }
 
+/* q, k, v of one activation dtype as prefill_attention reads them: rank 3, unit column stride, each row and head at
+ * least a row apart (bad_tensor's `rows`), k's heads and columns q's, v's tokens and heads k's. */
+static int bad_attention_inputs(const ls_tensor *q, const ls_tensor *k, const ls_tensor *v) {
+    TENSORS(bad_tensor("q", q, ACT, 3, 1) || bad_tensor("k", k, BIT(q->dtype), 3, 1) ||
+            bad_tensor("v", v, BIT(q->dtype), 3, 1));
+    TENSORS(bad_size("k", k, 1, DIM(q, 1)) || bad_size("k", k, 2, DIM(q, 2)) || bad_size("v", v, 0, DIM(k, 0)));
+    TENSORS(bad_size("v", v, 1, DIM(q, 1)));
+    return LS_OK;
+}
+
+LS_API int ls_prefill_attention(const ls_tensor *q, const ls_tensor *k, const ls_tensor *v, int causal,
+                                int64_t distance, int64_t window, float scale, const ls_tensor *out,
+                                const ls_tensor *lse, int threads) {
+    CHECK(bad_attention_inputs(q, k, v));
+    int64_t n = DIM(q, 0), H = DIM(q, 1);
+    TENSORS(bad_tensor("out", out, ACT, 3, 0) || bad_size("out", out, 0, n) || bad_size("out", out, 1, H));
+    TENSORS(bad_size("out", out, 2, DIM(v, 2)) || bad_tensor("lse", lse, BIT(LS_F32), 2, 0));
+    TENSORS(bad_size("lse", lse, 0, n) || bad_size("lse", lse, 1, H));
+    if (window < 0 || window > LS_MAX_POSITIONS)
+        return refuse(LS_BAD_TENSOR, "window %lld is not in 0 (none) .. %lld", (long long)window, LS_MAX_POSITIONS);
+    if (distance < -LS_MAX_POSITIONS || distance > LS_MAX_POSITIONS) /* positions are added: no overflow */
+        return refuse(LS_BAD_TENSOR, "distance %lld is beyond +-%lld positions", (long long)distance,
+                      LS_MAX_POSITIONS);
+    int64_t qs[2] = {q->strides[0], q->strides[1]}, ks[2] = {k->strides[0], k->strides[1]};
+    int64_t vs[2] = {v->strides[0], v->strides[1]};
+    return prefill_attention(q->data, qs, k->data, ks, v->data, vs, n, DIM(k, 0), H, DIM(q, 2), DIM(v, 2), causal != 0,
+                             distance, window, scale, out->data, lse->data, bf(q) | bf(out) << 1, threads);
+}
+
 /* k of E experts can be chosen from the best topk_groups of `groups`; sigmoid scores a group by its best two experts,
  * so a limit on groups of one expert would score every group -inf (torch's topk(2) refuses it too). */
 static int bad_routing(int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups) {

@@ -143,6 +143,14 @@ LS_API int ls_mla_prologue(const ls_tensor *q, const ls_tensor *kv, const ls_ten
 LS_API int ls_mla_decode(const ls_tensor *q, const ls_tensor *kv_cache, const ls_tensor *block_table,
                          const ls_tensor *query_start_loc, const ls_tensor *seq_lens, float scale,
                          const ls_tensor *out, int threads);
+/* Prefill attention (prefill_attention.c): out [n, H, V] (contiguous) and fp32 lse [n, H] from q [n, H, D], k [m, H, D]
+ * and v [m, H, V] of one dtype, each with unit column stride and its heads and tokens at least a row apart; query i
+ * sees key j where j <= distance + i (causal) and j > distance + i - window (window > 0). A query that sees no key
+ * gets 0 and lse -inf. distance and window: at most LS_MAX_POSITIONS from 0. */
+#define LS_MAX_POSITIONS (1LL << 40)
+LS_API int ls_prefill_attention(const ls_tensor *q, const ls_tensor *k, const ls_tensor *v, int causal,
+                                int64_t distance, int64_t window, float scale, const ls_tensor *out,
+                                const ls_tensor *lse, int threads);
 /* MoE routing (route.c): weights fp32 and ids int64 [T, k] from fp32 logits [T, E]; bias [E] or NULL. */
 LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_t topk_groups, const ls_tensor *bias,
                     int norm, float scaling, const ls_tensor *weights, const ls_tensor *ids);

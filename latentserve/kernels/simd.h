@@ -270,6 +270,9 @@ void mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int6
 int mla_decode(const void *q, int64_t T, int64_t H, int64_t D, int64_t L, const void *cache, int64_t B,
                const int32_t *block_table, int64_t bt_stride, const int32_t *qsl, const int32_t *seq_lens, int64_t R,
                float scale, void *out, int io, int threads);
+int prefill_attention(const void *q, const int64_t qs[2], const void *k, const int64_t ks[2], const void *v,
+                      const int64_t vs[2], int64_t n, int64_t m, int64_t H, int64_t D, int64_t V, int causal,
+                      int64_t distance, int64_t window, float scale, void *out, float *lse, int io, int threads);
 int route(const float *logits, int64_t T, int64_t E, int64_t k, int sigmoid, int64_t groups, int64_t topk_groups,
           const float *bias, int norm, float scaling, float *weights, int64_t *ids);
 int mla_attention_block(const MLABlock *w, const void *x, int64_t T, const float *cos, const float *sin, void *cache,

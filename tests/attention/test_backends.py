@@ -32,7 +32,7 @@ def _config(prefill: str, decode: str, block_size: int, scenario: str) -> Attent
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("prefill,decode", [("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
+@pytest.mark.parametrize("prefill,decode", [("NATIVE", "NATIVE"), ("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
 def test_backend_matches_naive_fp32(scenario, block_size, prefill, decode):
     config = _config(prefill, decode, block_size, scenario)
     requests = SCENARIOS[scenario]

@@ -128,6 +128,7 @@ def test_unknown_name_lists_valid_ones(enum_cls):
 
 
 def test_selector_picks_first_valid_by_priority():
+    register_mla_prefill_backend(MLAPrefillBackendEnum.NATIVE, CUDA_PATH)  # as where the kernels do not run
     assert get_mla_prefill_backend("cpu", CFG) is TorchSDPAPrefillBackend
     register_mla_prefill_backend(MLAPrefillBackendEnum.TORCH_SDPA, CUDA_PATH)
     # TORCH_SDPA now points at a CUDA/bf16-only class: the selector falls through to REFERENCE.

@@ -7,6 +7,7 @@ from latentserve.attention.builder import MLAMetadataBuilder
 from latentserve.attention.decode.torch_mqa import TorchMQADecodeBackend
 from latentserve.attention.kv_cache import allocate_kv_caches
 from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.prefill.native import NativePrefillBackend
 from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context
@@ -31,7 +32,7 @@ def _run(window: int | None, decode_backend: str | None = None, requests=REQUEST
     return layer, batch, md, out
 
 
-@pytest.mark.parametrize("backends", [("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
+@pytest.mark.parametrize("backends", [("NATIVE", "TORCH"), ("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
 @pytest.mark.parametrize("window", [1, 3, 6, 17, 1000])
 def test_sliding_window_matches_naive_masked_attention(window, backends):
     layer, batch, md, out = _run(window, decode_backend=backends[1], prefill_backend=backends[0])
@@ -73,7 +74,8 @@ def test_a_window_changes_the_output():
 
 def test_windowed_layers_get_backends_that_honour_the_window():
     layer = _run(4)[0]
-    assert isinstance(layer.prefill_backend, TorchSDPAPrefillBackend) and layer.prefill_backend.sliding_window == 4
+    prefill = TorchSDPAPrefillBackend if NativePrefillBackend.unavailable_reason() else NativePrefillBackend
+    assert isinstance(layer.prefill_backend, prefill) and layer.prefill_backend.sliding_window == 4
     assert isinstance(layer.decode_backend, TorchMQADecodeBackend) and layer.decode_backend.sliding_window == 4
 
 

@@ -55,6 +55,12 @@ CASES = {
         table, qsl, lens = (torch.tensor(v, dtype=torch.int32) for v in ([[3]], [0, 1], [4]))
         lib.ls_mla_decode(d(q), lie(cache, 1 << 20, 4, 48), d(table), d(qsl), d(lens), 0.1, d(out), 1)
     """,
+    # prefill_attention with v said to hold as many keys as k, holding fewer: reads past its end.
+    "prefill_attention": """
+        q, k, v = torch.randn(4, 2, 8), torch.randn(64, 2, 8), torch.randn(2, 2, 6)
+        out, lse = torch.empty(4, 2, 6), torch.empty(4, 2)
+        lib.ls_prefill_attention(d(q), d(k), lie(v, 64, 2, 6), 0, 0, 0, 0.3, d(out), d(lse), 1)
+    """,
     # experts whose table says them wider than their weights: reads past gate_up's end.
     "experts": """
         w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)

@@ -5,6 +5,7 @@ from latentserve.attention.backend_registry import BackendEnum, make_register_fu
 
 
 class MLAPrefillBackendEnum(BackendEnum):
+    NATIVE = "latentserve.attention.prefill.native.NativePrefillBackend"
     TORCH_SDPA = "latentserve.attention.prefill.torch_sdpa.TorchSDPAPrefillBackend"
     REFERENCE = "latentserve.attention.prefill.reference.ReferencePrefillBackend"
     CUSTOM = ""

@@ -6,7 +6,8 @@ import torch
 from latentserve.attention.backend import SelectorConfig, select_backend
 from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
 
-PRIORITY = (MLAPrefillBackendEnum.TORCH_SDPA, MLAPrefillBackendEnum.REFERENCE)
+# NATIVE where latentserve's kernels run (the CPU), PyTorch's flash kernel elsewhere (CUDA), the oracle last.
+PRIORITY = (MLAPrefillBackendEnum.NATIVE, MLAPrefillBackendEnum.TORCH_SDPA, MLAPrefillBackendEnum.REFERENCE)
 
 
 def get_mla_prefill_backend(

@@ -149,3 +149,34 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
         raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     refused(kernels, fn, code)
     return out
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t `[tokens, heads, cols]` as prefill_attention reads it: unit column stride, each head and token at least a row
+    apart (a view of a wider projection's columns stays a view); else a contiguous copy."""
+    tokens, heads, cols = t.shape
+    if t.stride(2) == 1 and t.stride(1) >= cols and t.stride(0) >= heads * cols:
+        return t
+    return t.contiguous()
+
+
+def prefill_attention(kernels: NativeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      distance: int, window: int | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out `[n, H, V]` in q's dtype, fp32 lse `[n, H]`): softmax attention of q `[n, H, D]` over k `[m, H, D]`, v
+    `[m, H, V]` (one dtype, fp32 or bf16); query i sits `distance` positions after key 0 and sees key j where j <=
+    distance + i (causal) and, with a window, j > distance + i - window. A query that sees no key: 0, lse -inf."""
+    fn = "prefill_attention"
+    if window is not None and not 0 < window <= abi.MAX_POSITIONS:
+        raise ValueError(f"{fn}: window must be a positive number of positions (at most 2**40) or None, got {window}")
+    if abs(distance) > abi.MAX_POSITIONS:
+        raise ValueError(f"{fn}: distance must be within +-2**40 positions, got {distance}")
+    n, heads, dim = tensor(fn, "q", q, KERNEL_DTYPES, (None, None, None), contiguous=False)
+    m = tensor(fn, "k", k, (q.dtype,), (None, heads, dim), contiguous=False)[0]
+    width = tensor(fn, "v", v, (q.dtype,), (m, heads, None), contiguous=False)[2]
+    q, k, v = _rows(q), _rows(k), _rows(v)  # held here: a copy must outlive the call that reads its address
+    out = torch.empty(n, heads, width, dtype=q.dtype)
+    lse = torch.empty(n, heads, dtype=torch.float32)
+    code = call(kernels, "ls_prefill_attention", desc(q), desc(k), desc(v), int(causal), distance, window or 0, scale,
+                desc(out), desc(lse), torch.get_num_threads())
+    refused(kernels, fn, code)
+    return out, lse

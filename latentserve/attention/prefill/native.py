@@ -1,0 +1,37 @@
+"""NATIVE: prefill attention in one C call per request (kernels/prefill_attention.c), on the CPU: exact softmax over
+each query's whole row of keys, bf16 products through vdpbf16ps where the build has them. Against PyTorch's CPU flash
+kernel on MLA's shapes (16 heads, D 192, V 128, 512-4096 tokens, 2 threads, AMD Zen 4): bf16 2.3-3.9x, fp32 1.3-2.1x
+(benchmarks/RESULTS.md "Prefill attention")."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from latentserve.attention.prefill.varlen import VarlenPrefillBackend
+from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
+
+
+class NativePrefillBackend(VarlenPrefillBackend):
+    supported_device_types = ("cpu",)
+    supports_sliding_window = True
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "NATIVE"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        policy = default_policy()
+        return None if policy.kernels is not None else f"latentserve's kernels are not used ({policy.why})"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kernels = default_policy().kernels
+
+    def _attend(self, q, k, v, causal, distance):
+        if q.dtype not in native.KERNEL_DTYPES:  # fp16: the kernel reads fp32 and bf16
+            out, lse = self._attend(q.float(), k.float(), v.float(), causal, distance)
+            return out.to(q.dtype), lse
+        return native.prefill_attention(self.kernels, q, k, v, causal, distance, self.sliding_window, self.scale)
