@@ -40,18 +40,6 @@ INLINE vfloat unit_fma(vfloat acc, vfloat b, vfloat w, int pairs) {
 
 INLINE vfloat load_units(const Unit *p) { return vload(p, 0, 0); }
 
-/* The unit at columns c (and c + 1 for pairs) of a row of `len` values (bf16 or fp32 `xbf`); 0 past its end. */
-INLINE Unit row_unit(const void *row, int xbf, int64_t len, int64_t c, int pairs) {
-    if (pairs) {
-        const uint16_t *r = row;
-        return (Unit)r[c] | (c + 1 < len ? (Unit)r[c + 1] << 16 : 0u);
-    }
-    float f = load_act(row, xbf, c);
-    Unit u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
 typedef struct {
     const char *data; /* element 0 */
     int64_t token, head; /* strides in bytes */
@@ -59,32 +47,53 @@ typedef struct {
 
 INLINE const void *row_of(Rows r, int64_t t, int64_t h) { return r.data + t * r.token + h * r.head; }
 
+/* A row of `len` values (bf16 or fp32 `xbf`) as DU units into out: pairs (bf16) two values a unit, an odd last
+ * one with 0 beside it; else each value as fp32. */
+static void row_units(const void *row, int xbf, int64_t len, int64_t DU, int pairs, Unit *out) {
+    if (pairs) {
+        memcpy(out, row, len / 2 * sizeof(Unit));
+        if (len % 2) out[DU - 1] = ((const uint16_t *)row)[len - 1];
+        return;
+    }
+    if (!xbf) {
+        memcpy(out, row, len * sizeof(float));
+        return;
+    }
+    for (int64_t c = 0; c < len; c++) out[c] = (Unit)((const uint16_t *)row)[c] << 16; /* bf16 -> fp32, exactly */
+}
+
 /* Head h's keys as blocks of KB keys [blocks][DU][KB] units (key j of a block in lane j; past m: 0). */
-static void pack_keys(Rows k, int xbf, int64_t m, int64_t h, int64_t D, int64_t DU, int pairs, Unit *kp,
-                      int64_t b) {
+static void pack_keys(Rows k, int xbf, int64_t m, int64_t h, int64_t D, int64_t DU, int pairs, Unit *kp, int64_t b,
+                      Unit *row) {
     Unit *block = kp + b * DU * KB;
     for (int64_t l = 0; l < KB; l++) {
         int64_t j = b * KB + l;
-        for (int64_t u = 0; u < DU; u++)
-            block[u * KB + l] = j < m ? row_unit(row_of(k, j, h), xbf, D, pairs ? 2 * u : u, pairs) : 0u;
+        if (j < m)
+            row_units(row_of(k, j, h), xbf, D, DU, pairs, row);
+        else
+            memset(row, 0, DU * sizeof(Unit));
+        for (int64_t u = 0; u < DU; u++) block[u * KB + l] = row[u];
     }
 }
 
 /* Head h's values as [JU][VP] units: unit (ju, c) holds column c of key ju (fp32), or of keys 2ju and 2ju + 1 (bf16
- * pairs); keys past m and columns past V: 0. */
+ * pairs, the first in the low half); keys past m and columns past V: 0. */
 static void pack_values(Rows v, int xbf, int64_t m, int64_t h, int64_t V, int64_t VP, int pairs, Unit *vp,
                         int64_t ju) {
     Unit *out = vp + ju * VP;
     int64_t j = pairs ? 2 * ju : ju;
-    for (int64_t c = 0; c < VP; c++) {
-        if (c >= V || j >= m) {
-            out[c] = 0u;
-        } else if (pairs) {
-            const uint16_t *a = row_of(v, j, h), *b = j + 1 < m ? row_of(v, j + 1, h) : NULL;
-            out[c] = (Unit)a[c] | (b ? (Unit)b[c] << 16 : 0u);
-        } else {
-            out[c] = row_unit(row_of(v, j, h), xbf, V, c, 0);
-        }
+    memset(out, 0, VP * sizeof(Unit));
+    if (j >= m) return;
+    if (!pairs) {
+        row_units(row_of(v, j, h), xbf, V, V, 0, out);
+        return;
+    }
+    const uint16_t *a = row_of(v, j, h);
+    if (j + 1 < m) {
+        const uint16_t *b = row_of(v, j + 1, h);
+        for (int64_t c = 0; c < V; c++) out[c] = (Unit)a[c] | (Unit)b[c] << 16;
+    } else {
+        for (int64_t c = 0; c < V; c++) out[c] = a[c];
     }
 }
 
@@ -177,10 +186,11 @@ typedef struct {
 #define UNIT_CHUNK 32 /* units of values a weighing pass: 16 KB of values in L1 while every row group takes them */
 
 /* Head h (its packed keys kp and values vp), queries i0 .. i0 + QT (those below n). Each block of keys, and each
- * chunk of values, is read from memory once for the item's QT queries, then from L1 for each group of QR. */
-static void attend_item(const Shape *s, Rows q, const Unit *kp, const Unit *vp, int64_t h, int64_t i0, ItemMemory w,
-                        void *out, float *lse) {
-    int64_t rows = s->n - i0 < QT ? s->n - i0 : QT, upk = s->pairs ? 2 : 1, ldS = s->blocks * KB, ldP = ldS / upk;
+ * chunk of values, is read from memory once for the item's QT queries, then from L1 for each group of QR. `pairs`
+ * a constant at each call: the micro-kernels' loops carry no test of it. */
+INLINE void attend_item(const Shape *s, Rows q, const Unit *kp, const Unit *vp, int64_t h, int64_t i0, ItemMemory w,
+                        void *out, float *lse, int pairs) {
+    int64_t rows = s->n - i0 < QT ? s->n - i0 : QT, upk = pairs ? 2 : 1, ldS = s->blocks * KB, ldP = ldS / upk;
     int64_t lo = s->m, row_lo[QT], row_hi[QT], ends[GROUPS], end = 0; /* keys scored: k0 .. ends[g] (group g) */
     for (int64_t r = 0; r < QT; r++) {
         row_lo[r] = r < rows ? keys_from(s, i0 + r) : 0, row_hi[r] = r < rows ? keys_to(s, i0 + r) : 0;
@@ -194,20 +204,22 @@ static void attend_item(const Shape *s, Rows q, const Unit *kp, const Unit *vp, 
         end = ends[g] > end ? ends[g] : end;
     }
     for (int64_t r = 0; r < QT; r++)
-        for (int64_t u = 0; u < s->DU; u++)
-            w.qu[r * s->DU + u] = r < rows ? row_unit(row_of(q, i0 + r, h), s->xbf, s->D, upk * u, s->pairs) : 0u;
+        if (r < rows)
+            row_units(row_of(q, i0 + r, h), s->xbf, s->D, s->DU, pairs, w.qu + r * s->DU);
+        else
+            memset(w.qu + r * s->DU, 0, s->DU * sizeof(Unit));
     for (int64_t b = k0; b < end; b += KB)
         for (int g = 0; g < GROUPS; g++)
             if (b < ends[g])
                 score_block(w.qu + g * QR * s->DU, s->DU, kp + b / KB * s->DU * KB, w.S + g * QR * ldS + (b - k0), ldS,
-                            s->pairs);
+                            pairs);
     float top[QT], sums[QT];
     for (int64_t r = 0; r < QT; r++) {
         Unit *p = w.P + r * ldP;
         int64_t units = (ends[r / QR] - k0) / upk;
         sums[r] = 0.f;
         if (row_lo[r] < row_hi[r])
-            sums[r] = probabilities(w.S + r * ldS, k0, ends[r / QR], row_lo[r], row_hi[r], s->scale, s->pairs, p, &top[r]);
+            sums[r] = probabilities(w.S + r * ldS, k0, ends[r / QR], row_lo[r], row_hi[r], s->scale, pairs, p, &top[r]);
         else /* no keys (or past the last query): weights 0, not what an earlier item left */
             memset(p, 0, units * sizeof(Unit));
     }
@@ -219,7 +231,7 @@ static void attend_item(const Shape *s, Rows q, const Unit *kp, const Unit *vp, 
             units = units < UNIT_CHUNK ? units : UNIT_CHUNK;
             for (int64_t c = 0; units > 0 && c < s->VP; c += KB)
                 weigh_block(w.P + g * QR * ldP + u, ldP, first + u * s->VP, s->VP, c, units, w.O + g * QR * s->VP,
-                            s->VP, s->pairs);
+                            s->VP, pairs);
         }
     for (int64_t r = 0; r < rows; r++) {
         int64_t i = i0 + r;
@@ -258,19 +270,22 @@ int prefill_attention(const void *q, const int64_t qs[2], const void *k, const i
     int64_t tiles = (n + QT - 1) / QT;
 #pragma omp parallel num_threads(threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < H * s.blocks; t++)
-            pack_keys(kr, xbf, m, t / s.blocks, D, s.DU, pairs, kp + t / s.blocks * key_units, t % s.blocks);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < H * JU; t++)
-            pack_values(vr, xbf, m, t / JU, V, s.VP, pairs, vp + t / JU * value_units, t % JU);
         char *mine = items + omp_get_thread_num() * item_bytes;
         ItemMemory w = {.qu = (Unit *)mine, .P = (Unit *)mine + QT * s.DU};
         w.S = (float *)(w.P + QT * JU), w.O = w.S + QT * keys;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < H * s.blocks; t++) /* a key's units staged in qu, then spread over the lanes */
+            pack_keys(kr, xbf, m, t / s.blocks, D, s.DU, pairs, kp + t / s.blocks * key_units, t % s.blocks, w.qu);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < H * JU; t++)
+            pack_values(vr, xbf, m, t / JU, V, s.VP, pairs, vp + t / JU * value_units, t % JU);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < H * tiles; t++) { /* the last queries first: under a causal mask they see the most */
             int64_t h = t % H, i0 = (tiles - 1 - t / H) * QT;
-            attend_item(&s, qr, kp + h * key_units, vp + h * value_units, h, i0, w, out, lse);
+            if (pairs)
+                attend_item(&s, qr, kp + h * key_units, vp + h * value_units, h, i0, w, out, lse, 1);
+            else
+                attend_item(&s, qr, kp + h * key_units, vp + h * value_units, h, i0, w, out, lse, 0);
         }
     }
     scratch_release(mark);
