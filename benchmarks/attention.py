@@ -26,6 +26,7 @@ from latentserve.attention.decode.registry import MLADecodeBackendEnum  # noqa: 
 from latentserve.attention.kv_cache import allocate_kv_caches, slots_for_positions  # noqa: E402
 from latentserve.attention.metadata import CommonAttentionMetadata, MLADecodeMetadata  # noqa: E402
 from latentserve.attention.mla import MLAAttention  # noqa: E402
+from latentserve.attention.prefill.registry import MLAPrefillBackendEnum  # noqa: E402
 from latentserve.config import AttentionConfig, MLAConfig  # noqa: E402
 from latentserve.engine.cpu_malloc import keep_freed_memory  # noqa: E402
 from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context  # noqa: E402
@@ -147,8 +148,6 @@ def bench_decode_backends(cases: list[tuple[int, int]], layers: int = 8, repeats
 
 def bench_prefill_backends(lengths: list[int], repeats: int) -> None:
     """NATIVE and TORCH_SDPA alone on one request of each length (16 heads, q and k 192, v 128), ms."""
-    from latentserve.attention.prefill.registry import MLAPrefillBackendEnum
-
     heads, nope, rope, v_dim = 16, 128, 64, 128
     names = [n for n in ("NATIVE", "TORCH_SDPA")
              if MLAPrefillBackendEnum.lookup(n).get_class().unavailable_reason() is None]

@@ -36,6 +36,11 @@ class KernelPolicy:
         kernels, why = native_kernels(features)
         return cls(features, kernels, why, threads or torch.get_num_threads())
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why a backend built on latentserve's kernels cannot run here; None where the kernels are used."""
+        return None if self.kernels is not None else f"latentserve's kernels are not used ({self.why})"
+
     def dense_rows(self, dtype: torch.dtype, in_features: int) -> int:
         """Up to how many rows latentserve's fp32/bf16 linear (kernels/gemv.c) beats the other layouts, as measured
         with weights streamed (benchmarks/RESULTS.md); 0: never. fp32: 1.25-1.8x at 1-3 rows on 2 threads, 1.3-3.8x

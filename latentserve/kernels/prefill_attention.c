@@ -2,9 +2,9 @@
  * k [m, H, D] and v [m, H, V]: a prefill's new tokens over themselves (causal) or over a context chunk's
  * up-projected rows, query i sitting `distance` positions after key 0, a sliding window where one is given.
  *
- * PyTorch's CPU flash kernel ran MLA's shapes (16 heads, D 192, v padded to it) at 27-51 G multiply-adds/s on two
- * Zen 4 cores from 512 to 4096 tokens, far under what the products alone take (its bf16 products at 512 tokens
- * ~150 G/s): half of a 4096-token prefill. Here every item (a head and QT queries) sees all its keys at once, so its
+ * PyTorch's CPU flash kernel ran MLA's shapes (16 heads, D 192, v padded to it) at 27-61 G multiply-adds/s on two
+ * Zen 4 cores from 512 to 4096 tokens, far under what its products alone run at (a bf16 bmm of the same scores:
+ * ~150 G/s), and took half of a 4096-token prefill; this kernel runs them at 130-150. Here every item (a head and QT queries) sees all its keys at once, so its
  * softmax is exact over whole rows (no online rescaling): the scores of QT rows [QT, keys] in fp32 (L2), then
  * exp, then the weighed values. Both products are register-blocked micro-kernels over 4-byte units: a bf16 pair
  * through vdpbf16ps where the build has it and q, k, v are bf16 (the probabilities rounded to bf16, as a bf16 flash

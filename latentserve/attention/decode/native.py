@@ -31,8 +31,7 @@ class NativeMQADecodeBackend(MLADecodeBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        policy = default_policy()
-        return None if policy.kernels is not None else f"latentserve's kernels are not used ({policy.why})"
+        return default_policy().unavailable
 
     @classmethod
     def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:

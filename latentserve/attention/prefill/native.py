@@ -1,6 +1,6 @@
 """NATIVE: prefill attention in one C call per request (kernels/prefill_attention.c), on the CPU: exact softmax over
 each query's whole row of keys, bf16 products through vdpbf16ps where the build has them. Against PyTorch's CPU flash
-kernel on MLA's shapes (16 heads, D 192, V 128, 512-4096 tokens, 2 threads, AMD Zen 4): bf16 2.3-3.9x, fp32 1.3-2.1x
+kernel on MLA's shapes (16 heads, D 192, V 128, 512-4096 tokens, 2 threads, AMD Zen 4): bf16 2.5-4.0x, fp32 1.3-2.2x
 (benchmarks/RESULTS.md "Prefill attention")."""
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ class NativePrefillBackend(VarlenPrefillBackend):
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
-        policy = default_policy()
-        return None if policy.kernels is not None else f"latentserve's kernels are not used ({policy.why})"
+        return default_policy().unavailable
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
