@@ -13,13 +13,14 @@
  * for the weighing): read once per head, not once per query. */
 #include "simd.h"
 
-#define QT 32           /* queries an item: QT rows of scores, a few hundred KB at 4096 keys */
-#define QR 4            /* query rows a micro-kernel pass: QR x NV accumulators in registers */
 #ifdef LS_AVX512
+#define QR 4            /* query rows a micro-kernel pass: QR x NV accumulators in registers */
 #define NV 4            /* vectors a micro-kernel pass */
 #else
+#define QR 6            /* 12 accumulators of AVX2's 16 registers: two FMA pipes of latency 4 need 8 in flight */
 #define NV 2
 #endif
+#define QT (8 * QR)     /* queries an item: QT rows of scores, a few hundred KB at 4096 keys */
 #define KB (NV * LANES) /* keys a block of packed keys (a score pass's columns); value columns a weighing pass */
 
 typedef uint32_t Unit;  /* one fp32 value, or two bf16 values (the low half first): what one lane multiplies */

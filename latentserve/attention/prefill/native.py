@@ -1,6 +1,6 @@
 """NATIVE: prefill attention in one C call per request (kernels/prefill_attention.c), on the CPU: exact softmax over
 each query's whole row of keys, bf16 products through vdpbf16ps where the build has them. Against PyTorch's CPU flash
-kernel on MLA's shapes (16 heads, D 192, V 128, 512-4096 tokens, 2 threads, AMD Zen 4): bf16 2.5-4.0x, fp32 1.3-2.2x
+kernel on MLA's shapes (16 heads, D 192, V 128, 512-4096 tokens, 2 threads, AMD Zen 4): bf16 2.5-4.2x, fp32 1.2-2.3x
 (benchmarks/RESULTS.md "Prefill attention")."""
 from __future__ import annotations
 
