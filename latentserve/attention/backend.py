@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from latentserve.attention.backend_registry import BackendEnum
+from latentserve.kernels.policy import default_policy
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,21 @@ class BackendCapabilities:
         if selector_config.sliding_window is not None and not cls.supports_sliding_window:
             reasons.append(f"{cls.get_name()} does not support sliding-window attention")
         return reasons
+
+
+class NativeKernelsBackend(BackendCapabilities):
+    """A backend that runs latentserve's own CPU kernels (the prefill and the decode `NATIVE`): the CPU only, where
+    the kernels build and the policy uses them."""
+
+    supported_device_types = ("cpu",)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "NATIVE"
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return default_policy().unavailable
 
 
 def select_backend(

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from latentserve.attention.backend import SelectorConfig
+from latentserve.attention.backend import NativeKernelsBackend, SelectorConfig
 from latentserve.attention.decode.base import MLADecodeBackend
 from latentserve.attention.decode.paged import PagedMQADecodeBackend
 from latentserve.attention.metadata import MLADecodeMetadata
@@ -13,7 +13,7 @@ from latentserve.kernels import native
 from latentserve.kernels.policy import default_policy
 
 
-class NativeMQADecodeBackend(MLADecodeBackend):
+class NativeMQADecodeBackend(NativeKernelsBackend, MLADecodeBackend):
     """Every decode token and block of heads is one work item: its request's rows are read where they lie, a tile at
     a time, scored and then weighed under an online softmax (fp32 sums; bf16 products through vdpbf16ps where the
     build has them). Several query tokens per request (speculative decoding) see their causal
@@ -23,15 +23,6 @@ class NativeMQADecodeBackend(MLADecodeBackend):
     threads, benchmarks/RESULTS.md, 2026-12-04 evening)."""
 
     supported_dtypes = native.KV_CACHE_DTYPES
-    supported_device_types = ("cpu",)
-
-    @classmethod
-    def get_name(cls) -> str:
-        return "NATIVE"
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return default_policy().unavailable
 
     @classmethod
     def validate_configuration(cls, device: torch.device | str, selector_config: SelectorConfig) -> list[str]:

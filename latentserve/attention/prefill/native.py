@@ -8,22 +8,14 @@ from typing import Any
 
 import torch
 
+from latentserve.attention.backend import NativeKernelsBackend
 from latentserve.attention.prefill.varlen import VarlenPrefillBackend
 from latentserve.kernels import native
 from latentserve.kernels.policy import default_policy
 
 
-class NativePrefillBackend(VarlenPrefillBackend):
-    supported_device_types = ("cpu",)
+class NativePrefillBackend(NativeKernelsBackend, VarlenPrefillBackend):
     supports_sliding_window = True
-
-    @classmethod
-    def get_name(cls) -> str:
-        return "NATIVE"
-
-    @classmethod
-    def unavailable_reason(cls) -> str | None:
-        return default_policy().unavailable
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
