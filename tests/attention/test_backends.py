@@ -10,6 +10,7 @@ import torch
 from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend, _widen
 from latentserve.config import AttentionConfig
 from tests.attention.mla_case import Request, make_batch, naive_mla, run_layer, setup
+from tests.kernels.builds import needs_the_engines_kernels
 
 SCENARIOS = {
     "decode_only": [Request(5, 1), Request(17, 1), Request(1, 1), Request(40, 1)],
@@ -32,7 +33,8 @@ def _config(prefill: str, decode: str, block_size: int, scenario: str) -> Attent
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("block_size", [1, 16, 64])
-@pytest.mark.parametrize("prefill,decode", [("NATIVE", "NATIVE"), ("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
+@pytest.mark.parametrize("prefill,decode", [pytest.param("NATIVE", "NATIVE", marks=needs_the_engines_kernels),
+                                            ("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
 def test_backend_matches_naive_fp32(scenario, block_size, prefill, decode):
     config = _config(prefill, decode, block_size, scenario)
     requests = SCENARIOS[scenario]

@@ -12,6 +12,7 @@ from latentserve.attention.prefill.torch_sdpa import TorchSDPAPrefillBackend
 from latentserve.config import AttentionConfig
 from latentserve.forward_context import ForwardContext, StaticForwardContext, set_forward_context
 from tests.attention.mla_case import Request, make_batch, make_layer, naive_mla
+from tests.kernels.builds import needs_the_engines_kernels
 
 BLOCK = 4
 # Decodes (one and several new tokens), a fresh prefill longer than the window, prefills over context that spans
@@ -32,7 +33,8 @@ def _run(window: int | None, decode_backend: str | None = None, requests=REQUEST
     return layer, batch, md, out
 
 
-@pytest.mark.parametrize("backends", [("NATIVE", "TORCH"), ("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
+@pytest.mark.parametrize("backends", [pytest.param(("NATIVE", "TORCH"), marks=needs_the_engines_kernels),
+                                      ("TORCH_SDPA", "TORCH"), ("REFERENCE", "REFERENCE")])
 @pytest.mark.parametrize("window", [1, 3, 6, 17, 1000])
 def test_sliding_window_matches_naive_masked_attention(window, backends):
     layer, batch, md, out = _run(window, decode_backend=backends[1], prefill_backend=backends[0])
