@@ -132,7 +132,7 @@ INLINE void weigh_block(const Unit *P, int64_t ldP, const Unit *vp, int64_t VP, 
 
 typedef struct {
     int64_t n, m, H, D, V, DU, VP, blocks, distance, window;
-    int causal, pairs, xbf, obf;
+    int causal, xbf, obf;
     float scale;
 } Shape;
 
@@ -255,7 +255,7 @@ int prefill_attention(const void *q, const int64_t qs[2], const void *k, const i
 #endif
     Shape s = {.n = n, .m = m, .H = H, .D = D, .V = V, .DU = pairs ? (D + 1) / 2 : D, .VP = (V + KB - 1) / KB * KB,
                .blocks = (m + KB - 1) / KB, .distance = distance, .window = window, .causal = causal,
-               .pairs = pairs, .xbf = xbf, .obf = io >> 1 & 1, .scale = scale};
+               .xbf = xbf, .obf = io >> 1 & 1, .scale = scale};
     Rows qr = {q, qs[0] * size, qs[1] * size}, kr = {k, ks[0] * size, ks[1] * size}, vr = {v, vs[0] * size, vs[1] * size};
     if (n == 0) return LS_OK;
     int64_t upk = pairs ? 2 : 1, keys = s.blocks * KB, JU = keys / upk;
