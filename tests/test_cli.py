@@ -379,6 +379,7 @@ def test_backends_prints_the_kernel_policy_and_the_weight_kernels_it_gives(capsy
         assert f"latentserve's kernels: built for {kernels.isa} ({why})" in weights
         assert f"int8: latentserve int8 (built for {kernels.isa} ({why})" in weights
         assert f"int4: latentserve int4 (built for {kernels.isa}" in weights
+        assert f"GGUF Q6_K: latentserve q6_k (built for {kernels.isa} ({why})" in weights
         assert "fp32 / bf16 linears: latentserve's up to 3 fp32 rows" in weights
         assert "decode attention block: one native call per layer" in weights
         assert "decode MoE block: one native call per layer" in weights
@@ -388,6 +389,7 @@ def test_backends_prints_the_kernel_policy_and_the_weight_kernels_it_gives(capsy
         assert f"decode MoE block: the layer's modules one by one ({why})" in weights
         assert "int8: int8 per-row torch._int_mm" in weights
         assert f"int4: int4pack_mm (latentserve's kernels: {why}" in weights
+        assert f"GGUF Q6_K: int8 per-row torch._int_mm (latentserve's kernels: {why}; dequantized" in weights
 
 
 def test_backends_lists_the_architectures(capsys):

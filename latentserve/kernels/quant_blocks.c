@@ -1,6 +1,6 @@
 /* The driver of the quantized formats' linear layers (quant.h's Format: int8 in `pack_int8`'s layout, int4 in
- * `pack_int4`'s) at any row count (the experts' driver: experts.c). It walks blocks of 16 outputs, each block one
- * stream of bytes read once for all the rows it meets; what differs between formats is the format's own business
+ * `pack_int4`'s, Q6_K in `pack_q6k`'s) at any row count (the experts' driver: experts.c). It walks blocks of 16
+ * outputs, each block one stream of bytes read once for all the rows it meets; what differs between formats is the format's own business
  * (block_bytes, quantize_for, block_dots). */
 #include "quant.h"
 
@@ -19,8 +19,8 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
         for (int64_t j = 0; j < outputs; j++) store_out(y, bf16, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
 }
 
-/* ls_int8_linear and ls_int4_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format (bits, G). Each
- * thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a
+/* ls_int8_linear, ls_int4_linear and ls_q6k_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format
+ * (bits, G). Each thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a
  * thread keeps too few reads in flight: up to PAIR_ROWS rows it reads two blocks at once, the i-th of each half of
  * the share (block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by
  * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): int8 1.04-1.28x faster at

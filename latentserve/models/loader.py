@@ -24,7 +24,7 @@ from latentserve.layers.moe import MoE
 from latentserve.layers.quant.config import Fp8Config, PrequantizedConfig, QuantConfig
 from latentserve.layers.quant.fp8 import dequantize_block_fp8
 from latentserve.layers.quant.linear import quantize_linear
-from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, concat
+from latentserve.layers.quant.prequantized import QuantizedWeight, concat
 from latentserve.models.arch import ARCHITECTURES
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
@@ -71,7 +71,7 @@ def iter_checkpoint_tensors(
 
 def open_checkpoint(
     model_dir: Path, config: ModelConfig, wanted: Callable[[str], bool]
-) -> Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The `wanted` tensors of a checkpoint as the model takes them: FP8 weights dequantized, a GPTQ / AWQ /
     compressed-tensors layer's parts unpacked into one int4 / int8 weight, a GGUF's tensors under their Hugging Face
     names."""
@@ -88,7 +88,7 @@ def open_checkpoint(
 
 
 def dequantized(
-    tensors: Iterator[tuple[str, torch.Tensor | Int4Weight | Int8Weight]]
+    tensors: Iterator[tuple[str, torch.Tensor | QuantizedWeight]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in full precision: a quantized checkpoint loaded into another quantization than its own."""
     for name, tensor in tensors:
@@ -228,7 +228,7 @@ def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor | None, 
         raise ValueError(f"unexpected tensor {name!r} in the checkpoint{fp8}")
     if name in loaded:
         raise ValueError(f"tensor {name!r} appears twice in the checkpoint")
-    if isinstance(tensor, (Int4Weight, Int8Weight)):
+    if isinstance(tensor, QuantizedWeight):
         pass  # unpacked from the checkpoint's quantized format (models/formats/)
     elif tensor.dtype not in STORED_DTYPES:
         fp8 = " (FP8 weights need config.json's quantization_config)" if tensor.dtype.itemsize == 1 else ""
@@ -259,7 +259,7 @@ def load_weights(
         for name, tensor in tensors:
             _check_tensor(name, tensor, targets.get(param_name(name)), loaded)
             target = targets[param_name(name)]
-            if isinstance(tensor, (Int4Weight, Int8Weight)) and param_name(name) not in quantized:
+            if isinstance(tensor, QuantizedWeight) and param_name(name) not in quantized:
                 tensor = tensor.dequantize()  # embeddings, kv_b_proj (decode absorbs it), layers kept unquantized
             if param_name(name) in quantized:
                 job = _quantization_job(model, quantized[param_name(name)], tensor, halves)

@@ -61,6 +61,12 @@ CASES = {
         out, lse = torch.empty(4, 2, 6), torch.empty(4, 2)
         lib.ls_prefill_attention(d(q), d(k), lie(v, 64, 2, 6), 0, 0, 0, 0.3, d(out), d(lse), 1)
     """,
+    # a Q6_K weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
+    "q6k_linear": """
+        packed = torch.zeros(1, 3392, dtype=torch.uint8)
+        x, y = torch.randn(1, 256), torch.empty(1, 128)
+        lib.ls_q6k_linear(d(x), lie(packed, 8, 3392), d(y), 1)
+    """,
     # experts whose table says them wider than their weights: reads past gate_up's end.
     "experts": """
         w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)

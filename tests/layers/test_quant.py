@@ -7,8 +7,10 @@ import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import Fp8Config, QuantConfig, int4_group, resolve_quantization
@@ -26,7 +28,10 @@ from latentserve.layers.quant.int4 import (
 )
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import quantize_linear
+from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
+from latentserve.models.formats.gguf_weights import q6k_weight
+from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
 
@@ -243,6 +248,31 @@ def test_without_a_policy_quantize_linear_takes_the_default_one(monkeypatch):
     monkeypatch.setenv(NATIVE_ENV, "0")  # the default policy then has no kernels
     assert default_policy().kernels is None
     assert type(quantize_linear("l", w, None, QuantConfig("int8"), "cpu")) is IntMMInt8Linear
+
+
+def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypatch):
+    """Q6_K's blocks as they are where latentserve's kernels run; elsewhere its values quantized to int8 per row, as
+    before that kernel; lm_head's logits in fp32 either way."""
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    weight = q6k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q6_K, np.random.default_rng(0)))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    expected = x @ weight.dequantize().t()
+    int4 = QuantConfig("int4", 32)  # the load's configuration does not matter: the weight has its own format
+    torch_only = _policy(cpu_features(), kernels=False)
+    layer = quantize_linear("l", weight, None, int4, "cpu", torch_only)
+    q, scale = quantize_int8(weight.dequantize())
+    assert isinstance(layer, IntMMInt8Linear) and torch.equal(layer.scale, scale)
+    assert torch.equal(IntMMInt8Linear(q, scale, None).qweight, layer.qweight)
+    assert quantize_linear("lm_head", weight, None, int4, "cpu", torch_only).out_dtype == torch.float32
+    here = _policy(cpu_features())
+    if here.kernels is None:
+        return
+    layer = quantize_linear("l", weight, None, int4, "cpu", here)
+    assert isinstance(layer, NativeQ6KLinear) and layer.kernels is here.kernels
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    head = quantize_linear("lm_head", weight, None, int4, "cpu", here)
+    assert isinstance(head, NativeQ6KLinear) and head(x.bfloat16()).dtype == torch.float32
 
 
 @pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")

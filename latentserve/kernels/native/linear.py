@@ -1,4 +1,4 @@
-"""The linear layers' wrappers: int8 and int4 weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's per-head
+"""The linear layers' wrappers: int8, int4 and Q6_K weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's per-head
 products, and RMSNorm."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from latentserve.kernels.abi import desc
 from latentserve.kernels.build import NativeKernels
 from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import F32, I8, I32, KERNEL_DTYPES, call, refused, written_dtype
-from latentserve.kernels.native.packing import check_int4, check_int8
+from latentserve.kernels.native.packing import check_int4, check_int8, check_q6k
 
 
 def int8_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
@@ -93,6 +93,18 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
     y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
     refused(kernels, "int4_linear", call(kernels, "ls_int4_linear", desc(x), desc(packed), group_size, desc(y),
                                          torch.get_num_threads()))
+    return y
+
+
+def q6k_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, out_features]` = x `[M, K]` (`activations`) times the Q6_K weight `packed` by `pack_q6k`; in `out_dtype`
+    where the kernels write it, else fp32."""
+    m, k = tensor("q6k_linear", "x", x, KERNEL_DTYPES, (None, None))
+    check_q6k("q6k_linear", "packed", packed, out_features, k)
+    y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
+    refused(kernels, "q6k_linear", call(kernels, "ls_q6k_linear", desc(x), desc(packed), desc(y),
+                                        torch.get_num_threads()))
     return y
 
 

@@ -1,5 +1,5 @@
-"""The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c) and `pack_int4`'s
-(int4.c), and the checks that a packed weight has the shape its layout gives it."""
+"""The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c), `pack_int4`'s
+(int4.c) and `pack_q6k`'s (q6k.c), and the checks that a packed weight has the shape its layout gives it."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import I8, U8
 
 
-INT4_BLOCK = INT8_BLOCK = 16  # outputs per block of `pack_int4`'s and `pack_int8`'s layouts
+INT4_BLOCK = INT8_BLOCK = Q6K_BLOCK = 16  # outputs per block of `pack_int4`'s, `pack_int8`'s and `pack_q6k`'s layouts
 INT8_HEADER = 128  # bytes before a `pack_int8` block's weights: 16 fp32 scales, 16 int32 sums of q
 
 
@@ -77,3 +77,44 @@ def check_int4(fn: str, name: str, packed: torch.Tensor, n: int, k: int, group_s
     expected = (-(-n // INT4_BLOCK), k // group_size * (64 + 8 * group_size))
     tensor(fn, f"{name} (int4 weight of {n} outputs, {k} inputs, group size {group_size} in pack_int4's layout)",
            packed, U8, expected)
+
+
+Q6K_SUPER = 64 + 16 * 16 + 16 * 192  # bytes of 256 columns of a `pack_q6k` block
+Q6K_FORMAT = (6, 16)  # the experts' format tuple (bits, group) of `pack_q6k`'s layout
+
+
+def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), K / 256 * 3392]` from llama.cpp's Q6_K values w = d * sc * (q - 32): q `[N, K]` in
+    [0, 63] (K a multiple of 256), fp32 `d` `[N, K / 256]`, int8 `sc` `[N, K / 16]`. The outputs in blocks of 16 (zero
+    rows pad the last), each block per 256 columns the 16 d, the 16 x 16 sc (group-major), then per 16 columns two
+    64-byte units of low nibbles (byte 4j + i: output j's column 8u + i, and 8u + 4 + i in the high nibble) and one of
+    high bit pairs (byte 4j + i: columns i, 4 + i, 8 + i, 12 + i from the low bits up) (q6k.c)."""
+    n, k = q.shape
+    if (q.dtype != torch.uint8 or k % 256 or d.dtype != torch.float32 or d.shape != (n, k // 256)
+            or sc.dtype != torch.int8 or sc.shape != (n, k // 16)):
+        raise ValueError(f"pack_q6k takes uint8 q [N, K] with K % 256 == 0, fp32 d [N, K / 256] and int8 sc "
+                         f"[N, K / 16], not {q.dtype} {tuple(q.shape)}, {d.dtype} {tuple(d.shape)}, {sc.dtype} "
+                         f"{tuple(sc.shape)}")
+    if q.numel() and int(q.max()) > 63:
+        raise ValueError(f"pack_q6k: q holds {int(q.max())}, past Q6_K's 63")
+    pad = -n % Q6K_BLOCK
+    q, d, sc = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, sc))
+    blocks, supers = (n + pad) // Q6K_BLOCK, k // 256
+    # [block, output, super-block, group, quarter of the group, column]
+    q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)
+    low, high = q & 15, q >> 4
+    units = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), low[..., 2, :] | (low[..., 3, :] << 4),
+                         high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)],
+                        dim=4)  # [block, output, super-block, group, unit, column]
+    units = units.permute(0, 2, 3, 4, 1, 5).reshape(blocks, supers, 16 * 192)
+    d = d.contiguous().view(blocks, Q6K_BLOCK, supers).transpose(1, 2).contiguous().view(torch.uint8)
+    sc = sc.view(blocks, Q6K_BLOCK, supers, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    return torch.cat([d.view(blocks, supers, 64), sc.view(blocks, supers, 256), units], dim=2).view(blocks, -1)
+
+
+def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_q6k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if k % 256:
+        raise ValueError(f"{fn}: the Q6_K kernel takes K a multiple of 256; got K {k}")
+    tensor(fn, f"{name} (Q6_K weight of {n} outputs, {k} inputs in pack_q6k's layout)", packed, U8,
+           (-(-n // Q6K_BLOCK), k // 256 * Q6K_SUPER))

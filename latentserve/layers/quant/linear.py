@@ -16,7 +16,10 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts, quantize_int8,
 )
-from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, QuantizedWeight
+from latentserve.layers.quant.prequantized import (
+    Q6K_D_COLUMNS, Int4Weight, Int8Weight, Q6KWeight, QuantizedWeight,
+)
+from latentserve.layers.quant.q6k import NativeQ6KLinear
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
 LM_HEAD = "lm_head"
@@ -66,16 +69,36 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | 
                         f"{many_rows}")
 
 
+def q6k_kernel(policy: KernelPolicy, device: torch.device, in_features: int | None = None) -> KernelChoice:
+    """A GGUF's Q6_K weight: latentserve's Q6_K kernel on its blocks as they are, else int8 per output row."""
+    int8 = int8_kernel(policy, device, in_features).kernel
+    if device.type != "cpu":
+        return KernelChoice(int8, "not a CPU: dequantized and quantized to int8 per output row")
+    kernels, why = policy.kernels, policy.why
+    if kernels is not None and (in_features is None or in_features % Q6K_D_COLUMNS == 0):
+        return KernelChoice(NativeQ6KLinear.kernel, f"built for {kernels.isa} ({why}); the file's Q6_K blocks as they "
+                            "are (6.625 bits a weight read; int8 per row reads 8 and rounds the values again)")
+    if kernels is not None:
+        why = f"{in_features} inputs, latentserve's Q6_K kernel needs a multiple of {Q6K_D_COLUMNS}"
+    return KernelChoice(int8, f"latentserve's kernels: {why}; dequantized and quantized to int8 per output row")
+
+
 def quantize_linear(
     name: str, weight: torch.Tensor | QuantizedWeight, bias: nn.Parameter | None, config: QuantConfig,
     device: torch.device | str, policy: KernelPolicy | None = None
 ) -> nn.Module:
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
     says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
-    layers). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M keeps its output matrix at 6 bits:
-    int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
+    layers; a Q6_K one runs `q6k_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M keeps
+    its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
     (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default one)."""
     device, policy = torch.device(device), policy or default_policy()
+    # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
+    out_dtype = torch.float32 if name == LM_HEAD else None
+    if isinstance(weight, Q6KWeight):
+        if q6k_kernel(policy, device, weight.shape[1]).kernel == NativeQ6KLinear.kernel:
+            return NativeQ6KLinear(weight.q, weight.d, weight.sc, bias, policy.kernels, out_dtype)
+        weight = weight.int8()
     if name == LM_HEAD and config.method == "int4":
         config = QuantConfig("int8")
         if isinstance(weight, Int4Weight):
@@ -86,8 +109,6 @@ def quantize_linear(
     if config.method == "int8":
         q, scale = (weight.q, weight.scale) if isinstance(weight, Int8Weight) else quantize_int8(weight)
         kernel = int8_kernel(policy, device, weight.shape[1]).kernel
-        # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
-        out_dtype = torch.float32 if name == LM_HEAD else None
         if kernel == NativeInt8Linear.kernel:
             return NativeInt8Linear(q, scale, bias, policy.kernels, out_dtype)
         if kernel == IntMMInt8Linear.kernel:

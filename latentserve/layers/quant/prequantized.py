@@ -1,12 +1,13 @@
 """Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8
-layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
+/ Q6_K layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from latentserve.layers.quant.int4 import dequantize_int4
+from latentserve.layers.quant.int8 import BLOCK_ELEMENTS, quantize_int8
 
 
 @dataclass
@@ -47,7 +48,43 @@ class Int8Weight:
         return self.q.float() * self.scale[:, None]
 
 
-QuantizedWeight = Int4Weight | Int8Weight
+Q6K_D_COLUMNS, Q6K_SC_COLUMNS = 256, 16  # input columns per d, per sub-scale sc
+
+
+@dataclass
+class Q6KWeight:
+    """llama.cpp's Q6_K as a GGUF holds it, w = d * sc * (q - 32): q uint8 `[out, in]` in [0, 63], d fp32
+    `[out, in / 256]` (the file's fp16, so exact), sc int8 `[out, in / 16]`."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor
+    method = "q6_k"
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc rounded to fp32 first, then times q - 32."""
+        rows, cols = self.q.shape
+        scale = self.d[..., None] * self.sc.view(rows, -1, Q6K_D_COLUMNS // Q6K_SC_COLUMNS).float()
+        q = self.q.view(rows, -1, Q6K_SC_COLUMNS).float().sub_(32)
+        return (scale.view(rows, -1, 1) * q).view(rows, cols)
+
+    def int8(self) -> Int8Weight:
+        """Dequantized and quantized to int8 per output row, where latentserve's Q6_K kernel does not run: a few
+        rows at a time (a whole lm_head's fp32 values would outweigh the model's other weights)."""
+        rows, cols = self.q.shape
+        weight = Int8Weight(torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.float32))
+        step = max(1, BLOCK_ELEMENTS // cols)
+        for start in range(0, rows, step):
+            part = Q6KWeight(*(getattr(self, f.name)[start:start + step] for f in fields(self)))
+            weight.q[start:start + step], weight.scale[start:start + step] = quantize_int8(part.dequantize())
+        return weight
+
+
+QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:
@@ -57,6 +94,4 @@ def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | tor
     kinds = {(type(p), getattr(p, "group_size", None)) for p in parts}
     if len(kinds) > 1 or isinstance(parts[0], torch.Tensor):
         return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts])
-    if isinstance(parts[0], Int4Weight):
-        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "scale", "minimum")))
-    return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return type(parts[0])(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(parts[0])))

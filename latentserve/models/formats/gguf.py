@@ -10,10 +10,13 @@ files keep `attn_kv_b`. Both come back as `kv_b_proj`.
 Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups of 32 columns, w = q * scale +
 minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are
 repacked, not requantized. The loaded weights hold the file's values exactly; latentserve's int4 kernel then keeps
-each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Other quantized
-types of an attention or MLP weight (Q8_0 has one scale per 32 values, not per row; Q5_K and Q6_K have more bits) are
-dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype.
-The load log counts each; the conversions themselves are gguf_weights.py's."""
+each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Q6_K (Q4_K_M's
+output matrix, some of its down projections) is kept as its blocks' q, d and sc, exactly, which latentserve's Q6_K
+kernel runs as they are (6.625 bits a weight read); without that kernel the layer is quantized to int8 per output
+channel (layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32
+values, not per row; Q5_K has more bits) are dequantized with gguf's own code and quantized to int8 per output
+channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The
+load log counts each; the conversions themselves are gguf_weights.py's."""
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +33,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from latentserve.kernels.native import CACHE_ENV
 from latentserve.models.formats.gguf_weights import (FLOAT_TYPES, INT4_TYPES, ConversionStats, dequantized,
-                                                     int4_weight, int8_weight, release_freed_heap,
+                                                     int4_weight, int8_weight, q6k_weight, release_freed_heap,
                                                      release_mapped_pages)
 from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
 
@@ -225,6 +228,9 @@ def _convert(tensor, hf_name: str, stats: ConversionStats, rows: slice | int | N
     if _QUANTIZED_LAYER.search(hf_name) and kind in INT4_TYPES:
         stats.repacked[kind.name] += 1
         return int4_weight(np.asarray(data), kind)
+    if _QUANTIZED_LAYER.search(hf_name) and kind == GGMLQuantizationType.Q6_K:
+        stats.kept[kind.name] += 1
+        return q6k_weight(np.asarray(data))
     if _QUANTIZED_LAYER.search(hf_name) and kind not in FLOAT_TYPES:
         stats.requantized[kind.name] += 1
         return int8_weight(np.asarray(data), kind)
@@ -254,9 +260,9 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight) for every `wanted` tensor of the GGUF `model_dir`
-    stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after: the pages
-    a mapping touched count as the process's memory until then."""
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight) for every `wanted` tensor of the GGUF
+    `model_dir` stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after:
+    the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
     # Each file parsed once: GGUFReader reads all the metadata, the vocabulary's 100k strings included (seconds).
     readers = [GGUFReader(file) for file in files]
@@ -301,7 +307,7 @@ def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tup
         name, pair = next(iter(halves.items()))
         raise ValueError(f"GGUF has {sorted(pair)} but not both attn_k_b and attn_v_b for {name}")
     release_freed_heap()
-    if stats.repacked or stats.requantized or stats.dequantized:
+    if stats.repacked or stats.kept or stats.requantized or stats.dequantized:
         stats.log(files[0].name)
 
 

@@ -1,7 +1,8 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0, Q4_1
-and Q4_K repacked into int4 groups of 32 exactly, other types dequantized with gguf's own code (and, for the layers
-latentserve runs quantized, quantized to int8 per output channel), a few rows at a time; and the memory a conversion
-leaves behind (mapped file pages, glibc's freed heap) handed back."""
+and Q4_K repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), other
+types dequantized with gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output
+channel), a few rows at a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap)
+handed back."""
 from __future__ import annotations
 
 import ctypes
@@ -17,13 +18,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight
+from latentserve.layers.quant.prequantized import (Q6K_D_COLUMNS, Q6K_SC_COLUMNS, Int4Weight, Int8Weight,
+                                                   Q6KWeight)
 
 logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
+_Q6K_BYTES = 210  # a Q6_K block's, of 256 values
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -58,13 +61,13 @@ class ConversionStats:
     """What the load did with each tensor, for one log line."""
 
     def __init__(self) -> None:
-        self.repacked, self.requantized, self.dequantized = Counter(), Counter(), Counter()
+        self.repacked, self.kept, self.requantized, self.dequantized = Counter(), Counter(), Counter(), Counter()
 
     def log(self, name: str) -> None:
         fmt = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
-        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; dequantized and quantized to int8 "
-                    "per output channel: %s; dequantized to the compute dtype: %s", name, fmt(self.repacked),
-                    fmt(self.requantized), fmt(self.dequantized))
+        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; kept as Q6_K blocks: %s; "
+                    "dequantized and quantized to int8 per output channel: %s; dequantized to the compute dtype: %s",
+                    name, fmt(self.repacked), fmt(self.kept), fmt(self.requantized), fmt(self.dequantized))
 
 
 def _row_chunks(rows: np.ndarray) -> Iterator[slice]:
@@ -97,6 +100,26 @@ def int8_weight(data: np.ndarray, kind: GGMLQuantizationType) -> Int8Weight:
             scale = torch.empty(data.shape[0], dtype=torch.float32)
         q[chunk], scale[chunk] = part_q, part_scale
     return Int8Weight(q, scale)
+
+
+def q6k_weight(data: np.ndarray) -> Q6KWeight:
+    """Q6_K rows `[out, bytes]` as their q, d and sc, a few rows at a time (the unpacking's temporaries are a few
+    bytes a value)."""
+    rows, blocks = data.shape[0], data.shape[1] // _Q6K_BYTES
+    weight = Q6KWeight(torch.empty(rows, blocks * Q6K_D_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+                       torch.empty(rows, blocks * (Q6K_D_COLUMNS // Q6K_SC_COLUMNS), dtype=torch.int8))
+    for chunk in _row_chunks(data):
+        # Per 256: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 sub-scales, fp16 d. Each half of 128
+        # values: its 64 bytes of ql hold values 0-63 (low nibbles) and 64-127 (high); its 32 bytes of qh the top
+        # two bits of values 32j + i in bits 2j, 2j + 1 of byte i.
+        part = data[chunk].reshape(-1, blocks, _Q6K_BYTES)
+        ql = part[..., :128].reshape(-1, blocks, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+        qh = part[..., 128:192].reshape(-1, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (ql & 15).reshape(-1, blocks, 2, 4, 32) | ((qh & 3) << 4)
+        weight.q.numpy()[chunk] = q.reshape(len(part), -1)
+        weight.sc.numpy()[chunk] = part[..., 192:208].view(np.int8).reshape(len(part), -1)
+        weight.d.numpy()[chunk] = _fp16(part, 208)
+    return weight
 
 
 def release_mapped_pages(data: np.ndarray) -> None:
