@@ -8,10 +8,11 @@
  *
  * Layout: the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes; per 256 columns
  * (a super-block, Q6K_SUPER bytes) the 16 outputs' d (64 bytes of fp32), their sc (16 groups of 16 bytes, group-major),
- * then per group of 16 columns 192 bytes: two units of nibbles as int4's (unit u: byte 4j + i = the low 4 bits of
- * q[j, 8u + i] | those of q[j, 8u + 4 + i] << 4) and one of the high 2 bits (byte 4j + i = q[j, i] >> 4 |
- * q[j, 4 + i] >> 4 << 2 | q[j, 8 + i] >> 4 << 4 | q[j, 12 + i] >> 4 << 6). One 64-byte load feeds all 16 outputs
- * against 4 columns of x broadcast to every lane, as int4's.
+ * then per group of 16 columns three 64-byte units: unit u (u < 3) byte 4j + i = q[j, 4u + i] | 2 bits of
+ * q[j, 12 + i] << 6 (its bits 2u, 2u + 1). Columns 0-11 come out with one AND a vector, 12-15 from the three units'
+ * top bits; as nibble planes (int4's units and a plane of high bit pairs) the unpacking took 13 operations a group on
+ * AVX-512 (AVX2: 17 a half) where this takes 9 (11), which bound the AVX2 build at one row. One 64-byte load feeds
+ * all 16 outputs against 4 columns of x broadcast to every lane, as int4's.
  *
  * The activations are int4's (int8 per 64 columns, quant_acts.c), with per 16 columns -32 * the sum of their
  * quantized x (`corr`, as int32): a group's integer sum starts there, so that it is the sum of (q - 32) * xq with
@@ -21,32 +22,46 @@
 #include "quant.h"
 
 #define Q6K_GROUPS 16 /* groups of 16 columns a super-block */
+/* From this many rows the sums bind and the hardware prefetchers fall behind: each group then fetches its lines of the
+ * block read next (`ahead` bytes on: the next one in memory) into L2, as int8's fetch_next. lm_head (102400 x 2048)
+ * on Zen 4, 2 threads, against int8 in turns: 4 rows 0.62x -> 1.14x, 8 rows 0.46x -> 0.91x; from 2 rows 2 rows lost
+ * (1.19x -> 1.09x). */
+#define Q6K_FETCH_ROWS 3
+
+/* The lines of `bytes` at p of the block read next, fetched into L2 from Q6K_FETCH_ROWS rows. */
+INLINE void q6k_fetch(const uint8_t *p, int64_t ahead, int64_t bytes, int mb) {
+    if (mb < Q6K_FETCH_ROWS) return;
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)((uintptr_t)p + ahead + l), _MM_HINT_T1);
+}
 
 #ifdef LS_AVX512
 #define Q6ROWS 8 /* activation rows a pass: 2 vector registers each */
 
-/* The 4 vectors of q (16 outputs, columns 4r .. 4r + 3 in vector r) of the group at p. */
+/* The 4 vectors of q (16 outputs, columns 4r .. 4r + 3 in vector r) of the group at p: three held whole in the low
+ * 6 bits of a 64-byte unit each, the fourth in their top 2 bits. */
 INLINE void q6k_unpack(const uint8_t *p, __m512i q[4]) {
-    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
-    __m512i v0 = _mm512_loadu_si512(p), v1 = _mm512_loadu_si512(p + 64), h = _mm512_loadu_si512(p + 128);
-    /* (nibbles & 15) | (shifted high bits & 0x30): vpternlogd 0xf8 is A | (B & C) */
-    q[0] = _mm512_ternarylogic_epi32(_mm512_and_si512(v0, low), _mm512_slli_epi16(h, 4), top, 0xf8);
-    q[1] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low), _mm512_slli_epi16(h, 2), top,
-                                     0xf8);
-    q[2] = _mm512_ternarylogic_epi32(_mm512_and_si512(v1, low), h, top, 0xf8);
-    q[3] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v1, 4), low), _mm512_srli_epi16(h, 2), top,
-                                     0xf8);
+    const __m512i six = _mm512_set1_epi8(0x3f);
+    __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), c = _mm512_loadu_si512(p + 128);
+    q[0] = _mm512_and_si512(a, six);
+    q[1] = _mm512_and_si512(b, six);
+    q[2] = _mm512_and_si512(c, six);
+    /* a's top bits to bits 0-1, b's to 2-3, c's to 4-5 (vpternlogd 0xf8: A | (B & C)) */
+    __m512i top = _mm512_and_si512(_mm512_srli_epi16(a, 6), _mm512_set1_epi8(0x03));
+    top = _mm512_ternarylogic_epi32(top, _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0c), 0xf8);
+    q[3] = _mm512_ternarylogic_epi32(top, _mm512_srli_epi16(c, 2), _mm512_set1_epi8(0x30), 0xf8);
 }
 
 /* res[i][j] += super-block s's part of output j of a block for activation row i (xq, xs, cen: row 0's; rows K, K / 64,
  * K / 16 apart), its bytes at p. */
-INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t K, int64_t s,
-                      int mb, __m512 *res) {
+INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t ahead,
+                      int64_t K, int64_t s, int mb, __m512 *res) {
+    q6k_fetch(p, ahead, 64 + 16 * Q6K_GROUPS, mb);
     __m512 d = _mm512_loadu_ps((const float *)p), t[Q6ROWS];
     const int8_t *sc = (const int8_t *)p + 64;
     p += 64 + 16 * Q6K_GROUPS;
     for (int g = 0; g < Q6K_GROUPS; g++, p += 192) {
         int64_t c = 256 * s + 16 * g;
+        q6k_fetch(p, ahead, 192, mb);
         __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                             _mm_loadu_si128((const __m128i *)(sc + 16 * g)))));
         __m512i q[4];
@@ -71,18 +86,18 @@ typedef __m512 Q6Sums[Q6ROWS];
 #else
 #define Q6ROWS 2 /* activation rows a pass: the block's two halves of 8 outputs, 2 registers each */
 
-/* The 4 vectors of q of half h (outputs 8h .. 8h + 7) of the group at p. */
+/* The 4 vectors of q of half h (outputs 8h .. 8h + 7) of the group at p (as the AVX-512 q6k_unpack). */
 INLINE void q6k_unpack(const uint8_t *p, int h, __m256i q[4]) {
-    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);
+    const __m256i six = _mm256_set1_epi8(0x3f);
     p += 32 * h;
-    __m256i v0 = _mm256_loadu_si256((const __m256i *)p), v1 = _mm256_loadu_si256((const __m256i *)(p + 64));
-    __m256i hb = _mm256_loadu_si256((const __m256i *)(p + 128));
-    q[0] = _mm256_or_si256(_mm256_and_si256(v0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
-    q[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low),
-                           _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
-    q[2] = _mm256_or_si256(_mm256_and_si256(v1, low), _mm256_and_si256(hb, top));
-    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low),
-                           _mm256_and_si256(_mm256_srli_epi16(hb, 2), top));
+    __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 64));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(p + 128));
+    q[0] = _mm256_and_si256(a, six);
+    q[1] = _mm256_and_si256(b, six);
+    q[2] = _mm256_and_si256(c, six);
+    q[3] = _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 6), _mm256_set1_epi8(0x03)),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi8(0x0c))),
+                           _mm256_and_si256(_mm256_srli_epi16(c, 2), _mm256_set1_epi8(0x30)));
 }
 
 /* acc + the products of q[2r], q[2r + 1] with x's columns 8r .. 8r + 7. Plain AVX2: vpmaddubsw's pairs are at most
@@ -98,14 +113,16 @@ INLINE __m256i q6k_step(__m256i acc, const __m256i *q, const int8_t *x) {
 }
 
 /* As the AVX-512 q6k_super, each row's 16 outputs as two halves of 8 (res[2 i + h]), a group's halves in turn. */
-INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t K, int64_t s,
-                      int mb, __m256 *res) {
+INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t ahead,
+                      int64_t K, int64_t s, int mb, __m256 *res) {
+    q6k_fetch(p, ahead, 64 + 16 * Q6K_GROUPS, mb);
     const float *d = (const float *)p;
     const int8_t *sc = (const int8_t *)p + 64;
     __m256 t[2 * Q6ROWS];
     p += 64 + 16 * Q6K_GROUPS;
     for (int g = 0; g < Q6K_GROUPS; g++, p += 192) {
         int64_t c = 256 * s + 16 * g;
+        q6k_fetch(p, ahead, 192, mb);
         for (int h = 0; h < 2; h++) {
             __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                 _mm_loadl_epi64((const __m128i *)(sc + 16 * g + 8 * h)))));
@@ -142,7 +159,7 @@ INLINE void q6k_block(const int8_t *xq, const float *xs, const int32_t *cen, con
                       float (*out)[16]) {
     Q6Sums res;
     Q6K_ZERO(res);
-    for (int64_t s = 0; s < K / 256; s++) q6k_super(xq, xs, cen, p + s * Q6K_SUPER, K, s, mb, res);
+    for (int64_t s = 0; s < K / 256; s++) q6k_super(xq, xs, cen, p + s * Q6K_SUPER, K / 256 * Q6K_SUPER, K, s, mb, res);
     q6k_store(res, mb, out);
 }
 
@@ -155,8 +172,8 @@ INLINE void q6k_block_pair(const int8_t *x0, const float *xs0, const int32_t *ce
     Q6K_ZERO(res0);
     Q6K_ZERO(res1);
     for (int64_t s = 0; s < K / 256; s++) {
-        q6k_super(x0, xs0, cen0, p0 + s * Q6K_SUPER, K, s, mb, res0);
-        q6k_super(x1, xs1, cen1, p1 + s * Q6K_SUPER, K, s, mb, res1);
+        q6k_super(x0, xs0, cen0, p0 + s * Q6K_SUPER, K / 256 * Q6K_SUPER, K, s, mb, res0);
+        q6k_super(x1, xs1, cen1, p1 + s * Q6K_SUPER, K / 256 * Q6K_SUPER, K, s, mb, res1);
     }
     q6k_store(res0, mb, out);
     q6k_store(res1, mb, out1);

@@ -86,9 +86,9 @@ Q6K_FORMAT = (6, 16)  # the experts' format tuple (bits, group) of `pack_q6k`'s 
 def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     """uint8 `[ceil(N / 16), K / 256 * 3392]` from llama.cpp's Q6_K values w = d * sc * (q - 32): q `[N, K]` in
     [0, 63] (K a multiple of 256), fp32 `d` `[N, K / 256]`, int8 `sc` `[N, K / 16]`. The outputs in blocks of 16 (zero
-    rows pad the last), each block per 256 columns the 16 d, the 16 x 16 sc (group-major), then per 16 columns two
-    64-byte units of low nibbles (byte 4j + i: output j's column 8u + i, and 8u + 4 + i in the high nibble) and one of
-    high bit pairs (byte 4j + i: columns i, 4 + i, 8 + i, 12 + i from the low bits up) (q6k.c)."""
+    rows pad the last), each block per 256 columns the 16 d, the 16 x 16 sc (group-major), then per 16 columns three
+    64-byte units, byte 4j + i of unit u output j's column 4u + i in its low 6 bits and bits 2u, 2u + 1 of its
+    column 12 + i in the top 2 (q6k.c)."""
     n, k = q.shape
     if (q.dtype != torch.uint8 or k % 256 or d.dtype != torch.float32 or d.shape != (n, k // 256)
             or sc.dtype != torch.int8 or sc.shape != (n, k // 16)):
@@ -102,10 +102,9 @@ def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor
     blocks, supers = (n + pad) // Q6K_BLOCK, k // 256
     # [block, output, super-block, group, quarter of the group, column]
     q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)
-    low, high = q & 15, q >> 4
-    units = torch.stack([low[..., 0, :] | (low[..., 1, :] << 4), low[..., 2, :] | (low[..., 3, :] << 4),
-                         high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)],
-                        dim=4)  # [block, output, super-block, group, unit, column]
+    last = q[..., 3, :]
+    units = torch.stack([q[..., 0, :] | ((last & 3) << 6), q[..., 1, :] | (((last >> 2) & 3) << 6),
+                         q[..., 2, :] | ((last >> 4) << 6)], dim=4)  # [block, output, super-block, group, unit, column]
     units = units.permute(0, 2, 3, 4, 1, 5).reshape(blocks, supers, 16 * 192)
     d = d.contiguous().view(blocks, Q6K_BLOCK, supers).transpose(1, 2).contiguous().view(torch.uint8)
     sc = sc.view(blocks, Q6K_BLOCK, supers, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
