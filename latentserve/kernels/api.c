@@ -312,8 +312,8 @@ static int bad_mla_block(const MLABlock *b) {
     /* The per-head products: dense ones through dense_heads (N a multiple of 16), int4 and int8 blocks only for
      * H = 1. */
     if ((b->uk.kind == LS_DENSE && b->latent % 16) || (b->uv.kind == LS_DENSE && b->v_dim % 16) ||
-        b->uk.kind == LS_INT4 || b->uv.kind == LS_INT4 || b->uk.kind == LS_INT8_BLOCKS || b->uv.kind == LS_INT8_BLOCKS ||
-        b->uk.kind == LS_Q6K || b->uv.kind == LS_Q6K)
+        b->uk.kind == LS_INT4 || b->uv.kind == LS_INT4 || b->uk.kind == LS_INT8_BLOCKS ||
+        b->uv.kind == LS_INT8_BLOCKS || b->uk.kind == LS_Q6K || b->uv.kind == LS_Q6K)
         return refuse(LS_BAD_BLOCK, "uk and uv: dense with latent and v_dim multiples of 16, or int8");
     return LS_OK;
 }

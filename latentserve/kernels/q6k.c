@@ -24,8 +24,8 @@
 #define Q6K_GROUPS 16 /* groups of 16 columns a super-block */
 /* From this many rows the sums bind and the hardware prefetchers fall behind: each group then fetches its lines of the
  * block read next (`ahead` bytes on: the next one in memory) into L2, as int8's fetch_next. lm_head (102400 x 2048)
- * on Zen 4, 2 threads, against int8 in turns: 4 rows 0.62x -> 1.14x, 8 rows 0.46x -> 0.91x; from 2 rows 2 rows lost
- * (1.19x -> 1.09x). */
+ * on Zen 4, 2 threads, against int8 in turns: 4 rows 0.62x -> 1.14x, 8 rows 0.46x -> 0.91x; fetching at 2 rows
+ * slowed them (1.19x -> 1.09x). */
 #define Q6K_FETCH_ROWS 3
 
 /* The lines of `bytes` at p of the block read next, fetched into L2 from Q6K_FETCH_ROWS rows. */
@@ -84,7 +84,9 @@ INLINE void q6k_store(const __m512 *res, int mb, float (*out)[16]) {
 typedef __m512 Q6Sums[Q6ROWS];
 #define Q6K_ZERO(res) for (int i = 0; i < mb; i++) res[i] = _mm512_setzero_ps()
 #else
-#define Q6ROWS 2 /* activation rows a pass: the block's two halves of 8 outputs, 2 registers each */
+#define Q6ROWS 2    /* activation rows a pass of q6k_super: the block's two halves of 8 outputs, 2 registers each */
+#define Q6K_HROWS 4 /* rows a pass of q6k_halves: one half at a time, 2 registers a row */
+#define Q6K_HALVES_FROM 3 /* rows from which a block (a pair: each of its blocks) runs q6k_halves */
 
 /* The 4 vectors of q of half h (outputs 8h .. 8h + 7) of the group at p (as the AVX-512 q6k_unpack). */
 INLINE void q6k_unpack(const uint8_t *p, int h, __m256i q[4]) {
@@ -112,6 +114,26 @@ INLINE __m256i q6k_step(__m256i acc, const __m256i *q, const int8_t *x) {
 #endif
 }
 
+/* Group g (at p, column c) of half h for rows i < mb: t[i] and res[i] as the AVX-512 q6k_super's, `stride` registers
+ * apart (the super-block's d and sc at d, sc). */
+INLINE void q6k_half_group(const int8_t *xq, const float *xs, const int32_t *cen, const float *d, const int8_t *sc,
+                           const uint8_t *p, int64_t K, int64_t c, int g, int h, int mb, int stride, __m256 *t,
+                           __m256 *res) {
+    __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                     _mm_loadl_epi64((const __m128i *)(sc + 16 * g + 8 * h)))));
+    __m256i q[4];
+    q6k_unpack(p, h, q);
+    for (int i = 0; i < mb; i++) {
+        const int8_t *x = xq + i * K + c;
+        __m256i acc = q6k_step(q6k_step(_mm256_set1_epi32(cen[i * (K / 16) + c / 16]), q, x), q + 2, x + 8);
+        __m256 *ti = t + stride * i;
+        *ti = g % 4 == 0 ? _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc))
+                         : _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(acc), *ti);
+        if (g % 4 == 3)
+            res[stride * i] = _mm256_fmadd_ps(_mm256_set1_ps(xs[i * (K / XBLOCK) + c / XBLOCK]), *ti, res[stride * i]);
+    }
+}
+
 /* As the AVX-512 q6k_super, each row's 16 outputs as two halves of 8 (res[2 i + h]), a group's halves in turn. */
 INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t ahead,
                       int64_t K, int64_t s, int mb, __m256 *res) {
@@ -121,25 +143,34 @@ INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, con
     __m256 t[2 * Q6ROWS];
     p += 64 + 16 * Q6K_GROUPS;
     for (int g = 0; g < Q6K_GROUPS; g++, p += 192) {
-        int64_t c = 256 * s + 16 * g;
         q6k_fetch(p, ahead, 192, mb);
-        for (int h = 0; h < 2; h++) {
-            __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + 8 * h), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                _mm_loadl_epi64((const __m128i *)(sc + 16 * g + 8 * h)))));
-            __m256i q[4];
-            q6k_unpack(p, h, q);
-            for (int i = 0; i < mb; i++) {
-                const int8_t *x = xq + i * K + c;
-                __m256i acc = q6k_step(_mm256_set1_epi32(cen[i * (K / 16) + c / 16]), q, x);
-                acc = q6k_step(acc, q + 2, x + 8);
-                __m256 *ti = t + 2 * i + h;
-                *ti = g % 4 == 0 ? _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc))
-                                 : _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(acc), *ti);
-                if (g % 4 == 3)
-                    res[2 * i + h] = _mm256_fmadd_ps(_mm256_set1_ps(xs[i * (K / XBLOCK) + c / XBLOCK]), *ti,
-                                                     res[2 * i + h]);
+        for (int h = 0; h < 2; h++)
+            q6k_half_group(xq, xs, cen, d, sc, p, K, 256 * s + 16 * g, g, h, mb, 2, t + h, res + h);
+    }
+}
+
+/* q6k_block for more rows: the block's half h = 0, then h = 1, each over all its super-blocks with one register of
+ * sums a row (q6k_super keeps both halves': 4 registers a row, 2 rows a pass), so Q6K_HROWS rows share each unpacked
+ * half-group; the first half fetches the next block. The same operations on each output in the same order: the same
+ * bits. lm_head (102400 x 2048) on Zen 4 capped to AVX2, 2 threads, against int8 in turns: 8 rows 0.76x -> 0.96x,
+ * 32 rows 0.84x; 4 rows 0.77x -> 0.95-1.3x. */
+INLINE void q6k_halves(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t K, int mb,
+                       float (*out)[16]) {
+    for (int h = 0; h < 2; h++) {
+        __m256 res[Q6K_HROWS], t[Q6K_HROWS];
+        for (int i = 0; i < mb; i++) res[i] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < K / 256; s++) {
+            const uint8_t *sp = p + s * Q6K_SUPER;
+            const float *d = (const float *)sp;
+            const int8_t *sc = (const int8_t *)sp + 64;
+            if (h == 0) q6k_fetch(sp, K / 256 * Q6K_SUPER, 64 + 16 * Q6K_GROUPS, mb);
+            for (int g = 0; g < Q6K_GROUPS; g++) {
+                const uint8_t *gp = sp + 64 + 16 * Q6K_GROUPS + 192 * g;
+                if (h == 0) q6k_fetch(gp, K / 256 * Q6K_SUPER, 192, mb);
+                q6k_half_group(xq, xs, cen, d, sc, gp, K, 256 * s + 16 * g, g, h, mb, 1, t, res);
             }
         }
+        for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);
     }
 }
 
@@ -183,6 +214,16 @@ INLINE void q6k_block_pair(const int8_t *x0, const float *xs0, const int32_t *ce
 #define Q6K_ROW(a, r, K) (a).q + (r) * (K), (a).s + (r) * ((K) / XBLOCK), (const int32_t *)(a).corr + (r) * ((K) / 16)
 
 void q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots) {
+#ifndef LS_AVX512
+    if (m >= Q6K_HALVES_FROM) {
+        for (int64_t m0 = 0; m0 < m; m0 += Q6K_HROWS) {
+            int mb = m - m0 < Q6K_HROWS ? (int)(m - m0) : Q6K_HROWS;
+            float(*out)[16] = (float(*)[16])(dots + 16 * m0);
+            FOR_ROWS_UPTO(Q6K_HROWS, q6k_halves, Q6K_ROW(a, first + m0, K), block, K)
+        }
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += Q6ROWS) {
         int mb = m - m0 < Q6ROWS ? (int)(m - m0) : Q6ROWS;
         float(*out)[16] = (float(*)[16])(dots + 16 * m0);
@@ -192,6 +233,13 @@ void q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block,
 
 void q6k_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
                          const uint8_t *block1, int64_t K, float *dots0, float *dots1) {
+#ifndef LS_AVX512
+    if (m >= Q6K_HALVES_FROM) {
+        q6k_block_dots(a0, first0, m, block0, K, dots0);
+        q6k_block_dots(a1, first1, m, block1, K, dots1);
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += Q6ROWS) {
         int mb = m - m0 < Q6ROWS ? (int)(m - m0) : Q6ROWS;
         float(*out)[16] = (float(*)[16])(dots0 + 16 * m0), (*out1)[16] = (float(*)[16])(dots1 + 16 * m0);

@@ -1,7 +1,7 @@
 /* The driver of the quantized formats' linear layers (quant.h's Format: int8 in `pack_int8`'s layout, int4 in
  * `pack_int4`'s, Q6_K in `pack_q6k`'s) at any row count (the experts' driver: experts.c). It walks blocks of 16
- * outputs, each block one stream of bytes read once for all the rows it meets; what differs between formats is the format's own business
- * (block_bytes, quantize_for, block_dots). */
+ * outputs, each block one stream of bytes read once for all the rows it meets; what differs between formats is the
+ * format's own business (block_bytes, quantize_for, block_dots). */
 #include "quant.h"
 
 /* Activation rows a pass over the weight: their int8 (512 KB at K = 2048; AVX2's nibbles, int8_row_bytes, twice
@@ -20,10 +20,10 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
 }
 
 /* ls_int8_linear, ls_int4_linear and ls_q6k_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format
- * (bits, G). Each thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a
- * thread keeps too few reads in flight: up to PAIR_ROWS rows it reads two blocks at once, the i-th of each half of
- * the share (block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by
- * CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): int8 1.04-1.28x faster at
+ * (bits, G). Each thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one
+ * stream of it a thread keeps too few reads in flight: up to PAIR_ROWS rows it reads two blocks at once, the i-th of
+ * each half of the share (block_pair_dots). Against walking the blocks in order, same run, interleaved call by call,
+ * timed by CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): int8 1.04-1.28x faster at
  * 1-2 rows and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head; int4 (2816 x 2048, group 32) 1.2-1.3x at 1 row,
  * 1.3-1.45x at 4. An earlier measurement under load, by wall time and whole blocks alternating (`two_streams`), had
  * found two streams up to 1.2x slower; wall time under that load mostly measured the other processes. More rows are

@@ -1,5 +1,5 @@
-"""The linear layers' wrappers: int8, int4 and Q6_K weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's per-head
-products, and RMSNorm."""
+"""The linear layers' wrappers: int8, int4 and Q6_K weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's
+per-head products, and RMSNorm."""
 from __future__ import annotations
 
 import torch
@@ -11,16 +11,23 @@ from latentserve.kernels.native.calls import F32, I8, I32, KERNEL_DTYPES, call, 
 from latentserve.kernels.native.packing import check_int4, check_int8, check_q6k
 
 
+def _packed_linear(kernels: NativeKernels, fn: str, x: torch.Tensor, check, out_features: int,
+                   out_dtype: torch.dtype, *weight) -> torch.Tensor:
+    """`[M, out_features]` from ls_`fn`(x, *weight, y), x `[M, K]` and `check(K)` checked first."""
+    m, k = tensor(fn, "x", x, KERNEL_DTYPES, (None, None))
+    check(k)
+    y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
+    refused(kernels, fn, call(kernels, f"ls_{fn}", desc(x), *weight, desc(y), torch.get_num_threads()))
+    return y
+
+
 def int8_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, out_features]` = x `[M, K]` (`activations`) times the int8 weight `packed` by `pack_int8`; in `out_dtype`
     where the kernels write it, else fp32."""
-    m, k = tensor("int8_linear", "x", x, KERNEL_DTYPES, (None, None))
-    check_int8("int8_linear", "packed", packed, out_features, k)
-    y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
-    refused(kernels, "int8_linear", call(kernels, "ls_int8_linear", desc(x), desc(packed), desc(y),
-                                         torch.get_num_threads()))
-    return y
+    return _packed_linear(kernels, "int8_linear", x, lambda k: check_int8("int8_linear", "packed", packed,
+                                                                          out_features, k),
+                          out_features, out_dtype, desc(packed))
 
 
 def _int8_scales(fn: str, scale: torch.Tensor, qsum: torch.Tensor, rows: int) -> None:
@@ -88,24 +95,18 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, out_features]` = x `[M, K]` (`activations`) times the int4 weight `packed` by `pack_int4`; in `out_dtype`
     where the kernels write it, else fp32."""
-    m, k = tensor("int4_linear", "x", x, KERNEL_DTYPES, (None, None))
-    check_int4("int4_linear", "packed", packed, out_features, k, group_size)
-    y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
-    refused(kernels, "int4_linear", call(kernels, "ls_int4_linear", desc(x), desc(packed), group_size, desc(y),
-                                         torch.get_num_threads()))
-    return y
+    return _packed_linear(kernels, "int4_linear", x, lambda k: check_int4("int4_linear", "packed", packed,
+                                                                          out_features, k, group_size),
+                          out_features, out_dtype, desc(packed), group_size)
 
 
 def q6k_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`[M, out_features]` = x `[M, K]` (`activations`) times the Q6_K weight `packed` by `pack_q6k`; in `out_dtype`
     where the kernels write it, else fp32."""
-    m, k = tensor("q6k_linear", "x", x, KERNEL_DTYPES, (None, None))
-    check_q6k("q6k_linear", "packed", packed, out_features, k)
-    y = torch.empty(m, out_features, dtype=written_dtype(out_dtype))
-    refused(kernels, "q6k_linear", call(kernels, "ls_q6k_linear", desc(x), desc(packed), desc(y),
-                                        torch.get_num_threads()))
-    return y
+    return _packed_linear(kernels, "q6k_linear", x, lambda k: check_q6k("q6k_linear", "packed", packed,
+                                                                        out_features, k),
+                          out_features, out_dtype, desc(packed))
 
 
 def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -11,18 +11,24 @@ from latentserve.layers.quant.int8 import BLOCK_ELEMENTS, quantize_int8
 
 
 @dataclass
-class Int4Weight:
-    """w = q * scale + minimum per group of contiguous input columns: q uint8 `[out, in]` in [0, 15], scale and
-    minimum fp32 `[out, in / group_size]` (`quantize_int4`'s output)."""
+class _Stored:
+    """A weight's integers q `[out, in]`; its scales are the format's own fields."""
 
     q: torch.Tensor
-    scale: torch.Tensor
-    minimum: torch.Tensor
-    method = "int4"
 
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
+
+
+@dataclass
+class Int4Weight(_Stored):
+    """w = q * scale + minimum per group of contiguous input columns: q uint8 `[out, in]` in [0, 15], scale and
+    minimum fp32 `[out, in / group_size]` (`quantize_int4`'s output)."""
+
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    method = "int4"
 
     @property
     def group_size(self) -> int:
@@ -33,16 +39,11 @@ class Int4Weight:
 
 
 @dataclass
-class Int8Weight:
+class Int8Weight(_Stored):
     """w = q * scale[out], symmetric: q int8 `[out, in]`, scale fp32 `[out]` (`quantize_int8`'s output)."""
 
-    q: torch.Tensor
     scale: torch.Tensor
     method = "int8"
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
@@ -52,18 +53,13 @@ Q6K_D_COLUMNS, Q6K_SC_COLUMNS = 256, 16  # input columns per d, per sub-scale sc
 
 
 @dataclass
-class Q6KWeight:
+class Q6KWeight(_Stored):
     """llama.cpp's Q6_K as a GGUF holds it, w = d * sc * (q - 32): q uint8 `[out, in]` in [0, 63], d fp32
     `[out, in / 256]` (the file's fp16, so exact), sc int8 `[out, in / 16]`."""
 
-    q: torch.Tensor
     d: torch.Tensor
     sc: torch.Tensor
     method = "q6_k"
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
 
     def dequantize(self) -> torch.Tensor:
         """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc rounded to fp32 first, then times q - 32."""
