@@ -8,6 +8,7 @@ from torch import nn
 
 from latentserve.layers.linear import linear
 from latentserve.kernels import native
+from latentserve.layers.quant.packed import NativePackedLinear
 
 
 # Elements converted at a time: a block's fp32 temporary (512 KB) stays in L2 through the element-wise passes, which
@@ -94,33 +95,18 @@ class IntMMInt8Linear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
 
-class NativeInt8Linear(nn.Module):
+class NativeInt8Linear(NativePackedLinear):
     """latentserve's int8 kernel (`kernels/native/`) at every row count, the weight in blocks of 16 outputs
     (`native.pack_int8`), activations quantized per row (symmetric, 8 bits): one 64-byte load feeds 16 outputs and
     every row of a pass, so at many rows the activations are read once per block, not once per output (2x faster
-    than the one-row-at-a-time kernel at 512 rows and above oneDNN's `_int_mm`: benchmarks/RESULTS.md). fp32 and
-    bf16 activations go in as they are; out in `out_dtype` (None: the activations' dtype)."""
+    than the one-row-at-a-time kernel at 512 rows and above oneDNN's `_int_mm`: benchmarks/RESULTS.md)."""
 
     kernel = "latentserve int8"
+    weight_kind = native.INT8_BLOCKS
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, kernels: native.NativeKernels,
                  out_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.kernels, self.out_dtype = kernels, out_dtype
-        self.register_buffer("packed", native.pack_int8(q, scale))
-        self.bias = bias
+        super().__init__(native.pack_int8(q, scale), q.shape[1], q.shape[0], bias, kernels, out_dtype)
 
-    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, None] | None:
-        """(this layer as a one-call block reads it, None: it runs latentserve's kernel at any row count) where it
-        runs `kernels` on `dtype` activations, out in the same dtype, without a bias; else None."""
-        if self.kernels != kernels or self.bias is not None or self.out_dtype not in (None, dtype):
-            return None
-        return native.Weight(kind=native.INT8_BLOCKS, w=self.packed.data_ptr()), None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = native.activations(x, self.in_features)
-        dtype = self.out_dtype or x.dtype
-        y = native.int8_linear(self.kernels, x2, self.packed, self.out_features, dtype)
-        y = y.view(*x.shape[:-1], self.out_features).to(dtype)
-        return y if self.bias is None else y.add_(self.bias)
+    def product(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return native.int8_linear(self.kernels, x2, self.packed, self.out_features, dtype)

@@ -7,32 +7,18 @@ import torch
 from torch import nn
 
 from latentserve.kernels import native
+from latentserve.layers.quant.packed import NativePackedLinear
 
 
-class NativeQ6KLinear(nn.Module):
-    """latentserve's Q6_K kernel (`kernels/native/`, `native.pack_q6k`'s layout) at every row count. fp32 and bf16
-    activations go in as they are; out in `out_dtype` (None: the activations' dtype)."""
+class NativeQ6KLinear(NativePackedLinear):
+    """latentserve's Q6_K kernel (`kernels/native/`, `native.pack_q6k`'s layout) at every row count."""
 
     kernel = "latentserve q6_k"
+    weight_kind, group = native.Q6K, 16
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, bias: nn.Parameter | None,
                  kernels: native.NativeKernels, out_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = q.shape[1], q.shape[0]
-        self.kernels, self.out_dtype = kernels, out_dtype
-        self.register_buffer("packed", native.pack_q6k(q, d, sc))
-        self.bias = bias
+        super().__init__(native.pack_q6k(q, d, sc), q.shape[1], q.shape[0], bias, kernels, out_dtype)
 
-    def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, None] | None:
-        """(this layer as a one-call block reads it, None: it runs latentserve's kernel at any row count) where it
-        runs `kernels` on `dtype` activations, out in the same dtype, without a bias; else None."""
-        if self.kernels != kernels or self.bias is not None or self.out_dtype not in (None, dtype):
-            return None
-        return native.Weight(kind=native.Q6K, w=self.packed.data_ptr(), group=16), None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = native.activations(x, self.in_features)
-        dtype = self.out_dtype or x.dtype
-        y = native.q6k_linear(self.kernels, x2, self.packed, self.out_features, dtype)
-        y = y.view(*x.shape[:-1], self.out_features).to(dtype)
-        return y if self.bias is None else y.add_(self.bias)
+    def product(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return native.q6k_linear(self.kernels, x2, self.packed, self.out_features, dtype)
