@@ -3,7 +3,8 @@
 
 Each part of `LLMEngine.step()` is timed by `time.perf_counter` around the call that does it (no profiler: its
 per-op cost would bury the Python it is asked to find): the attention blocks (the one-call native block, or the
-modules where it does not apply), the MoE / MLP blocks (likewise), lm_head (`compute_logits`), sampling (the
+modules where it does not apply), the MoE / MLP blocks (likewise), the layer run (the last layers' blocks in one
+call, models/decode_layers.py), lm_head (`compute_logits`), sampling (the
 sampling metadata and the sampler), metadata (the persistent input buffers and the attention metadata builder), the
 scheduler (`schedule` and `update`), embedding + rotary angles + final norm, and the rest of the step (the runner's
 and the engine's Python glue, the request outputs). Batch B: B requests of `--context` distinct tokens each are
@@ -33,7 +34,7 @@ from benchmarks.decode_bytes import decode_bytes_per_token  # noqa: E402
 from benchmarks.llama_cpp import load_average  # noqa: E402
 
 FILES = {"int8": "model-Q8_0.gguf", "int4": "model-Q4_K_M.gguf"}
-PARTS = ("attention blocks", "MoE / MLP blocks", "lm_head", "sampling", "metadata", "scheduler",
+PARTS = ("attention blocks", "MoE / MLP blocks", "layer run", "lm_head", "sampling", "metadata", "scheduler",
          "embed + rope + final norm", "rest")
 
 
@@ -64,15 +65,16 @@ def _targets(engine) -> list[tuple[object, str, str]]:
     from latentserve.models import deepseek
 
     runner, model = engine.runner, engine.runner.model
-    out = [(deepseek, "fused_attention", PARTS[0]), (deepseek, "attend", PARTS[0]),
-           (deepseek, "fused_moe", PARTS[1]), (model, "compute_logits", PARTS[2]),
-           (model_runner, "SamplingMetadata", PARTS[3]), (runner, "sampler", PARTS[3]),
-           (runner.input_buffers, "prepare", PARTS[4]), (engine.scheduler, "schedule", PARTS[5]),
-           (engine.scheduler, "update", PARTS[5]), (model.model.embed_tokens, "forward", PARTS[6]),
-           (model.model.norm, "forward", PARTS[6])]
-    out += [(builder, "build", PARTS[4]) for builder in runner.builders]
-    out += [(layer.mlp, "forward", PARTS[1]) for layer in model.model.layers]
-    out += [(rotary, "cos_sin", PARTS[6]) for rotary in model.model.rotary_embs]
+    out = [(deepseek, "fused_attention", "attention blocks"), (deepseek, "attend", "attention blocks"),
+           (deepseek, "fused_moe", "MoE / MLP blocks"), (deepseek, "run_layers", "layer run"),
+           (model, "compute_logits", "lm_head"),
+           (model_runner, "SamplingMetadata", "sampling"), (runner, "sampler", "sampling"),
+           (runner.input_buffers, "prepare", "metadata"), (engine.scheduler, "schedule", "scheduler"),
+           (engine.scheduler, "update", "scheduler"), (model.model.embed_tokens, "forward", "embed + rope + final norm"),
+           (model.model.norm, "forward", "embed + rope + final norm")]
+    out += [(builder, "build", "metadata") for builder in runner.builders]
+    out += [(layer.mlp, "forward", "MoE / MLP blocks") for layer in model.model.layers]
+    out += [(rotary, "cos_sin", "embed + rope + final norm") for rotary in model.model.rotary_embs]
     return out
 
 
@@ -80,7 +82,7 @@ class _TimedMetadata:
     """`SamplingMetadata` as the runner sees it, its `from_requests` timed."""
 
     def __init__(self, cls, timers: Timers) -> None:
-        self.from_requests = timers.timed(cls.from_requests, PARTS[3])
+        self.from_requests = timers.timed(cls.from_requests, "sampling")
 
 
 @contextlib.contextmanager

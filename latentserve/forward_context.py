@@ -45,6 +45,11 @@ def get_forward_context() -> ForwardContext:
     return context
 
 
+def in_dbo() -> bool:
+    """Whether this thread runs a DBO ubatch (its yield hook installed)."""
+    return getattr(_local, "yield_hook", None) is not None
+
+
 def set_dbo_yield_hook(hook: Callable[[], None] | None) -> None:
     """Installed by the ubatch runner on each ubatch thread; None outside DBO."""
     _local.yield_hook = hook

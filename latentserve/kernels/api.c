@@ -403,6 +403,47 @@ LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tens
     return moe_block(block, x->data, residual->data, T, y->data, threads);
 }
 
+/* Layers one ls_decode_layers call takes at most: their cache pointers sit on the stack (real models: up to ~100). */
+#define MAX_LAYERS 4096
+
+LS_API int ls_decode_layers(const MLABlock *const *attention, const MoEBlock *const *moe, const ls_tensor *kv_caches,
+                            int64_t layers, const ls_tensor *x, const ls_tensor *cos, const ls_tensor *sin,
+                            const ls_tensor *block_table, const ls_tensor *query_start_loc, const ls_tensor *seq_lens,
+                            const ls_tensor *slots, const ls_tensor *y, int threads) {
+    if (layers < 1 || layers > MAX_LAYERS || !attention || !moe || !kv_caches)
+        return refuse(LS_BAD_BLOCK, "%lld layers (1 to %d), with their blocks and caches", (long long)layers,
+                      MAX_LAYERS);
+    void *caches[layers];
+    for (int64_t l = 0; l < layers; l++) {
+        const MLABlock *a = attention[l];
+        CHECK(bad_mla_block(a));
+        CHECK(bad_moe_block(moe[l]));
+        if (a->bf != attention[0]->bf || moe[l]->bf != a->bf || a->hidden != attention[0]->hidden ||
+            moe[l]->hidden != a->hidden || a->rope != attention[0]->rope)
+            return refuse(LS_BAD_BLOCK, "layer %lld: its blocks' dtype, hidden size or rope dims differ from layer "
+                          "0's attention", (long long)l);
+        const ls_tensor *c = kv_caches + l;
+        TENSORS(bad_tensor("kv_cache", c, CACHE, 3, 0));
+        if (c->dtype != kv_caches->dtype || DIM(c, 0) != DIM(kv_caches, 0) || DIM(c, 1) != DIM(kv_caches, 1))
+            return refuse(LS_BAD_TENSOR, "kv_caches[%lld]: its dtype or blocks differ from kv_caches[0]'s",
+                          (long long)l);
+        caches[l] = c->data;
+    }
+    const MLABlock *first = attention[0];
+    unsigned dtype = BIT(first->bf ? LS_BF16 : LS_F32);
+    TENSORS(bad_tensor("x", x, dtype, 2, 0) || bad_size("x", x, 1, first->hidden));
+    int64_t T = DIM(x, 0);
+    TENSORS(bad_tensor("y", y, dtype, 2, 0) || bad_size("y", y, 0, T) || bad_size("y", y, 1, first->hidden));
+    TENSORS(bad_rotary(cos, sin, T, first->rope));
+    for (int64_t l = 0; l < layers; l++) {
+        CHECK(bad_slots(kv_caches + l, slots, T, attention[l]->latent + attention[l]->rope));
+        CHECK(bad_tables(kv_caches + l, block_table, query_start_loc, seq_lens, T));
+    }
+    return decode_layers(attention, moe, caches, layers, cache_io(kv_caches), DIM(kv_caches, 1), DIM(kv_caches, 0),
+                         x->data, T, cos->data, sin->data, block_table->data, block_table->strides[0],
+                         query_start_loc->data, seq_lens->data, DIM(seq_lens, 0), slots->data, y->data, threads);
+}
+
 #define STRUCT(s) {#s, 0, sizeof(s)}
 #define FIELD(s, f) {#s "." #f, offsetof(s, f), sizeof(((s *)0)->f)}
 #define WEIGHT(f) FIELD(MLABlock, f)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
+from itertools import islice
 from typing import Callable, Iterator
 
 import torch
@@ -29,11 +30,14 @@ from latentserve.layers.norm import RMSNorm
 from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.query_scaling import Llama4QueryScaling, log_positions
 from latentserve.layers.rotary import RotaryEmbedding
+from latentserve.models.attention_block import Built as AttentionBuilt
 from latentserve.models.attention_block import fused_attention, native_block
 from latentserve.models.config import ModelConfig
 from latentserve.models.dots_attention import Dots3Attention
 from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAttention, QGateAttention
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
+from latentserve.models.decode_layers import LayerRun, layer_run, run_layers
+from latentserve.models.moe_block import Built as MoEBuilt
 from latentserve.models.moe_block import fused_moe, native_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
@@ -105,6 +109,16 @@ class DeepseekDecoderLayer(nn.Module):
             native_block(self.self_attn, (self.input_layernorm, self.post_attention_layernorm), dtype)
         if isinstance(self.mlp, MoE):
             native_moe(self.mlp, self.moe_view, dtype)
+
+    def decode_blocks(self, dtype: torch.dtype) -> tuple[AttentionBuilt, MoEBuilt] | None:
+        """Its one-call attention and MoE blocks for `dtype` activations where a decode step's forward is exactly
+        the two (decode_layers.py chains them), else None."""
+        if not self.native_blocks or not isinstance(self.self_attn, DeepseekAttention) or \
+                not isinstance(self.mlp, MoE) or isinstance(self.mlp, NormedMoE):
+            return None  # (NormedMoE: a norm between the experts' sum and the residual)
+        attention = native_block(self.self_attn, (self.input_layernorm, self.post_attention_layernorm), dtype)
+        moe = native_moe(self.mlp, self.moe_view, dtype)
+        return None if attention is None or moe is None else (attention, moe)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,6 +230,7 @@ class DeepseekModel(nn.Module):
         self.streams = None if hc is None else hc.streams
         self.hc_head = None if hc is None else mean_of_streams if hc.sinkhorn_iters else HyperHead(c.hidden_size, hc)
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.run_view: NativeView[LayerRun] = NativeView()  # the last layers as decode_layers.c reads them
         self.rope_free = c.rope_free
         self.query_scaling = log_positions if c.log_position_query_scaling else None if c.llama4_scaling_beta is None \
             else Llama4QueryScaling(c.llama4_scaling_beta, c.rope.original_max_position_embeddings)
@@ -229,8 +244,12 @@ class DeepseekModel(nn.Module):
         angles = [rotary.cos_sin(torch.zeros_like(positions) if self.rope_free else positions)
                   for rotary in self.rotary_embs]
         q_scale = None if self.query_scaling is None else self.query_scaling(positions)
-        for layer, r in zip(self.layers, self.layer_rotary):
+        # decode: the last layers in one native call where each would take its one-call blocks
+        run = layer_run(self.run_view, self.layers, self.layer_rotary, hidden) if q_scale is None else None
+        for layer, r in islice(zip(self.layers, self.layer_rotary), len(self.layers) if run is None else run.start):
             hidden = layer(*angles[r], hidden, q_scale)
+        if run is not None:
+            hidden = run_layers(run, *angles[run.rotary], hidden)
         if self.hc_head is not None:
             hidden = self.hc_head(hidden)
         return self.norm(hidden)

@@ -94,6 +94,7 @@ def test_native_quantized_kernels_count_as_weight_gemms(tmp_path, monkeypatch, f
         return  # PyTorch's kernels here: the tests above cover them
     if not fused:
         monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
+        monkeypatch.setattr(deepseek, "layer_run", lambda *a: None)
     checkpoint = make_checkpoint(tmp_path, "v3", q_lora_rank=32, moe_intermediate_size=32, intermediate_size=64,
                                  kv_lora_rank=32, v_head_dim=16)
     engine = LLM(model=str(checkpoint), block_size=4, num_kv_blocks=64, quantization="int8").engine

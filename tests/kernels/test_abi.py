@@ -241,3 +241,63 @@ def test_the_quantized_and_experts_kernels_take_their_temporaries_from_the_arena
         call()
     scratch_limit(0)
     assert torch.equal(call(), expected)
+
+
+def _layers(seed: int, layers: int) -> tuple[native.LayerStack, list]:
+    g = torch.Generator().manual_seed(seed)
+    built = [(_mla_block(g), _moe_block(g)) for _ in range(layers)]
+    stack = native.LayerStack.of([a[0] for a, _ in built], [m[0] for _, m in built])
+    return stack, built
+
+
+def _decode_args(tokens: int, layers: int, g: torch.Generator) -> tuple:
+    """x, cos, sin, caches (each holding 3 earlier positions), block table, query starts, lengths, slots: one request
+    of `tokens` new tokens."""
+    caches = [torch.randn(2, 4, 32, generator=g) for _ in range(layers)]
+    return (torch.randn(tokens, 32, generator=g), torch.randn(tokens, 16, generator=g).cos(),
+            torch.randn(tokens, 16, generator=g).sin(), caches, torch.tensor([[1, 0]], dtype=torch.int32),
+            torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([3 + tokens], dtype=torch.int32),
+            torch.tensor([7, 4][:tokens]))
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_layers_in_one_call_equal_their_blocks_called_one_by_one(tokens):
+    stack, built = _layers(2, 3)
+    x, cos, sin, caches, table, qsl, lens, slots = _decode_args(tokens, 3, torch.Generator().manual_seed(3))
+    mine = [c.clone() for c in caches]
+    y = native.decode_layers(kernels(ISA), stack, x, cos, sin, mine, table, qsl, lens, slots)
+    h = x
+    for ((attention, _), (moe, _)), cache in zip(built, caches):
+        h, normed = native.mla_attention_block(kernels(ISA), attention, h, cos, sin, cache, table, qsl, lens, slots)
+        h = native.moe_block(kernels(ISA), moe, normed, h)
+    assert torch.equal(y, h)
+    for a, b in zip(mine, caches):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fault", ["no layers", "a cache short", "caches differ", "moe hidden", "attention dtype",
+                                   "router", "slot"])
+def test_the_layers_call_refuses_what_it_cannot_read(fault):
+    stack, built = _layers(4, 2)
+    x, cos, sin, caches, table, qsl, lens, slots = _decode_args(1, 2, torch.Generator().manual_seed(5))
+    if fault == "no layers":
+        with pytest.raises(ValueError, match="one MoE block a layer"):
+            native.LayerStack.of([], [])
+        return
+    if fault == "a cache short":
+        caches = caches[:1]
+    elif fault == "caches differ":
+        caches[1] = torch.zeros(3, 4, 32)
+    elif fault == "moe hidden":
+        built[1][1][0].hidden = 48
+    elif fault == "attention dtype":
+        built[1][0][0].bf = 1
+    elif fault == "router":
+        built[1][1][0].router = None
+    elif fault == "slot":
+        slots = torch.tensor([8])
+    wrong = {"a cache short": "2 layers need as many caches", "caches differ": r"kv_caches\[1\]: its dtype or blocks",
+             "moe hidden": "layer 1: its blocks' dtype, hidden size", "attention dtype": "layer 1: its blocks' dtype",
+             "router": "router is NULL", "slot": "slot_mapping.0. = 8 lies past the cache's 8 slots"}[fault]
+    with pytest.raises(ValueError, match=wrong):
+        native.decode_layers(kernels(ISA), stack, x, cos, sin, caches, table, qsl, lens, slots)

@@ -76,6 +76,16 @@ CASES = {
         ids, weights = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, 1)
         lib.ls_experts(table.table, None, d(x), d(ids), d(weights), d(y), 1)
     """,
+    # decode_layers with both caches said to hold many blocks and a slot one past them: layer 0 writes past its cache.
+    "decode_layers": """
+        from tests.kernels.test_abi import _layers
+        stack, built = _layers(0, 2)
+        x, cos, sin, y = torch.randn(1, 32), torch.ones(1, 16), torch.zeros(1, 16), torch.empty(1, 32)
+        caches = [torch.zeros(2, 4, 32) for _ in range(2)]
+        table, qsl, lens = (torch.tensor(v, dtype=torch.int32) for v in ([[0, 1]], [0, 1], [1]))
+        lib.ls_decode_layers(stack.attention, stack.moe, b"".join(lie(c, 1 << 20, 4, 32) for c in caches), 2, d(x),
+                             d(cos), d(sin), d(table), d(qsl), d(lens), d(torch.tensor([8])), d(y), 1)
+    """,
 }
 
 

@@ -184,6 +184,8 @@ class ArchSuite:
 
         monkeypatch.setattr(native, "mla_attention_block", spy("attention", native.mla_attention_block))
         monkeypatch.setattr(native, "moe_block", spy("moe", native.moe_block))
+        # the decode run chains both blocks of its layers (models/decode_layers.py)
+        monkeypatch.setattr(native, "decode_layers", spy("attention", spy("moe", native.decode_layers)))
         fused = llm(checkpoint).generate(PROMPTS[:2], GREEDY)  # decode steps of two tokens: few enough
         assert (calls["attention"] > 0) == self.case.native_attention
         assert (calls["moe"] > 0) == self.case.native_moe
@@ -191,6 +193,7 @@ class ArchSuite:
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
         monkeypatch.setattr(deepseek, "fused_moe", lambda *a: None)
+        monkeypatch.setattr(deepseek, "layer_run", lambda *a: None)
         modules = llm(checkpoint).generate(PROMPTS[:2], GREEDY)
         for a, b in zip(fused, modules):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -15,6 +15,12 @@ from tests.checkpoints import make_checkpoint
 from tests.models.paged import PagedRunner
 
 
+@pytest.fixture(autouse=True)
+def _blocks_one_by_one(monkeypatch):
+    """Each layer's blocks called one by one (the decode run chains the same blocks: test_decode_layers.py)."""
+    monkeypatch.setattr(deepseek, "layer_run", lambda *a: None)
+
+
 
 def _run(path, dtype: torch.dtype, quantization: QuantConfig | None,
          cache_dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], PagedRunner]:

@@ -22,6 +22,12 @@ pytestmark = pytest.mark.skipif(default_policy().kernels is None, reason="latent
 BATCHES = [[(0, 5), (1, 7)], [(0, 1), (1, 1)], [(1, 1)], [(1, 1)], [(0, 2)], [(1, 1), (0, 1)], [(2, 3)], [(2, 1)]]
 
 
+@pytest.fixture(autouse=True)
+def _blocks_one_by_one(monkeypatch):
+    """Each layer's blocks called one by one (the decode run chains the same blocks: test_decode_layers.py)."""
+    monkeypatch.setattr(deepseek, "layer_run", lambda *a: None)
+
+
 
 def _model(path, dtype: torch.dtype, quantization: QuantConfig | None):
     attn_config = AttentionConfig(block_size=4)

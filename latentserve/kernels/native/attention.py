@@ -79,7 +79,7 @@ METADATA_ERRORS = {abi.BAD_QUERY_START: "query_start_loc must rise from >= 0 to 
                    abi.BLOCK_PAST_CACHE: "block_table names a block outside the cache's {blocks}"}  # bounds.c's
 
 
-def _decode_tables(fn: str, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+def decode_tables(fn: str, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
                    seq_lens: torch.Tensor) -> tuple[int, int]:
     """(requests, the block table's width) where the tables have the shapes and dtypes the kernel reads (it checks
     their values: bounds.c); else a ValueError."""
@@ -94,7 +94,7 @@ def _decode_tables(fn: str, kv_cache: torch.Tensor, block_table: torch.Tensor, q
     return requests, width
 
 
-def _metadata_error(fn: str, code: int, tokens: int, kv_cache: torch.Tensor, width: int,
+def metadata_error(fn: str, code: int, tokens: int, kv_cache: torch.Tensor, width: int,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> ValueError:
     blocks, block_size = kv_cache.shape[:2]
     why = METADATA_ERRORS[code].format(tokens=tokens, width=width, block_size=block_size, blocks=blocks)
@@ -113,7 +113,7 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     if rotary(fn, cos, sin, tokens) != block.rope:
         raise ValueError(f"{fn}: cos and sin must have the block's {block.rope} rope dims, got {list(cos.shape)}")
     capacity = slots(fn, slot_mapping, tokens, kv_cache, block.latent + block.rope)
-    width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
+    width = decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
     y, normed = torch.empty_like(x), torch.empty_like(x)
     code = call(kernels, "ls_mla_attention_block", ctypes.byref(block), desc(x), desc(cos), desc(sin),
                 desc(kv_cache), desc(block_table), desc(query_start_loc), desc(seq_lens), desc(slot_mapping),
@@ -121,7 +121,7 @@ def mla_attention_block(kernels: NativeKernels, block: MLABlock, x: torch.Tensor
     if code == abi.SLOT_PAST_CACHE:
         raise slot_error(fn, slot_mapping, capacity)
     if code in METADATA_ERRORS:
-        raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
+        raise metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     refused(kernels, fn, code)
     return y, normed
 
@@ -141,12 +141,12 @@ def mla_decode(kernels: NativeKernels, q: torch.Tensor, kv_cache: torch.Tensor, 
     tensor(fn, "kv_cache", kv_cache, KV_CACHE_DTYPES, (None, None, kv_cache_row_width(dim, kv_cache.dtype)))
     if not 0 < latent <= dim:
         raise ValueError(f"{fn}: latent must be in 1..{dim} (q's and the cache's rows), got {latent}")
-    width = _decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
+    width = decode_tables(fn, kv_cache, block_table, query_start_loc, seq_lens)[1]
     out = torch.empty(tokens, heads, latent, dtype=q.dtype)
     code = call(kernels, "ls_mla_decode", desc(q), desc(kv_cache), desc(block_table), desc(query_start_loc),
                 desc(seq_lens), scale, desc(out), torch.get_num_threads())
     if code in METADATA_ERRORS:
-        raise _metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
+        raise metadata_error(fn, code, tokens, kv_cache, width, query_start_loc, seq_lens)
     refused(kernels, fn, code)
     return out
 
