@@ -1,8 +1,8 @@
 """A decode step's decoder layers in one native call (kernels/decode_layers.c) where each of them would take its two
 one-call blocks anyway (attention_block.py, moe_block.py): the same blocks chained in C with the same arguments, so
 the hidden states and the caches are the layers' to the bit. What goes is each layer's Python around its two calls:
-~150 us a layer on a step whose weights have streamed the Python objects out of the caches (4 ms of a 27-layer
-V2-Lite step).
+~220 us a layer on a step whose weights have streamed the Python objects out of the caches, against ~160 us a step
+for the run's own checks and call.
 
 The run is the model's last layers, from the first whose successors all qualify (DeepSeek's dense first layers run as
 before, then the run). It is built once and cached (`NativeView`: rebuilt when a module's parameter, buffer or
