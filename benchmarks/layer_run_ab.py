@@ -52,7 +52,8 @@ def main() -> None:
     deepseek.layer_run = layer_run
     run = engine.model.model.run_view._entry
     layers = len(engine.model.model.layers)
-    covered = 0 if run is None or run[3] is None else layers - run[3].start
+    stack = None if run is None or run[3] is None else run[3].one if args.batch == 1 else run[3].many
+    covered = 0 if stack is None else layers - stack.first
     med = {side: statistics.median(t) * 1e3 for side, t in times.items()}
     ratios = [b / a for a, b in zip(times["run"], times["one by one"])]
     print(f"{Path(args.model).name}: batch {args.batch}, context {args.context}, the run covering {covered} of "

@@ -9,7 +9,7 @@ gather, scatter, activation); elsewhere they are "other ops" (norms, rotary, cac
 cost per op, about a microsecond). latentserve's own quantized kernels (ctypes calls) record a range of their name
 while the profiler runs, and count as weight GEMMs (a batch-1 MoE call includes its experts' SiLU; the one-call
 decode attention block includes its attention, a few percent of it at moderate contexts; the one-call decode MoE
-block includes its routing, a fraction of a percent).
+block includes its routing, a fraction of a percent; the decode run of whole layers includes both).
 """
 from __future__ import annotations
 

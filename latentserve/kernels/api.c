@@ -384,9 +384,16 @@ LS_API int ls_experts(const ExpertTable *routed, const ExpertTable *shared, cons
 static int bad_moe_block(const MoEBlock *b) {
     if (!b) return refuse(LS_BAD_BLOCK, "no MoEBlock");
     if (b->hidden <= 0) return refuse(LS_BAD_BLOCK, "hidden %lld", (long long)b->hidden);
+    if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
+    if (!b->experts) { /* a dense MLP: nothing routes, so nothing of the routing may be set */
+        if (b->topk || b->groups || b->topk_groups || b->sigmoid || b->norm || b->router || b->bias ||
+            b->routed.experts)
+            return refuse(LS_BAD_BLOCK, "no routed experts: topk, groups, topk_groups, sigmoid, norm, router, bias "
+                          "and routed must be 0 or NULL");
+        return bad_table(LS_BAD_BLOCK, "shared", &b->shared, 1, b->hidden);
+    }
     if (bad_routing(b->experts, b->topk, b->sigmoid, b->groups, b->topk_groups)) return LS_BAD_BLOCK;
     if (!b->router) return refuse(LS_BAD_BLOCK, "router is NULL");
-    if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
     CHECK(bad_table(LS_BAD_BLOCK, "routed", &b->routed, b->experts, b->hidden));
     return bad_table(LS_BAD_BLOCK, "shared", &b->shared, -1, b->hidden);
 }

@@ -38,7 +38,7 @@ from latentserve.models.gated_attention import HeadGateAttention, HiddenGateAtte
 from latentserve.models.mla_attention import DeepseekAttention, attention_layer_name
 from latentserve.models.decode_layers import LayerRun, layer_run, run_layers
 from latentserve.models.moe_block import Built as MoEBuilt
-from latentserve.models.moe_block import fused_moe, native_moe
+from latentserve.models.moe_block import fused_moe, native_dense, native_moe
 from latentserve.models.native_view import NativeView
 from latentserve.models.shortcut_layer import ShortcutMoEDecoderLayer
 
@@ -95,7 +95,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, swiglu_limit=dense_limit)
         self.input_layernorm = _norm(c, gated=True)
         self.post_attention_layernorm = _norm(c, gated=c.is_moe_layer(layer_idx))
-        self.moe_view: NativeView = NativeView()  # the MoE as moe_block.c reads it
+        self.moe_view: NativeView = NativeView()  # the MoE (or dense MLP) as moe_block.c reads it
 
     native_blocks = True  # its forward takes the one-call decode blocks (attention_block.py, moe_block.py)
 
@@ -111,14 +111,20 @@ class DeepseekDecoderLayer(nn.Module):
             native_moe(self.mlp, self.moe_view, dtype)
 
     def decode_blocks(self, dtype: torch.dtype) -> tuple[AttentionBuilt, MoEBuilt] | None:
-        """Its one-call attention and MoE blocks for `dtype` activations where a decode step's forward is exactly
-        the two (decode_layers.py chains them), else None."""
+        """Its one-call attention and MoE blocks for `dtype` activations (a dense MLP as the MoE block of no routed
+        experts, for one token) where a decode step's forward is exactly the two (decode_layers.py chains them), else
+        None."""
         if not self.native_blocks or not isinstance(self.self_attn, DeepseekAttention) or \
-                not isinstance(self.mlp, MoE) or isinstance(self.mlp, NormedMoE):
+                isinstance(self.mlp, NormedMoE):
             return None  # (NormedMoE: a norm between the experts' sum and the residual)
+        if isinstance(self.mlp, MoE):
+            mlp = native_moe(self.mlp, self.moe_view, dtype)
+        elif type(self.mlp) is GatedMLP:
+            mlp = native_dense(self.mlp, self.moe_view, dtype)
+        else:
+            return None
         attention = native_block(self.self_attn, (self.input_layernorm, self.post_attention_layernorm), dtype)
-        moe = native_moe(self.mlp, self.moe_view, dtype)
-        return None if attention is None or moe is None else (attention, moe)
+        return None if attention is None or mlp is None else (attention, mlp)
 
     def forward(self, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
                 q_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -246,7 +252,7 @@ class DeepseekModel(nn.Module):
         q_scale = None if self.query_scaling is None else self.query_scaling(positions)
         # decode: the last layers in one native call where each would take its one-call blocks
         run = layer_run(self.run_view, self.layers, self.layer_rotary, hidden) if q_scale is None else None
-        for layer, r in islice(zip(self.layers, self.layer_rotary), len(self.layers) if run is None else run.start):
+        for layer, r in islice(zip(self.layers, self.layer_rotary), len(self.layers) if run is None else run.first):
             hidden = layer(*angles[r], hidden, q_scale)
         if run is not None:
             hidden = run_layers(run, *angles[run.rotary], hidden)

@@ -7,7 +7,8 @@ the modules' to the bit where they run them; experts chosen by several tokens ar
 token's result is what it would be alone. Elsewhere (longer prefills, larger batches, expert parallelism, experts
 with a bias) the modules run.
 The view is cached per layer (`NativeView`); the layer's tensors are parameters and buffers, so any replacement
-rebuilds it.
+rebuilds it. A dense layer's quantized MLP has a view too (`native_dense`: the block of no routed experts), which only
+the decode run of whole layers takes (models/decode_layers.py): the layer's own forward calls its module.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from latentserve.forward_context import dbo_yield
 from latentserve.kernels import native
+from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE
 from latentserve.layers.normed_moe import NormedMoE
 from latentserve.layers.quant.experts import quantized_table
@@ -64,6 +66,24 @@ def native_moe(moe: MoE, view: NativeView, dtype: torch.dtype) -> Built | None:
             or moe.gate.route_kernels is None):  # (the kernel has no clamp)
         return None
     return view.get((dtype,), lambda: build_moe_block(moe, dtype))
+
+
+def native_dense(mlp: GatedMLP, view: NativeView, dtype: torch.dtype) -> Built | None:
+    """A dense layer's MLP as the MoE block of no routed experts reads it (its `shared` table), for one token: what
+    the module runs for one token (`tokens_mlp`: the experts kernel over it alone at weight 1), or None where the
+    module runs other kernels."""
+    if dtype not in native.KERNEL_DTYPES or mlp.gate_up_proj is None or mlp.swiglu_limit is not None:
+        return None
+    return view.get((dtype,), lambda: _dense_block(mlp, dtype))
+
+
+def _dense_block(mlp: GatedMLP, dtype: torch.dtype) -> tuple[Built | None, list[torch.Tensor]]:
+    table = quantized_table([mlp])
+    if table is None:
+        return None, []
+    block = native.MoEBlock(hidden=table.hidden, experts=0, topk=0, scaling=1.0, bf=int(dtype == torch.bfloat16),
+                            shared=table.table)
+    return (block, 1, table), [table]
 
 
 def fused_moe(moe: MoE, view: NativeView, normed: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -301,3 +301,31 @@ def test_the_layers_call_refuses_what_it_cannot_read(fault):
              "router": "router is NULL", "slot": "slot_mapping.0. = 8 lies past the cache's 8 slots"}[fault]
     with pytest.raises(ValueError, match=wrong):
         native.decode_layers(kernels(ISA), stack, x, cos, sin, caches, table, qsl, lens, slots)
+
+
+@pytest.mark.parametrize("fault", [None, "topk", "router", "no shared", "routed"])
+def test_a_moe_block_of_no_routed_experts_is_its_dense_mlp(fault):
+    """experts 0: the block's `shared` table alone, as the experts kernel runs a one-expert table at weight 1 (a
+    dense layer's module for one token); nothing of the routing may be set."""
+    block, (router, w13, w2, table) = _moe_block(torch.Generator().manual_seed(6))
+    dense = native.expert_table([(w13[0], w2[0])], 32, 16, ((32, 0), (32, 0)))
+    block.experts, block.topk, block.groups, block.topk_groups, block.norm = 0, 0, 0, 0, 0
+    block.router, block.routed, block.shared = None, native.ExpertTable(), dense.table
+    x, residual = torch.randn(3, 32), torch.randn(3, 32)
+    if fault is None:
+        y = native.moe_block(kernels(ISA), block, x, residual)
+        alone = native.experts(kernels(ISA), x, dense, torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1))
+        assert torch.equal(y, residual + alone)
+        return
+    if fault == "topk":
+        block.topk = 1
+    elif fault == "router":
+        block.router = router.data_ptr()
+    elif fault == "no shared":
+        block.shared = native.ExpertTable()
+    elif fault == "routed":
+        block.routed = table.table
+    wrong = {"topk": "no routed experts: topk", "router": "no routed experts: topk", "routed": "no routed experts",
+             "no shared": "shared: 0 experts, not 1"}[fault]
+    with pytest.raises(ValueError, match=wrong):
+        native.moe_block(kernels(ISA), block, x, residual)

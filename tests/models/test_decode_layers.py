@@ -60,7 +60,9 @@ def test_the_run_equals_the_blocks_one_by_one(tmp_path, monkeypatch, variant, dt
     path = _checkpoint(tmp_path, variant)
     calls = _spy(monkeypatch)
     run, run_caches, model = _run(path, dtype, quantization)
-    assert model.model.run_view._entry[3].start == 1  # after the dense first layer
+    built = model.model.run_view._entry[3]
+    # One token: from the dense first layer where its MLP runs the experts kernel (quantized), else after it.
+    assert (built.one.first, built.many.first) == (0 if quantization else 1, 1)
     # The decode steps of one and two tokens (the attention blocks' per-head products take up to 2 here).
     assert sorted(set(calls)) == [1, 2]
     _one_by_one(monkeypatch)
@@ -117,7 +119,7 @@ def test_a_layer_without_its_blocks_ends_the_run_after_it(tmp_path, monkeypatch)
     runner = PagedRunner(model, attn_config)
     runner.step([(0, [1, 2, 3])])
     runner.step([(0, [4])])
-    assert model.model.run_view._entry[3].start == 3
+    assert (model.model.run_view._entry[3].one.first, model.model.run_view._entry[3].many.first) == (3, 3)
     model.model.layers[3].decode_blocks = lambda dtype: None
     model.model.run_view._entry = None
     runner.step([(0, [5])])
