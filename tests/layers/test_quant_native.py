@@ -392,3 +392,32 @@ def test_bf16_activations_and_outputs_go_in_and_out_as_they_are(isa):
     packed = native.pack_int4(q4, s4, m4)
     fp32 = native.int4_linear(kernels(isa), xb.float(), packed, 64, q4.shape[0])
     assert torch.equal(native.int4_linear(kernels(isa), xb, packed, 64, q4.shape[0], torch.bfloat16), fp32.bfloat16())
+
+
+def test_the_one_token_mlp_keeps_its_table_until_a_weight_is_replaced(monkeypatch):
+    """The table `tokens_mlp` hands the experts kernel is built once per weight (not per call), and rebuilt when a
+    layer is replaced: the new weight's result, not the kept table's."""
+    from latentserve.layers.mlp import GatedMLP
+    from latentserve.layers.quant import experts
+    from latentserve.layers.quant.config import QuantConfig
+    from latentserve.layers.quant.linear import quantize_linear
+
+    if native.native_kernels(cpu_features())[0] is None:
+        pytest.skip("no native kernels here")
+    g = torch.Generator().manual_seed(9)
+    config = QuantConfig("int8")
+    mlp = GatedMLP(128, 64)
+    mlp.fuse_gate_up(quantize_linear("gate_up", torch.randn(128, 128, generator=g) * 0.1, None, config, "cpu"))
+    mlp.down_proj = quantize_linear("down", torch.randn(128, 64, generator=g) * 0.1, None, config, "cpu")
+    x = torch.randn(1, 128, generator=g)
+    builds = []
+    monkeypatch.setattr(experts, "quantized_table", lambda *a, _f=experts.quantized_table: builds.append(1) or _f(*a))
+    first = [mlp(x) for _ in range(3)]
+    assert len(builds) == 1 and all(torch.equal(first[0], y) for y in first)
+    down = torch.randn(128, 64, generator=g) * 0.1
+    mlp.down_proj = quantize_linear("down", down, None, config, "cpu")
+    again = mlp(x)
+    assert len(builds) == 2 and not torch.equal(again, first[0])
+    # the replaced weight's result: layer by layer over the new down projection, up to the output's rounding
+    torch.testing.assert_close(again, mlp.down_proj(mlp._act(*mlp.gate_up_proj(x).chunk(2, dim=-1))), rtol=1e-4,
+                               atol=1e-5)
