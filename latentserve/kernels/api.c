@@ -386,10 +386,10 @@ static int bad_moe_block(const MoEBlock *b) {
     if (b->hidden <= 0) return refuse(LS_BAD_BLOCK, "hidden %lld", (long long)b->hidden);
     if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
     if (!b->experts) { /* a dense MLP: nothing routes, so nothing of the routing may be set */
-        if (b->topk || b->groups || b->topk_groups || b->sigmoid || b->norm || b->router || b->bias ||
-            b->routed.experts)
+        if (b->topk || b->groups || b->topk_groups || b->sigmoid || b->norm || b->scaling != 1.f || b->router ||
+            b->bias || b->routed.experts)
             return refuse(LS_BAD_BLOCK, "no routed experts: topk, groups, topk_groups, sigmoid, norm, router, bias "
-                          "and routed must be 0 or NULL");
+                          "and routed must be 0 or NULL, scaling 1");
         return bad_table(LS_BAD_BLOCK, "shared", &b->shared, 1, b->hidden);
     }
     if (bad_routing(b->experts, b->topk, b->sigmoid, b->groups, b->topk_groups)) return LS_BAD_BLOCK;

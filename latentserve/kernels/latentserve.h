@@ -83,7 +83,7 @@ typedef struct {
 /* One layer's MoE: shapes and routing (ls_route's arguments), the fp32 router `[experts, hidden]`, the bias or
  * NULL, whether activations are bf16, the routed experts (`experts` of them) and the shared ones (as one expert of
  * their whole width; shared.experts 0: none). experts 0: a dense layer's MLP, in `shared` (one expert; topk, groups,
- * topk_groups 0, router, bias NULL, routed empty): y = residual + that MLP's output. */
+ * topk_groups, sigmoid, norm 0, scaling 1, router, bias NULL, routed empty): y = residual + that MLP's output. */
 typedef struct {
     int64_t hidden, experts, topk, groups, topk_groups;
     int32_t sigmoid, norm;

@@ -20,7 +20,7 @@ from latentserve.kernels import native
 from latentserve.layers.mlp import GatedMLP
 from latentserve.layers.moe import NATIVE_MAX_TOKENS, MoE
 from latentserve.layers.normed_moe import NormedMoE
-from latentserve.layers.quant.experts import quantized_table
+from latentserve.layers.quant.experts import mlp_table, quantized_table
 from latentserve.models.native_view import NativeView
 
 Built = tuple[native.MoEBlock, int, object]  # the kernel's view, up to how many tokens, what its pointers point into
@@ -78,7 +78,7 @@ def native_dense(mlp: GatedMLP, view: NativeView, dtype: torch.dtype) -> Built |
 
 
 def _dense_block(mlp: GatedMLP, dtype: torch.dtype) -> tuple[Built | None, list[torch.Tensor]]:
-    table = quantized_table([mlp])
+    table = mlp_table(mlp)  # the module's own one-token table
     if table is None:
         return None, []
     block = native.MoEBlock(hidden=table.hidden, experts=0, topk=0, scaling=1.0, bf=int(dtype == torch.bfloat16),

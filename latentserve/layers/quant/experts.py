@@ -66,12 +66,12 @@ def _each_token(experts: nn.ModuleList, x: torch.Tensor, xa: torch.Tensor, weigh
     return out
 
 
-def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """A gated MLP (dense or shared experts) over the tokens x `[T, K]` in native calls, each token's result as it
-    would be alone, or None where its layers are not latentserve's kernels. Its table is kept on the module, keyed by
-    the weights' addresses (rebuilt when one is replaced; the kept table holds the old weights, so an address is never
-    reused under it): building it checks and describes both weights, 14 us a layer and step with the Python in cache
-    (V3's shared-MLP shape), several times that after a decode step's weights have streamed through the caches."""
+def mlp_table(mlp: nn.Module) -> native.Experts | None:
+    """A gated MLP as a one-expert table of the experts kernel, or None where its layers are not latentserve's
+    kernels. Kept on the module, keyed by the weights' addresses (rebuilt when one is replaced; the kept table holds
+    the old weights, so an address is never reused under it): building it checks and describes both weights, 14 us a
+    layer and step with the Python in cache (V3's shared-MLP shape), several times that after a decode step's weights
+    have streamed through the caches."""
     layers = expert_layers(mlp)
     if layers is None:
         return None
@@ -79,10 +79,17 @@ def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     kept = getattr(mlp, "_tokens_table", None)
     if kept is None or kept[0] != key:
         kept = mlp._tokens_table = (key, quantized_table([mlp]))
-    if kept[1] is None:
+    return kept[1]
+
+
+def tokens_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """A gated MLP (dense or shared experts) over the tokens x `[T, K]` in native calls, each token's result as it
+    would be alone, or None where its layers are not latentserve's kernels."""
+    table = mlp_table(mlp)
+    if table is None:
         return None
     tokens = x.shape[0]
-    out = _in_calls(layers[0].kernels, native.activations(x, x.shape[-1]), kept[1],
+    out = _in_calls(mlp.gate_up_proj.kernels, native.activations(x, x.shape[-1]), table,
                     torch.zeros(tokens, 1, dtype=torch.int64), torch.ones(tokens, 1), None)
     return out.view_as(x).to(x.dtype)
 
