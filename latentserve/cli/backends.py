@@ -16,7 +16,7 @@ from latentserve.cli.args import HelpFormatter, dtype_name, write
 from latentserve.engine.engine_config import parse_dtype
 from latentserve.kernels.cpu import auto_dtype
 from latentserve.kernels.policy import KernelPolicy
-from latentserve.layers.quant.linear import int4_kernel, int8_kernel, q6k_kernel
+from latentserve.layers.quant.linear import FILE_BLOCKS, blocks_kernel, int4_kernel, int8_kernel
 from latentserve.models import arch
 
 # DeepSeek-V3's attention shape; the built-in checks depend only on device and dtype.
@@ -72,7 +72,7 @@ def describe_weights(device: str, policy: KernelPolicy) -> str:
     """dtype="auto" and the kernels `policy` gives layers on `device`, each with why."""
     dtype, why = auto_dtype(device)
     int8, int4 = int8_kernel(policy, torch.device(device)), int4_kernel(policy, torch.device(device))
-    q6k = q6k_kernel(policy, torch.device(device))
+    blocks = [(layer.file_type, blocks_kernel(layer, policy, torch.device(device))) for layer in FILE_BLOCKS.values()]
     cpu = device == "cpu"
     return "\n".join([
         f"  {device}:",
@@ -82,7 +82,7 @@ def describe_weights(device: str, policy: KernelPolicy) -> str:
         f"    int4: {int4.kernel} ({int4.reason}; layers it cannot take: int4pack_mm, or dequantize where the "
         "outputs are not a multiple of 16)",
         f"    lm_head under int8 and int4: {int8.kernel} (--no-lm-head-quantized keeps the compute dtype)",
-        f"    GGUF Q6_K: {q6k.kernel} ({q6k.reason})",
+        *(f"    GGUF {file_type}: {choice.kernel} ({choice.reason})" for file_type, choice in blocks),
         "    fp8 checkpoints: dequantized at load to the compute dtype (or re-quantized with --quantization)",
         f"    decode attention block: {_block(policy if cpu else None, device)}",
         f"    decode MoE block: {_moe_block(policy if cpu else None, device)}",

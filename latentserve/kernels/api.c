@@ -143,6 +143,15 @@ LS_API int ls_q6k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_t
     return quant_linear(x->data, DIM(x, 0), K, packed->data, 6, 16, N, y->data, bf(x) | bf(y) << 1, threads);
 }
 
+LS_API int ls_q50_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_U8), 2, 0));
+    TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
+    int64_t K = DIM(x, 1), N = DIM(y, 1);
+    if (K % 64) return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of 64 (the Q5_0 kernel's)", (long long)K);
+    TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, K / 32 * Q50_GROUP));
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, 5, 32, N, y->data, bf(x) | bf(y) << 1, threads);
+}
+
 LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
     TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_I8), 2, 0));
     TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
@@ -282,7 +291,7 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
 
 /* A projection's weight has what its kind reads. */
 static int bad_weight(const char *name, const Weight *w) {
-    if (w->kind < LS_DENSE || w->kind > LS_Q6K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
+    if (w->kind < LS_DENSE || w->kind > LS_Q50) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
         return refuse(LS_BAD_BLOCK, "%s: an int8 weight without its scale or qsum", name);
@@ -290,6 +299,8 @@ static int bad_weight(const char *name, const Weight *w) {
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not 32, 64 or 128", name, (long long)w->group);
     if (w->kind == LS_Q6K && w->group != 16)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q6_K's 16", name, (long long)w->group);
+    if (w->kind == LS_Q50 && w->group != 32)
+        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's 32", name, (long long)w->group);
     return LS_OK;
 }
 
@@ -313,7 +324,8 @@ static int bad_mla_block(const MLABlock *b) {
      * H = 1. */
     if ((b->uk.kind == LS_DENSE && b->latent % 16) || (b->uv.kind == LS_DENSE && b->v_dim % 16) ||
         b->uk.kind == LS_INT4 || b->uv.kind == LS_INT4 || b->uk.kind == LS_INT8_BLOCKS ||
-        b->uv.kind == LS_INT8_BLOCKS || b->uk.kind == LS_Q6K || b->uv.kind == LS_Q6K)
+        b->uv.kind == LS_INT8_BLOCKS || b->uk.kind == LS_Q6K || b->uv.kind == LS_Q6K || b->uk.kind == LS_Q50 ||
+        b->uv.kind == LS_Q50)
         return refuse(LS_BAD_BLOCK, "uk and uv: dense with latent and v_dim multiples of 16, or int8");
     return LS_OK;
 }
@@ -338,15 +350,16 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
 }
 
 /* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (group 32, 64 or 128 dividing in, in
- * a multiple of 64) or 6 (Q6_K: group 16, in a multiple of 256). */
+ * a multiple of 64), 6 (Q6_K: group 16, in a multiple of 256) or 5 (Q5_0: group 32, in a multiple of 64). */
 static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
     if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
         (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
-        (bits == 6 && group == 16 && in % 256 == 0))
+        (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0))
         return LS_OK;
     return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 with "
-                  "group 32, 64 or 128 dividing them and inputs a multiple of 64, or 6 with group 16 and inputs a "
-                  "multiple of 256)", name, bits, (long long)group, (long long)in);
+                  "group 32, 64 or 128 dividing them and inputs a multiple of 64, 6 with group 16 and inputs a "
+                  "multiple of 256, or 5 with group 32 and inputs a multiple of 64)", name, bits, (long long)group,
+                  (long long)in);
 }
 
 /* An ExpertTable of `experts` experts (-1: 0 or 1) of hidden size K, every weight pointer set; `code` on failure. */

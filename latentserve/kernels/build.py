@@ -24,9 +24,9 @@ from latentserve.kernels.cpu import CpuFeatures, cpu_vendor
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "q6k.c", "amx.c", "quant_blocks.c",
-                                               "experts.c", "gemv.c", "mla_decode.c", "prefill_attention.c", "norm.c",
-                                               "prologue.c", "attention_block.c", "route.c", "moe_block.c",
+SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "q6k.c", "q50.c", "amx.c",
+                                               "quant_blocks.c", "experts.c", "gemv.c", "mla_decode.c",
+                                               "prefill_attention.c", "norm.c", "prologue.c", "attention_block.c", "route.c", "moe_block.c",
                                                "decode_layers.c", "bounds.c", "scratch.c", "api.c"))
 HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h",
            KERNEL_DIR / "mla_tiles.h", KERNEL_DIR / "mla_lanes.h", KERNEL_DIR / "int8_nibbles.h",
@@ -36,7 +36,7 @@ NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"
 ISA_FLAGS = {
     "avx512_vnni": ["-DLS_AVX512", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
-    "avx2": ["-mavx2", "-mfma"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],  # F16C (Q5_0's fp16 scales): on every AVX2 CPU, as FMA
 }
 # AVX2 with AVX-VNNI (Intel's client CPUs from Alder Lake, without AVX-512): the int8 and int4 products through
 # vpdpbusd on 256 bits (int8_vnni256.h), the AVX2 build's layouts and its other kernels.

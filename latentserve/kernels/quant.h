@@ -35,7 +35,8 @@ INLINE int64_t int8_row_bytes(int64_t K) {
 
 /* For int8 weights: q = round(x / s) + INT8_OFFSET per row (int8_row_bytes' layout), scale s one a row. For int4:
  * q = round(x / s) per XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see
- * int4.c). For Q6_K: int4's q and s, and in corr's room per 16 columns -32 * the sum of q, as int32 (q6k.c). For dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps
+ * int4.c). For Q6_K and Q5_0: int4's q and s, and in corr's room per 16 columns -32 * the sum of q, as int32 (q6k.c,
+ * q50.c). For dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps
  * takes both. */
 typedef struct {
     int8_t *q;
@@ -47,7 +48,8 @@ typedef struct {
 /* The weight formats, all in blocks of 16 outputs, each block one stream of bytes read once and self-contained
  * (its scales inside): bits 32 or 16, dense fp32 or bf16 rows `[N, K]`, a block 16 consecutive rows (the last one
  * N % 16 where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups
- * of G (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c). A driver (quant_blocks.c, experts.c) needs of a format only these traits: the bytes of a block,
+ * of G (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0
+ * values (q50.c). A driver (quant_blocks.c, experts.c) needs of a format only these traits: the bytes of a block,
  * how the activations are prepared for it, and the dot products of a block with some rows of them. */
 typedef struct {
     int32_t bits;
@@ -74,10 +76,13 @@ INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 *
 
 /* pack_q6k's bytes of 256 columns of a block (q6k.c): 16 fp32 d, 16 x 16 int8 sc, 16 groups of 192 bytes of q. */
 #define Q6K_SUPER (64 + 16 * 16 + 16 * 192)
+/* pack_q50's bytes of 32 columns of a block (q50.c): 16 fp16 d, 64 bytes of fifth bits, 4 units of 64 of nibbles. */
+#define Q50_GROUP (32 + 64 + 4 * 64)
 
 INLINE int64_t block_bytes(Format f, int64_t K) {
     if (dense(f)) return 16 * K * (f.bits / 8);
     if (f.bits == 6) return K / 256 * Q6K_SUPER;
+    if (f.bits == 5) return K / 32 * Q50_GROUP;
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
 }
 
@@ -102,6 +107,9 @@ void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
                           const uint8_t *block1, int64_t K, int64_t G, float *dots0, float *dots1);
 void q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots);
 void q6k_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
+                         const uint8_t *block1, int64_t K, float *dots0, float *dots1);
+void q50_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots);
+void q50_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
                          const uint8_t *block1, int64_t K, float *dots0, float *dots1);
 void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, int wbf, int64_t K, int64_t outputs,
                       float *dots);
@@ -147,6 +155,8 @@ INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const vo
         int8_block_dots(a, first, m, (const int8_t *)block, K, dots);
     else if (f.bits == 6)
         q6k_block_dots(a, first, m, (const uint8_t *)block, K, dots);
+    else if (f.bits == 5)
+        q50_block_dots(a, first, m, (const uint8_t *)block, K, dots);
     else
         int4_block_dots(a, first, m, (const uint8_t *)block, K, f.group, dots);
 }
@@ -159,6 +169,9 @@ INLINE void block_pair_dots(Format f, QuantActs a0, int64_t first0, QuantActs a1
                              dots1);
     else if (f.bits == 6)
         q6k_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, dots0,
+                            dots1);
+    else if (f.bits == 5)
+        q50_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, dots0,
                             dots1);
     else
         int4_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, f.group,

@@ -67,6 +67,12 @@ CASES = {
         x, y = torch.randn(1, 256), torch.empty(1, 128)
         lib.ls_q6k_linear(d(x), lie(packed, 8, 3392), d(y), 1)
     """,
+    # a Q5_0 weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
+    "q50_linear": """
+        packed = torch.zeros(1, 2816, dtype=torch.uint8)
+        x, y = torch.randn(1, 256), torch.empty(1, 128)
+        lib.ls_q50_linear(d(x), lie(packed, 8, 2816), d(y), 1)
+    """,
     # experts whose table says them wider than their weights: reads past gate_up's end.
     "experts": """
         w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)

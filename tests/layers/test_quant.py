@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from gguf.quants import quantize
 
 from latentserve.layers.quant import linear as quant_linear
 from latentserve.layers.quant.config import Fp8Config, QuantConfig, int4_group, resolve_quantization
@@ -27,10 +28,11 @@ from latentserve.layers.quant.int4 import (
     quantize_int4,
 )
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
-from latentserve.layers.quant.linear import quantize_linear
+from latentserve.layers.quant.linear import blocks_kernel, quantize_linear
+from latentserve.layers.quant.q50 import NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
-from latentserve.models.formats.gguf_weights import q6k_weight
+from latentserve.models.formats.gguf_weights import q6k_weight, q50_weight
 from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -273,6 +275,30 @@ def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypa
     assert layer(x.bfloat16()).dtype == torch.bfloat16
     head = quantize_linear("lm_head", weight, None, int4, "cpu", here)
     assert isinstance(head, NativeQ6KLinear) and head(x.bfloat16()).dtype == torch.float32
+
+
+def test_a_gguf_q50_weight_runs_latentserves_q50_kernel_or_int8_per_row(monkeypatch):
+    """Q5_0's blocks as they are where latentserve's kernels run and the inputs are a multiple of 64; elsewhere its
+    values quantized to int8 per row."""
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    gen = np.random.default_rng(0)
+    weight = q50_weight(quantize(gen.standard_normal((48, 1408)).astype(np.float32), GGMLQuantizationType.Q5_0))
+    x = torch.randn(5, 1408, generator=torch.Generator().manual_seed(1))
+    expected = x @ weight.dequantize().t()
+    int4 = QuantConfig("int4", 32)
+    layer = quantize_linear("l", weight, None, int4, "cpu", _policy(cpu_features(), kernels=False))
+    assert isinstance(layer, IntMMInt8Linear) and torch.equal(layer.scale, quantize_int8(weight.dequantize())[1])
+    here = _policy(cpu_features())
+    if here.kernels is None:
+        return
+    layer = quantize_linear("l", weight, None, int4, "cpu", here)
+    assert isinstance(layer, NativeQ50Linear) and layer.kernels is here.kernels
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    odd = q50_weight(quantize(gen.standard_normal((16, 96)).astype(np.float32), GGMLQuantizationType.Q5_0))
+    choice = blocks_kernel(NativeQ50Linear, here, torch.device("cpu"), 96)
+    assert choice.reason.startswith("latentserve's kernels: 96 inputs, latentserve's Q5_0 kernel needs a multiple")
+    assert type(quantize_linear("l", odd, None, int4, "cpu", here)) is NativeInt8Linear
 
 
 @pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")

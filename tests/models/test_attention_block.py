@@ -148,29 +148,31 @@ def test_a_replaced_weight_rebuilds_the_block(tmp_path, monkeypatch, quantizatio
 
 @pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_q6k_projections_run_in_the_block_as_the_modules(tmp_path, monkeypatch, threads):
-    """A GGUF whose attention projections are Q6_K (inputs of 256, the kernel's super-blocks): the block reads them
-    in `pack_q6k`'s layout and equals the modules (the block takes the steps of 1 and 2 tokens: its dense per-head
-    products' limit)."""
+@pytest.mark.parametrize("file_type", ["Q6_K", "Q5_0"])
+def test_file_block_projections_run_in_the_block_as_the_modules(tmp_path, monkeypatch, threads, file_type):
+    """A GGUF whose attention projections are Q6_K or Q5_0 (inputs of 256: Q6_K's super-blocks): the block reads them
+    in `pack_q6k`'s or `pack_q50`'s layout and equals the modules (the block takes the steps of 1 and 2 tokens: its
+    dense per-head products' limit)."""
     from gguf import GGMLQuantizationType as T
 
-    from latentserve.layers.quant.q6k import NativeQ6KLinear
+    from latentserve.layers.quant.linear import FILE_BLOCKS
     from latentserve.models.formats import gguf as gguf_format
     from tests.models.gguf_checkpoint import write_gguf
 
+    layer = next(layer for layer in FILE_BLOCKS.values() if layer.file_type == file_type)
     monkeypatch.setattr(gguf_format, "cache_root", lambda: tmp_path / "gguf-cache")
     src = make_checkpoint(tmp_path, "v3", kv_lora_rank=64, v_head_dim=64, hidden_size=256, intermediate_size=64,
                           moe_intermediate_size=64, q_lora_rank=256)
     path = tmp_path / "model.gguf"
     projections = ("attn_q_a.", "attn_q_b.", "attn_kv_a_mqa.", "attn_output.")
-    write_gguf(src, path, lambda name, t: T.Q6_K if any(p in name for p in projections) else T.F32)
+    write_gguf(src, path, lambda name, t: T[file_type] if any(p in name for p in projections) else T.F32)
     calls = []
     monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
         a[3].shape[0]) or _f(*a))
-    fused = _decode_steps(path, QuantConfig("int8"))  # the file's own method: its Q6_K kept, the rest int8
+    fused = _decode_steps(path, QuantConfig("int8"))  # the file's own method: its blocks kept, the rest int8
     assert {1, 2} <= set(calls)
     model = load_model(path, attn_config=AttentionConfig(block_size=4), quantization=QuantConfig("int8"))
-    assert all(isinstance(getattr(model.model.layers[0].self_attn, name), NativeQ6KLinear)
+    assert all(isinstance(getattr(model.model.layers[0].self_attn, name), layer)
                for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
     monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
     for a, b in zip(fused, _decode_steps(path, QuantConfig("int8"))):

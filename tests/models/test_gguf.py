@@ -22,7 +22,9 @@ from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
-from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, Q6KWeight, QuantizedWeight, concat
+from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q6KWeight, Q50Weight, QuantizedWeight,
+                                                   concat)
+from latentserve.layers.quant.q50 import NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.models import load_model
 from latentserve.models.config import ModelConfig
@@ -135,9 +137,9 @@ def test_release_freed_heap_returns_what_numpy_temporaries_left():
 # Big enough for K-quants (256 values a row): every type on some weight.
 SHAPES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256)
 TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q6_K), (r"attn_output", T.Q4_0),
-         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q8_0), (r"ffn_(gate|up)_shexp", T.Q4_1),
+         (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q5_0), (r"ffn_(gate|up)_shexp", T.Q4_1),
          (r"ffn_down_shexp", T.Q6_K), (r"ffn_(gate|up)\.", T.Q4_K),
-         (r"ffn_down\.", T.Q6_K), (r"^output\.", T.Q6_K), (r"token_embd", T.Q8_0), (r"attn_k_b", T.BF16),
+         (r"ffn_down\.", T.Q8_0), (r"^output\.", T.Q6_K), (r"token_embd", T.Q8_0), (r"attn_k_b", T.BF16),
          (r"attn_v_b", T.F16)]
 
 
@@ -166,16 +168,37 @@ def test_q6k_blocks_unpack_to_ggufs_dequantization(monkeypatch):
     assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
 
 
-def _held(weight: QuantizedWeight, q6k_kernel: bool) -> torch.Tensor:
-    """A loaded weight's values as its layer runs them: Q6_K's own through latentserve's Q6_K kernel, else (without
-    latentserve's kernels) int8 per row's."""
-    return (weight.int8() if isinstance(weight, Q6KWeight) and not q6k_kernel else weight).dequantize()
+def test_q50_blocks_unpack_to_ggufs_dequantization(monkeypatch):
+    """Q5_0's q and d give gguf's values to the bit, unpacked a few rows at a time or all at once; gate and up joined
+    stay exact; without latentserve's kernel the weight is int8 per row, as gguf's values quantized."""
+    gen = np.random.default_rng(0)
+    data = gguf.quants.quantize(gen.standard_normal((37, 1408)).astype(np.float32), T.Q5_0)
+    whole = gguf_weights.q50_weight(data)
+    monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)
+    weight = gguf_weights.q50_weight(data)
+    assert weight.shape == (37, 1408) and weight.q.dtype == torch.uint8 and int(weight.q.max()) <= 31
+    assert weight.d.shape == (37, 44) and weight.d.dtype == torch.float16
+    assert all(torch.equal(getattr(weight, f), getattr(whole, f)) for f in ("q", "d"))
+    expected = torch.from_numpy(gguf.quants.dequantize(data, T.Q5_0))
+    assert torch.equal(weight.dequantize(), expected)
+    up = gguf.quants.quantize(gen.standard_normal((5, 1408)).astype(np.float32), T.Q5_0)
+    joined = concat([weight, gguf_weights.q50_weight(up)])
+    assert isinstance(joined, Q50Weight)
+    assert torch.equal(joined.dequantize(), torch.cat([expected, torch.from_numpy(gguf.quants.dequantize(up, T.Q5_0))]))
+    q, scale = quantize_int8(expected)
+    assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
+
+
+def _held(weight: QuantizedWeight, native: bool) -> torch.Tensor:
+    """A loaded weight's values as its layer runs them: Q6_K's and Q5_0's own through latentserve's kernels for them,
+    else (without latentserve's kernels) int8 per row's."""
+    return (weight.int8() if isinstance(weight, (Q6KWeight, Q50Weight)) and not native else weight).dequantize()
 
 
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
-    """Q4_0 / Q4_1 / Q4_K weights become int4 and Q6_K ones Q6_K blocks, with exactly gguf's dequantized values;
-    Q5_K and Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs those weights as
-    transformers does (Q6_K as int8 per row, without latentserve's kernels)."""
+    """Q4_0 / Q4_1 / Q4_K weights become int4, Q6_K ones Q6_K blocks and Q5_0 ones Q5_0 blocks, with exactly gguf's
+    dequantized values; Q5_K and Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs
+    those weights as transformers does (Q6_K and Q5_0 as int8 per row, without latentserve's kernels)."""
     monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
@@ -184,8 +207,8 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     assert ModelConfig.from_pretrained(folder).quantization.method == "int4"
     with caplog.at_level(logging.INFO):
         read = dict(read_tensors(folder, lambda name: True))
-    assert re.search(r"repacked into int4 groups of 32 without requantizing: 2 Q4_0, 2 Q4_1, 20 Q4_K; kept as Q6_K "
-                     r"blocks: 5 Q6_K; dequantized and quantized to int8 per output channel: 2 Q5_K, 8 Q8_0; "
+    assert re.search(r"repacked into int4 groups of 32 without requantizing: 2 Q4_0, 2 Q4_1, 20 Q4_K; kept as their "
+                     r"blocks: 8 Q5_0, 4 Q6_K; dequantized and quantized to int8 per output channel: 2 Q5_K, 1 Q8_0; "
                      r"dequantized to the compute dtype: 1 Q8_0", caplog.text)
     experts = values["blk.1.ffn_gate_exps.weight"]
     for name, expected in [
@@ -197,15 +220,17 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
         weight = read[name]
         assert isinstance(weight, Int4Weight) and weight.group_size == 32, name
         assert torch.equal(weight.dequantize(), torch.from_numpy(expected)), name
-    for name, gguf_name in [("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "blk.0.attn_kv_a_mqa.weight"),
-                            ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"),
-                            ("model.layers.1.mlp.shared_experts.down_proj.weight", "blk.1.ffn_down_shexp.weight"),
-                            ("lm_head.weight", "output.weight")]:
-        assert isinstance(read[name], Q6KWeight), name
-        assert torch.equal(read[name].dequantize(), torch.from_numpy(values[gguf_name])), name
-    q, scale = quantize_int8(torch.from_numpy(values["blk.0.attn_q_b.weight"]))
-    weight = read["model.layers.0.self_attn.q_b_proj.weight"]
-    assert isinstance(weight, Int8Weight) and torch.equal(weight.q, q) and torch.equal(weight.scale, scale)
+    for name, expected in [("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", values["blk.0.attn_kv_a_mqa.weight"]),
+                           ("model.layers.1.mlp.shared_experts.down_proj.weight", values["blk.1.ffn_down_shexp.weight"]),
+                           ("lm_head.weight", values["output.weight"]),
+                           ("model.layers.1.mlp.experts.5.down_proj.weight", values["blk.1.ffn_down_exps.weight"][5])]:
+        assert isinstance(read[name], Q50Weight if ".experts." in name else Q6KWeight), name
+        assert torch.equal(read[name].dequantize(), torch.from_numpy(expected)), name
+    for name, gguf_name in [("model.layers.0.self_attn.q_b_proj.weight", "blk.0.attn_q_b.weight"),
+                            ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight")]:
+        q, scale = quantize_int8(torch.from_numpy(values[gguf_name]))
+        weight = read[name]
+        assert isinstance(weight, Int8Weight) and torch.equal(weight.q, q) and torch.equal(weight.scale, scale), name
     assert torch.equal(read["model.embed_tokens.weight"], torch.from_numpy(values["token_embd.weight"]))
 
     # The model: each weight as its layer holds it, run by transformers against ours (exact fp32 kernels).
@@ -215,9 +240,9 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     model = load_model(path, dtype=torch.float32, attn_config=ATTN, quantization=QuantConfig("int4", lm_head=True))
     assert isinstance(model.model.layers[1].mlp.experts[3].gate_up_proj, Int4Linear)
     assert isinstance(model.model.layers[1].mlp.experts[3].down_proj, Int8Linear)
-    for q6k in (model.lm_head, model.model.layers[0].mlp.down_proj, model.model.layers[1].mlp.shared_experts.down_proj,
-                model.model.layers[1].self_attn.kv_a_proj_with_mqa):
-        assert isinstance(q6k, Int8Linear)
+    for kept in (model.lm_head, model.model.layers[1].mlp.shared_experts.down_proj,
+                 model.model.layers[1].self_attn.kv_a_proj_with_mqa, model.model.layers[1].mlp.experts[3].down_proj):
+        assert isinstance(kept, Int8Linear)
     gate_up = model.model.layers[1].mlp.experts[3].gate_up_proj.dequantized()
     assert torch.equal(gate_up, torch.cat([torch.from_numpy(experts[3]),
                                            torch.from_numpy(values["blk.1.ffn_up_exps.weight"][3])]))
@@ -265,8 +290,8 @@ def test_gguf_errors_name_what_is_wrong(tmp_path):
 
 def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
     """Q4_K's groups of 32 through latentserve's int4 kernel (bf16 scale and minimum, int8 activations) and Q6_K's
-    blocks through its Q6_K kernel where they build, int4pack_mm and int8 per row elsewhere: close to the exact
-    weights."""
+    and Q5_0's blocks through its kernels for them where they build, int4pack_mm and int8 per row elsewhere: close to
+    the exact weights."""
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
     write_gguf(src, path, _kind)
@@ -283,13 +308,14 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
         assert error.max() < 0.5 and error.mean() < 0.06
     if native:
         moe = model.model.layers[1].mlp
-        for q6k in (model.lm_head, model.model.layers[0].mlp.down_proj, moe.shared_experts.down_proj):
+        for q6k in (model.lm_head, moe.shared_experts.down_proj):
             assert isinstance(q6k, NativeQ6KLinear)
+        assert all(isinstance(expert.down_proj, NativeQ50Linear) for expert in moe.experts)
         assert model.lm_head.out_dtype == torch.float32  # the logits stay fp32
-        # Q4_K gate and up beside Q8_0 down (int4 and int8), the shared Q4_1 beside Q6_K: still the one-call block
+        # Q4_K gate and up beside Q5_0 down (int4 and Q5_0), the shared Q4_1 beside Q6_K: still the one-call block
         built, _ = build_moe_block(moe, torch.float32)
         assert built is not None
-        assert list(built[0].routed.bits) == [4, 8] and list(built[0].routed.group) == [32, 0]
+        assert list(built[0].routed.bits) == [4, 5] and list(built[0].routed.group) == [32, 32]
         assert (list(built[0].shared.bits), list(built[0].shared.group)) == ([4, 6], [32, 16])
 
 

@@ -1,5 +1,5 @@
 """The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c), `pack_int4`'s
-(int4.c) and `pack_q6k`'s (q6k.c), and the checks that a packed weight has the shape its layout gives it."""
+(int4.c), `pack_q6k`'s (q6k.c) and `pack_q50`'s (q50.c), and the checks that a packed weight has the shape its layout gives it."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import I8, U8
 
 
-INT4_BLOCK = INT8_BLOCK = Q6K_BLOCK = 16  # outputs per block of `pack_int4`'s, `pack_int8`'s and `pack_q6k`'s layouts
+INT4_BLOCK = INT8_BLOCK = Q6K_BLOCK = Q50_BLOCK = 16  # outputs per block of the `pack_*` layouts
 INT8_HEADER = 128  # bytes before a `pack_int8` block's weights: 16 fp32 scales, 16 int32 sums of q
 
 
@@ -117,3 +117,39 @@ def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
         raise ValueError(f"{fn}: the Q6_K kernel takes K a multiple of 256; got K {k}")
     tensor(fn, f"{name} (Q6_K weight of {n} outputs, {k} inputs in pack_q6k's layout)", packed, U8,
            (-(-n // Q6K_BLOCK), k // 256 * Q6K_SUPER))
+
+
+Q50_GROUP = 32 + 64 + 4 * 64  # bytes of 32 columns of a `pack_q50` block
+Q50_FORMAT = (5, 32)  # the experts' format tuple (bits, group) of `pack_q50`'s layout
+
+
+def pack_q50(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), K / 32 * 352]` from llama.cpp's Q5_0 values w = d * (q - 16): q `[N, K]` in [0, 31] (K
+    a multiple of 64), fp16 `d` `[N, K / 32]`. The outputs in blocks of 16 (zero rows pad the last), each block per 32
+    columns the 16 d, 64 bytes whose byte 4j + i holds in bit 2c + h the fifth bit of output j's column 8c + 4h + i,
+    then per 8 columns c 64 bytes whose byte 4j + i holds the low 4 bits of output j's column 8c + i (low nibble) and
+    8c + 4 + i (high) (q50.c)."""
+    n, k = q.shape
+    if q.dtype != torch.uint8 or k % 64 or d.dtype != torch.float16 or d.shape != (n, k // 32):
+        raise ValueError(f"pack_q50 takes uint8 q [N, K] with K % 64 == 0 and fp16 d [N, K / 32], not {q.dtype} "
+                         f"{tuple(q.shape)} and {d.dtype} {tuple(d.shape)}")
+    if q.numel() and int(q.max()) > 31:
+        raise ValueError(f"pack_q50: q holds {int(q.max())}, past Q5_0's 31")
+    pad = -n % Q50_BLOCK
+    q, d = torch.nn.functional.pad(q, (0, 0, 0, pad)), torch.nn.functional.pad(d, (0, 0, 0, pad))
+    blocks, groups = (n + pad) // Q50_BLOCK, k // 32
+    # [block, group, unit c, half h, output j, column i]
+    q = q.view(blocks, Q50_BLOCK, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+    nibbles = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).reshape(blocks, groups, 4 * 64)
+    shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1, 1)  # bit 2c + h
+    fifth = (((q >> 4) & 1) << shifts).sum(dim=(2, 3), dtype=torch.uint8).reshape(blocks, groups, 64)
+    d = d.view(blocks, Q50_BLOCK, groups).transpose(1, 2).contiguous().view(torch.uint8)
+    return torch.cat([d.view(blocks, groups, 32), fifth, nibbles], dim=2).view(blocks, -1)
+
+
+def check_q50(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_q50`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    if k % 64:
+        raise ValueError(f"{fn}: the Q5_0 kernel takes K a multiple of 64; got K {k}")
+    tensor(fn, f"{name} (Q5_0 weight of {n} outputs, {k} inputs in pack_q50's layout)", packed, U8,
+           (-(-n // Q50_BLOCK), k // 32 * Q50_GROUP))

@@ -16,9 +16,8 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts, quantize_int8,
 )
-from latentserve.layers.quant.prequantized import (
-    Q6K_D_COLUMNS, Int4Weight, Int8Weight, Q6KWeight, QuantizedWeight,
-)
+from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, Q6KWeight, Q50Weight, QuantizedWeight
+from latentserve.layers.quant.q50 import NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
@@ -69,17 +68,24 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | 
                         f"{many_rows}")
 
 
-def q6k_kernel(policy: KernelPolicy, device: torch.device, in_features: int | None = None) -> KernelChoice:
-    """A GGUF's Q6_K weight: latentserve's Q6_K kernel on its blocks as they are, else int8 per output row."""
+# A GGUF's weights latentserve runs in their file's blocks: the weight's type, its layer.
+FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q50Weight: NativeQ50Linear}
+
+
+def blocks_kernel(layer: type[NativeQ6KLinear | NativeQ50Linear], policy: KernelPolicy, device: torch.device,
+                  in_features: int | None = None) -> KernelChoice:
+    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0): latentserve's kernel for it (`layer`) on its blocks as
+    they are, else int8 per output row."""
     int8 = int8_kernel(policy, device, in_features).kernel
     if device.type != "cpu":
         return KernelChoice(int8, "not a CPU: dequantized and quantized to int8 per output row")
     kernels, why = policy.kernels, policy.why
-    if kernels is not None and (in_features is None or in_features % Q6K_D_COLUMNS == 0):
-        return KernelChoice(NativeQ6KLinear.kernel, f"built for {kernels.isa} ({why}); the file's Q6_K blocks as they "
-                            "are (6.625 bits a weight read; int8 per row reads 8 and rounds the values again)")
+    if kernels is not None and (in_features is None or in_features % layer.columns == 0):
+        return KernelChoice(layer.kernel, f"built for {kernels.isa} ({why}); the file's {layer.file_type} blocks as "
+                            f"they are ({layer.read} and rounds the values again)")
     if kernels is not None:
-        why = f"{in_features} inputs, latentserve's Q6_K kernel needs a multiple of {Q6K_D_COLUMNS}"
+        why = (f"{in_features} inputs, latentserve's {layer.file_type} kernel needs a multiple of "
+               f"{layer.columns}")
     return KernelChoice(int8, f"latentserve's kernels: {why}; dequantized and quantized to int8 per output row")
 
 
@@ -89,15 +95,16 @@ def quantize_linear(
 ) -> nn.Module:
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
     says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
-    layers; a Q6_K one runs `q6k_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M keeps
-    its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
+    layers; a Q6_K or Q5_0 one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
+    Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
     (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default one)."""
     device, policy = torch.device(device), policy or default_policy()
     # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
     out_dtype = torch.float32 if name == LM_HEAD else None
-    if isinstance(weight, Q6KWeight):
-        if q6k_kernel(policy, device, weight.shape[1]).kernel == NativeQ6KLinear.kernel:
-            return NativeQ6KLinear(weight.q, weight.d, weight.sc, bias, policy.kernels, out_dtype)
+    layer = FILE_BLOCKS.get(type(weight))
+    if layer is not None:
+        if blocks_kernel(layer, policy, device, weight.shape[1]).kernel == layer.kernel:
+            return layer.of(weight, bias, policy.kernels, out_dtype)
         weight = weight.int8()
     if name == LM_HEAD and config.method == "int4":
         config = QuantConfig("int8")

@@ -1,5 +1,5 @@
 """Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8
-/ Q6_K layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
+/ Q6_K / Q5_0 layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -49,11 +49,27 @@ class Int8Weight(_Stored):
         return self.q.float() * self.scale[:, None]
 
 
+class _FileBlocks(_Stored):
+    """A GGUF's blocks kept as the file holds them, for latentserve's kernel of that type; `dequantize` gives gguf's
+    values to the bit."""
+
+    def int8(self) -> Int8Weight:
+        """Dequantized and quantized to int8 per output row, where latentserve's kernel for the blocks does not run:
+        a few rows at a time (a whole lm_head's fp32 values would outweigh the model's other weights)."""
+        rows, cols = self.q.shape
+        weight = Int8Weight(torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.float32))
+        step = max(1, BLOCK_ELEMENTS // cols)
+        for start in range(0, rows, step):
+            part = type(self)(*(getattr(self, f.name)[start:start + step] for f in fields(self)))
+            weight.q[start:start + step], weight.scale[start:start + step] = quantize_int8(part.dequantize())
+        return weight
+
+
 Q6K_D_COLUMNS, Q6K_SC_COLUMNS = 256, 16  # input columns per d, per sub-scale sc
 
 
 @dataclass
-class Q6KWeight(_Stored):
+class Q6KWeight(_FileBlocks):
     """llama.cpp's Q6_K as a GGUF holds it, w = d * sc * (q - 32): q uint8 `[out, in]` in [0, 63], d fp32
     `[out, in / 256]` (the file's fp16, so exact), sc int8 `[out, in / 16]`."""
 
@@ -68,19 +84,26 @@ class Q6KWeight(_Stored):
         q = self.q.view(rows, -1, Q6K_SC_COLUMNS).float().sub_(32)
         return (scale.view(rows, -1, 1) * q).view(rows, cols)
 
-    def int8(self) -> Int8Weight:
-        """Dequantized and quantized to int8 per output row, where latentserve's Q6_K kernel does not run: a few
-        rows at a time (a whole lm_head's fp32 values would outweigh the model's other weights)."""
+
+Q50_COLUMNS = 32  # input columns per d
+
+
+@dataclass
+class Q50Weight(_FileBlocks):
+    """llama.cpp's Q5_0 as a GGUF holds it, w = d * (q - 16): q uint8 `[out, in]` in [0, 31], d fp16
+    `[out, in / 32]` (the file's)."""
+
+    d: torch.Tensor
+    method = "q5_0"
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 `[out, in]`, gguf's dequantization to the bit: d times q - 16."""
         rows, cols = self.q.shape
-        weight = Int8Weight(torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows, dtype=torch.float32))
-        step = max(1, BLOCK_ELEMENTS // cols)
-        for start in range(0, rows, step):
-            part = Q6KWeight(*(getattr(self, f.name)[start:start + step] for f in fields(self)))
-            weight.q[start:start + step], weight.scale[start:start + step] = quantize_int8(part.dequantize())
-        return weight
+        q = self.q.view(rows, -1, Q50_COLUMNS).float().sub_(16)
+        return (self.d.float()[..., None] * q).view(rows, cols)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight
+QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:

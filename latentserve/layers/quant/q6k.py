@@ -8,6 +8,7 @@ from torch import nn
 
 from latentserve.kernels import native
 from latentserve.layers.quant.packed import NativePackedLinear
+from latentserve.layers.quant.prequantized import Q6K_D_COLUMNS, Q6KWeight
 
 
 class NativeQ6KLinear(NativePackedLinear):
@@ -15,10 +16,16 @@ class NativeQ6KLinear(NativePackedLinear):
 
     kernel = "latentserve q6_k"
     weight_kind, group = native.Q6K, 16
+    file_type, columns, read = "Q6_K", Q6K_D_COLUMNS, "6.625 bits a weight read; int8 per row reads 8"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, bias: nn.Parameter | None,
                  kernels: native.NativeKernels, out_dtype: torch.dtype | None = None) -> None:
         super().__init__(native.pack_q6k(q, d, sc), q.shape[1], q.shape[0], bias, kernels, out_dtype)
+
+    @classmethod
+    def of(cls, weight: Q6KWeight, bias: nn.Parameter | None, kernels: native.NativeKernels,
+           out_dtype: torch.dtype | None) -> NativeQ6KLinear:
+        return cls(weight.q, weight.d, weight.sc, bias, kernels, out_dtype)
 
     def product(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return native.q6k_linear(self.kernels, x2, self.packed, self.out_features, dtype)

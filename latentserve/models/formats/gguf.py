@@ -11,8 +11,9 @@ Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups 
 minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are
 repacked, not requantized. The loaded weights hold the file's values exactly; latentserve's int4 kernel then keeps
 each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Q6_K (Q4_K_M's
-output matrix, some of its down projections) is kept as its blocks' q, d and sc, exactly, which latentserve's Q6_K
-kernel runs as they are (6.625 bits a weight read); without that kernel the layer is quantized to int8 per output
+output matrix, some of its down projections) is kept as its blocks' q, d and sc, and Q5_0 (Q4_K_M's down
+projections whose rows are not a multiple of 256) as its q and d, exactly, which latentserve's Q6_K and Q5_0 kernels
+run as they are (6.625 and 5.5 bits a weight read); without those kernels the layer is quantized to int8 per output
 channel (layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32
 values, not per row; Q5_K has more bits) are dequantized with gguf's own code and quantized to int8 per output
 channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The
@@ -33,8 +34,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from latentserve.kernels.native import CACHE_ENV
 from latentserve.models.formats.gguf_weights import (FLOAT_TYPES, INT4_TYPES, ConversionStats, dequantized,
-                                                     int4_weight, int8_weight, q6k_weight, release_freed_heap,
-                                                     release_mapped_pages)
+                                                     int4_weight, int8_weight, q6k_weight, q50_weight,
+                                                     release_freed_heap, release_mapped_pages)
 from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 # The weights latentserve runs as int8/int4 layers (kv_b_proj stays in the compute dtype: decode absorbs it).
 _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
                               r"\.weight|^lm_head\.weight)$")
+# Types whose blocks latentserve's kernels read as the file holds them (layers/quant/linear.py FILE_BLOCKS).
+_KEPT = {GGMLQuantizationType.Q6_K: q6k_weight, GGMLQuantizationType.Q5_0: q50_weight}
 
 
 def is_gguf(path: Path) -> bool:
@@ -228,9 +231,9 @@ def _convert(tensor, hf_name: str, stats: ConversionStats, rows: slice | int | N
     if _QUANTIZED_LAYER.search(hf_name) and kind in INT4_TYPES:
         stats.repacked[kind.name] += 1
         return int4_weight(np.asarray(data), kind)
-    if _QUANTIZED_LAYER.search(hf_name) and kind == GGMLQuantizationType.Q6_K:
+    if _QUANTIZED_LAYER.search(hf_name) and kind in _KEPT:
         stats.kept[kind.name] += 1
-        return q6k_weight(np.asarray(data))
+        return _KEPT[kind](np.asarray(data))
     if _QUANTIZED_LAYER.search(hf_name) and kind not in FLOAT_TYPES:
         stats.requantized[kind.name] += 1
         return int8_weight(np.asarray(data), kind)
@@ -260,7 +263,7 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight) for every `wanted` tensor of the GGUF
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight) for every `wanted` tensor of the GGUF
     `model_dir` stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after:
     the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]

@@ -1,5 +1,6 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0, Q4_1
-and Q4_K repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), other
+and Q4_K repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0
+into its q and d (`Q50Weight`), other
 types dequantized with gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output
 channel), a few rows at a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap)
 handed back."""
@@ -18,8 +19,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import (Q6K_D_COLUMNS, Q6K_SC_COLUMNS, Int4Weight, Int8Weight,
-                                                   Q6KWeight)
+from latentserve.layers.quant.prequantized import (Q6K_D_COLUMNS, Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight,
+                                                   Int8Weight, Q6KWeight, Q50Weight)
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,7 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 _Q6K_BYTES = 210  # a Q6_K block's, of 256 values
+_Q50_BYTES = 22  # a Q5_0 block's, of 32 values
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -65,7 +67,7 @@ class ConversionStats:
 
     def log(self, name: str) -> None:
         fmt = lambda c: ", ".join(f"{n} {k}" for k, n in sorted(c.items())) or "none"  # noqa: E731
-        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; kept as Q6_K blocks: %s; "
+        logger.info("%s: repacked into int4 groups of 32 without requantizing: %s; kept as their blocks: %s; "
                     "dequantized and quantized to int8 per output channel: %s; dequantized to the compute dtype: %s",
                     name, fmt(self.repacked), fmt(self.kept), fmt(self.requantized), fmt(self.dequantized))
 
@@ -119,6 +121,22 @@ def q6k_weight(data: np.ndarray) -> Q6KWeight:
         weight.q.numpy()[chunk] = q.reshape(len(part), -1)
         weight.sc.numpy()[chunk] = part[..., 192:208].view(np.int8).reshape(len(part), -1)
         weight.d.numpy()[chunk] = _fp16(part, 208)
+    return weight
+
+
+def q50_weight(data: np.ndarray) -> Q50Weight:
+    """Q5_0 rows `[out, bytes]` as their q and d, a few rows at a time."""
+    rows, blocks = data.shape[0], data.shape[1] // _Q50_BYTES
+    weight = Q50Weight(torch.empty(rows, blocks * Q50_COLUMNS, dtype=torch.uint8),
+                       torch.empty(rows, blocks, dtype=torch.float16))
+    for chunk in _row_chunks(data):
+        # Per 32: fp16 d, 4 bytes whose bit i is value i's fifth, 16 bytes: values 0-15 in the low nibbles, 16-31 in
+        # the high ones.
+        part = data[chunk].reshape(-1, blocks, _Q50_BYTES)
+        fifth = np.unpackbits(part[..., 2:6], axis=-1, bitorder="little")
+        low = np.concatenate([part[..., 6:] & 15, part[..., 6:] >> 4], axis=-1)
+        weight.q.numpy()[chunk] = (low | (fifth << 4)).reshape(len(part), -1)
+        weight.d.numpy()[chunk] = part[..., :2].copy().view(np.float16)[..., 0]
     return weight
 
 
