@@ -98,14 +98,16 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     }
 }
 
-/* x's rows for the Q6_K and Q5_0 kernels (q6k.c, q50.c): int4's quantization per XBLOCK columns, and per 16 columns -32 * the sum
- * of the quantized x, the integer sums' start (int32, in corr's room). */
-static void q6k_prepare(const void *x, int bf16, int64_t M, int64_t K, int8_t *xq, float *xs, int32_t *cen) {
+/* x's rows for the Q6_K and Q5_0 kernels (q6k.c, q50.c): int4's quantization per XBLOCK columns, and per `span`
+ * columns (Q6_K's 16, Q5_0's 32) -centre * the sum of the quantized x (centre: the weights' offset, 32 and 16), the
+ * integer sums' start (int32, in corr's room). */
+static void centred_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t span, int32_t centre, int8_t *xq,
+                            float *xs, int32_t *cen) {
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
-    for (int64_t g = 0; g < M * K / 16; g++) {
+    for (int64_t g = 0; g < M * K / span; g++) {
         int32_t sum = 0;
-        for (int k = 0; k < 16; k++) sum += xq[16 * g + k];
-        cen[g] = -32 * sum;
+        for (int64_t k = 0; k < span; k++) sum += xq[span * g + k];
+        cen[g] = -centre * sum;
     }
 }
 
@@ -123,7 +125,7 @@ static int dense_bf16(Format f, int bf16) {
 static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_bytes(K) : K; }
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) {
-    return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 || f.bits == 5 ? K / 16 : 0;
+    return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 ? K / 16 : f.bits == 5 ? K / 32 : 0;
 }
 
 QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K) {
@@ -148,8 +150,10 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         for (int64_t i = 0; i < M * K; i++) ((float *)a.rows)[i] = load_act(x, bf16, i);
     else if (f.bits == 8)
         quantize_int8(x, bf16, M, K, a.q, a.s);
-    else if (f.bits == 6 || f.bits == 5)
-        q6k_prepare(x, bf16, M, K, a.q, a.s, (int32_t *)a.corr);
+    else if (f.bits == 6)
+        centred_prepare(x, bf16, M, K, 16, 32, a.q, a.s, (int32_t *)a.corr);
+    else if (f.bits == 5)
+        centred_prepare(x, bf16, M, K, 32, 16, a.q, a.s, (int32_t *)a.corr);
     else
         int4_prepare(x, bf16, M, K, f.group, a.q, a.s, a.corr);
 }
