@@ -134,22 +134,31 @@ LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t g
     return quant_linear(x->data, DIM(x, 0), K, packed->data, 4, group, N, y->data, bf(x) | bf(y) << 1, threads);
 }
 
-LS_API int ls_q6k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+/* A linear layer over one of llama.cpp's formats kept as its blocks (Format (bits, group)): K a multiple of `multiple`
+ * (the kernel's), the weight as many blocks of 16 outputs as y has, each block_bytes long. */
+static int blocks_linear(const char *name, int64_t multiple, int bits, int64_t group, const ls_tensor *x,
+                         const ls_tensor *packed, const ls_tensor *y, int threads) {
     TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_U8), 2, 0));
     TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
     int64_t K = DIM(x, 1), N = DIM(y, 1);
-    if (K % 256) return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of 256 (Q6_K's super-blocks)", (long long)K);
-    TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, K / 256 * Q6K_SUPER));
-    return quant_linear(x->data, DIM(x, 0), K, packed->data, 6, 16, N, y->data, bf(x) | bf(y) << 1, threads);
+    if (K % multiple)
+        return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of %lld (the %s kernel's)", (long long)K,
+                      (long long)multiple, name);
+    Format f = {bits, group};
+    TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, block_bytes(f, K)));
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, bits, group, N, y->data, bf(x) | bf(y) << 1, threads);
+}
+
+LS_API int ls_q6k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    return blocks_linear("Q6_K", 256, 6, 16, x, packed, y, threads);
 }
 
 LS_API int ls_q50_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
-    TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_U8), 2, 0));
-    TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
-    int64_t K = DIM(x, 1), N = DIM(y, 1);
-    if (K % 64) return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of 64 (the Q5_0 kernel's)", (long long)K);
-    TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, K / 32 * Q50_GROUP));
-    return quant_linear(x->data, DIM(x, 0), K, packed->data, 5, 32, N, y->data, bf(x) | bf(y) << 1, threads);
+    return blocks_linear("Q5_0", 64, 5, 32, x, packed, y, threads);
+}
+
+LS_API int ls_q5k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    return blocks_linear("Q5_K", 256, 5, 256, x, packed, y, threads);
 }
 
 LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
@@ -291,7 +300,7 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
 
 /* A projection's weight has what its kind reads. */
 static int bad_weight(const char *name, const Weight *w) {
-    if (w->kind < LS_DENSE || w->kind > LS_Q50) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
+    if (w->kind < LS_DENSE || w->kind > LS_Q5K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
         return refuse(LS_BAD_BLOCK, "%s: an int8 weight without its scale or qsum", name);
@@ -301,6 +310,8 @@ static int bad_weight(const char *name, const Weight *w) {
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q6_K's 16", name, (long long)w->group);
     if (w->kind == LS_Q50 && w->group != 32)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's 32", name, (long long)w->group);
+    if (w->kind == LS_Q5K && w->group != 256)
+        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_K's 256", name, (long long)w->group);
     return LS_OK;
 }
 
@@ -323,9 +334,8 @@ static int bad_mla_block(const MLABlock *b) {
     /* The per-head products: dense ones through dense_heads (N a multiple of 16), int4 and int8 blocks only for
      * H = 1. */
     if ((b->uk.kind == LS_DENSE && b->latent % 16) || (b->uv.kind == LS_DENSE && b->v_dim % 16) ||
-        b->uk.kind == LS_INT4 || b->uv.kind == LS_INT4 || b->uk.kind == LS_INT8_BLOCKS ||
-        b->uv.kind == LS_INT8_BLOCKS || b->uk.kind == LS_Q6K || b->uv.kind == LS_Q6K || b->uk.kind == LS_Q50 ||
-        b->uv.kind == LS_Q50)
+        (b->uk.kind != LS_DENSE && b->uk.kind != LS_INT8 && b->uk.kind != LS_INT8_LANES) ||
+        (b->uv.kind != LS_DENSE && b->uv.kind != LS_INT8 && b->uv.kind != LS_INT8_LANES))
         return refuse(LS_BAD_BLOCK, "uk and uv: dense with latent and v_dim multiples of 16, or int8");
     return LS_OK;
 }
@@ -350,16 +360,18 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
 }
 
 /* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (group 32, 64 or 128 dividing in, in
- * a multiple of 64), 6 (Q6_K: group 16, in a multiple of 256) or 5 (Q5_0: group 32, in a multiple of 64). */
+ * a multiple of 64), 6 (Q6_K: group 16, in a multiple of 256) or 5 (Q5_0: group 32, in a multiple of 64; Q5_K:
+ * group 256, in a multiple of 256). */
 static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
     if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
         (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
-        (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0))
+        (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0) ||
+        (bits == 5 && group == 256 && in % 256 == 0))
         return LS_OK;
     return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 with "
                   "group 32, 64 or 128 dividing them and inputs a multiple of 64, 6 with group 16 and inputs a "
-                  "multiple of 256, or 5 with group 32 and inputs a multiple of 64)", name, bits, (long long)group,
-                  (long long)in);
+                  "multiple of 256, or 5 with group 32 and inputs a multiple of 64 or group 256 and inputs a multiple "
+                  "of 256)", name, bits, (long long)group, (long long)in);
 }
 
 /* An ExpertTable of `experts` experts (-1: 0 or 1) of hidden size K, every weight pointer set; `code` on failure. */

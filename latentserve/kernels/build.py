@@ -24,10 +24,11 @@ from latentserve.kernels.cpu import CpuFeatures, cpu_vendor
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
-SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "q6k.c", "q50.c", "amx.c",
+SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "q6k.c", "q5.c", "amx.c",
                                                "quant_blocks.c", "experts.c", "gemv.c", "mla_decode.c",
-                                               "prefill_attention.c", "norm.c", "prologue.c", "attention_block.c", "route.c", "moe_block.c",
-                                               "decode_layers.c", "bounds.c", "scratch.c", "api.c"))
+                                               "prefill_attention.c", "norm.c", "prologue.c", "attention_block.c",
+                                               "route.c", "moe_block.c", "decode_layers.c", "bounds.c", "scratch.c",
+                                               "api.c"))
 HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h",
            KERNEL_DIR / "mla_tiles.h", KERNEL_DIR / "mla_lanes.h", KERNEL_DIR / "int8_nibbles.h",
            KERNEL_DIR / "int8_vnni256.h")

@@ -29,10 +29,10 @@ from latentserve.layers.quant.int4 import (
 )
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import blocks_kernel, quantize_linear
-from latentserve.layers.quant.q50 import NativeQ50Linear
+from latentserve.layers.quant.q5 import NativeQ5KLinear, NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
-from latentserve.models.formats.gguf_weights import q6k_weight, q50_weight
+from latentserve.models.formats.gguf_weights import q5k_weight, q6k_weight, q50_weight
 from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -277,9 +277,9 @@ def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypa
     assert isinstance(head, NativeQ6KLinear) and head(x.bfloat16()).dtype == torch.float32
 
 
-def test_a_gguf_q50_weight_runs_latentserves_q50_kernel_or_int8_per_row(monkeypatch):
-    """Q5_0's blocks as they are where latentserve's kernels run and the inputs are a multiple of 64; elsewhere its
-    values quantized to int8 per row."""
+def test_gguf_5_bit_weights_run_latentserves_kernels_or_int8_per_row(monkeypatch):
+    """Q5_0's and Q5_K's blocks as they are where latentserve's kernels run and the inputs are a multiple of 64 (Q5_K:
+    256); elsewhere their values quantized to int8 per row."""
     monkeypatch.delenv(NATIVE_ENV, raising=False)
     gen = np.random.default_rng(0)
     weight = q50_weight(quantize(gen.standard_normal((48, 1408)).astype(np.float32), GGMLQuantizationType.Q5_0))
@@ -295,6 +295,11 @@ def test_a_gguf_q50_weight_runs_latentserves_q50_kernel_or_int8_per_row(monkeypa
     assert isinstance(layer, NativeQ50Linear) and layer.kernels is here.kernels
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     assert layer(x.bfloat16()).dtype == torch.bfloat16
+    k_quant = q5k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q5_K, gen))
+    layer = quantize_linear("l", k_quant, None, int4, "cpu", here)
+    assert isinstance(layer, NativeQ5KLinear)
+    expected = x[:, :512] @ k_quant.dequantize().t()
+    torch.testing.assert_close(layer(x[:, :512]), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     odd = q50_weight(quantize(gen.standard_normal((16, 96)).astype(np.float32), GGMLQuantizationType.Q5_0))
     choice = blocks_kernel(NativeQ50Linear, here, torch.device("cpu"), 96)
     assert choice.reason.startswith("latentserve's kernels: 96 inputs, latentserve's Q5_0 kernel needs a multiple")

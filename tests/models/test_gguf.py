@@ -22,9 +22,9 @@ from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
-from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q6KWeight, Q50Weight, QuantizedWeight,
-                                                   concat)
-from latentserve.layers.quant.q50 import NativeQ50Linear
+from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q5KWeight, Q6KWeight, Q50Weight,
+                                                   QuantizedWeight, concat)
+from latentserve.layers.quant.q5 import NativeQ5KLinear, NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.models import load_model
 from latentserve.models.config import ModelConfig
@@ -189,16 +189,32 @@ def test_q50_blocks_unpack_to_ggufs_dequantization(monkeypatch):
     assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
 
 
+def test_q5k_blocks_unpack_to_ggufs_dequantization(monkeypatch):
+    """Q5_K's q, d, dmin, sc and m give gguf's values to the bit, unpacked a few rows at a time or all at once; without
+    latentserve's kernel the weight is int8 per row, as gguf's values quantized."""
+    data = k_quant_blocks((37, 1024), T.Q5_K, np.random.default_rng(0))
+    whole = gguf_weights.q5k_weight(data)
+    monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)
+    weight = gguf_weights.q5k_weight(data)
+    assert weight.shape == (37, 1024) and int(weight.q.max()) <= 31 and weight.sc.shape == (37, 32)
+    assert all(torch.equal(getattr(weight, f), getattr(whole, f)) for f in ("q", "d", "dmin", "sc", "m"))
+    expected = torch.from_numpy(gguf.quants.dequantize(data, T.Q5_K))
+    assert torch.equal(weight.dequantize(), expected)
+    q, scale = quantize_int8(expected)
+    assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
+
+
 def _held(weight: QuantizedWeight, native: bool) -> torch.Tensor:
     """A loaded weight's values as its layer runs them: Q6_K's and Q5_0's own through latentserve's kernels for them,
     else (without latentserve's kernels) int8 per row's."""
-    return (weight.int8() if isinstance(weight, (Q6KWeight, Q50Weight)) and not native else weight).dequantize()
+    kept = isinstance(weight, (Q6KWeight, Q50Weight, Q5KWeight))
+    return (weight.int8() if kept and not native else weight).dequantize()
 
 
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
-    """Q4_0 / Q4_1 / Q4_K weights become int4, Q6_K ones Q6_K blocks and Q5_0 ones Q5_0 blocks, with exactly gguf's
-    dequantized values; Q5_K and Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs
-    those weights as transformers does (Q6_K and Q5_0 as int8 per row, without latentserve's kernels)."""
+    """Q4_0 / Q4_1 / Q4_K weights become int4, Q6_K, Q5_0 and Q5_K ones their blocks, with exactly gguf's dequantized
+    values; Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs those weights as
+    transformers does (the kept blocks as int8 per row, without latentserve's kernels)."""
     monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
@@ -208,7 +224,7 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     with caplog.at_level(logging.INFO):
         read = dict(read_tensors(folder, lambda name: True))
     assert re.search(r"repacked into int4 groups of 32 without requantizing: 2 Q4_0, 2 Q4_1, 20 Q4_K; kept as their "
-                     r"blocks: 8 Q5_0, 4 Q6_K; dequantized and quantized to int8 per output channel: 2 Q5_K, 1 Q8_0; "
+                     r"blocks: 8 Q5_0, 2 Q5_K, 4 Q6_K; dequantized and quantized to int8 per output channel: 1 Q8_0; "
                      r"dequantized to the compute dtype: 1 Q8_0", caplog.text)
     experts = values["blk.1.ffn_gate_exps.weight"]
     for name, expected in [
@@ -223,14 +239,14 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     for name, expected in [("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", values["blk.0.attn_kv_a_mqa.weight"]),
                            ("model.layers.1.mlp.shared_experts.down_proj.weight", values["blk.1.ffn_down_shexp.weight"]),
                            ("lm_head.weight", values["output.weight"]),
-                           ("model.layers.1.mlp.experts.5.down_proj.weight", values["blk.1.ffn_down_exps.weight"][5])]:
-        assert isinstance(read[name], Q50Weight if ".experts." in name else Q6KWeight), name
+                           ("model.layers.1.mlp.experts.5.down_proj.weight", values["blk.1.ffn_down_exps.weight"][5]),
+                           ("model.layers.0.self_attn.q_b_proj.weight", values["blk.0.attn_q_b.weight"])]:
+        kind = Q50Weight if ".experts." in name else Q5KWeight if "q_b_proj" in name else Q6KWeight
+        assert isinstance(read[name], kind), name
         assert torch.equal(read[name].dequantize(), torch.from_numpy(expected)), name
-    for name, gguf_name in [("model.layers.0.self_attn.q_b_proj.weight", "blk.0.attn_q_b.weight"),
-                            ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight")]:
-        q, scale = quantize_int8(torch.from_numpy(values[gguf_name]))
-        weight = read[name]
-        assert isinstance(weight, Int8Weight) and torch.equal(weight.q, q) and torch.equal(weight.scale, scale), name
+    q, scale = quantize_int8(torch.from_numpy(values["blk.0.ffn_down.weight"]))
+    weight = read["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(weight, Int8Weight) and torch.equal(weight.q, q) and torch.equal(weight.scale, scale)
     assert torch.equal(read["model.embed_tokens.weight"], torch.from_numpy(values["token_embd.weight"]))
 
     # The model: each weight as its layer holds it, run by transformers against ours (exact fp32 kernels).
@@ -241,7 +257,8 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     assert isinstance(model.model.layers[1].mlp.experts[3].gate_up_proj, Int4Linear)
     assert isinstance(model.model.layers[1].mlp.experts[3].down_proj, Int8Linear)
     for kept in (model.lm_head, model.model.layers[1].mlp.shared_experts.down_proj,
-                 model.model.layers[1].self_attn.kv_a_proj_with_mqa, model.model.layers[1].mlp.experts[3].down_proj):
+                 model.model.layers[1].self_attn.kv_a_proj_with_mqa, model.model.layers[1].mlp.experts[3].down_proj,
+                 model.model.layers[1].self_attn.q_b_proj):
         assert isinstance(kept, Int8Linear)
     gate_up = model.model.layers[1].mlp.experts[3].gate_up_proj.dequantized()
     assert torch.equal(gate_up, torch.cat([torch.from_numpy(experts[3]),
@@ -311,6 +328,7 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
         for q6k in (model.lm_head, moe.shared_experts.down_proj):
             assert isinstance(q6k, NativeQ6KLinear)
         assert all(isinstance(expert.down_proj, NativeQ50Linear) for expert in moe.experts)
+        assert isinstance(model.model.layers[1].self_attn.q_b_proj, NativeQ5KLinear)
         assert model.lm_head.out_dtype == torch.float32  # the logits stay fp32
         # Q4_K gate and up beside Q5_0 down (int4 and Q5_0), the shared Q4_1 beside Q6_K: still the one-call block
         built, _ = build_moe_block(moe, torch.float32)

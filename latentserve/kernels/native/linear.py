@@ -1,4 +1,4 @@
-"""The linear layers' wrappers: int8, int4, Q6_K and Q5_0 weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's
+"""The linear layers' wrappers: int8, int4, Q6_K, Q5_0 and Q5_K weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's
 per-head products, and RMSNorm."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from latentserve.kernels.abi import desc
 from latentserve.kernels.build import NativeKernels
 from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import F32, I8, I32, KERNEL_DTYPES, call, refused, written_dtype
-from latentserve.kernels.native.packing import check_int4, check_int8, check_q6k, check_q50
+from latentserve.kernels.native.packing import check_int4, check_int8, check_q5k, check_q6k, check_q50
 
 
 def _packed_linear(kernels: NativeKernels, fn: str, x: torch.Tensor, check, out_features: int,
@@ -114,6 +114,15 @@ def q50_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, ou
     """`[M, out_features]` = x `[M, K]` (`activations`) times the Q5_0 weight `packed` by `pack_q50`; in `out_dtype`
     where the kernels write it, else fp32."""
     return _packed_linear(kernels, "q50_linear", x, lambda k: check_q50("q50_linear", "packed", packed,
+                                                                        out_features, k),
+                          out_features, out_dtype, desc(packed))
+
+
+def q5k_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`[M, out_features]` = x `[M, K]` (`activations`) times the Q5_K weight `packed` by `pack_q5k`; in `out_dtype`
+    where the kernels write it, else fp32."""
+    return _packed_linear(kernels, "q5k_linear", x, lambda k: check_q5k("q5k_linear", "packed", packed,
                                                                         out_features, k),
                           out_features, out_dtype, desc(packed))
 

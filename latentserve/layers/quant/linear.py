@@ -16,8 +16,9 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts, quantize_int8,
 )
-from latentserve.layers.quant.prequantized import Int4Weight, Int8Weight, Q6KWeight, Q50Weight, QuantizedWeight
-from latentserve.layers.quant.q50 import NativeQ50Linear
+from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q5KWeight, Q6KWeight, Q50Weight,
+                                                   QuantizedWeight)
+from latentserve.layers.quant.q5 import NativeQ5KLinear, NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
@@ -69,12 +70,12 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | 
 
 
 # A GGUF's weights latentserve runs in their file's blocks: the weight's type, its layer.
-FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q50Weight: NativeQ50Linear}
+FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q50Weight: NativeQ50Linear, Q5KWeight: NativeQ5KLinear}
 
 
-def blocks_kernel(layer: type[NativeQ6KLinear | NativeQ50Linear], policy: KernelPolicy, device: torch.device,
+def blocks_kernel(layer: type[NativeQ6KLinear | NativeQ50Linear | NativeQ5KLinear], policy: KernelPolicy, device: torch.device,
                   in_features: int | None = None) -> KernelChoice:
-    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0): latentserve's kernel for it (`layer`) on its blocks as
+    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0, Q5_K): latentserve's kernel for it (`layer`) on its blocks as
     they are, else int8 per output row."""
     int8 = int8_kernel(policy, device, in_features).kernel
     if device.type != "cpu":
@@ -95,7 +96,7 @@ def quantize_linear(
 ) -> nn.Module:
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
     says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
-    layers; a Q6_K or Q5_0 one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
+    layers; a Q6_K, Q5_0 or Q5_K one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
     Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
     (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default one)."""
     device, policy = torch.device(device), policy or default_policy()

@@ -1,5 +1,5 @@
 """Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8
-/ Q6_K / Q5_0 layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
+/ Q6_K / Q5_0 / Q5_K layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -103,7 +103,31 @@ class Q50Weight(_FileBlocks):
         return (self.d.float()[..., None] * q).view(rows, cols)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight
+Q5K_COLUMNS, Q5K_SUB_COLUMNS = 256, 32  # input columns per d and dmin, per sc and m
+
+
+@dataclass
+class Q5KWeight(_FileBlocks):
+    """llama.cpp's Q5_K as a GGUF holds it, w = d * sc * q - dmin * m: q uint8 `[out, in]` in [0, 31], d and dmin fp32
+    `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 32]` (6 bits)."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+    method = "q5_k"
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc and dmin * m rounded to fp32 first, then
+        (d * sc) * q - dmin * m."""
+        rows, cols = self.q.shape
+        per = Q5K_COLUMNS // Q5K_SUB_COLUMNS
+        scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1, 1)
+        minimum = (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1, 1)
+        return (scale * self.q.view(rows, -1, Q5K_SUB_COLUMNS).float() - minimum).view(rows, cols)
+
+
+QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q5KWeight
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:

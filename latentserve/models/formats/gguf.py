@@ -11,12 +11,12 @@ Weights: Q4_0, Q4_1 and Q4_K map onto latentserve's int4 layout exactly (groups 
 minimum: Q4_0's scale d and minimum -8d, Q4_1's d and m, Q4_K's d * sc and -dmin * m per sub-block) and are
 repacked, not requantized. The loaded weights hold the file's values exactly; latentserve's int4 kernel then keeps
 each group's scale and minimum in bf16 (as int4pack_mm does), so it runs them to bf16's precision. Q6_K (Q4_K_M's
-output matrix, some of its down projections) is kept as its blocks' q, d and sc, and Q5_0 (Q4_K_M's down
-projections whose rows are not a multiple of 256) as its q and d, exactly, which latentserve's Q6_K and Q5_0 kernels
-run as they are (6.625 and 5.5 bits a weight read); without those kernels the layer is quantized to int8 per output
-channel (layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32
-values, not per row; Q5_K has more bits) are dequantized with gguf's own code and quantized to int8 per output
-channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The
+output matrix, some of its down projections), Q5_0 (Q4_K_M's down projections whose rows are not a multiple of 256)
+and Q5_K (Q5_K_M's) are kept as their blocks' values, exactly, which latentserve's kernels for them run as they are
+(6.625, 5.5 and 5.75 bits a weight read); without those kernels the layer is quantized to int8 per output channel
+(layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values, not
+per row) are dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the
+router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The
 load log counts each; the conversions themselves are gguf_weights.py's."""
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from latentserve.kernels.native import CACHE_ENV
 from latentserve.models.formats.gguf_weights import (FLOAT_TYPES, INT4_TYPES, ConversionStats, dequantized,
-                                                     int4_weight, int8_weight, q6k_weight, q50_weight,
+                                                     int4_weight, int8_weight, q5k_weight, q6k_weight, q50_weight,
                                                      release_freed_heap, release_mapped_pages)
 from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
 
@@ -74,7 +74,8 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
                               r"\.weight|^lm_head\.weight)$")
 # Types whose blocks latentserve's kernels read as the file holds them (layers/quant/linear.py FILE_BLOCKS).
-_KEPT = {GGMLQuantizationType.Q6_K: q6k_weight, GGMLQuantizationType.Q5_0: q50_weight}
+_KEPT = {GGMLQuantizationType.Q6_K: q6k_weight, GGMLQuantizationType.Q5_0: q50_weight,
+         GGMLQuantizationType.Q5_K: q5k_weight}
 
 
 def is_gguf(path: Path) -> bool:
@@ -263,7 +264,7 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight) for every `wanted` tensor of the GGUF
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight / Q5KWeight) for every `wanted` tensor of the GGUF
     `model_dir` stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after:
     the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]

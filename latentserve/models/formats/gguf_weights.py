@@ -1,6 +1,6 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0, Q4_1
 and Q4_K repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0
-into its q and d (`Q50Weight`), other
+into its q and d (`Q50Weight`), Q5_K into its q, d, dmin, sc and m (`Q5KWeight`), other
 types dequantized with gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output
 channel), a few rows at a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap)
 handed back."""
@@ -19,8 +19,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import (Q6K_D_COLUMNS, Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight,
-                                                   Int8Weight, Q6KWeight, Q50Weight)
+from latentserve.layers.quant.prequantized import (Q5K_COLUMNS, Q5K_SUB_COLUMNS, Q6K_D_COLUMNS, Q6K_SC_COLUMNS,
+                                                   Q50_COLUMNS, Int4Weight, Int8Weight, Q5KWeight, Q6KWeight,
+                                                   Q50Weight)
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantiza
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 _Q6K_BYTES = 210  # a Q6_K block's, of 256 values
 _Q50_BYTES = 22  # a Q5_0 block's, of 32 values
+_Q5K_BYTES = 176  # a Q5_K block's, of 256 values
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -137,6 +139,27 @@ def q50_weight(data: np.ndarray) -> Q50Weight:
         low = np.concatenate([part[..., 6:] & 15, part[..., 6:] >> 4], axis=-1)
         weight.q.numpy()[chunk] = (low | (fifth << 4)).reshape(len(part), -1)
         weight.d.numpy()[chunk] = part[..., :2].copy().view(np.float16)[..., 0]
+    return weight
+
+
+def q5k_weight(data: np.ndarray) -> Q5KWeight:
+    """Q5_K rows `[out, bytes]` as their q, d, dmin, sc and m, a few rows at a time."""
+    rows, blocks = data.shape[0], data.shape[1] // _Q5K_BYTES
+    subs = Q5K_COLUMNS // Q5K_SUB_COLUMNS
+    weight = Q5KWeight(torch.empty(rows, blocks * Q5K_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+                       torch.empty(rows, blocks), torch.empty(rows, blocks * subs, dtype=torch.uint8),
+                       torch.empty(rows, blocks * subs, dtype=torch.uint8))
+    for chunk in _row_chunks(data):
+        # Per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums (Q4_K's), 32 bytes whose bit j of byte i is
+        # value 32j + i's fifth, 128 bytes: sub-blocks 2c (low nibbles) and 2c + 1 (high) of 32 bytes each.
+        part = data[chunk].reshape(-1, blocks, _Q5K_BYTES)
+        sc, m = Q4_K.get_scale_min(part[..., 4:16].reshape(-1, 12))
+        fifth = part[..., 16:48].reshape(-1, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+        qs = part[..., 48:].reshape(-1, blocks, 4, 1, 32)
+        low = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(-1, blocks, 8, 32)
+        weight.q.numpy()[chunk] = (low | ((fifth & 1) << 4)).reshape(len(part), -1)
+        weight.d.numpy()[chunk], weight.dmin.numpy()[chunk] = _fp16(part, 0), _fp16(part, 2)
+        weight.sc.numpy()[chunk], weight.m.numpy()[chunk] = sc.reshape(len(part), -1), m.reshape(len(part), -1)
     return weight
 
 

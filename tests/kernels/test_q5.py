@@ -1,5 +1,6 @@
-"""kernels/q50.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout: against float64 products of the
-same values and against gguf's own dequantization of Q5_0 blocks, on every build this machine runs, through the
+"""kernels/q5.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout and Q5_K values (w = d * sc * q -
+dmin * m) in `pack_q5k`'s: against float64 products of the same values (and the test's Q5_0 values against gguf's
+own dequantization; Q5_K's unpacking: tests/models/test_gguf.py), on every build this machine runs, through the
 linear entry point and the experts' driver."""
 import ctypes
 
@@ -101,7 +102,7 @@ def test_pack_q50_refuses_what_is_not_q50():
         native.pack_q50(q[:, :96], d[:, :3])
     with pytest.raises(ValueError, match=r"pack_q50 takes .* fp16 d \[N, K / 32\]"):
         native.pack_q50(q, d.float())
-    with pytest.raises(ValueError, match=r"pack_q50: q holds 32, past Q5_0's 31"):
+    with pytest.raises(ValueError, match=r"pack_q50: q holds 32, past 5 bits' 31"):
         native.pack_q50(q.clone().fill_(32), d)
 
 
@@ -159,3 +160,112 @@ def test_expert_tables_check_q50_weights():
                                            native.desc(torch.zeros(1, 1).long()), native.desc(torch.ones(1, 1)),
                                            native.desc(torch.empty(1, 256)), 1)
     assert code == native.abi.BAD_TENSOR
+
+
+def q5k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, d, dmin, sc, m) as a Q5_K file holds them, the float64 weight they stand for)."""
+    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
+    d, dmin = ((torch.rand(n, k // 256, generator=g) * 1e-3).half().float() for _ in range(2))
+    sc, m = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g) for _ in range(2))
+    per = lambda t: t.double().repeat_interleave(8, dim=1).repeat_interleave(32, dim=1)  # noqa: E731
+    w = per(d) * sc.double().repeat_interleave(32, dim=1) * q.double() - per(dmin) * m.double().repeat_interleave(
+        32, dim=1)
+    return (q, d, dmin, sc, m), w
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 23])
+@pytest.mark.parametrize("n, k", [(16, 256), (40, 512), (3, 768)])
+def test_q5k_linear_is_the_exact_product_of_the_files_values(isa, m, n, k):
+    """With x whose int8 quantization is exact, only the fp32 sums' rounding: the minimum's part takes the exact sums
+    of x (q - 16 meets the quantized x, 16 * scale - dmin * m the exact sum)."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    values, w = q5k_values(g, n, k)
+    x = exact_x(g, m, k)
+    want = x.double() @ w.T
+    got = native.q5k_linear(kernels(isa), x, native.pack_q5k(*values), n)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=x.abs().sum(1).max().item() * w.abs().max().item() * 1e-6)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q5k_linear_quantizes_real_activations_as_int4_does(isa, dtype):
+    g = torch.Generator().manual_seed(1)
+    values, w = q5k_values(g, 48, 512)
+    x = torch.randn(6, 512, generator=g).to(dtype)
+    got = native.q5k_linear(kernels(isa), x, native.pack_q5k(*values), 48, dtype)
+    assert got.dtype == dtype
+    want = x.double() @ w.T
+    error = (got.double() - want).abs().max() / want.abs().max()
+    assert error < (2e-2 if dtype == torch.bfloat16 else 1e-2)
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="needs two builds")
+def test_every_build_gives_q5k_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    values, _ = q5k_values(g, 70, 1024)
+    packed = native.pack_q5k(*values)
+    for m in (1, 3, 8, 40):
+        x = torch.randn(m, 1024, generator=g)
+        want = native.q5k_linear(kernels("avx2"), x, packed, 70)
+        for isa in ISAS:
+            assert torch.equal(native.q5k_linear(kernels(isa), x, packed, 70), want), (isa, m)
+
+
+def test_q5k_does_not_depend_on_the_thread_count_or_the_other_rows():
+    g = torch.Generator().manual_seed(3)
+    values, _ = q5k_values(g, 300, 512)
+    packed, x = native.pack_q5k(*values), torch.randn(9, 512, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(native.q5k_linear(kernels(ISAS[0]), x, packed, 300))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    for row in (0, 4, 8):
+        assert torch.equal(native.q5k_linear(kernels(ISAS[0]), x[row:row + 1], packed, 300)[0], results[0][row])
+
+
+def test_pack_q5k_and_q5k_linear_refuse_what_they_cannot_read():
+    values = q5k_values(torch.Generator().manual_seed(0), 20, 512)[0]
+    q, d, dmin, sc, m = values
+    with pytest.raises(ValueError, match=r"pack_q5k takes uint8 q \[N, K\] with K % 256 == 0, fp32 d and dmin"):
+        native.pack_q5k(q, d.half(), dmin, sc, m)
+    with pytest.raises(ValueError, match=r"pack_q5k: q holds 32, past 5 bits' 31"):
+        native.pack_q5k(q.clone().fill_(32), d, dmin, sc, m)
+    k = kernels(ISAS[0])
+    packed = native.pack_q5k(*values)
+    with pytest.raises(ValueError, match=r"q5k_linear: the Q5_K kernel takes K a multiple of 256; got K 448"):
+        native.q5k_linear(k, torch.randn(1, 448), packed, 20)
+    with pytest.raises(ValueError, match=r"q5k_linear: packed \(Q5_K weight of 40 outputs, 512 inputs in pack_q5k's "
+                                         r"layout\) must be .* \[3, 5888\]; got cpu uint8 \[2, 5888\]"):
+        native.q5k_linear(k, torch.randn(1, 512), packed, 40)
+    d_ = native.desc
+    assert k.lib.ls_q5k_linear(d_(torch.randn(1, 448)), d_(packed), d_(torch.empty(1, 20)), 1) == native.abi.BAD_TENSOR
+    assert k.lib.ls_q5k_linear(d_(torch.randn(1, 512)), d_(packed), d_(torch.empty(1, 40)), 1) == native.abi.BAD_TENSOR
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_experts_read_q5k_weights(isa, tokens):
+    """A Q5_K_M file's MoE: Q5_K gate, up and down; each token's weighted sum of its experts, as the linear kernels
+    give each expert, a few tokens and many."""
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter, count = 256, 256, 4
+    pairs = [(native.pack_q5k(*q5k_values(g, 2 * inter, hidden)[0]), native.pack_q5k(*q5k_values(g, hidden, inter)[0]))
+             for _ in range(count)]
+    table = native.expert_table(pairs, hidden, inter, (native.Q5K_FORMAT, native.Q5K_FORMAT))
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(count, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    got = native.experts(kernels(isa), x, table, ids, weights)
+    for t in range(tokens):
+        want = 0
+        for j, e in sorted(enumerate(ids[t].tolist()), key=lambda p: p[1]):
+            h = native.q5k_linear(kernels(isa), x[t][None], pairs[e][0], 2 * inter)[0]
+            a = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            want = want + weights[t, j] * native.q5k_linear(kernels(isa), a[None], pairs[e][1], hidden)[0]
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
