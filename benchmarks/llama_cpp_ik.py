@@ -1,5 +1,6 @@
-"""latentserve beside mainline llama.cpp and ik_llama.cpp on the same GGUF files (Q8_0, Q4_K_M) of a DeepSeek-V3-shaped
-random checkpoint: prefill, batch-1 decode after a context, batched decode throughput, and optionally long context.
+"""latentserve beside mainline llama.cpp and ik_llama.cpp on the same GGUF files (Q8_0, Q4_K_M, Q5_K_M) of a
+DeepSeek-V3-shaped random checkpoint: prefill, batch-1 decode after a context, batched decode throughput, and
+optionally long context.
 
 The checkpoint is benchmarks/weights.py's V2-Lite shape with DeepSeek-V3's q LoRA (hidden 2048, 16 heads, q_lora
 1536, kv_lora 512, rope 64, nope / v 128, 64 experts top-6 + 2 shared of width 1408, first layer dense of width
@@ -27,7 +28,7 @@ MoE, weights repacked row-interleaved at load); batched, with the parameters its
 (`mainline_flags`: on an AMX CPU without its extra buffer types, which fail on this model).
 
 Run: `.venv/bin/python benchmarks/llama_cpp_ik.py --llama-src <sdist>/vendor/llama.cpp --llama-build /tmp/llbuild
---ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4] [--batches 8,32] [--long]` (--ik-build defaults to
+--ik-build /tmp/ikbuild [--rounds 3] [--formats int8,int4,q5_k] [--batches 8,32] [--long]` (--ik-build defaults to
 $IK_LLAMA_BUILD). Each format's engine loads once; each round runs ours, then mainline, then ik, every point; the
 best round of each counts, so all three saw the same noise. Each round also measures the machine's copy bandwidth
 right after each engine's points (benchmarks/common.py's `copy_bandwidth`: torch `copy_` of 256 MiB or twice the
@@ -61,7 +62,9 @@ from benchmarks.peer_batched import batched_prompts, peer_batched  # noqa: E402
 from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
 V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
-PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"))
+# (our name, the file type): int8 and int4 are the methods latentserve loads Q8_0 and Q4_K_M files as; a Q5_K_M
+# file's Q5_K, Q6_K and Q5_0 blocks run as they are.
+PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"), ("q5_k", "Q5_K_M"))
 ENGINES = ("latentserve", "llama.cpp", "ik_llama.cpp")
 IK_BENCH = ["-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"]
 LONG = 4096
@@ -262,7 +265,8 @@ def parse_args() -> argparse.Namespace:
                         help="batched sequences each their own tokens (default: token 0 everywhere, all alike)")
     parser.add_argument("--decode-len", type=int, default=64)
     parser.add_argument("--batches", default="8,32", help="batched decode sizes (comma-separated)")
-    parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M)")
+    parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M), q5_k (vs "
+                        "Q5_K_M)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per format; best counts")
     parser.add_argument("--long", action="store_true", help=f"also prefill {LONG} and decode at {LONG} depth (slow)")
     parser.add_argument("--only-long", action="store_true", help=f"only prefill {LONG} and decode at {LONG} depth: "
