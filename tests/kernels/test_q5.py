@@ -1,7 +1,7 @@
 """kernels/q5.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout and Q5_K values (w = d * sc * q -
-dmin * m) in `pack_q5k`'s: against float64 products of the same values (and the test's Q5_0 values against gguf's
-own dequantization; Q5_K's unpacking: tests/models/test_gguf.py), on every build this machine runs, through the
-linear entry point and the experts' driver."""
+dmin * m) in `pack_q5k`'s: the test's Q5_0 values against gguf's own dequantization (Q5_K's unpacking:
+tests/models/test_gguf.py), what the layouts and wrappers refuse, and the experts' driver reading them (their
+products against float64 on every build: test_file_blocks.py)."""
 import ctypes
 
 import numpy as np
@@ -13,7 +13,6 @@ from gguf.quants import dequantize
 from latentserve.kernels import native
 from latentserve.layers.quant.int4 import quantize_int4
 from tests.kernels.builds import ISAS, kernels, needs_a_build
-from tests.kernels.test_q6k import exact_x
 
 pytestmark = needs_a_build
 
@@ -38,62 +37,6 @@ def q50_blocks(q: torch.Tensor, d: torch.Tensor) -> np.ndarray:
 def test_the_test_values_are_ggufs_q5_0():
     (q, d), w = q50_values(torch.Generator().manual_seed(0), 8, 128)
     assert torch.equal(torch.from_numpy(dequantize(q50_blocks(q, d), GGMLQuantizationType.Q5_0)), w)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 23])
-@pytest.mark.parametrize("n, k", [(16, 64), (40, 1408), (3, 192)])
-def test_q50_linear_is_the_exact_product_of_the_files_values(isa, m, n, k):
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    values, w = q50_values(g, n, k)
-    x = exact_x(g, m, k)
-    want = x.double() @ w.double().T
-    got = native.q50_linear(kernels(isa), x, native.pack_q50(*values), n)
-    # only fp32 rounding of sums of about 1e3 (d up to 1e-2 by 16 * 127 * k)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=want.abs().max().item() * 1e-6)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q50_linear_quantizes_real_activations_as_int4_does(isa, dtype):
-    """Any x: quantized to int8 per 64 columns, as the int4 kernel quantizes it."""
-    g = torch.Generator().manual_seed(1)
-    values, w = q50_values(g, 48, 512)
-    x = torch.randn(6, 512, generator=g).to(dtype)
-    got = native.q50_linear(kernels(isa), x, native.pack_q50(*values), 48, dtype)
-    assert got.dtype == dtype
-    want = x.double() @ w.double().T
-    error = (got.double() - want).abs().max() / want.abs().max()
-    assert error < (2e-2 if dtype == torch.bfloat16 else 1e-2)
-
-
-@pytest.mark.skipif(len(ISAS) < 2, reason="needs two builds")
-def test_every_build_gives_q50_the_same_bits():
-    g = torch.Generator().manual_seed(2)
-    values, _ = q50_values(g, 70, 1408)
-    packed = native.pack_q50(*values)
-    for m in (1, 3, 8, 40):
-        x = torch.randn(m, 1408, generator=g)
-        want = native.q50_linear(kernels("avx2"), x, packed, 70)
-        for isa in ISAS:
-            assert torch.equal(native.q50_linear(kernels(isa), x, packed, 70), want), (isa, m)
-
-
-def test_q50_does_not_depend_on_the_thread_count_or_the_other_rows():
-    g = torch.Generator().manual_seed(3)
-    values, _ = q50_values(g, 300, 512)
-    packed, x = native.pack_q50(*values), torch.randn(9, 512, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native.q50_linear(kernels(ISAS[0]), x, packed, 300))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(results[0], r) for r in results[1:])
-    for row in (0, 4, 8):  # alone (one row: two blocks at once) as among the nine
-        assert torch.equal(native.q50_linear(kernels(ISAS[0]), x[row:row + 1], packed, 300)[0], results[0][row])
 
 
 def test_pack_q50_refuses_what_is_not_q50():
@@ -171,62 +114,6 @@ def q5k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, 
     w = per(d) * sc.double().repeat_interleave(32, dim=1) * q.double() - per(dmin) * m.double().repeat_interleave(
         32, dim=1)
     return (q, d, dmin, sc, m), w
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 23])
-@pytest.mark.parametrize("n, k", [(16, 256), (40, 512), (3, 768)])
-def test_q5k_linear_is_the_exact_product_of_the_files_values(isa, m, n, k):
-    """With x whose int8 quantization is exact, only the fp32 sums' rounding: the minimum's part takes the exact sums
-    of x (q - 16 meets the quantized x, 16 * scale - dmin * m the exact sum)."""
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    values, w = q5k_values(g, n, k)
-    x = exact_x(g, m, k)
-    want = x.double() @ w.T
-    got = native.q5k_linear(kernels(isa), x, native.pack_q5k(*values), n)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=x.abs().sum(1).max().item() * w.abs().max().item() * 1e-6)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q5k_linear_quantizes_real_activations_as_int4_does(isa, dtype):
-    g = torch.Generator().manual_seed(1)
-    values, w = q5k_values(g, 48, 512)
-    x = torch.randn(6, 512, generator=g).to(dtype)
-    got = native.q5k_linear(kernels(isa), x, native.pack_q5k(*values), 48, dtype)
-    assert got.dtype == dtype
-    want = x.double() @ w.T
-    error = (got.double() - want).abs().max() / want.abs().max()
-    assert error < (2e-2 if dtype == torch.bfloat16 else 1e-2)
-
-
-@pytest.mark.skipif(len(ISAS) < 2, reason="needs two builds")
-def test_every_build_gives_q5k_the_same_bits():
-    g = torch.Generator().manual_seed(2)
-    values, _ = q5k_values(g, 70, 1024)
-    packed = native.pack_q5k(*values)
-    for m in (1, 3, 8, 40):
-        x = torch.randn(m, 1024, generator=g)
-        want = native.q5k_linear(kernels("avx2"), x, packed, 70)
-        for isa in ISAS:
-            assert torch.equal(native.q5k_linear(kernels(isa), x, packed, 70), want), (isa, m)
-
-
-def test_q5k_does_not_depend_on_the_thread_count_or_the_other_rows():
-    g = torch.Generator().manual_seed(3)
-    values, _ = q5k_values(g, 300, 512)
-    packed, x = native.pack_q5k(*values), torch.randn(9, 512, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native.q5k_linear(kernels(ISAS[0]), x, packed, 300))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(results[0], r) for r in results[1:])
-    for row in (0, 4, 8):
-        assert torch.equal(native.q5k_linear(kernels(ISAS[0]), x[row:row + 1], packed, 300)[0], results[0][row])
 
 
 def test_pack_q5k_and_q5k_linear_refuse_what_they_cannot_read():

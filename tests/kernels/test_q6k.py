@@ -1,5 +1,6 @@
-"""kernels/q6k.c, llama.cpp's Q6_K values (w = d * sc * (q - 32)) in `pack_q6k`'s layout: against float64 products of
-the same values, on every build this machine runs, through the linear entry point and the experts' driver."""
+"""kernels/q6k.c, llama.cpp's Q6_K values (w = d * sc * (q - 32)) in `pack_q6k`'s layout: what its layout and
+wrappers refuse, and the experts' driver reading it (its products against float64 on every build:
+test_file_blocks.py)."""
 import ctypes
 
 import pytest
@@ -26,62 +27,6 @@ def exact_x(g: torch.Generator, m: int, k: int) -> torch.Tensor:
     x = torch.randint(-127, 128, (m, k), generator=g).float()
     x[:, ::64] = 127
     return x
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 23])
-@pytest.mark.parametrize("n, k", [(16, 256), (40, 512), (3, 768)])
-def test_q6k_linear_is_the_exact_product_of_the_files_values(isa, m, n, k):
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    values, w = q6k_values(g, n, k)
-    x = exact_x(g, m, k)
-    want = x.double() @ w.double().T
-    got = native.q6k_linear(kernels(isa), x, native.pack_q6k(*values), n)
-    # only fp32 rounding of sums of about 1e5 (d up to 1e-3 by 128 * 32 * 127 * k)
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=want.abs().max().item() * 1e-6)
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q6k_linear_quantizes_real_activations_as_int4_does(isa, dtype):
-    """Any x: quantized to int8 per 64 columns, as the int4 kernel quantizes it, so the two agree on one weight."""
-    g = torch.Generator().manual_seed(1)
-    values, w = q6k_values(g, 48, 512)
-    x = torch.randn(6, 512, generator=g).to(dtype)
-    got = native.q6k_linear(kernels(isa), x, native.pack_q6k(*values), 48, dtype)
-    assert got.dtype == dtype
-    want = x.double() @ w.double().T
-    error = (got.double() - want).abs().max() / want.abs().max()
-    assert error < (2e-2 if dtype == torch.bfloat16 else 1e-2)
-
-
-@pytest.mark.skipif(len(ISAS) < 2, reason="needs two builds")
-def test_every_build_gives_q6k_the_same_bits():
-    g = torch.Generator().manual_seed(2)
-    values, _ = q6k_values(g, 70, 1024)
-    packed = native.pack_q6k(*values)
-    for m in (1, 3, 8, 40):
-        x = torch.randn(m, 1024, generator=g)
-        want = native.q6k_linear(kernels("avx2"), x, packed, 70)
-        for isa in ISAS:
-            assert torch.equal(native.q6k_linear(kernels(isa), x, packed, 70), want), (isa, m)
-
-
-def test_q6k_does_not_depend_on_the_thread_count_or_the_other_rows():
-    g = torch.Generator().manual_seed(3)
-    values, _ = q6k_values(g, 300, 512)
-    packed, x = native.pack_q6k(*values), torch.randn(9, 512, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        results = []
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
-            results.append(native.q6k_linear(kernels(ISAS[0]), x, packed, 300))
-    finally:
-        torch.set_num_threads(threads)
-    assert all(torch.equal(results[0], r) for r in results[1:])
-    for row in (0, 4, 8):  # alone (one row: two blocks at once) as among the nine
-        assert torch.equal(native.q6k_linear(kernels(ISAS[0]), x[row:row + 1], packed, 300)[0], results[0][row])
 
 
 def test_pack_q6k_refuses_what_is_not_q6k():

@@ -1,6 +1,8 @@
-"""The linear layers' wrappers: int8, int4, Q6_K, Q5_0 and Q5_K weights (`packing.py`'s layouts), dense fp32 / bf16 ones, MLA's
-per-head products, and RMSNorm."""
+"""The linear layers' wrappers: int8, int4, Q6_K, Q5_0 and Q5_K weights (`packing.py`'s layouts), dense fp32 / bf16
+ones, MLA's per-head products, and RMSNorm."""
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -100,31 +102,23 @@ def int4_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, g
                           out_features, out_dtype, desc(packed), group_size)
 
 
-def q6k_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+def _file_blocks(fn: str, check: Callable[[str, str, torch.Tensor, int, int], None], layout: str):
+    """The wrapper of ls_`fn`, a linear layer over one of llama.cpp's formats kept as its blocks (`layout`'s)."""
+
+    def linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[M, out_features]` = x `[M, K]` (`activations`) times the Q6_K weight `packed` by `pack_q6k`; in `out_dtype`
-    where the kernels write it, else fp32."""
-    return _packed_linear(kernels, "q6k_linear", x, lambda k: check_q6k("q6k_linear", "packed", packed,
-                                                                        out_features, k),
-                          out_features, out_dtype, desc(packed))
+        return _packed_linear(kernels, fn, x, lambda k: check(fn, "packed", packed, out_features, k), out_features,
+                              out_dtype, desc(packed))
+
+    linear.__name__ = linear.__qualname__ = fn
+    linear.__doc__ = (f"`[M, out_features]` = x `[M, K]` (`activations`) times the weight `packed` by `{layout}`; in "
+                      "`out_dtype` where the kernels write it, else fp32.")
+    return linear
 
 
-def q50_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[M, out_features]` = x `[M, K]` (`activations`) times the Q5_0 weight `packed` by `pack_q50`; in `out_dtype`
-    where the kernels write it, else fp32."""
-    return _packed_linear(kernels, "q50_linear", x, lambda k: check_q50("q50_linear", "packed", packed,
-                                                                        out_features, k),
-                          out_features, out_dtype, desc(packed))
-
-
-def q5k_linear(kernels: NativeKernels, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """`[M, out_features]` = x `[M, K]` (`activations`) times the Q5_K weight `packed` by `pack_q5k`; in `out_dtype`
-    where the kernels write it, else fp32."""
-    return _packed_linear(kernels, "q5k_linear", x, lambda k: check_q5k("q5k_linear", "packed", packed,
-                                                                        out_features, k),
-                          out_features, out_dtype, desc(packed))
+q6k_linear = _file_blocks("q6k_linear", check_q6k, "pack_q6k")  # Q6_K
+q50_linear = _file_blocks("q50_linear", check_q50, "pack_q50")  # Q5_0
+q5k_linear = _file_blocks("q5k_linear", check_q5k, "pack_q5k")  # Q5_K
 
 
 def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
