@@ -1,7 +1,8 @@
 """The kernels of llama.cpp's formats kept as their blocks (Q6_K: q6k.c; Q5_0, Q5_K: q5.c), each through its linear
 entry point on every build this machine runs: the exact product of the file's values where x's int8 quantization is
 exact, any x within int8's error, the same bits on every build, and each row's result whatever the thread count and
-the rows beside it."""
+the rows beside it; and the experts' driver reading them as the linear entry point does."""
+import ctypes
 from dataclasses import dataclass
 from typing import Callable
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from latentserve.kernels import native
+from latentserve.layers.quant.int4 import quantize_int4
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 from tests.kernels.test_q5 import q5k_values, q50_values
 from tests.kernels.test_q6k import exact_x, q6k_values
@@ -22,11 +24,12 @@ class Blocks:
     pack: Callable
     linear: Callable
     k: int  # a K the format takes; shapes below use multiples of it
+    format: tuple[int, int]  # the experts' (bits, group)
 
 
-FORMATS = {"Q6_K": Blocks(q6k_values, native.pack_q6k, native.q6k_linear, 256),
-           "Q5_0": Blocks(q50_values, native.pack_q50, native.q50_linear, 64),
-           "Q5_K": Blocks(q5k_values, native.pack_q5k, native.q5k_linear, 256)}
+FORMATS = {"Q6_K": Blocks(q6k_values, native.pack_q6k, native.q6k_linear, 256, native.Q6K_FORMAT),
+           "Q5_0": Blocks(q50_values, native.pack_q50, native.q50_linear, 64, native.Q50_FORMAT),
+           "Q5_K": Blocks(q5k_values, native.pack_q5k, native.q5k_linear, 256, native.Q5K_FORMAT)}
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -45,6 +48,23 @@ def test_the_exact_product_of_the_files_values(isa, file_type, m, n, blocks):
     got = f.linear(kernels(isa), x, f.pack(*values), n)
     bound = (x.double().abs() @ w.double().abs().T).max().item() * 1e-6
     torch.testing.assert_close(got.double(), want, rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("file_type", FORMATS)
+def test_the_linear_wrapper_and_entry_point_check_what_they_read(file_type):
+    f = FORMATS[file_type]
+    k, fn, layout = kernels(ISAS[0]), f.linear.__name__, f.pack.__name__
+    packed = f.pack(*f.values(torch.Generator().manual_seed(0), 20, 512)[0])
+    with pytest.raises(ValueError, match=rf"{fn}: the {file_type} kernel takes K a multiple of {f.k}; got K 480"):
+        f.linear(k, torch.randn(1, 480), packed, 20)
+    with pytest.raises(ValueError, match=rf"{fn}: packed \({file_type} weight of 40 outputs, 512 inputs in {layout}'s "
+                                         rf"layout\) must be .* \[3, {packed.shape[1]}\]; got cpu uint8 \[2, "
+                                         rf"{packed.shape[1]}\]"):
+        f.linear(k, torch.randn(1, 512), packed, 40)
+    # The C entry point refuses on its own: K off the kernel's multiple, a weight of fewer blocks than y's outputs.
+    d, entry = native.desc, getattr(k.lib, f"ls_{fn}")
+    assert entry(d(torch.randn(1, 480)), d(packed), d(torch.empty(1, 20)), 1) == native.abi.BAD_TENSOR
+    assert entry(d(torch.randn(1, 512)), d(packed), d(torch.empty(1, 40)), 1) == native.abi.BAD_TENSOR
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -95,3 +115,54 @@ def test_a_row_does_not_depend_on_the_thread_count_or_the_other_rows(file_type):
     assert all(torch.equal(results[0], r) for r in results[1:])
     for row in (0, 4, 8):  # alone (one row: two blocks at once) as among the nine
         assert torch.equal(f.linear(kernels(ISAS[0]), x[row:row + 1], packed, 300)[0], results[0][row])
+
+
+def _experts(g: torch.Generator, f: Blocks, own_gate_up: bool, hidden: int, inter: int, count: int):
+    """`count` experts whose down is in f's format and gate_up in int4 groups of 32 (a Q4_K_M file's) or f's own."""
+    def gate_up():
+        if own_gate_up:
+            return f.pack(*f.values(g, 2 * inter, hidden)[0])
+        return native.pack_int4(*quantize_int4(torch.randn(2 * inter, hidden, generator=g) * 0.2, 32))
+    return [(gate_up(), f.pack(*f.values(g, hidden, inter)[0])) for _ in range(count)]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q5_0", False), ("Q5_K", True)])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_experts_read_the_format_as_the_linear_kernel(isa, file_type, own_gate_up, tokens):
+    """A quantized file's MoE: the down projections in the format (Q5_0 over V2's 1408-wide rows, not a multiple of 256)
+    beside Q4_K gate and up, or gate and up in it too (Q5_K_M); each token's weighted sum of its experts, as the linear
+    kernels give each expert (the driver quantizes the activations as they do), a few tokens and many."""
+    f = FORMATS[file_type]
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter, count = 256, 192 if f.k == 64 else 256, 4
+    pairs = _experts(g, f, own_gate_up, hidden, inter, count)
+    table = native.expert_table(pairs, hidden, inter, (f.format if own_gate_up else (4, 32), f.format))
+    x = torch.randn(tokens, hidden, generator=g)
+    ids = torch.stack([torch.randperm(count, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    got = native.experts(kernels(isa), x, table, ids, weights)
+    for t in range(tokens):
+        want = 0
+        for j, e in sorted(enumerate(ids[t].tolist()), key=lambda p: p[1]):
+            gate_up = (f.linear(kernels(isa), x[t][None], pairs[e][0], 2 * inter) if own_gate_up else
+                       native.int4_linear(kernels(isa), x[t][None], pairs[e][0], 32, 2 * inter))[0]
+            a = torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]
+            want = want + weights[t, j] * f.linear(kernels(isa), a[None], pairs[e][1], hidden)[0]
+        torch.testing.assert_close(got[t], want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("file_type", FORMATS)
+def test_expert_tables_check_the_formats_weights(file_type):
+    f = FORMATS[file_type]
+    (gate_up, down), = _experts(torch.Generator().manual_seed(0), f, False, 256, 256, 1)
+    with pytest.raises(ValueError, match=rf"expert_table: experts\[0\].down \({file_type} weight of 256 outputs, 256 "
+                                         rf"inputs in pack_\w+'s layout\) must be .* \[16, {down.shape[1]}\]; got cpu "
+                                         rf"uint8 \[32, {down.shape[1]}\]"):
+        native.expert_table([(gate_up, torch.cat([down, down]))], 256, 256, ((4, 32), f.format))
+    table = native.expert_table([(gate_up, down)], 256, 256, ((4, 32), f.format))
+    table.table.group[1] = 8  # what the C side checks on its own: each format's group
+    code = kernels(ISAS[0]).lib.ls_experts(ctypes.byref(table.table), None, native.desc(torch.randn(1, 256)),
+                                           native.desc(torch.zeros(1, 1).long()), native.desc(torch.ones(1, 1)),
+                                           native.desc(torch.empty(1, 256)), 1)
+    assert code == native.abi.BAD_TENSOR
