@@ -14,7 +14,8 @@ The checkpoint is benchmarks/weights.py's; the GGUF files go to --gguf-dir (a fe
 On a shared machine use --interleave: each format loads once, and single llama-bench runs alternate with rounds of
 ours. --depth measures decode after that many tokens of context, where attention is a larger share of the step.
 --gguf: latentserve loads the GGUF file llama-bench runs (`--model file.gguf`; Q4_K becomes int4 without
-requantizing, Q6_K, Q5_0 and Q5_K stay so), instead of quantizing the safetensors checkpoint itself: one file, two engines.
+requantizing, Q6_K, Q5_0 and Q5_K stay so), instead of quantizing the safetensors checkpoint itself: one file, two
+engines.
 """
 from __future__ import annotations
 

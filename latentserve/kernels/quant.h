@@ -36,8 +36,9 @@ INLINE int64_t int8_row_bytes(int64_t K) {
 /* For int8 weights: q = round(x / s) + INT8_OFFSET per row (int8_row_bytes' layout), scale s one a row. For int4:
  * q = round(x / s) per XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see
  * int4.c). For Q6_K: int4's q and s, and in corr's room per 16 columns -32 * the sum of q, as int32 (q6k.c); for
- * Q5_0 the same per 32 columns with -16, and for Q5_K each followed by the exact sum of x over them (q5.c). For dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps
- * takes both. */
+ * Q5_0 the same per 32 columns with -16, and for Q5_K each followed by the exact sum of x over them (q5.c). For
+ * dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps takes
+ * both. */
 typedef struct {
     int8_t *q;
     float *s, *corr;

@@ -151,8 +151,8 @@ def test_a_replaced_weight_rebuilds_the_block(tmp_path, monkeypatch, quantizatio
 @pytest.mark.parametrize("file_type", ["Q6_K", "Q5_0", "Q5_K"])
 def test_file_block_projections_run_in_the_block_as_the_modules(tmp_path, monkeypatch, threads, file_type):
     """A GGUF whose attention projections are Q6_K, Q5_0 or Q5_K (inputs of 256: the k-quants' super-blocks): the block
-    reads them in `pack_q6k`'s, `pack_q50`'s or `pack_q5k`'s layout and equals the modules (the block takes the steps of 1 and 2 tokens: its
-    dense per-head products' limit)."""
+    reads them in `pack_q6k`'s, `pack_q50`'s or `pack_q5k`'s layout and equals the modules (the block takes the steps
+    of 1 and 2 tokens: its dense per-head products' limit)."""
     from gguf import GGMLQuantizationType as T
 
     from latentserve.layers.quant.linear import FILE_BLOCKS

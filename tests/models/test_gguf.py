@@ -4,6 +4,7 @@ writes deepseek2 (tests/models/gguf_checkpoint.py); gguf's own dequantization is
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import mmap
@@ -147,59 +148,35 @@ def _kind(name: str, tensor) -> T:
     return next((kind for pattern, kind in TYPES if re.search(pattern, name)), T.F32)  # the router: F32
 
 
-def test_q6k_blocks_unpack_to_ggufs_dequantization(monkeypatch):
-    """Q6_K's q, d and sc give gguf's values to the bit, unpacked a few rows at a time or all at once; gate and up
-    joined stay exact; without latentserve's kernel the weight is int8 per row, as gguf's values quantized."""
+def _q50_blocks(shape: tuple[int, int], gen: np.random.Generator) -> np.ndarray:
+    return gguf.quants.quantize(gen.standard_normal(shape).astype(np.float32), T.Q5_0)
+
+
+# The types kept as their blocks: (GGUF type, random rows of it, the unpacking, q's bits, a row's width)
+KEPT = {"Q6_K": (T.Q6_K, lambda shape, gen: k_quant_blocks(shape, T.Q6_K, gen), gguf_weights.q6k_weight, 6, 1024),
+        "Q5_0": (T.Q5_0, _q50_blocks, gguf_weights.q50_weight, 5, 1408),
+        "Q5_K": (T.Q5_K, lambda shape, gen: k_quant_blocks(shape, T.Q5_K, gen), gguf_weights.q5k_weight, 5, 1024)}
+
+
+@pytest.mark.parametrize("file_type", KEPT)
+def test_kept_blocks_unpack_to_ggufs_dequantization(monkeypatch, file_type):
+    """Q6_K's, Q5_0's and Q5_K's unpacked values give gguf's values to the bit, unpacked a few rows at a time or all at
+    once; gate and up joined stay exact; without latentserve's kernel the weight is int8 per row, as gguf's values
+    quantized."""
+    kind, blocks, unpack, bits, width = KEPT[file_type]
     gen = np.random.default_rng(0)
-    data = k_quant_blocks((37, 1024), T.Q6_K, gen)
-    whole = gguf_weights.q6k_weight(data)
+    data = blocks((37, width), gen)
+    whole = unpack(data)
     monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)
-    weight = gguf_weights.q6k_weight(data)
-    assert weight.shape == (37, 1024) and weight.q.dtype == torch.uint8 and int(weight.q.max()) <= 63
-    assert weight.d.shape == (37, 4) and weight.sc.shape == (37, 64) and weight.sc.dtype == torch.int8
-    assert all(torch.equal(getattr(weight, f), getattr(whole, f)) for f in ("q", "d", "sc"))
-    expected = torch.from_numpy(gguf.quants.dequantize(data, T.Q6_K))
+    weight = unpack(data)
+    assert weight.shape == (37, width) and weight.q.dtype == torch.uint8 and int(weight.q.max()) < 1 << bits
+    assert all(torch.equal(getattr(weight, f.name), getattr(whole, f.name)) for f in dataclasses.fields(weight))
+    expected = torch.from_numpy(gguf.quants.dequantize(data, kind))
     assert torch.equal(weight.dequantize(), expected)
-    up = k_quant_blocks((5, 1024), T.Q6_K, gen)
-    joined = concat([weight, gguf_weights.q6k_weight(up)])
-    assert isinstance(joined, Q6KWeight)
-    assert torch.equal(joined.dequantize(), torch.cat([expected, torch.from_numpy(gguf.quants.dequantize(up, T.Q6_K))]))
-    q, scale = quantize_int8(expected)
-    assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
-
-
-def test_q50_blocks_unpack_to_ggufs_dequantization(monkeypatch):
-    """Q5_0's q and d give gguf's values to the bit, unpacked a few rows at a time or all at once; gate and up joined
-    stay exact; without latentserve's kernel the weight is int8 per row, as gguf's values quantized."""
-    gen = np.random.default_rng(0)
-    data = gguf.quants.quantize(gen.standard_normal((37, 1408)).astype(np.float32), T.Q5_0)
-    whole = gguf_weights.q50_weight(data)
-    monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)
-    weight = gguf_weights.q50_weight(data)
-    assert weight.shape == (37, 1408) and weight.q.dtype == torch.uint8 and int(weight.q.max()) <= 31
-    assert weight.d.shape == (37, 44) and weight.d.dtype == torch.float16
-    assert all(torch.equal(getattr(weight, f), getattr(whole, f)) for f in ("q", "d"))
-    expected = torch.from_numpy(gguf.quants.dequantize(data, T.Q5_0))
-    assert torch.equal(weight.dequantize(), expected)
-    up = gguf.quants.quantize(gen.standard_normal((5, 1408)).astype(np.float32), T.Q5_0)
-    joined = concat([weight, gguf_weights.q50_weight(up)])
-    assert isinstance(joined, Q50Weight)
-    assert torch.equal(joined.dequantize(), torch.cat([expected, torch.from_numpy(gguf.quants.dequantize(up, T.Q5_0))]))
-    q, scale = quantize_int8(expected)
-    assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
-
-
-def test_q5k_blocks_unpack_to_ggufs_dequantization(monkeypatch):
-    """Q5_K's q, d, dmin, sc and m give gguf's values to the bit, unpacked a few rows at a time or all at once; without
-    latentserve's kernel the weight is int8 per row, as gguf's values quantized."""
-    data = k_quant_blocks((37, 1024), T.Q5_K, np.random.default_rng(0))
-    whole = gguf_weights.q5k_weight(data)
-    monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)
-    weight = gguf_weights.q5k_weight(data)
-    assert weight.shape == (37, 1024) and int(weight.q.max()) <= 31 and weight.sc.shape == (37, 32)
-    assert all(torch.equal(getattr(weight, f), getattr(whole, f)) for f in ("q", "d", "dmin", "sc", "m"))
-    expected = torch.from_numpy(gguf.quants.dequantize(data, T.Q5_K))
-    assert torch.equal(weight.dequantize(), expected)
+    up = blocks((5, width), gen)
+    joined = concat([weight, unpack(up)])
+    assert type(joined) is type(weight)
+    assert torch.equal(joined.dequantize(), torch.cat([expected, torch.from_numpy(gguf.quants.dequantize(up, kind))]))
     q, scale = quantize_int8(expected)
     assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
 
@@ -236,8 +213,9 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
         weight = read[name]
         assert isinstance(weight, Int4Weight) and weight.group_size == 32, name
         assert torch.equal(weight.dequantize(), torch.from_numpy(expected)), name
+    shared_down = values["blk.1.ffn_down_shexp.weight"]
     for name, expected in [("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", values["blk.0.attn_kv_a_mqa.weight"]),
-                           ("model.layers.1.mlp.shared_experts.down_proj.weight", values["blk.1.ffn_down_shexp.weight"]),
+                           ("model.layers.1.mlp.shared_experts.down_proj.weight", shared_down),
                            ("lm_head.weight", values["output.weight"]),
                            ("model.layers.1.mlp.experts.5.down_proj.weight", values["blk.1.ffn_down_exps.weight"][5]),
                            ("model.layers.0.self_attn.q_b_proj.weight", values["blk.0.attn_q_b.weight"])]:

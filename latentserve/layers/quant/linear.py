@@ -73,10 +73,10 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | 
 FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q50Weight: NativeQ50Linear, Q5KWeight: NativeQ5KLinear}
 
 
-def blocks_kernel(layer: type[NativeQ6KLinear | NativeQ50Linear | NativeQ5KLinear], policy: KernelPolicy, device: torch.device,
-                  in_features: int | None = None) -> KernelChoice:
-    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0, Q5_K): latentserve's kernel for it (`layer`) on its blocks as
-    they are, else int8 per output row."""
+def blocks_kernel(layer: type[NativeQ6KLinear | NativeQ50Linear | NativeQ5KLinear], policy: KernelPolicy,
+                  device: torch.device, in_features: int | None = None) -> KernelChoice:
+    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0, Q5_K): latentserve's kernel for it (`layer`) on its
+    blocks as they are, else int8 per output row."""
     int8 = int8_kernel(policy, device, in_features).kernel
     if device.type != "cpu":
         return KernelChoice(int8, "not a CPU: dequantized and quantized to int8 per output row")
@@ -97,8 +97,9 @@ def quantize_linear(
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
     says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
     layers; a Q6_K, Q5_0 or Q5_K one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
-    Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's barely
-    (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default one)."""
+    Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here),
+    int8's barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the
+    default one)."""
     device, policy = torch.device(device), policy or default_policy()
     # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
     out_dtype = torch.float32 if name == LM_HEAD else None

@@ -42,7 +42,8 @@ class NativeQ5KLinear(NativePackedLinear):
     file_type, columns, read = "Q5_K", Q5K_COLUMNS, "5.75 bits a weight read; int8 per row reads 8"
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor,
-                 bias: nn.Parameter | None, kernels: native.NativeKernels, out_dtype: torch.dtype | None = None) -> None:
+                 bias: nn.Parameter | None, kernels: native.NativeKernels,
+                 out_dtype: torch.dtype | None = None) -> None:
         super().__init__(native.pack_q5k(q, d, dmin, sc, m), q.shape[1], q.shape[0], bias, kernels, out_dtype)
 
     @classmethod

@@ -16,8 +16,8 @@ and Q5_K (Q5_K_M's) are kept as their blocks' values, exactly, which latentserve
 (6.625, 5.5 and 5.75 bits a weight read); without those kernels the layer is quantized to int8 per output channel
 (layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values, not
 per row) are dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the
-router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The
-load log counts each; the conversions themselves are gguf_weights.py's."""
+router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The load log counts each; the
+conversions themselves are gguf_weights.py's."""
 from __future__ import annotations
 
 import hashlib
@@ -264,9 +264,9 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight / Q5KWeight) for every `wanted` tensor of the GGUF
-    `model_dir` stands for, one at a time. Each file is memory-mapped while its tensors are read, and unmapped after:
-    the pages a mapping touched count as the process's memory until then."""
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight / Q5KWeight) for every `wanted`
+    tensor of the GGUF `model_dir` stands for, one at a time. Each file is memory-mapped while its tensors are read,
+    and unmapped after: the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
     # Each file parsed once: GGUFReader reads all the metadata, the vocabulary's 100k strings included (seconds).
     readers = [GGUFReader(file) for file in files]

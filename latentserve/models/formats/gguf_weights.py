@@ -1,9 +1,8 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0, Q4_1
 and Q4_K repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0
-into its q and d (`Q50Weight`), Q5_K into its q, d, dmin, sc and m (`Q5KWeight`), other
-types dequantized with gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output
-channel), a few rows at a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap)
-handed back."""
+into its q and d (`Q50Weight`), Q5_K into its q, d, dmin, sc and m (`Q5KWeight`), other types dequantized with
+gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output channel), a few rows at
+a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap) handed back."""
 from __future__ import annotations
 
 import ctypes
@@ -138,7 +137,7 @@ def q50_weight(data: np.ndarray) -> Q50Weight:
         fifth = np.unpackbits(part[..., 2:6], axis=-1, bitorder="little")
         low = np.concatenate([part[..., 6:] & 15, part[..., 6:] >> 4], axis=-1)
         weight.q.numpy()[chunk] = (low | (fifth << 4)).reshape(len(part), -1)
-        weight.d.numpy()[chunk] = part[..., :2].copy().view(np.float16)[..., 0]
+        weight.d.numpy()[chunk] = _fp16(part, 0)  # fp16's values back in fp16: exact
     return weight
 
 
