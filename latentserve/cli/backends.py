@@ -72,7 +72,8 @@ def describe_weights(device: str, policy: KernelPolicy) -> str:
     """dtype="auto" and the kernels `policy` gives layers on `device`, each with why."""
     dtype, why = auto_dtype(device)
     int8, int4 = int8_kernel(policy, torch.device(device)), int4_kernel(policy, torch.device(device))
-    blocks = [(layer.file_type, blocks_kernel(layer, policy, torch.device(device))) for layer in FILE_BLOCKS.values()]
+    blocks = [(layer.file_type, blocks_kernel(weight, policy, torch.device(device)))
+              for weight, layer in FILE_BLOCKS.items()]
     cpu = device == "cpu"
     return "\n".join([
         f"  {device}:",

@@ -161,6 +161,10 @@ LS_API int ls_q5k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_t
     return blocks_linear("Q5_K", 256, 5, 256, x, packed, y, threads);
 }
 
+LS_API int ls_q4k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    return blocks_linear("Q4_K", 256, 4, 256, x, packed, y, threads);
+}
+
 LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
     TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_I8), 2, 0));
     TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
@@ -300,7 +304,7 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
 
 /* A projection's weight has what its kind reads. */
 static int bad_weight(const char *name, const Weight *w) {
-    if (w->kind < LS_DENSE || w->kind > LS_Q5K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
+    if (w->kind < LS_DENSE || w->kind > LS_Q4K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
         return refuse(LS_BAD_BLOCK, "%s: an int8 weight without its scale or qsum", name);
@@ -310,8 +314,8 @@ static int bad_weight(const char *name, const Weight *w) {
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q6_K's 16", name, (long long)w->group);
     if (w->kind == LS_Q50 && w->group != 32)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's 32", name, (long long)w->group);
-    if (w->kind == LS_Q5K && w->group != 256)
-        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_K's 256", name, (long long)w->group);
+    if ((w->kind == LS_Q5K || w->kind == LS_Q4K) && w->group != 256)
+        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not the k-quants' 256", name, (long long)w->group);
     return LS_OK;
 }
 
@@ -359,19 +363,19 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
                                y_normed->data, threads);
 }
 
-/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (group 32, 64 or 128 dividing in, in
- * a multiple of 64), 6 (Q6_K: group 16, in a multiple of 256) or 5 (Q5_0: group 32, in a multiple of 64; Q5_K:
- * group 256, in a multiple of 256). */
+/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (int4: group 32, 64 or 128 dividing
+ * in, in a multiple of 64; Q4_K: group 256, in a multiple of 256), 6 (Q6_K: group 16, in a multiple of 256) or 5
+ * (Q5_0: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256). */
 static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
     if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
         (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
         (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0) ||
-        (bits == 5 && group == 256 && in % 256 == 0))
+        ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0))
         return LS_OK;
     return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 with "
-                  "group 32, 64 or 128 dividing them and inputs a multiple of 64, 6 with group 16 and inputs a "
-                  "multiple of 256, or 5 with group 32 and inputs a multiple of 64 or group 256 and inputs a multiple "
-                  "of 256)", name, bits, (long long)group, (long long)in);
+                  "group 32, 64 or 128 dividing them and inputs a multiple of 64 or group 256 and inputs a multiple "
+                  "of 256, 6 with group 16 and inputs a multiple of 256, or 5 with group 32 and inputs a multiple of "
+                  "64 or group 256 and inputs a multiple of 256)", name, bits, (long long)group, (long long)in);
 }
 
 /* An ExpertTable of `experts` experts (-1: 0 or 1) of hidden size K, every weight pointer set; `code` on failure. */

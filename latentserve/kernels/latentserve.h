@@ -47,9 +47,11 @@ typedef enum {
  * bmm's `[H, K, N]`); INT8: w int8 `[H, N, K]` (per-head products), per-row scale (fp32) and sum (int32);
  * INT8_LANES: the same in ls_int8_heads_lanes' layout; INT8_BLOCKS: w in `pack_int8`'s layout (linear layers);
  * INT4: w in `pack_int4`'s layout with its group size; Q6K: w in `pack_q6k`'s layout, group 16; Q50: w in
- * `pack_q50`'s layout, group 32; Q5K: w in `pack_q5k`'s layout, group 256. */
+ * `pack_q50`'s layout, group 32; Q5K: w in `pack_q5k`'s layout, group 256; Q4K: w in `pack_q4k`'s layout, group
+ * 256. */
 typedef enum {
-    LS_DENSE = 0, LS_INT8 = 1, LS_INT4 = 2, LS_INT8_LANES = 3, LS_INT8_BLOCKS = 4, LS_Q6K = 5, LS_Q50 = 6, LS_Q5K = 7
+    LS_DENSE = 0, LS_INT8 = 1, LS_INT4 = 2, LS_INT8_LANES = 3, LS_INT8_BLOCKS = 4, LS_Q6K = 5, LS_Q50 = 6, LS_Q5K = 7,
+    LS_Q4K = 8
 } ls_weight_kind;
 
 /* DeepSeek's rope layouts (layers/rotary.py): rotated pairs (2j, 2j + 1), interleaved pairs read as halves, halves. */
@@ -75,7 +77,8 @@ typedef struct {
 /* A set of experts of one shape and one format per projection: `experts` of them, intermediate size `inter`; per
  * expert two pointers in `weights`: gate_up `[2 * inter, K]` (gate's rows, then up's) and down `[K, inter]`. bits:
  * gate_up's, down's (32 fp32 rows, 16 bf16 rows, 8 `pack_int8`'s layout, 4 `pack_int4`'s with group size group, 6
- * `pack_q6k`'s with group 16, 5 `pack_q50`'s with group 32 or `pack_q5k`'s with group 256). */
+ * `pack_q6k`'s with group 16, 5 `pack_q50`'s with group 32 or `pack_q5k`'s with group 256, 4 with group 256
+ * `pack_q4k`'s). */
 typedef struct {
     int64_t experts, inter;
     int32_t bits[2];
@@ -140,6 +143,8 @@ LS_API int ls_q6k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_t
 LS_API int ls_q50_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* y [M, N] = x [M, K] times the uint8 weight in pack_q5k's layout [ceil(N / 16), K / 256 * 2944] (K % 256 == 0). */
 LS_API int ls_q5k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
+/* y [M, N] = x [M, K] times the uint8 weight in pack_q4k's layout [ceil(N / 16), K / 256 * 2432] (K % 256 == 0). */
+LS_API int ls_q4k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* RMSNorm over x's rows [M, N] with w [N] of x's dtype; y like x. */
 LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads);
 /* MLA's latent prologue (prologue.c): q [T, H, D] rotated in place, kv [T, L + R] -> kv_c [T, L], k_pe [T, R],

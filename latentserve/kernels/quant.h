@@ -36,7 +36,8 @@ INLINE int64_t int8_row_bytes(int64_t K) {
 /* For int8 weights: q = round(x / s) + INT8_OFFSET per row (int8_row_bytes' layout), scale s one a row. For int4:
  * q = round(x / s) per XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see
  * int4.c). For Q6_K: int4's q and s, and in corr's room per 16 columns -32 * the sum of q, as int32 (q6k.c); for
- * Q5_0 the same per 32 columns with -16, and for Q5_K each followed by the exact sum of x over them (q5.c). For
+ * Q5_0 the same per 32 columns with -16, and for Q5_K (Q4_K: -8) each followed by the exact sum of x over them
+ * (q45.c). For
  * dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps takes
  * both. */
 typedef struct {
@@ -50,7 +51,8 @@ typedef struct {
  * (its scales inside): bits 32 or 16, dense fp32 or bf16 rows `[N, K]`, a block 16 consecutive rows (the last one
  * N % 16 where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups
  * of G (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0
- * values (q5.c); 5 (group 256), `pack_q5k`'s: its Q5_K values (q5.c). A driver (quant_blocks.c, experts.c) needs of
+ * values (q45.c); 5 (group 256), `pack_q5k`'s: its Q5_K values; 4 (group 256), `pack_q4k`'s: its Q4_K values (q45.c;
+ * int4's groups are at most 128). A driver (quant_blocks.c, experts.c) needs of
  * a format only these traits: the bytes of a block, how the activations are prepared for it, and the dot products
  * of a block with some rows of them. */
 typedef struct {
@@ -78,15 +80,22 @@ INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 *
 
 /* pack_q6k's bytes of 256 columns of a block (q6k.c): 16 fp32 d, 16 x 16 int8 sc, 16 groups of 192 bytes of q. */
 #define Q6K_SUPER (64 + 16 * 16 + 16 * 192)
-/* pack_q50's and pack_q5k's bytes of 32 columns of a block (q5.c): a 32-byte header (Q5_0: 16 fp16 d; Q5_K: 16 sc, 16
- * m), 64 bytes of fifth bits, 4 units of 64 of nibbles; pack_q5k's of 256 columns: 16 fp32 d, 16 dmin, 8 groups. */
+/* pack_q50's and pack_q5k's bytes of 32 columns of a block (q45.c): a 32-byte header (Q5_0: 16 fp16 d; Q5_K: 16 sc,
+ * 16 m), 64 bytes of fifth bits, 4 units of 64 of nibbles; pack_q4k's the same without the fifth bits; the k-quants'
+ * of 256 columns: 16 fp32 d, 16 dmin, 8 groups. */
 #define Q5_GROUP (32 + 64 + 4 * 64)
+#define Q4_GROUP (32 + 4 * 64)
 #define Q5K_SUPER (128 + 8 * Q5_GROUP)
+#define Q4K_SUPER (128 + 8 * Q4_GROUP)
+
+/* Formats of q45.c: Q5_0 (5, 32), Q5_K (5, 256), Q4_K (4, 256). */
+INLINE int q45(Format f) { return f.bits == 5 || (f.bits == 4 && f.group == 256); }
 
 INLINE int64_t block_bytes(Format f, int64_t K) {
     if (dense(f)) return 16 * K * (f.bits / 8);
     if (f.bits == 6) return K / 256 * Q6K_SUPER;
     if (f.bits == 5) return f.group == 256 ? K / 256 * Q5K_SUPER : K / 32 * Q5_GROUP;
+    if (q45(f)) return K / 256 * Q4K_SUPER;
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
 }
 
@@ -112,10 +121,10 @@ void int4_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
 void q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots);
 void q6k_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
                          const uint8_t *block1, int64_t K, float *dots0, float *dots1);
-/* ks: Q5_K's layout (else Q5_0's). */
-void q5_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int ks, float *dots);
-void q5_block_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m, const uint8_t *block0,
-                        const uint8_t *block1, int64_t K, int ks, float *dots0, float *dots1);
+/* f: one of q45()'s formats. */
+void q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots);
+void q45_block_pair_dots(Format f, QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m,
+                         const uint8_t *block0, const uint8_t *block1, int64_t K, float *dots0, float *dots1);
 void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, int wbf, int64_t K, int64_t outputs,
                       float *dots);
 
@@ -160,8 +169,8 @@ INLINE void block_dots(Format f, QuantActs a, int64_t first, int64_t m, const vo
         int8_block_dots(a, first, m, (const int8_t *)block, K, dots);
     else if (f.bits == 6)
         q6k_block_dots(a, first, m, (const uint8_t *)block, K, dots);
-    else if (f.bits == 5)
-        q5_block_dots(a, first, m, (const uint8_t *)block, K, f.group == 256, dots);
+    else if (q45(f))
+        q45_block_dots(f, a, first, m, (const uint8_t *)block, K, dots);
     else
         int4_block_dots(a, first, m, (const uint8_t *)block, K, f.group, dots);
 }
@@ -175,9 +184,9 @@ INLINE void block_pair_dots(Format f, QuantActs a0, int64_t first0, QuantActs a1
     else if (f.bits == 6)
         q6k_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, dots0,
                             dots1);
-    else if (f.bits == 5)
-        q5_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K,
-                           f.group == 256, dots0, dots1);
+    else if (q45(f))
+        q45_block_pair_dots(f, a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, dots0,
+                            dots1);
     else
         int4_block_pair_dots(a0, first0, a1, first1, m, (const uint8_t *)block0, (const uint8_t *)block1, K, f.group,
                              dots0, dots1);

@@ -98,7 +98,7 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     }
 }
 
-/* x's rows for the Q6_K and Q5_0 kernels (q6k.c, q5.c): int4's quantization per XBLOCK columns, and per `span`
+/* x's rows for the Q6_K and Q5_0 kernels (q6k.c, q45.c): int4's quantization per XBLOCK columns, and per `span`
  * columns (Q6_K's 16, Q5_0's 32) -centre * the sum of the quantized x (centre: the weights' offset, 32 and 16), the
  * integer sums' start (int32, in corr's room). */
 static void centred_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t span, int32_t centre, int8_t *xq,
@@ -111,16 +111,17 @@ static void centred_prepare(const void *x, int bf16, int64_t M, int64_t K, int64
     }
 }
 
-/* x's rows for the Q5_K kernel (q5.c): centred_prepare's per 32 columns (centre 16), each centre followed by the
- * exact sum of x over its 32 columns (on 8 lanes, as int4_prepare's: the same bits on every build). */
-static void q5k_prepare(const void *x, int bf16, int64_t M, int64_t K, int8_t *xq, float *xs, float *corr) {
+/* x's rows for the Q5_K and Q4_K kernels (q45.c): centred_prepare's per 32 columns (centre 16 or 8), each centre
+ * followed by the exact sum of x over its 32 columns (on 8 lanes, as int4_prepare's: the same bits on every build). */
+static void kquant_prepare(const void *x, int bf16, int64_t M, int64_t K, int32_t centre, int8_t *xq, float *xs,
+                           float *corr) {
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
     for (int64_t g = 0; g < M * K / 32; g++) {
         int32_t qsum = 0;
         __m256 sum = _mm256_setzero_ps();
         for (int64_t k = 32 * g; k < 32 * g + 32; k += 8) sum = _mm256_add_ps(sum, vload8(x, bf16, k));
         for (int64_t k = 32 * g; k < 32 * g + 32; k++) qsum += xq[k];
-        ((int32_t *)corr)[2 * g] = -16 * qsum;
+        ((int32_t *)corr)[2 * g] = -centre * qsum;
         corr[2 * g + 1] = vreduce8_add(sum);
     }
 }
@@ -139,7 +140,7 @@ static int dense_bf16(Format f, int bf16) {
 static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_bytes(K) : K; }
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) {
-    if (f.bits == 5) return (f.group == 256 ? 2 : 1) * (K / 32); /* Q5_K: the exact sums too */
+    if (q45(f)) return (f.group == 256 ? 2 : 1) * (K / 32); /* the k-quants: the exact sums too */
     return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 ? K / 16 : 0;
 }
 
@@ -167,8 +168,8 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         quantize_int8(x, bf16, M, K, a.q, a.s);
     else if (f.bits == 6)
         centred_prepare(x, bf16, M, K, 16, 32, a.q, a.s, (int32_t *)a.corr);
-    else if (f.bits == 5 && f.group == 256)
-        q5k_prepare(x, bf16, M, K, a.q, a.s, a.corr);
+    else if (q45(f) && f.group == 256)
+        kquant_prepare(x, bf16, M, K, f.bits == 5 ? 16 : 8, a.q, a.s, a.corr);
     else if (f.bits == 5)
         centred_prepare(x, bf16, M, K, 32, 16, a.q, a.s, (int32_t *)a.corr);
     else

@@ -79,6 +79,12 @@ CASES = {
         x, y = torch.randn(1, 256), torch.empty(1, 128)
         lib.ls_q5k_linear(d(x), lie(packed, 8, 2944), d(y), 1)
     """,
+    # a Q4_K weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
+    "q4k_linear": """
+        packed = torch.zeros(1, 2432, dtype=torch.uint8)
+        x, y = torch.randn(1, 256), torch.empty(1, 128)
+        lib.ls_q4k_linear(d(x), lie(packed, 8, 2432), d(y), 1)
+    """,
     # experts whose table says them wider than their weights: reads past gate_up's end.
     "experts": """
         w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)

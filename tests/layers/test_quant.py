@@ -29,10 +29,11 @@ from latentserve.layers.quant.int4 import (
 )
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import blocks_kernel, quantize_linear
-from latentserve.layers.quant.q5 import NativeQ5KLinear, NativeQ50Linear
+from latentserve.layers.quant.prequantized import Q4KWeight, Q50Weight
+from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
-from latentserve.models.formats.gguf_weights import q5k_weight, q6k_weight, q50_weight
+from latentserve.models.formats.gguf_weights import q4k_weight, q5k_weight, q6k_weight, q50_weight
 from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -301,9 +302,33 @@ def test_gguf_5_bit_weights_run_latentserves_kernels_or_int8_per_row(monkeypatch
     expected = x[:, :512] @ k_quant.dequantize().t()
     torch.testing.assert_close(layer(x[:, :512]), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     odd = q50_weight(quantize(gen.standard_normal((16, 96)).astype(np.float32), GGMLQuantizationType.Q5_0))
-    choice = blocks_kernel(NativeQ50Linear, here, torch.device("cpu"), 96)
+    choice = blocks_kernel(Q50Weight, here, torch.device("cpu"), 96)
     assert choice.reason.startswith("latentserve's kernels: 96 inputs, latentserve's Q5_0 kernel needs a multiple")
     assert type(quantize_linear("l", odd, None, int4, "cpu", here)) is NativeInt8Linear
+
+
+def test_gguf_q4k_runs_its_blocks_or_int4s_groups_of_its_values(monkeypatch):
+    """Q4_K's blocks as they are where latentserve's kernels run; elsewhere its exact values as int4's groups of 32
+    (not int8 per row: twice the bytes)."""
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    weight = q4k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q4_K, np.random.default_rng(0)))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    expected = x @ weight.dequantize().t()
+    int4 = QuantConfig("int4", 32)
+    without = _policy(cpu_features(), kernels=False)
+    choice = blocks_kernel(Q4KWeight, without, torch.device("cpu"), 512)
+    assert choice.kernel == Int4PackLinear.kernel and choice.reason.endswith("as int4's groups of 32 (scale d * sc, "
+                                                                             "minimum -dmin * m)")
+    layer = quantize_linear("l", weight, None, int4, "cpu", without)
+    assert isinstance(layer, Int4PackLinear)
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    here = _policy(cpu_features())
+    if here.kernels is None:
+        return
+    layer = quantize_linear("l", weight, None, int4, "cpu", here)
+    assert isinstance(layer, NativeQ4KLinear) and layer.kernels is here.kernels
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
 @pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")

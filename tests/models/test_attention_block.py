@@ -148,10 +148,10 @@ def test_a_replaced_weight_rebuilds_the_block(tmp_path, monkeypatch, quantizatio
 
 @pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("file_type", ["Q6_K", "Q5_0", "Q5_K"])
+@pytest.mark.parametrize("file_type", ["Q6_K", "Q5_0", "Q5_K", "Q4_K"])
 def test_file_block_projections_run_in_the_block_as_the_modules(tmp_path, monkeypatch, threads, file_type):
-    """A GGUF whose attention projections are Q6_K, Q5_0 or Q5_K (inputs of 256: the k-quants' super-blocks): the block
-    reads them in `pack_q6k`'s, `pack_q50`'s or `pack_q5k`'s layout and equals the modules (the block takes the steps
+    """A GGUF whose attention projections are Q6_K, Q5_0, Q5_K or Q4_K (inputs of 256: the k-quants' super-blocks): the
+    block reads them in their `pack_*` layout and equals the modules (the block takes the steps
     of 1 and 2 tokens: its dense per-head products' limit)."""
     from gguf import GGMLQuantizationType as T
 
@@ -169,11 +169,12 @@ def test_file_block_projections_run_in_the_block_as_the_modules(tmp_path, monkey
     calls = []
     monkeypatch.setattr(native, "mla_attention_block", lambda *a, _f=native.mla_attention_block: calls.append(
         a[3].shape[0]) or _f(*a))
-    fused = _decode_steps(path, QuantConfig("int8"))  # the file's own method: its blocks kept, the rest int8
+    own = QuantConfig("int4" if file_type == "Q4_K" else "int8")  # the file's method: its blocks kept, the rest so
+    fused = _decode_steps(path, own)
     assert {1, 2} <= set(calls)
-    model = load_model(path, attn_config=AttentionConfig(block_size=4), quantization=QuantConfig("int8"))
+    model = load_model(path, attn_config=AttentionConfig(block_size=4), quantization=own)
     assert all(isinstance(getattr(model.model.layers[0].self_attn, name), layer)
                for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"))
     monkeypatch.setattr(deepseek, "fused_attention", lambda *a: None)
-    for a, b in zip(fused, _decode_steps(path, QuantConfig("int8"))):
+    for a, b in zip(fused, _decode_steps(path, own)):
         assert torch.equal(a, b)

@@ -23,9 +23,10 @@ from latentserve.kernels.policy import default_policy
 from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
-from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q5KWeight, Q6KWeight, Q50Weight,
+from latentserve.layers.quant.linear import FILE_BLOCKS
+from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight,
                                                    QuantizedWeight, concat)
-from latentserve.layers.quant.q5 import NativeQ5KLinear, NativeQ50Linear
+from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.models import load_model
 from latentserve.models.config import ModelConfig
@@ -155,14 +156,15 @@ def _q50_blocks(shape: tuple[int, int], gen: np.random.Generator) -> np.ndarray:
 # The types kept as their blocks: (GGUF type, random rows of it, the unpacking, q's bits, a row's width)
 KEPT = {"Q6_K": (T.Q6_K, lambda shape, gen: k_quant_blocks(shape, T.Q6_K, gen), gguf_weights.q6k_weight, 6, 1024),
         "Q5_0": (T.Q5_0, _q50_blocks, gguf_weights.q50_weight, 5, 1408),
-        "Q5_K": (T.Q5_K, lambda shape, gen: k_quant_blocks(shape, T.Q5_K, gen), gguf_weights.q5k_weight, 5, 1024)}
+        "Q5_K": (T.Q5_K, lambda shape, gen: k_quant_blocks(shape, T.Q5_K, gen), gguf_weights.q5k_weight, 5, 1024),
+        "Q4_K": (T.Q4_K, lambda shape, gen: k_quant_blocks(shape, T.Q4_K, gen), gguf_weights.q4k_weight, 4, 1024)}
 
 
 @pytest.mark.parametrize("file_type", KEPT)
 def test_kept_blocks_unpack_to_ggufs_dequantization(monkeypatch, file_type):
-    """Q6_K's, Q5_0's and Q5_K's unpacked values give gguf's values to the bit, unpacked a few rows at a time or all at
-    once; gate and up joined stay exact; without latentserve's kernel the weight is int8 per row, as gguf's values
-    quantized."""
+    """Q6_K's, Q5_0's, Q5_K's and Q4_K's unpacked values give gguf's values to the bit, unpacked a few rows at a time
+    or all at once; gate and up joined stay exact; without latentserve's kernel the weight is int8 per row, as gguf's
+    values quantized (Q4_K: int4's groups of its values, exactly)."""
     kind, blocks, unpack, bits, width = KEPT[file_type]
     gen = np.random.default_rng(0)
     data = blocks((37, width), gen)
@@ -179,17 +181,23 @@ def test_kept_blocks_unpack_to_ggufs_dequantization(monkeypatch, file_type):
     assert torch.equal(joined.dequantize(), torch.cat([expected, torch.from_numpy(gguf.quants.dequantize(up, kind))]))
     q, scale = quantize_int8(expected)
     assert torch.equal(weight.int8().q, q) and torch.equal(weight.int8().scale, scale)
+    unkept = weight.unkept_weight()
+    if file_type == "Q4_K":
+        assert isinstance(unkept, Int4Weight) and unkept.group_size == 32
+        assert torch.equal(unkept.dequantize(), expected)
+    else:
+        assert isinstance(unkept, Int8Weight) and torch.equal(unkept.q, q)
 
 
 def _held(weight: QuantizedWeight, native: bool) -> torch.Tensor:
-    """A loaded weight's values as its layer runs them: Q6_K's and Q5_0's own through latentserve's kernels for them,
-    else (without latentserve's kernels) int8 per row's."""
-    kept = isinstance(weight, (Q6KWeight, Q50Weight, Q5KWeight))
-    return (weight.int8() if kept and not native else weight).dequantize()
+    """A loaded weight's values as its layer runs them: the kept blocks' own through latentserve's kernels for them,
+    else (without latentserve's kernels) their unkept layout's (int8 per row; Q4_K: its own values as int4)."""
+    kept = type(weight) in FILE_BLOCKS
+    return (weight.unkept_weight() if kept and not native else weight).dequantize()
 
 
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
-    """Q4_0 / Q4_1 / Q4_K weights become int4, Q6_K, Q5_0 and Q5_K ones their blocks, with exactly gguf's dequantized
+    """Q4_0 / Q4_1 weights become int4, Q4_K, Q6_K, Q5_0 and Q5_K ones their blocks, with exactly gguf's dequantized
     values; Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs those weights as
     transformers does (the kept blocks as int8 per row, without latentserve's kernels)."""
     monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
@@ -200,15 +208,13 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     assert ModelConfig.from_pretrained(folder).quantization.method == "int4"
     with caplog.at_level(logging.INFO):
         read = dict(read_tensors(folder, lambda name: True))
-    assert re.search(r"repacked into int4 groups of 32 without requantizing: 2 Q4_0, 2 Q4_1, 20 Q4_K; kept as their "
-                     r"blocks: 8 Q5_0, 2 Q5_K, 4 Q6_K; dequantized and quantized to int8 per output channel: 1 Q8_0; "
+    assert re.search(r"repacked into int4 groups of 32 without requantizing: 2 Q4_0, 2 Q4_1; kept as their blocks: "
+                     r"20 Q4_K, 8 Q5_0, 2 Q5_K, 4 Q6_K; dequantized and quantized to int8 per output channel: 1 Q8_0; "
                      r"dequantized to the compute dtype: 1 Q8_0", caplog.text)
     experts = values["blk.1.ffn_gate_exps.weight"]
     for name, expected in [
-        ("model.layers.0.self_attn.q_a_proj.weight", values["blk.0.attn_q_a.weight"]),
         ("model.layers.1.self_attn.o_proj.weight", values["blk.1.attn_output.weight"]),
         ("model.layers.1.mlp.shared_experts.gate_proj.weight", values["blk.1.ffn_gate_shexp.weight"]),
-        ("model.layers.1.mlp.experts.3.gate_proj.weight", experts[3]),
     ]:
         weight = read[name]
         assert isinstance(weight, Int4Weight) and weight.group_size == 32, name
@@ -218,8 +224,11 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
                            ("model.layers.1.mlp.shared_experts.down_proj.weight", shared_down),
                            ("lm_head.weight", values["output.weight"]),
                            ("model.layers.1.mlp.experts.5.down_proj.weight", values["blk.1.ffn_down_exps.weight"][5]),
-                           ("model.layers.0.self_attn.q_b_proj.weight", values["blk.0.attn_q_b.weight"])]:
-        kind = Q50Weight if ".experts." in name else Q5KWeight if "q_b_proj" in name else Q6KWeight
+                           ("model.layers.0.self_attn.q_b_proj.weight", values["blk.0.attn_q_b.weight"]),
+                           ("model.layers.0.self_attn.q_a_proj.weight", values["blk.0.attn_q_a.weight"]),
+                           ("model.layers.1.mlp.experts.3.gate_proj.weight", experts[3])]:
+        kind = (Q4KWeight if "q_a_proj" in name or "gate_proj" in name else Q50Weight if ".experts." in name
+                else Q5KWeight if "q_b_proj" in name else Q6KWeight)
         assert isinstance(read[name], kind), name
         assert torch.equal(read[name].dequantize(), torch.from_numpy(expected)), name
     q, scale = quantize_int8(torch.from_numpy(values["blk.0.ffn_down.weight"]))
@@ -284,9 +293,8 @@ def test_gguf_errors_name_what_is_wrong(tmp_path):
 
 
 def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
-    """Q4_K's groups of 32 through latentserve's int4 kernel (bf16 scale and minimum, int8 activations) and Q6_K's
-    and Q5_0's blocks through its kernels for them where they build, int4pack_mm and int8 per row elsewhere: close to
-    the exact weights."""
+    """The kept blocks (Q4_K, Q6_K, Q5_0, Q5_K) through latentserve's kernels for them where they build (int8
+    activations), int4pack_mm and int8 per row elsewhere: close to the exact weights."""
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
     write_gguf(src, path, _kind)
@@ -307,11 +315,12 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
             assert isinstance(q6k, NativeQ6KLinear)
         assert all(isinstance(expert.down_proj, NativeQ50Linear) for expert in moe.experts)
         assert isinstance(model.model.layers[1].self_attn.q_b_proj, NativeQ5KLinear)
+        assert isinstance(model.model.layers[1].self_attn.q_a_proj, NativeQ4KLinear)
         assert model.lm_head.out_dtype == torch.float32  # the logits stay fp32
-        # Q4_K gate and up beside Q5_0 down (int4 and Q5_0), the shared Q4_1 beside Q6_K: still the one-call block
+        # Q4_K gate and up beside Q5_0 down, the shared Q4_1 (int4) beside Q6_K: still the one-call block
         built, _ = build_moe_block(moe, torch.float32)
         assert built is not None
-        assert list(built[0].routed.bits) == [4, 5] and list(built[0].routed.group) == [32, 32]
+        assert list(built[0].routed.bits) == [4, 5] and list(built[0].routed.group) == [256, 32]
         assert (list(built[0].shared.bits), list(built[0].shared.group)) == ([4, 6], [32, 16])
 
 

@@ -1,5 +1,5 @@
-"""The linear layers' wrappers: int8, int4, Q6_K, Q5_0 and Q5_K weights (`packing.py`'s layouts), dense fp32 / bf16
-ones, MLA's per-head products, and RMSNorm."""
+"""The linear layers' wrappers: int8, int4, Q6_K, Q5_0, Q5_K and Q4_K weights (`packing.py`'s layouts), dense fp32 /
+bf16 ones, MLA's per-head products, and RMSNorm."""
 from __future__ import annotations
 
 from typing import Callable
@@ -10,7 +10,7 @@ from latentserve.kernels.abi import desc
 from latentserve.kernels.build import NativeKernels
 from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import F32, I8, I32, KERNEL_DTYPES, call, refused, written_dtype
-from latentserve.kernels.native.packing import check_int4, check_int8, check_q5k, check_q6k, check_q50
+from latentserve.kernels.native.packing import check_int4, check_int8, check_q4k, check_q5k, check_q6k, check_q50
 
 
 def _packed_linear(kernels: NativeKernels, fn: str, x: torch.Tensor, check, out_features: int,
@@ -119,6 +119,7 @@ def _file_blocks(fn: str, check: Callable[[str, str, torch.Tensor, int, int], No
 q6k_linear = _file_blocks("q6k_linear", check_q6k, "pack_q6k")  # Q6_K
 q50_linear = _file_blocks("q50_linear", check_q50, "pack_q50")  # Q5_0
 q5k_linear = _file_blocks("q5k_linear", check_q5k, "pack_q5k")  # Q5_K
+q4k_linear = _file_blocks("q4k_linear", check_q4k, "pack_q4k")  # Q4_K
 
 
 def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c), `pack_int4`'s
-(int4.c), `pack_q6k`'s (q6k.c), `pack_q50`'s and `pack_q5k`'s (q5.c), and the checks that a packed weight has the
-shape its layout gives it."""
+(int4.c), `pack_q6k`'s (q6k.c), `pack_q50`'s, `pack_q5k`'s and `pack_q4k`'s (q45.c), and the checks that a packed weight
+has the shape its layout gives it."""
 from __future__ import annotations
 
 import torch
@@ -121,21 +121,24 @@ def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
 
 
 Q5_GROUP = 32 + 64 + 4 * 64  # bytes of 32 columns of a `pack_q50` or `pack_q5k` block
-Q5K_SUPER = 128 + 8 * Q5_GROUP  # bytes of 256 columns of a `pack_q5k` block
-Q50_FORMAT, Q5K_FORMAT = (5, 32), (5, 256)  # the experts' format tuples (bits, group) of the two layouts
+Q4_GROUP = 32 + 4 * 64  # of a `pack_q4k` block
+Q5K_SUPER, Q4K_SUPER = 128 + 8 * Q5_GROUP, 128 + 8 * Q4_GROUP  # bytes of 256 columns of a `pack_q5k`, `pack_q4k` block
+Q50_FORMAT, Q5K_FORMAT, Q4K_FORMAT = (5, 32), (5, 256), (4, 256)  # the experts' format tuples (bits, group)
 
 
-def _q5_units(q: torch.Tensor, fn: str) -> torch.Tensor:
+def _q45_units(q: torch.Tensor, bits: int, fn: str) -> torch.Tensor:
     """uint8 `[blocks, K / 32, 320]` from q `[N, K]` in [0, 31] (N a multiple of 16): per block of 16 outputs and 32
     columns, 64 bytes whose byte 4j + i holds in bit 2c + h the fifth bit of output j's column 8c + 4h + i, then per 8
     columns c 64 bytes whose byte 4j + i holds the low 4 bits of output j's column 8c + i (low nibble) and 8c + 4 + i
-    (high) (q5.c)."""
-    if q.numel() and int(q.max()) > 31:
-        raise ValueError(f"{fn}: q holds {int(q.max())}, past 5 bits' 31")
+    (high) (q45.c). `bits` 4: q in [0, 15], the nibbles alone (`[blocks, K / 32, 256]`)."""
+    if q.numel() and int(q.max()) >> bits:
+        raise ValueError(f"{fn}: q holds {int(q.max())}, past {bits} bits' {(1 << bits) - 1}")
     n, k = q.shape
     blocks, groups = n // Q50_BLOCK, k // 32
     q = q.view(blocks, Q50_BLOCK, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)  # [block, group, c, h, j, i]
     nibbles = ((q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)).reshape(blocks, groups, 4 * 64)
+    if bits == 4:
+        return nibbles
     shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1, 1)  # bit 2c + h
     fifth = (((q >> 4) & 1) << shifts).sum(dim=(2, 3), dtype=torch.uint8).reshape(blocks, groups, 64)
     return torch.cat([fifth, nibbles], dim=2)
@@ -151,35 +154,47 @@ def _by_block(t: torch.Tensor) -> torch.Tensor:
 def pack_q50(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """uint8 `[ceil(N / 16), K / 32 * 352]` from llama.cpp's Q5_0 values w = d * (q - 16): q `[N, K]` in [0, 31] (K
     a multiple of 64), fp16 `d` `[N, K / 32]`. The outputs in blocks of 16 (zero rows pad the last), each block per 32
-    columns the 16 d, then `_q5_units`' bytes (q5.c)."""
+    columns the 16 d, then `_q45_units`' bytes (q45.c)."""
     n, k = q.shape
     if q.dtype != torch.uint8 or k % 64 or d.dtype != torch.float16 or d.shape != (n, k // 32):
         raise ValueError(f"pack_q50 takes uint8 q [N, K] with K % 64 == 0 and fp16 d [N, K / 32], not {q.dtype} "
                          f"{tuple(q.shape)} and {d.dtype} {tuple(d.shape)}")
     pad = -n % Q50_BLOCK
     q, d = torch.nn.functional.pad(q, (0, 0, 0, pad)), torch.nn.functional.pad(d, (0, 0, 0, pad))
-    units = _q5_units(q, "pack_q50")
+    units = _q45_units(q, 5, "pack_q50")
     return torch.cat([_by_block(d), units], dim=2).view(units.shape[0], -1)
+
+
+def _pack_kquant(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, bits: int,
+                 fn: str) -> torch.Tensor:
+    """`pack_q5k` (bits 5) and `pack_q4k` (4)."""
+    n, k = q.shape
+    if (q.dtype != torch.uint8 or k % 256
+            or any(t.dtype != torch.float32 or t.shape != (n, k // 256) for t in (d, dmin))
+            or any(t.dtype != torch.uint8 or t.shape != (n, k // 32) for t in (sc, m))):
+        given = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, d, dmin, sc, m))
+        raise ValueError(f"{fn} takes uint8 q [N, K] with K % 256 == 0, fp32 d and dmin [N, K / 256], uint8 sc "
+                         f"and m [N, K / 32], not {given}")
+    pad = -n % Q50_BLOCK
+    q, d, dmin, sc, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, dmin, sc, m))
+    groups = torch.cat([_by_block(sc), _by_block(m), _q45_units(q, bits, fn)], dim=2)  # [blocks, K / 32, group]
+    blocks, supers = groups.shape[0], k // 256
+    header = torch.cat([_by_block(d), _by_block(dmin)], dim=2)  # [blocks, supers, 128]
+    return torch.cat([header, groups.reshape(blocks, supers, -1)], dim=2).view(blocks, -1)
 
 
 def pack_q5k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """uint8 `[ceil(N / 16), K / 256 * 2944]` from llama.cpp's Q5_K values w = d * sc * q - dmin * m: q `[N, K]` in
     [0, 31] (K a multiple of 256), fp32 `d`, `dmin` `[N, K / 256]`, uint8 `sc`, `m` `[N, K / 32]` (6 bits). The
     outputs in blocks of 16 (zero rows pad the last), each block per 256 columns the 16 d, the 16 dmin, then per 32
-    columns the 16 sc, the 16 m and `_q5_units`' bytes (q5.c)."""
-    n, k = q.shape
-    if (q.dtype != torch.uint8 or k % 256
-            or any(t.dtype != torch.float32 or t.shape != (n, k // 256) for t in (d, dmin))
-            or any(t.dtype != torch.uint8 or t.shape != (n, k // 32) for t in (sc, m))):
-        given = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, d, dmin, sc, m))
-        raise ValueError(f"pack_q5k takes uint8 q [N, K] with K % 256 == 0, fp32 d and dmin [N, K / 256], uint8 sc "
-                         f"and m [N, K / 32], not {given}")
-    pad = -n % Q50_BLOCK
-    q, d, dmin, sc, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, dmin, sc, m))
-    groups = torch.cat([_by_block(sc), _by_block(m), _q5_units(q, "pack_q5k")], dim=2)  # [blocks, K / 32, 352]
-    blocks, supers = groups.shape[0], k // 256
-    header = torch.cat([_by_block(d), _by_block(dmin)], dim=2)  # [blocks, supers, 128]
-    return torch.cat([header, groups.reshape(blocks, supers, 8 * Q5_GROUP)], dim=2).view(blocks, -1)
+    columns the 16 sc, the 16 m and `_q45_units`' bytes (q45.c)."""
+    return _pack_kquant(q, d, dmin, sc, m, 5, "pack_q5k")
+
+
+def pack_q4k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), K / 256 * 2432]` from llama.cpp's Q4_K values: `pack_q5k`'s with q in [0, 15] and no fifth
+    bits (q45.c)."""
+    return _pack_kquant(q, d, dmin, sc, m, 4, "pack_q4k")
 
 
 def check_q50(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
@@ -190,9 +205,18 @@ def check_q50(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
            (-(-n // Q50_BLOCK), k // 32 * Q5_GROUP))
 
 
+def _check_kquant(fn: str, name: str, packed: torch.Tensor, n: int, k: int, kind: str, super_bytes: int) -> None:
+    if k % 256:
+        raise ValueError(f"{fn}: the {kind} kernel takes K a multiple of 256; got K {k}")
+    tensor(fn, f"{name} ({kind} weight of {n} outputs, {k} inputs in pack_{kind.lower().replace('_', '')}'s layout)",
+           packed, U8, (-(-n // Q50_BLOCK), k // 256 * super_bytes))
+
+
 def check_q5k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
     """A weight in `pack_q5k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
-    if k % 256:
-        raise ValueError(f"{fn}: the Q5_K kernel takes K a multiple of 256; got K {k}")
-    tensor(fn, f"{name} (Q5_K weight of {n} outputs, {k} inputs in pack_q5k's layout)", packed, U8,
-           (-(-n // Q50_BLOCK), k // 256 * Q5K_SUPER))
+    _check_kquant(fn, name, packed, n, k, "Q5_K", Q5K_SUPER)
+
+
+def check_q4k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_q4k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    _check_kquant(fn, name, packed, n, k, "Q4_K", Q4K_SUPER)

@@ -16,9 +16,9 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts, quantize_int8,
 )
-from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q5KWeight, Q6KWeight, Q50Weight,
+from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight,
                                                    QuantizedWeight)
-from latentserve.layers.quant.q5 import NativeQ5KLinear, NativeQ50Linear
+from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
@@ -70,44 +70,47 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | 
 
 
 # A GGUF's weights latentserve runs in their file's blocks: the weight's type, its layer.
-FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q50Weight: NativeQ50Linear, Q5KWeight: NativeQ5KLinear}
+FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q50Weight: NativeQ50Linear, Q5KWeight: NativeQ5KLinear,
+               Q4KWeight: NativeQ4KLinear}
 
 
-def blocks_kernel(layer: type[NativeQ6KLinear | NativeQ50Linear | NativeQ5KLinear], policy: KernelPolicy,
+def blocks_kernel(weight: type[Q6KWeight | Q50Weight | Q5KWeight | Q4KWeight], policy: KernelPolicy,
                   device: torch.device, in_features: int | None = None) -> KernelChoice:
-    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0, Q5_K): latentserve's kernel for it (`layer`) on its
-    blocks as they are, else int8 per output row."""
-    int8 = int8_kernel(policy, device, in_features).kernel
+    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q5_0, Q5_K, Q4_K): latentserve's kernel for it on its blocks as
+    they are, else the kernel of its `unkept_type` (int8 per output row; Q4_K int4's groups)."""
+    layer = FILE_BLOCKS[weight]
+    unkept = (int4_kernel(policy, device, None, in_features) if weight.unkept_type is Int4Weight
+              else int8_kernel(policy, device, in_features)).kernel
     if device.type != "cpu":
-        return KernelChoice(int8, "not a CPU: dequantized and quantized to int8 per output row")
+        return KernelChoice(unkept, f"not a CPU: {weight.unkept}")
     kernels, why = policy.kernels, policy.why
     if kernels is not None and (in_features is None or in_features % layer.columns == 0):
         return KernelChoice(layer.kernel, f"built for {kernels.isa} ({why}); the file's {layer.file_type} blocks as "
-                            f"they are ({layer.read} and rounds the values again)")
+                            f"they are ({layer.read})")
     if kernels is not None:
         why = (f"{in_features} inputs, latentserve's {layer.file_type} kernel needs a multiple of "
                f"{layer.columns}")
-    return KernelChoice(int8, f"latentserve's kernels: {why}; dequantized and quantized to int8 per output row")
+    return KernelChoice(unkept, f"latentserve's kernels: {why}; {weight.unkept}")
 
 
 def quantize_linear(
     name: str, weight: torch.Tensor | QuantizedWeight, bias: nn.Parameter | None, config: QuantConfig,
     device: torch.device | str, policy: KernelPolicy | None = None
 ) -> nn.Module:
-    """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config`
-    says), or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8
-    layers; a Q6_K, Q5_0 or Q5_K one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
-    Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here),
-    int8's barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the
-    default one)."""
+    """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config` says),
+    or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8 layers; a
+    Q6_K, Q5_0, Q5_K or Q4_K one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's Q4_K_M
+    keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here), int8's
+    barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the default
+    one)."""
     device, policy = torch.device(device), policy or default_policy()
     # The logits stay in the kernel's fp32 (compute_logits wants fp32): no round trip through bf16.
     out_dtype = torch.float32 if name == LM_HEAD else None
     layer = FILE_BLOCKS.get(type(weight))
     if layer is not None:
-        if blocks_kernel(layer, policy, device, weight.shape[1]).kernel == layer.kernel:
+        if blocks_kernel(type(weight), policy, device, weight.shape[1]).kernel == layer.kernel:
             return layer.of(weight, bias, policy.kernels, out_dtype)
-        weight = weight.int8()
+        weight = weight.unkept_weight()
     if name == LM_HEAD and config.method == "int4":
         config = QuantConfig("int8")
         if isinstance(weight, Int4Weight):

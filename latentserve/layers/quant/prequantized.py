@@ -1,5 +1,5 @@
 """Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8
-/ Q6_K / Q5_0 / Q5_K layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
+/ Q6_K / Q5_0 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -51,7 +51,14 @@ class Int8Weight(_Stored):
 
 class _FileBlocks(_Stored):
     """A GGUF's blocks kept as the file holds them, for latentserve's kernel of that type; `dequantize` gives gguf's
-    values to the bit."""
+    values to the bit. Where that kernel does not run it runs as `unkept_weight()`, of type `unkept_type`; `unkept`
+    says how."""
+
+    unkept_type: type = Int8Weight
+    unkept = "dequantized and quantized to int8 per output row"
+
+    def unkept_weight(self) -> Int8Weight | Int4Weight:
+        return self.int8()
 
     def int8(self) -> Int8Weight:
         """Dequantized and quantized to int8 per output row, where latentserve's kernel for the blocks does not run:
@@ -103,31 +110,53 @@ class Q50Weight(_FileBlocks):
         return (self.d.float()[..., None] * q).view(rows, cols)
 
 
-Q5K_COLUMNS, Q5K_SUB_COLUMNS = 256, 32  # input columns per d and dmin, per sc and m
+KQUANT_COLUMNS, KQUANT_SUB_COLUMNS = 256, 32  # input columns per d and dmin, per sc and m
 
 
 @dataclass
-class Q5KWeight(_FileBlocks):
-    """llama.cpp's Q5_K as a GGUF holds it, w = d * sc * q - dmin * m: q uint8 `[out, in]` in [0, 31], d and dmin fp32
-    `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 32]` (6 bits)."""
+class _KQuant(_FileBlocks):
+    """llama.cpp's Q5_K and Q4_K as a GGUF holds them, w = d * sc * q - dmin * m: q uint8 `[out, in]`, d and dmin
+    fp32 `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 32]` (6 bits)."""
 
     d: torch.Tensor
     dmin: torch.Tensor
     sc: torch.Tensor
     m: torch.Tensor
-    method = "q5_k"
 
     def dequantize(self) -> torch.Tensor:
         """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc and dmin * m rounded to fp32 first, then
         (d * sc) * q - dmin * m."""
         rows, cols = self.q.shape
-        per = Q5K_COLUMNS // Q5K_SUB_COLUMNS
+        per = KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
         scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1, 1)
         minimum = (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1, 1)
-        return (scale * self.q.view(rows, -1, Q5K_SUB_COLUMNS).float() - minimum).view(rows, cols)
+        return (scale * self.q.view(rows, -1, KQUANT_SUB_COLUMNS).float() - minimum).view(rows, cols)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q5KWeight
+@dataclass
+class Q5KWeight(_KQuant):
+    """Q5_K: q in [0, 31]."""
+
+    method = "q5_k"
+
+
+@dataclass
+class Q4KWeight(_KQuant):
+    """Q4_K: q in [0, 15]."""
+
+    method, unkept_type = "q4_k", Int4Weight
+    unkept = "its values exactly as int4's groups of 32 (scale d * sc, minimum -dmin * m)"
+
+    def unkept_weight(self) -> Int4Weight:
+        """Its values as int4's groups of 32, exactly: scale and minimum the fp32 products gguf forms."""
+        rows, cols = self.q.shape
+        per = KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
+        scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1)
+        minimum = -(self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1)
+        return Int4Weight(self.q, scale, minimum)
+
+
+QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q5KWeight | Q4KWeight
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:

@@ -16,7 +16,8 @@ class NativeQ6KLinear(NativePackedLinear):
 
     kernel = "latentserve q6_k"
     weight_kind, group = native.Q6K, 16
-    file_type, columns, read = "Q6_K", Q6K_D_COLUMNS, "6.625 bits a weight read; int8 per row reads 8"
+    file_type, columns, read = ("Q6_K", Q6K_D_COLUMNS,
+                                "6.625 bits a weight read; int8 per row reads 8 and rounds the values again")
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, bias: nn.Parameter | None,
                  kernels: native.NativeKernels, out_dtype: torch.dtype | None = None) -> None:

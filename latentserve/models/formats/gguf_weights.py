@@ -1,8 +1,8 @@
-"""How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0, Q4_1
-and Q4_K repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0
-into its q and d (`Q50Weight`), Q5_K into its q, d, dmin, sc and m (`Q5KWeight`), other types dequantized with
-gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output channel), a few rows at
-a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap) handed back."""
+"""How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0 and Q4_1
+repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0 into its q and d
+(`Q50Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized with
+gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output channel), a few rows at a
+time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap) handed back."""
 from __future__ import annotations
 
 import ctypes
@@ -18,18 +18,18 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import (Q5K_COLUMNS, Q5K_SUB_COLUMNS, Q6K_D_COLUMNS, Q6K_SC_COLUMNS,
-                                                   Q50_COLUMNS, Int4Weight, Int8Weight, Q5KWeight, Q6KWeight,
-                                                   Q50Weight)
+from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q6K_D_COLUMNS,
+                                                   Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight, Q4KWeight,
+                                                   Q5KWeight, Q6KWeight, Q50Weight)
 
 logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
-INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K}
+INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 _Q6K_BYTES = 210  # a Q6_K block's, of 256 values
 _Q50_BYTES = 22  # a Q5_0 block's, of 32 values
-_Q5K_BYTES = 176  # a Q5_K block's, of 256 values
+_Q5K_BYTES, _Q4K_BYTES = 176, 144  # a Q5_K block's, a Q4_K block's, of 256 values
 
 
 def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -37,25 +37,16 @@ def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
 
 
 def int4_weight(data: np.ndarray, kind: GGMLQuantizationType) -> Int4Weight:
-    """Q4_0 / Q4_1 / Q4_K rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each
-    an fp16, or one times a 6-bit integer, so exact)."""
+    """Q4_0 / Q4_1 rows `[out, bytes]` as groups of 32 columns: the same q, scale and minimum, in fp32 (each an fp16,
+    so exact)."""
     rows = data.shape[0]
-    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        # Per 32: fp16 d (Q4_1: and m), 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones.
-        head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
-        blocks = data.reshape(rows, -1, head + 16)
-        qs = blocks[..., head:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=-1)
-        scale = _fp16(blocks, 0)
-        minimum = -8 * scale if kind == GGMLQuantizationType.Q4_0 else _fp16(blocks, 2)
-    else:  # per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums, 128 bytes of nibbles
-        blocks = data.reshape(rows, -1, 144)
-        d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
-        sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
-        scale = d * sc.reshape(rows, -1, 8).astype(np.float32)
-        minimum = -(dmin * m.reshape(rows, -1, 8).astype(np.float32))
-        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)  # 4 chunks of 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
-        q = np.concatenate([qs & 15, qs >> 4], axis=3)
+    # Per 32: fp16 d (Q4_1: and m), 16 bytes: columns 0-15 in the low nibbles, 16-31 in the high ones.
+    head = 2 if kind == GGMLQuantizationType.Q4_0 else 4
+    blocks = data.reshape(rows, -1, head + 16)
+    qs = blocks[..., head:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    scale = _fp16(blocks, 0)
+    minimum = -8 * scale if kind == GGMLQuantizationType.Q4_0 else _fp16(blocks, 2)
     as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).reshape(rows, -1))  # noqa: E731
     return Int4Weight(as_torch(q), as_torch(scale), as_torch(minimum))
 
@@ -141,25 +132,36 @@ def q50_weight(data: np.ndarray) -> Q50Weight:
     return weight
 
 
-def q5k_weight(data: np.ndarray) -> Q5KWeight:
-    """Q5_K rows `[out, bytes]` as their q, d, dmin, sc and m, a few rows at a time."""
-    rows, blocks = data.shape[0], data.shape[1] // _Q5K_BYTES
-    subs = Q5K_COLUMNS // Q5K_SUB_COLUMNS
-    weight = Q5KWeight(torch.empty(rows, blocks * Q5K_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
-                       torch.empty(rows, blocks), torch.empty(rows, blocks * subs, dtype=torch.uint8),
-                       torch.empty(rows, blocks * subs, dtype=torch.uint8))
+def _kquant_weight(data: np.ndarray, bits: int) -> Q5KWeight | Q4KWeight:
+    """Q5_K (bits 5) or Q4_K (4) rows `[out, bytes]` as their q, d, dmin, sc and m, a few rows at a time."""
+    size, kind = (_Q5K_BYTES, Q5KWeight) if bits == 5 else (_Q4K_BYTES, Q4KWeight)
+    rows, blocks = data.shape[0], data.shape[1] // size
+    subs = KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
+    weight = kind(torch.empty(rows, blocks * KQUANT_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+                  torch.empty(rows, blocks), torch.empty(rows, blocks * subs, dtype=torch.uint8),
+                  torch.empty(rows, blocks * subs, dtype=torch.uint8))
     for chunk in _row_chunks(data):
-        # Per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums (Q4_K's), 32 bytes whose bit j of byte i is
+        # Per 256: fp16 d and dmin, 12 bytes of 6-bit scales and minimums, (Q5_K) 32 bytes whose bit j of byte i is
         # value 32j + i's fifth, 128 bytes: sub-blocks 2c (low nibbles) and 2c + 1 (high) of 32 bytes each.
-        part = data[chunk].reshape(-1, blocks, _Q5K_BYTES)
+        part = data[chunk].reshape(-1, blocks, size)
         sc, m = Q4_K.get_scale_min(part[..., 4:16].reshape(-1, 12))
-        fifth = part[..., 16:48].reshape(-1, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
-        qs = part[..., 48:].reshape(-1, blocks, 4, 1, 32)
-        low = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(-1, blocks, 8, 32)
-        weight.q.numpy()[chunk] = (low | ((fifth & 1) << 4)).reshape(len(part), -1)
+        qs = part[..., size - 128:].reshape(-1, blocks, 4, 1, 32)
+        q = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(-1, blocks, 8, 32)
+        if bits == 5:
+            fifth = part[..., 16:48].reshape(-1, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            q = q | ((fifth & 1) << 4)
+        weight.q.numpy()[chunk] = q.reshape(len(part), -1)
         weight.d.numpy()[chunk], weight.dmin.numpy()[chunk] = _fp16(part, 0), _fp16(part, 2)
         weight.sc.numpy()[chunk], weight.m.numpy()[chunk] = sc.reshape(len(part), -1), m.reshape(len(part), -1)
     return weight
+
+
+def q5k_weight(data: np.ndarray) -> Q5KWeight:
+    return _kquant_weight(data, 5)
+
+
+def q4k_weight(data: np.ndarray) -> Q4KWeight:
+    return _kquant_weight(data, 4)
 
 
 def release_mapped_pages(data: np.ndarray) -> None:

@@ -1,7 +1,7 @@
-"""kernels/q5.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout and Q5_K values (w = d * sc * q -
-dmin * m) in `pack_q5k`'s: the test's Q5_0 values against gguf's own dequantization (Q5_K's unpacking:
-tests/models/test_gguf.py) and what their packing refuses (the kernels against float64 on every build, their
-wrappers' checks and the experts' driver reading them: test_file_blocks.py)."""
+"""kernels/q45.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout and Q5_K and Q4_K values (w = d * sc
+* q - dmin * m) in `pack_q5k`'s and `pack_q4k`'s: the test's Q5_0 values against gguf's own dequantization (the
+k-quants' unpacking: tests/models/test_gguf.py) and what their packing refuses (the kernels against float64 on every
+build, their wrappers' checks and the experts' driver reading them: test_file_blocks.py)."""
 
 import numpy as np
 import pytest
@@ -44,9 +44,9 @@ def test_pack_q50_refuses_what_is_not_q50():
         native.pack_q50(q.clone().fill_(32), d)
 
 
-def q5k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """((q, d, dmin, sc, m) as a Q5_K file holds them, the float64 weight they stand for)."""
-    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
+def kquant_values(g: torch.Generator, n: int, k: int, bits: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, d, dmin, sc, m) as a Q5_K (bits 5) or Q4_K (4) file holds them, the float64 weight they stand for)."""
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
     d, dmin = ((torch.rand(n, k // 256, generator=g) * 1e-3).half().float() for _ in range(2))
     sc, m = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8, generator=g) for _ in range(2))
     per = lambda t: t.double().repeat_interleave(8, dim=1).repeat_interleave(32, dim=1)  # noqa: E731
@@ -55,9 +55,19 @@ def q5k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, 
     return (q, d, dmin, sc, m), w
 
 
-def test_pack_q5k_refuses_what_is_not_q5k():
-    q, d, dmin, sc, m = q5k_values(torch.Generator().manual_seed(0), 20, 512)[0]
-    with pytest.raises(ValueError, match=r"pack_q5k takes uint8 q \[N, K\] with K % 256 == 0, fp32 d and dmin"):
-        native.pack_q5k(q, d.half(), dmin, sc, m)
-    with pytest.raises(ValueError, match=r"pack_q5k: q holds 32, past 5 bits' 31"):
-        native.pack_q5k(q.clone().fill_(32), d, dmin, sc, m)
+def q5k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    return kquant_values(g, n, k, 5)
+
+
+def q4k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    return kquant_values(g, n, k, 4)
+
+
+@pytest.mark.parametrize("bits, pack", [(5, native.pack_q5k), (4, native.pack_q4k)])
+def test_pack_kquants_refuse_what_they_do_not_hold(bits, pack):
+    q, d, dmin, sc, m = kquant_values(torch.Generator().manual_seed(0), 20, 512, bits)[0]
+    fn = pack.__name__
+    with pytest.raises(ValueError, match=rf"{fn} takes uint8 q \[N, K\] with K % 256 == 0, fp32 d and dmin"):
+        pack(q, d.half(), dmin, sc, m)
+    with pytest.raises(ValueError, match=rf"{fn}: q holds {1 << bits}, past {bits} bits' {(1 << bits) - 1}"):
+        pack(q.clone().fill_(1 << bits), d, dmin, sc, m)

@@ -1,0 +1,260 @@
+/* llama.cpp's 4- and 5-bit weights in groups of 32 columns (quant_blocks.c and experts.c drive them): y[M, N] =
+ * x[M, K] @ w[N, K]^T with the file's values exactly, q an output and column's integer:
+ * - Q5_0 (`pack_q50`, Format (5, 32)): w = d * (q - 16), q in [0, 31], per 32 columns an fp16 d. K % 64 == 0.
+ * - Q5_K (`pack_q5k`, Format (5, 256)): w = d * sc * q - dmin * m, q in [0, 31], per 256 columns an fp16 d and dmin,
+ *   per 32 a 6-bit sc and m. K % 256 == 0.
+ * - Q4_K (`pack_q4k`, Format (4, 256)): Q5_K's formula with q in [0, 15]. K % 256 == 0.
+ *
+ * Why their own layouts: as int8 per row a weight read 8 bits where the file holds 4.5-5.5 (Q4_K_M keeps a tensor
+ * at Q5_0 where its rows are not a multiple of 256: DeepSeek-V2's experts' down projections, 1408 columns; Q5_K_M
+ * files are mostly Q5_K), and its values were rounded again; as int4's groups (a bf16 scale and minimum per 32
+ * columns) Q4_K read 5 bits a weight and ran d * sc and dmin * m rounded to bf16.
+ *
+ * Layout: the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes. Per group of 32
+ * columns a 32-byte header, for the 5-bit layouts 64 bytes of fifth bits (Q5_GROUP bytes a group; Q4_K: none,
+ * Q4_GROUP), then four 64-byte units of nibbles as int4's: unit c byte 4j + i = low 4 bits of q[j, 8c + i] | those
+ * of q[j, 8c + 4 + i] << 4. The fifth bits' byte 4j + i holds in bit 2c + h that of q[j, 8c + 4h + i]: each unit's
+ * half finds its fifth bits at the same byte. One 64-byte load feeds all 16 outputs against 4 columns of x broadcast
+ * to every lane, as int4's. Q5_0's header is the 16 outputs' d (fp16); the k-quants' their 16 sc then 16 m (a byte
+ * each), after, per 256 columns (Q5K_SUPER, Q4K_SUPER bytes), the 16 outputs' d and dmin in fp32 (the file's fp16):
+ * 5.5 bits a weight (Q5_0, as the file), 5.75 (Q5_K: the file 5.5), 4.75 (Q4_K: the file 4.5).
+ *
+ * The activations are int4's (int8 per 64 columns, quant_acts.c) with per 32 columns -centre * the sum of their
+ * quantized x (as int32; centre 16 for 5 bits, 8 for 4), which starts a group's integer sum, so that it is the sum of
+ * (q - centre) * xq with q as the unsigned operand of vpdpbusd (AVX2: vpmaddubsw); the k-quants' also with the
+ * group's exact sum of x. Per group the sum times the scale (Q5_0: d; k-quants: d * sc, in fp32 as gguf computes it)
+ * times x's scale goes into the row's sums, and for the k-quants the exact sum of x times centre * scale - dmin * m
+ * (q = (q - centre) + centre). Same operations in the same order on every build: the same bits on AVX2 and AVX-512. */
+#include "quant.h"
+
+#define Q45_UNITS 4 /* 64-byte units of nibbles a group: 8 columns each */
+
+/* A layout's traits (the dispatch passes them as constants: each layout its own inlined code). fifth: 5 bits (the
+ * fifth bits' 64 bytes a group, centre 16), else 4 (centre 8); ks: a k-quant (superblocks of 256 columns, sc and m a
+ * group), else Q5_0. */
+typedef struct {
+    int fifth, ks;
+} Q45Layout;
+
+INLINE int64_t q45_group_bytes(Q45Layout l) { return l.fifth ? Q5_GROUP : Q4_GROUP; }
+INLINE int q45_centre(Q45Layout l) { return l.fifth ? 16 : 8; }
+/* Rows up to which a pair of blocks runs group by group (two streams in flight); from more, one block after the
+ * other. The 5-bit layouts' pairs stop at 2 rows (the fifth bits' registers beside both blocks' sums); Q4_K's run to
+ * the drivers' PAIR_ROWS (AVX-512, kernel against int4's on the same values, 2048 x 2048: 0.79x -> 0.97x at 4 rows,
+ * 0.91x -> 1.24x at 8). */
+INLINE int q45_pair_rows(Q45Layout l) { return l.fifth ? 2 : PAIR_ROWS; }
+
+/* A pass's activations: row 0's quantized x, scales and corrections (rows K, K / 64 and `corrs` apart; per group
+ * the centre, and for the k-quants then the exact sum as a float). */
+typedef struct {
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *corr;
+    int64_t corrs;
+} Q45Rows;
+
+INLINE Q45Rows q45_rows(QuantActs a, int64_t r, int64_t K, int64_t corrs) {
+    return (Q45Rows){a.q + r * K, a.s + r * (K / XBLOCK), (const int32_t *)a.corr + r * corrs, corrs};
+}
+
+#ifdef LS_AVX512
+#define Q45ROWS 8 /* activation rows a pass: an accumulator and a sum each */
+
+/* q with 16 added where bit r of hb's byte is set: the fifth bits (a byte mask, then a masked add). */
+INLINE __m512i q5_fifth(__m512i q, __m512i hb, int r) {
+    return _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << r))), q,
+                                _mm512_set1_epi8(0x10));
+}
+
+/* res[i][j] += group g's part of output j of a block for activation row i, the group's bytes at p, its superblock's
+ * d and dmin at sd (Q5_0: none). Unit c's two vectors of q (16 outputs; columns 8c .. 8c + 3, then 8c + 4 .. 8c + 7)
+ * are unpacked and met by every row before the next unit's. */
+INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
+                      __m512 *res) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const uint8_t *units = p + (l.fifth ? 96 : 32);
+    __m512i hb = l.fifth ? _mm512_loadu_si512(p + 32) : _mm512_setzero_si512(), acc[Q45ROWS];
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
+    for (int c = 0; c < Q45_UNITS; c++) {
+        __m512i v = _mm512_loadu_si512(units + 64 * c);
+        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if (l.fifth) lo = q5_fifth(lo, hb, 2 * c), hi = q5_fifth(hi, hb, 2 * c + 1);
+        for (int i = 0; i < mb; i++) {
+            const int8_t *xi = x.xq + i * K + 32 * g + 8 * c;
+            acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(four_bytes(xi)));
+            acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(four_bytes(xi + 4)));
+        }
+    }
+    __m512 scale, minc = _mm512_setzero_ps();
+    if (l.ks) {
+        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+        __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        scale = _mm512_mul_ps(_mm512_loadu_ps(sd), sc);
+        minc = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps((float)q45_centre(l)), scale),
+                             _mm512_mul_ps(_mm512_loadu_ps(sd + 16), m));
+    } else {
+        scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    }
+    for (int i = 0; i < mb; i++) {
+        __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
+        res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc[i]), res[i]);
+        if (l.ks)
+            res[i] = _mm512_fmadd_ps(minc, _mm512_set1_ps(((const float *)x.corr)[i * x.corrs + 2 * g + 1]), res[i]);
+    }
+}
+
+INLINE void q45_store(const __m512 *res, int mb, float (*out)[16]) {
+    for (int i = 0; i < mb; i++) _mm512_storeu_ps(out[i], res[i]);
+}
+
+typedef __m512 Q45Sums[Q45ROWS];
+#define Q45_ZERO(res) for (int i = 0; i < mb; i++) res[i] = _mm512_setzero_ps()
+#else
+#define Q45ROWS 4 /* activation rows a pass: the block's two halves of 8 outputs, a sum each */
+
+/* As the AVX-512 q5_fifth on 256 bits: bit r of hb's byte moved to bit 4 and added in. */
+INLINE __m256i q5_fifth(__m256i q, __m256i hb, int r) {
+    __m256i at4 = r < 4 ? _mm256_slli_epi16(hb, 4 - r) : r > 4 ? _mm256_srli_epi16(hb, r - 4) : hb;
+    return _mm256_or_si256(q, _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
+}
+
+/* As the AVX-512 q45_group, each row's 16 outputs as two halves of 8 (res[2 i + h]), a group's halves in turn.
+ * Plain AVX2 multiplies with vpmaddubsw: its pairs are at most 2 * 31 * 128 = 7936, two units' four of them 31744 <
+ * 32767 in int16: exact, then one vpmaddwd to int32 per two units. */
+INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
+                      __m256 *res) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const uint8_t *units = p + (l.fifth ? 96 : 32);
+    for (int h = 0; h < 2; h++) {
+        __m256i hb = l.fifth ? _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h)) : _mm256_setzero_si256(),
+                acc[Q45ROWS];
+#ifndef LS_AVXVNNI
+        __m256i pairs[Q45ROWS] = {0}; /* (each even unit sets them first: for the compiler) */
+#endif
+        for (int i = 0; i < mb; i++) acc[i] = _mm256_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
+        for (int c = 0; c < Q45_UNITS; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(units + 64 * c + 32 * h));
+            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if (l.fifth) lo = q5_fifth(lo, hb, 2 * c), hi = q5_fifth(hi, hb, 2 * c + 1);
+            for (int i = 0; i < mb; i++) {
+                const int8_t *xi = x.xq + i * K + 32 * g + 8 * c;
+                __m256i x0 = _mm256_set1_epi32(four_bytes(xi)), x1 = _mm256_set1_epi32(four_bytes(xi + 4));
+#ifdef LS_AVXVNNI
+                acc[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[i], lo, x0), hi, x1);
+#else
+                __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+                pairs[i] = c % 2 == 0 ? two : _mm256_add_epi16(pairs[i], two);
+                if (c % 2) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs[i], _mm256_set1_epi16(1)));
+#endif
+            }
+        }
+        __m256 scale, minc = _mm256_setzero_ps();
+        if (l.ks) {
+            __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+            __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 + 8 * h))));
+            scale = _mm256_mul_ps(_mm256_loadu_ps(sd + 8 * h), sc);
+            minc = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps((float)q45_centre(l)), scale),
+                                 _mm256_mul_ps(_mm256_loadu_ps(sd + 16 + 8 * h), m));
+        } else {
+            scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+        }
+        for (int i = 0; i < mb; i++) {
+            __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
+            res[2 * i + h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[i]), res[2 * i + h]);
+            if (l.ks)
+                res[2 * i + h] = _mm256_fmadd_ps(minc, _mm256_set1_ps(((const float *)x.corr)[i * x.corrs + 2 * g + 1]),
+                                                 res[2 * i + h]);
+        }
+    }
+}
+
+INLINE void q45_store(const __m256 *res, int mb, float (*out)[16]) {
+    for (int i = 0; i < mb; i++) {
+        _mm256_storeu_ps(out[i], res[2 * i]);
+        _mm256_storeu_ps(out[i] + 8, res[2 * i + 1]);
+    }
+}
+
+typedef __m256 Q45Sums[2 * Q45ROWS];
+#define Q45_ZERO(res) for (int i = 0; i < 2 * mb; i++) res[i] = _mm256_setzero_ps()
+#endif
+
+/* Group g of the block at p into res: Q5_0's groups follow one another; the k-quants' come 8 to a superblock after
+ * its header (the 16 d, then the 16 dmin). */
+INLINE void q45_block_group(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int64_t g, int mb, Q45Sums res) {
+    int64_t bytes = q45_group_bytes(l);
+    if (!l.ks) {
+        q45_group(x, p + g * bytes, NULL, l, K, g, mb, res);
+        return;
+    }
+    const uint8_t *sp = p + g / 8 * (128 + 8 * bytes);
+    q45_group(x, sp + 128 + g % 8 * bytes, (const float *)sp, l, K, g, mb, res);
+}
+
+/* out[i][j] = output j of the block at p for activation row i. */
+INLINE void q45_block(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int mb, float (*out)[16]) {
+    Q45Sums res;
+    Q45_ZERO(res);
+    for (int64_t g = 0; g < K / 32; g++) q45_block_group(x, p, l, K, g, mb, res);
+    q45_store(res, mb, out);
+}
+
+/* q45_block of two blocks, p0 with rows x0 (into out) and p1 with rows x1 (into out1), group by group: two streams
+ * of weights in flight, each block's arithmetic as it is alone. */
+INLINE void q45_block_pair(Q45Rows x0, Q45Rows x1, const uint8_t *p0, const uint8_t *p1, Q45Layout l, int64_t K,
+                           float (*out1)[16], int mb, float (*out)[16]) {
+    Q45Sums res0, res1;
+    Q45_ZERO(res0);
+    Q45_ZERO(res1);
+    for (int64_t g = 0; g < K / 32; g++) {
+        q45_block_group(x0, p0, l, K, g, mb, res0);
+        q45_block_group(x1, p1, l, K, g, mb, res1);
+    }
+    q45_store(res0, mb, out);
+    q45_store(res1, mb, out1);
+}
+
+/* The corrections a row holds: per 32 columns the centre (k-quants: and the exact sum). */
+INLINE int64_t q45_corrs(Q45Layout l, int64_t K) { return (1 + l.ks) * (K / 32); }
+
+/* fn over the blocks' rows in passes of Q45ROWS with the layout l a constant (each layout its own code). */
+#define Q45_LAYOUTS(f, fn, ...)                                                                           \
+    if ((f).bits == 4)                                                                                   \
+        fn(__VA_ARGS__, ((Q45Layout){0, 1}));                                                            \
+    else if ((f).group == 256)                                                                           \
+        fn(__VA_ARGS__, ((Q45Layout){1, 1}));                                                            \
+    else                                                                                                 \
+        fn(__VA_ARGS__, ((Q45Layout){1, 0}))
+
+INLINE void q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots, Q45Layout l) {
+    for (int64_t m0 = 0; m0 < m; m0 += Q45ROWS) {
+        int mb = m - m0 < Q45ROWS ? (int)(m - m0) : Q45ROWS;
+        float(*out)[16] = (float(*)[16])(dots + 16 * m0);
+        FOR_ROWS_UPTO(Q45ROWS, q45_block, q45_rows(a, first + m0, K, q45_corrs(l, K)), block, l, K)
+    }
+}
+
+INLINE void q45_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m,
+                          const uint8_t *block0, const uint8_t *block1, int64_t K, float *dots0, float *dots1,
+                          Q45Layout l) {
+    if (m > q45_pair_rows(l)) {
+        q45_dots(a0, first0, m, block0, K, dots0, l);
+        q45_dots(a1, first1, m, block1, K, dots1, l);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += Q45ROWS) {
+        int mb = m - m0 < Q45ROWS ? (int)(m - m0) : Q45ROWS;
+        float(*out)[16] = (float(*)[16])(dots0 + 16 * m0), (*out1)[16] = (float(*)[16])(dots1 + 16 * m0);
+        FOR_ROWS_UPTO(Q45ROWS, q45_block_pair, q45_rows(a0, first0 + m0, K, q45_corrs(l, K)),
+                      q45_rows(a1, first1 + m0, K, q45_corrs(l, K)), block0, block1, l, K, out1)
+    }
+}
+
+void q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots) {
+    Q45_LAYOUTS(f, q45_dots, a, first, m, block, K, dots);
+}
+
+void q45_block_pair_dots(Format f, QuantActs a0, int64_t first0, QuantActs a1, int64_t first1, int64_t m,
+                         const uint8_t *block0, const uint8_t *block1, int64_t K, float *dots0, float *dots1) {
+    Q45_LAYOUTS(f, q45_pair_dots, a0, first0, a1, first1, m, block0, block1, K, dots0, dots1);
+}
