@@ -253,6 +253,19 @@ def test_without_a_policy_quantize_linear_takes_the_default_one(monkeypatch):
     assert type(quantize_linear("l", w, None, QuantConfig("int8"), "cpu")) is IntMMInt8Linear
 
 
+def _runs_on_the_kernels(weight, layer_type: type, x: torch.Tensor, expected: torch.Tensor) -> KernelPolicy | None:
+    """Where latentserve's kernels build here: the weight loads as `layer_type` on them and gives `expected` within
+    int8 activations' error, bf16 in and out too; the policy (None where they do not build)."""
+    here = _policy(cpu_features())
+    if here.kernels is None:
+        return None
+    layer = quantize_linear("l", weight, None, QuantConfig("int4", 32), "cpu", here)
+    assert isinstance(layer, layer_type) and layer.kernels is here.kernels
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    return here
+
+
 def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypatch):
     """Q6_K's blocks as they are where latentserve's kernels run; elsewhere its values quantized to int8 per row, as
     before that kernel; lm_head's logits in fp32 either way."""
@@ -267,13 +280,9 @@ def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypa
     assert isinstance(layer, IntMMInt8Linear) and torch.equal(layer.scale, scale)
     assert torch.equal(IntMMInt8Linear(q, scale, None).qweight, layer.qweight)
     assert quantize_linear("lm_head", weight, None, int4, "cpu", torch_only).out_dtype == torch.float32
-    here = _policy(cpu_features())
-    if here.kernels is None:
+    here = _runs_on_the_kernels(weight, NativeQ6KLinear, x, expected)
+    if here is None:
         return
-    layer = quantize_linear("l", weight, None, int4, "cpu", here)
-    assert isinstance(layer, NativeQ6KLinear) and layer.kernels is here.kernels
-    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
-    assert layer(x.bfloat16()).dtype == torch.bfloat16
     head = quantize_linear("lm_head", weight, None, int4, "cpu", here)
     assert isinstance(head, NativeQ6KLinear) and head(x.bfloat16()).dtype == torch.float32
 
@@ -322,13 +331,7 @@ def test_gguf_q4k_runs_its_blocks_or_int4s_groups_of_its_values(monkeypatch):
     layer = quantize_linear("l", weight, None, int4, "cpu", without)
     assert isinstance(layer, Int4PackLinear)
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
-    here = _policy(cpu_features())
-    if here.kernels is None:
-        return
-    layer = quantize_linear("l", weight, None, int4, "cpu", here)
-    assert isinstance(layer, NativeQ4KLinear) and layer.kernels is here.kernels
-    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
-    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    _runs_on_the_kernels(weight, NativeQ4KLinear, x, expected)
 
 
 @pytest.mark.skipif(int4pack_block_n() is None, reason="int4pack layout not known on this CPU capability")
