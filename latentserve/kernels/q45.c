@@ -110,7 +110,13 @@ INLINE void q45_store(const __m512 *res, int mb, float (*out)[16]) {
 typedef __m512 Q45Sums[Q45ROWS];
 #define Q45_ZERO(res) for (int i = 0; i < mb; i++) res[i] = _mm512_setzero_ps()
 #else
-#define Q45ROWS 4 /* activation rows a pass: the block's two halves of 8 outputs, a sum each */
+#define Q45ROWS 4 /* activation rows a pass (q45_halves: HALF_ROWS) */
+#define Q45_HALVES_FROM 3 /* rows from which a lone Q4_K block runs q45_halves (the 5-bit layouts: 0.8-0.9x there) */
+#ifdef LS_AVXVNNI
+#define Q45_HALF_ROWS 6 /* vpdpbusd's sums in int32, as int4's HROWS (not measured here: no AVX-VNNI CPU) */
+#else
+#define Q45_HALF_ROWS 4 /* a run's register and a sum's a row (6: 0.94-0.96x at 16-512 rows) */
+#endif
 
 /* As the AVX-512 q5_fifth on 256 bits: bit r of hb's byte moved to bit 4 and added in. */
 INLINE __m256i q5_fifth(__m256i q, __m256i hb, int r) {
@@ -118,77 +124,116 @@ INLINE __m256i q5_fifth(__m256i q, __m256i hb, int r) {
     return _mm256_or_si256(q, _mm256_and_si256(at4, _mm256_set1_epi8(0x10)));
 }
 
-/* As the AVX-512 q45_group, each row's 16 outputs as two halves of 8 (res[2 i + h]), a group's halves in turn.
- * Plain AVX2 multiplies with vpmaddubsw: its pairs are at most 2 * 31 * 128 = 7936, two units' four of them 31744 <
- * 32767 in int16: exact, then one vpmaddwd to int32 per two units. */
-INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
-                      __m256 *res) {
+/* res[i] += group g's part of outputs 8h .. 8h + 7 of a block for row i: the AVX-512 q45_group's arithmetic on one
+ * half of each unit. Plain AVX2 multiplies with vpmaddubsw: its pairs are at most 2 * 31 * 127 = 7874 (4 bits:
+ * 3810), so a run of them stays in int16 over 2 units (4 bits: all 4, 30480 < 32767), exact, then one vpmaddwd to
+ * int32 a run (the integer sums in any order: the same bits). */
+INLINE void q45_half(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int h, int mb,
+                     __m256 *res) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *units = p + (l.fifth ? 96 : 32);
-    for (int h = 0; h < 2; h++) {
-        __m256i hb = l.fifth ? _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h)) : _mm256_setzero_si256(),
-                acc[Q45ROWS];
-#ifndef LS_AVXVNNI
-        __m256i pairs[Q45ROWS] = {0}; /* (each even unit sets them first: for the compiler) */
-#endif
-        for (int i = 0; i < mb; i++) acc[i] = _mm256_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
-        for (int c = 0; c < Q45_UNITS; c++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(units + 64 * c + 32 * h));
-            __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-            if (l.fifth) lo = q5_fifth(lo, hb, 2 * c), hi = q5_fifth(hi, hb, 2 * c + 1);
-            for (int i = 0; i < mb; i++) {
-                const int8_t *xi = x.xq + i * K + 32 * g + 8 * c;
-                __m256i x0 = _mm256_set1_epi32(four_bytes(xi)), x1 = _mm256_set1_epi32(four_bytes(xi + 4));
+    __m256i hb = l.fifth ? _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h)) : _mm256_setzero_si256(),
+            acc[Q45_HALF_ROWS];
 #ifdef LS_AVXVNNI
-                acc[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[i], lo, x0), hi, x1);
+    for (int i = 0; i < mb; i++) acc[i] = _mm256_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
 #else
-                __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-                pairs[i] = c % 2 == 0 ? two : _mm256_add_epi16(pairs[i], two);
-                if (c % 2) acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs[i], _mm256_set1_epi16(1)));
+    const int run_units = l.fifth ? 2 : 4;
+    __m256i run[Q45_HALF_ROWS] = {0}; /* (each run's first unit sets them: for the compiler) */
 #endif
-            }
-        }
-        __m256 scale, minc = _mm256_setzero_ps();
-        if (l.ks) {
-            __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
-            __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 + 8 * h))));
-            scale = _mm256_mul_ps(_mm256_loadu_ps(sd + 8 * h), sc);
-            minc = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps((float)q45_centre(l)), scale),
-                                 _mm256_mul_ps(_mm256_loadu_ps(sd + 16 + 8 * h), m));
-        } else {
-            scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-        }
+    for (int c = 0; c < Q45_UNITS; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(units + 64 * c + 32 * h));
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (l.fifth) lo = q5_fifth(lo, hb, 2 * c), hi = q5_fifth(hi, hb, 2 * c + 1);
         for (int i = 0; i < mb; i++) {
-            __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
-            res[2 * i + h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[i]), res[2 * i + h]);
-            if (l.ks)
-                res[2 * i + h] = _mm256_fmadd_ps(minc, _mm256_set1_ps(((const float *)x.corr)[i * x.corrs + 2 * g + 1]),
-                                                 res[2 * i + h]);
+            const int8_t *xi = x.xq + i * K + 32 * g + 8 * c;
+            __m256i x0 = _mm256_set1_epi32(four_bytes(xi)), x1 = _mm256_set1_epi32(four_bytes(xi + 4));
+#ifdef LS_AVXVNNI
+            acc[i] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[i], lo, x0), hi, x1);
+#else
+            __m256i two = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+            run[i] = c % run_units == 0 ? two : _mm256_add_epi16(run[i], two);
+            if (!l.fifth) /* a chain per row (as int4_run's): else gcc sums 4 units as a tree, spilled (0.85x) */
+                __asm__("" : "+x"(run[i]));
+            if (c % run_units == run_units - 1) {
+                __m256i sums = _mm256_madd_epi16(run[i], _mm256_set1_epi16(1));
+                acc[i] = _mm256_add_epi32(c < run_units ? _mm256_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g])
+                                                        : acc[i], sums);
+            }
+#endif
         }
     }
-}
-
-INLINE void q45_store(const __m256 *res, int mb, float (*out)[16]) {
+    __m256 scale, minc = _mm256_setzero_ps();
+    if (l.ks) {
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+        __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 16 + 8 * h))));
+        scale = _mm256_mul_ps(_mm256_loadu_ps(sd + 8 * h), sc);
+        minc = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps((float)q45_centre(l)), scale),
+                             _mm256_mul_ps(_mm256_loadu_ps(sd + 16 + 8 * h), m));
+    } else {
+        scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+    }
     for (int i = 0; i < mb; i++) {
-        _mm256_storeu_ps(out[i], res[2 * i]);
-        _mm256_storeu_ps(out[i] + 8, res[2 * i + 1]);
+        __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
+        res[i] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[i]), res[i]);
+        if (l.ks)
+            res[i] = _mm256_fmadd_ps(minc, _mm256_set1_ps(((const float *)x.corr)[i * x.corrs + 2 * g + 1]), res[i]);
     }
 }
 
-typedef __m256 Q45Sums[2 * Q45ROWS];
-#define Q45_ZERO(res) for (int i = 0; i < 2 * mb; i++) res[i] = _mm256_setzero_ps()
+typedef __m256 Q45Sums[2][Q45ROWS]; /* a block's two halves of 8 outputs, for each row of a pass */
+
+/* As the AVX-512 q45_group, a group's halves in turn. */
+INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
+                      Q45Sums res) {
+    for (int h = 0; h < 2; h++) q45_half(x, p, sd, l, K, g, h, mb, res[h]);
+}
+
+INLINE void q45_store(Q45Sums res, int mb, float (*out)[16]) {
+    for (int i = 0; i < mb; i++) {
+        _mm256_storeu_ps(out[i], res[0][i]);
+        _mm256_storeu_ps(out[i] + 8, res[1][i]);
+    }
+}
+
+#define Q45_ZERO(res) for (int i = 0; i < mb; i++) res[0][i] = res[1][i] = _mm256_setzero_ps()
 #endif
 
-/* Group g of the block at p into res: Q5_0's groups follow one another; the k-quants' come 8 to a superblock after
- * its header (the 16 d, then the 16 dmin). */
-INLINE void q45_block_group(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int64_t g, int mb, Q45Sums res) {
+/* Group g of the block at p, its superblock's d and dmin into *sd (Q5_0: NULL): Q5_0's groups follow one another;
+ * the k-quants' come 8 to a superblock after its header (the 16 d, then the 16 dmin). */
+INLINE const uint8_t *q45_at(const uint8_t *p, Q45Layout l, int64_t g, const float **sd) {
     int64_t bytes = q45_group_bytes(l);
     if (!l.ks) {
-        q45_group(x, p + g * bytes, NULL, l, K, g, mb, res);
-        return;
+        *sd = NULL;
+        return p + g * bytes;
     }
     const uint8_t *sp = p + g / 8 * (128 + 8 * bytes);
-    q45_group(x, sp + 128 + g % 8 * bytes, (const float *)sp, l, K, g, mb, res);
+    *sd = (const float *)sp;
+    return sp + 128 + g % 8 * bytes;
+}
+
+#ifndef LS_AVX512
+/* q45_block for more rows: the block's half h = 0, then h = 1, each over all its groups with one register of float
+ * sums a row (q45_group keeps both halves': 2 registers a row, 4 rows a pass), so Q45_HALF_ROWS rows share each
+ * unpacked half-unit. The same operations on each output in the same order: the same bits. */
+INLINE void q45_halves(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int mb, float (*out)[16]) {
+    for (int h = 0; h < 2; h++) {
+        __m256 res[Q45_HALF_ROWS];
+        for (int i = 0; i < mb; i++) res[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < K / 32; g++) {
+            const float *sd;
+            const uint8_t *at = q45_at(p, l, g, &sd);
+            q45_half(x, at, sd, l, K, g, h, mb, res);
+        }
+        for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);
+    }
+}
+#endif
+
+/* Group g of the block at p into res. */
+INLINE void q45_block_group(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int64_t g, int mb, Q45Sums res) {
+    const float *sd;
+    const uint8_t *at = q45_at(p, l, g, &sd);
+    q45_group(x, at, sd, l, K, g, mb, res);
 }
 
 /* out[i][j] = output j of the block at p for activation row i. */
@@ -227,6 +272,16 @@ INLINE int64_t q45_corrs(Q45Layout l, int64_t K) { return (1 + l.ks) * (K / 32);
         fn(__VA_ARGS__, ((Q45Layout){1, 0}))
 
 INLINE void q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots, Q45Layout l) {
+#ifndef LS_AVX512
+    if (!l.fifth && m >= Q45_HALVES_FROM) {
+        for (int64_t m0 = 0; m0 < m; m0 += Q45_HALF_ROWS) {
+            int mb = m - m0 < Q45_HALF_ROWS ? (int)(m - m0) : Q45_HALF_ROWS;
+            float(*out)[16] = (float(*)[16])(dots + 16 * m0);
+            FOR_ROWS_UPTO(Q45_HALF_ROWS, q45_halves, q45_rows(a, first + m0, K, q45_corrs(l, K)), block, l, K)
+        }
+        return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < m; m0 += Q45ROWS) {
         int mb = m - m0 < Q45ROWS ? (int)(m - m0) : Q45ROWS;
         float(*out)[16] = (float(*)[16])(dots + 16 * m0);
