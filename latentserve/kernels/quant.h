@@ -37,9 +37,8 @@ INLINE int64_t int8_row_bytes(int64_t K) {
  * q = round(x / s) per XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see
  * int4.c). For Q6_K: int4's q and s, and in corr's room per 16 columns -32 * the sum of q, as int32 (q6k.c); for
  * Q5_0 the same per 32 columns with -16, and for Q5_K (Q4_K: -8) each followed by the exact sum of x over them
- * (q45.c). For
- * dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps takes
- * both. */
+ * (q45.c). For dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps
+ * takes both. */
 typedef struct {
     int8_t *q;
     float *s, *corr;
@@ -52,9 +51,8 @@ typedef struct {
  * N % 16 where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups
  * of G (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0
  * values (q45.c); 5 (group 256), `pack_q5k`'s: its Q5_K values; 4 (group 256), `pack_q4k`'s: its Q4_K values (q45.c;
- * int4's groups are at most 128). A driver (quant_blocks.c, experts.c) needs of
- * a format only these traits: the bytes of a block, how the activations are prepared for it, and the dot products
- * of a block with some rows of them. */
+ * int4's groups are at most 128). A driver (quant_blocks.c, experts.c) needs of a format only these traits: the bytes
+ * of a block, how the activations are prepared for it, and the dot products of a block with some rows of them. */
 typedef struct {
     int32_t bits;
     int64_t group; /* int4's group size G; Q6_K's 16 */
@@ -94,8 +92,7 @@ INLINE int q45(Format f) { return f.bits == 5 || (f.bits == 4 && f.group == 256)
 INLINE int64_t block_bytes(Format f, int64_t K) {
     if (dense(f)) return 16 * K * (f.bits / 8);
     if (f.bits == 6) return K / 256 * Q6K_SUPER;
-    if (f.bits == 5) return f.group == 256 ? K / 256 * Q5K_SUPER : K / 32 * Q5_GROUP;
-    if (q45(f)) return K / 256 * Q4K_SUPER;
+    if (q45(f)) return f.group == 32 ? K / 32 * Q5_GROUP : K / 256 * (f.bits == 5 ? Q5K_SUPER : Q4K_SUPER);
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
 }
 

@@ -61,30 +61,13 @@ CASES = {
         out, lse = torch.empty(4, 2, 6), torch.empty(4, 2)
         lib.ls_prefill_attention(d(q), d(k), lie(v, 64, 2, 6), 0, 0, 0, 0.3, d(out), d(lse), 1)
     """,
-    # a Q6_K weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
-    "q6k_linear": """
-        packed = torch.zeros(1, 3392, dtype=torch.uint8)
+    # each kept format's weight (the bytes of a block of 256 columns) said to hold 8 blocks of 16 outputs, holding 1:
+    # reads past its end.
+    **{f"{fmt}_linear": f"""
+        packed = torch.zeros(1, {width}, dtype=torch.uint8)
         x, y = torch.randn(1, 256), torch.empty(1, 128)
-        lib.ls_q6k_linear(d(x), lie(packed, 8, 3392), d(y), 1)
-    """,
-    # a Q5_0 weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
-    "q50_linear": """
-        packed = torch.zeros(1, 2816, dtype=torch.uint8)
-        x, y = torch.randn(1, 256), torch.empty(1, 128)
-        lib.ls_q50_linear(d(x), lie(packed, 8, 2816), d(y), 1)
-    """,
-    # a Q5_K weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
-    "q5k_linear": """
-        packed = torch.zeros(1, 2944, dtype=torch.uint8)
-        x, y = torch.randn(1, 256), torch.empty(1, 128)
-        lib.ls_q5k_linear(d(x), lie(packed, 8, 2944), d(y), 1)
-    """,
-    # a Q4_K weight said to hold 8 blocks of 16 outputs, holding 1: reads past its end.
-    "q4k_linear": """
-        packed = torch.zeros(1, 2432, dtype=torch.uint8)
-        x, y = torch.randn(1, 256), torch.empty(1, 128)
-        lib.ls_q4k_linear(d(x), lie(packed, 8, 2432), d(y), 1)
-    """,
+        lib.ls_{fmt}_linear(d(x), lie(packed, 8, {width}), d(y), 1)
+    """ for fmt, width in (("q6k", 3392), ("q50", 2816), ("q5k", 2944), ("q4k", 2432))},
     # experts whose table says them wider than their weights: reads past gate_up's end.
     "experts": """
         w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)

@@ -123,14 +123,18 @@ class _KQuant(_FileBlocks):
     sc: torch.Tensor
     m: torch.Tensor
 
+    def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d * sc, dmin * m) fp32 `[out, in / 32]`: each group's scale and minimum as gguf forms them."""
+        rows, per = self.q.shape[0], KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
+        return ((self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1),
+                (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1))
+
     def dequantize(self) -> torch.Tensor:
-        """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc and dmin * m rounded to fp32 first, then
-        (d * sc) * q - dmin * m."""
+        """fp32 `[out, in]`, gguf's dequantization to the bit: (d * sc) * q - dmin * m."""
         rows, cols = self.q.shape
-        per = KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
-        scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1, 1)
-        minimum = (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1, 1)
-        return (scale * self.q.view(rows, -1, KQUANT_SUB_COLUMNS).float() - minimum).view(rows, cols)
+        scale, minimum = self.group_scales()
+        q = self.q.view(rows, -1, KQUANT_SUB_COLUMNS).float()
+        return (scale[..., None] * q - minimum[..., None]).view(rows, cols)
 
 
 @dataclass
@@ -149,11 +153,8 @@ class Q4KWeight(_KQuant):
 
     def unkept_weight(self) -> Int4Weight:
         """Its values as int4's groups of 32, exactly: scale and minimum the fp32 products gguf forms."""
-        rows, cols = self.q.shape
-        per = KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
-        scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1)
-        minimum = -(self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1)
-        return Int4Weight(self.q, scale, minimum)
+        scale, minimum = self.group_scales()
+        return Int4Weight(self.q, scale, -minimum)
 
 
 QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q5KWeight | Q4KWeight
