@@ -302,8 +302,23 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
                   weights->data, ids->data);
 }
 
-/* A projection's weight has what its kind reads. */
-static int bad_weight(const char *name, const Weight *w) {
+/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (int4: group 32, 64 or 128 dividing
+ * in, in a multiple of 64; Q4_K: group 256, in a multiple of 256), 6 (Q6_K: group 16, in a multiple of 256) or 5
+ * (Q5_0: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256). */
+static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
+    if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
+        (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
+        (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0) ||
+        ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0))
+        return LS_OK;
+    return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 with "
+                  "group 32, 64 or 128 dividing them and inputs a multiple of 64 or group 256 and inputs a multiple "
+                  "of 256, 6 with group 16 and inputs a multiple of 256, or 5 with group 32 and inputs a multiple of "
+                  "64 or group 256 and inputs a multiple of 256)", name, bits, (long long)group, (long long)in);
+}
+
+/* A projection's weight has what its kind reads, over `in` inputs (a blocked kind's: a multiple its format takes). */
+static int bad_weight(const char *name, const Weight *w, int64_t in) {
     if (w->kind < LS_DENSE || w->kind > LS_Q4K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
@@ -316,7 +331,8 @@ static int bad_weight(const char *name, const Weight *w) {
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's 32", name, (long long)w->group);
     if ((w->kind == LS_Q5K || w->kind == LS_Q4K) && w->group != 256)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not the k-quants' 256", name, (long long)w->group);
-    return LS_OK;
+    Format f = weight_format(w->kind, w->group);
+    return f.bits ? bad_format(LS_BAD_BLOCK, name, f.bits, f.group, in) : LS_OK;
 }
 
 static int bad_mla_block(const MLABlock *b) {
@@ -332,8 +348,10 @@ static int bad_mla_block(const MLABlock *b) {
     if (b->bf != 0 && b->bf != 1) return refuse(LS_BAD_BLOCK, "bf is %d, not 0 or 1", b->bf);
     if (!b->input_norm || !b->kv_a_norm || !b->post_norm || (b->q_lora && !b->q_a_norm))
         return refuse(LS_BAD_BLOCK, "a norm weight (input_norm, kv_a_norm, post_norm or q_a_norm) is NULL");
-    if ((b->q_lora && bad_weight("q_a", &b->q_a)) || bad_weight("q_b", &b->q_b) || bad_weight("kv_a", &b->kv_a) ||
-        bad_weight("o_proj", &b->o_proj) || bad_weight("uk", &b->uk) || bad_weight("uv", &b->uv))
+    if ((b->q_lora && bad_weight("q_a", &b->q_a, b->hidden)) ||
+        bad_weight("q_b", &b->q_b, b->q_lora ? b->q_lora : b->hidden) || bad_weight("kv_a", &b->kv_a, b->hidden) ||
+        bad_weight("o_proj", &b->o_proj, b->heads * b->v_dim) || bad_weight("uk", &b->uk, b->nope) ||
+        bad_weight("uv", &b->uv, b->latent))
         return LS_BAD_BLOCK;
     /* The per-head products: dense ones through dense_heads (N a multiple of 16), int4 and int8 blocks only for
      * H = 1. */
@@ -361,21 +379,6 @@ LS_API int ls_mla_attention_block(const MLABlock *block, const ls_tensor *x, con
                                DIM(kv_cache, 1), DIM(kv_cache, 0), block_table->data, block_table->strides[0],
                                query_start_loc->data, seq_lens->data, DIM(seq_lens, 0), slots->data, y->data,
                                y_normed->data, threads);
-}
-
-/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (int4: group 32, 64 or 128 dividing
- * in, in a multiple of 64; Q4_K: group 256, in a multiple of 256), 6 (Q6_K: group 16, in a multiple of 256) or 5
- * (Q5_0: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256). */
-static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
-    if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
-        (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
-        (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0) ||
-        ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0))
-        return LS_OK;
-    return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 with "
-                  "group 32, 64 or 128 dividing them and inputs a multiple of 64 or group 256 and inputs a multiple "
-                  "of 256, 6 with group 16 and inputs a multiple of 256, or 5 with group 32 and inputs a multiple of "
-                  "64 or group 256 and inputs a multiple of 256)", name, bits, (long long)group, (long long)in);
 }
 
 /* An ExpertTable of `experts` experts (-1: 0 or 1) of hidden size K, every weight pointer set; `code` on failure. */

@@ -5,22 +5,16 @@
  * ops and Python calls between them, which cost more than the arithmetic at decode sizes. Activations and norms are all
  * fp32 or all bf16 (`bf`); the cache fp32, bf16, fp8 or int8 (`cache_io`: the io bits 1, 3 and 4 of kv_rows.h). The
  * intermediate activations come from the scratch arena. */
-#include "simd.h"
-
-/* The bits of quant.h's Format a block weight kind is read as. */
-static int block_bits(int32_t kind) {
-    return kind == LS_INT4 || kind == LS_Q4K ? 4 : kind == LS_Q6K ? 6 : kind == LS_Q50 || kind == LS_Q5K ? 5 : 8;
-}
+#include "quant.h"
 
 /* y[m, h] = x[m, h] @ W[h] over H heads (H = 1: a linear layer), in and out in the block's dtype. */
 static int product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t K, int64_t N, void *y, int bf,
                    int threads) {
     int io = bf ? 0b11 : 0;
+    Format f = weight_format(w->kind, w->group);
+    if (f.bits) return quant_linear(x, M, K, w->w, f.bits, f.group, N, y, io, threads);
     if (w->kind == LS_INT8) return int8_heads(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
     if (w->kind == LS_INT8_LANES) return int8_heads_lanes(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
-    if (w->kind == LS_INT8_BLOCKS || w->kind == LS_INT4 || w->kind == LS_Q6K || w->kind == LS_Q50 ||
-        w->kind == LS_Q5K || w->kind == LS_Q4K)
-        return quant_linear(x, M, K, w->w, block_bits(w->kind), w->group, N, y, io, threads);
     if (H == 1) return dense_linear(x, M, K, w->w, N, y, io | bf << 2, threads);
     return dense_heads(x, M, H, K, w->w, N, y, io | bf << 2, threads);
 }

@@ -86,6 +86,16 @@ INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 *
 #define Q5K_SUPER (128 + 8 * Q5_GROUP)
 #define Q4K_SUPER (128 + 8 * Q4_GROUP)
 
+/* The Format a one-call block's Weight (latentserve.h) of a blocked kind is read as; bits 0 for the other kinds. */
+INLINE Format weight_format(int32_t kind, int64_t group) {
+    int32_t bits = kind == LS_INT8_BLOCKS                ? 8
+                   : kind == LS_INT4 || kind == LS_Q4K   ? 4
+                   : kind == LS_Q6K                      ? 6
+                   : kind == LS_Q50 || kind == LS_Q5K    ? 5
+                                                         : 0;
+    return (Format){bits, group};
+}
+
 /* Formats of q45.c: Q5_0 (5, 32), Q5_K (5, 256), Q4_K (4, 256). */
 INLINE int q45(Format f) { return f.bits == 5 || (f.bits == 4 && f.group == 256); }
 
