@@ -117,7 +117,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_mla_attention_block": (_status, [ctypes.POINTER(MLABlock), _T, _T, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
     "ls_moe_block": (_status, [ctypes.POINTER(MoEBlock), _T, _T, _T, _i32]),
     "ls_decode_layers": (_status, [ctypes.POINTER(ctypes.POINTER(MLABlock)), ctypes.POINTER(ctypes.POINTER(MoEBlock)),
-                                   _T, _i64, _T, _T, _T, _T, _T, _T, _T, _T, _i32]),
+                                   _T, _i64, _T, _T, _T, _T, _T, _T, _T, _T, _f32, _T, _i32]),
     "ls_experts": (_status, [ctypes.POINTER(ExpertTable), ctypes.POINTER(ExpertTable), _T, _T, _T, _T, _i32]),
 }
 

@@ -448,7 +448,8 @@ LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tens
 LS_API int ls_decode_layers(const MLABlock *const *attention, const MoEBlock *const *moe, const ls_tensor *kv_caches,
                             int64_t layers, const ls_tensor *x, const ls_tensor *cos, const ls_tensor *sin,
                             const ls_tensor *block_table, const ls_tensor *query_start_loc, const ls_tensor *seq_lens,
-                            const ls_tensor *slots, const ls_tensor *y, int threads) {
+                            const ls_tensor *slots, const ls_tensor *norm, float eps, const ls_tensor *y,
+                            int threads) {
     if (layers < 1 || layers > MAX_LAYERS || !attention || !moe || !kv_caches)
         return refuse(LS_BAD_BLOCK, "%lld layers (1 to %d), with their blocks and caches", (long long)layers,
                       MAX_LAYERS);
@@ -474,13 +475,15 @@ LS_API int ls_decode_layers(const MLABlock *const *attention, const MoEBlock *co
     int64_t T = DIM(x, 0);
     TENSORS(bad_tensor("y", y, dtype, 2, 0) || bad_size("y", y, 0, T) || bad_size("y", y, 1, first->hidden));
     TENSORS(bad_rotary(cos, sin, T, first->rope));
+    if (norm) TENSORS(bad_tensor("norm", norm, dtype, 1, 0) || bad_size("norm", norm, 0, first->hidden));
     for (int64_t l = 0; l < layers; l++) {
         CHECK(bad_slots(kv_caches + l, slots, T, attention[l]->latent + attention[l]->rope));
         CHECK(bad_tables(kv_caches + l, block_table, query_start_loc, seq_lens, T));
     }
     return decode_layers(attention, moe, caches, layers, cache_io(kv_caches), DIM(kv_caches, 1), DIM(kv_caches, 0),
                          x->data, T, cos->data, sin->data, block_table->data, block_table->strides[0],
-                         query_start_loc->data, seq_lens->data, DIM(seq_lens, 0), slots->data, y->data, threads);
+                         query_start_loc->data, seq_lens->data, DIM(seq_lens, 0), slots->data,
+                         norm ? norm->data : NULL, eps, y->data, threads);
 }
 
 #define STRUCT(s) {#s, 0, sizeof(s)}

@@ -181,12 +181,13 @@ LS_API int ls_moe_block(const MoEBlock *block, const ls_tensor *x, const ls_tens
                         int threads);
 /* A decode step's decoder layers in one call (decode_layers.c): for each layer l, h = ls_mla_attention_block's y
  * and y_normed with attention[l] and kv_caches[l], then x of layer l + 1 = ls_moe_block(moe[l], y_normed, h); y gets
- * the last layer's. The blocks of one dtype and hidden size, the caches (`layers` descriptors) of one dtype and
- * shape; the rest as ls_mla_attention_block takes it. */
+ * the last layer's, or with a final norm (`norm` [hidden] in the blocks' dtype, else NULL) ls_rms_norm's of it. The
+ * blocks of one dtype and hidden size, the caches (`layers` descriptors) of one dtype and shape; the rest as
+ * ls_mla_attention_block takes it. */
 LS_API int ls_decode_layers(const MLABlock *const *attention, const MoEBlock *const *moe, const ls_tensor *kv_caches,
                             int64_t layers, const ls_tensor *x, const ls_tensor *cos, const ls_tensor *sin,
                             const ls_tensor *block_table, const ls_tensor *query_start_loc, const ls_tensor *seq_lens,
-                            const ls_tensor *slots, const ls_tensor *y, int threads);
+                            const ls_tensor *slots, const ls_tensor *norm, float eps, const ls_tensor *y, int threads);
 
 /* The experts (experts.c): y [T, K] = for each token of x [T, K], round(round(sum_j weights[t, j] *
  * routed[ids[t, j]](x[t])) + round(shared(x[t]))), the routed experts in increasing id order, rounding to y's dtype

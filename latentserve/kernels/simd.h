@@ -283,7 +283,8 @@ int moe_block(const MoEBlock *b, const void *x, const void *residual, int64_t T,
 int decode_layers(const MLABlock *const *attention, const MoEBlock *const *moe, void *const *caches, int64_t layers,
                   int cache_io, int64_t block_size, int64_t blocks, const void *x, int64_t T, const float *cos,
                   const float *sin, const int32_t *block_table, int64_t bt_stride, const int32_t *qsl,
-                  const int32_t *seq_lens, int64_t requests, const int64_t *slots, void *y, int threads);
+                  const int32_t *seq_lens, int64_t requests, const int64_t *slots, const void *norm, float eps,
+                  void *y, int threads);
 int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x, int64_t T, int64_t K, int64_t k,
             const int64_t *ids, const float *weights, void *y, int io, int threads);
 /* bounds.c: the checks of the indices the kernels above follow. */

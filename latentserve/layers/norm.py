@@ -23,6 +23,15 @@ class RMSNorm(nn.Module):
     def process_weights_after_loading(self, policy: KernelPolicy) -> None:
         self.kernels, self.asked = policy.kernels, True
 
+    def native_norm(self, kernels: native.NativeKernels, dtype: torch.dtype) -> tuple[torch.Tensor, float] | None:
+        """(weight, eps) where this norm runs `kernels`' rms_norm on CPU `dtype` inputs, as a native call that ends in
+        it (`native.decode_layers`) may apply it; else None."""
+        if not self.asked:
+            self.process_weights_after_loading(default_policy())
+        if self.kernels != kernels or self.weight.dtype != dtype or dtype not in native.KERNEL_DTYPES:
+            return None
+        return self.weight, self.eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.asked:
             self.process_weights_after_loading(default_policy())

@@ -111,11 +111,13 @@ def layer_run(view: NativeView[LayerRun], layers: Sequence[nn.Module], layer_rot
     return stack
 
 
-def run_layers(stack: Stack, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The hidden states after the stack's layers, `hidden` entering the first (a step `layer_run` accepted)."""
+def run_layers(stack: Stack, cos: torch.Tensor, sin: torch.Tensor, hidden: torch.Tensor,
+               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    """The hidden states after the stack's layers, `hidden` entering the first (a step `layer_run` accepted), normed
+    by `norm` (weight, eps: `RMSNorm.native_norm`'s) where given."""
     core = stack.cores[0]
     md = get_forward_context().attn_metadata[core.layer_name]
     d = md.decode
     return native.decode_layers(core.kernels, stack.blocks, hidden.contiguous(), cos.contiguous(), sin.contiguous(),
                                 [c.kv_cache for c in stack.cores], d.block_table, d.query_start_loc, d.seq_lens,
-                                md.slot_mapping)
+                                md.slot_mapping, norm)

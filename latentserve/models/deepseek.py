@@ -254,8 +254,11 @@ class DeepseekModel(nn.Module):
         run = layer_run(self.run_view, self.layers, self.layer_rotary, hidden) if q_scale is None else None
         for layer, r in islice(zip(self.layers, self.layer_rotary), len(self.layers) if run is None else run.first):
             hidden = layer(*angles[r], hidden, q_scale)
-        if run is not None:
-            hidden = run_layers(run, *angles[run.rotary], hidden)
+        if run is not None:  # the final norm in the same call where it runs the run's kernels
+            norm = None if self.hc_head is not None else self.norm.native_norm(run.cores[0].kernels, hidden.dtype)
+            hidden = run_layers(run, *angles[run.rotary], hidden, norm)
+            if norm is not None:
+                return hidden
         if self.hc_head is not None:
             hidden = self.hc_head(hidden)
         return self.norm(hidden)

@@ -277,6 +277,19 @@ def test_the_layers_in_one_call_equal_their_blocks_called_one_by_one(tokens):
         assert torch.equal(a, b)
 
 
+def test_the_layers_call_ends_in_the_final_norm_where_given():
+    """The run's output normed in the same call equals rms_norm of the run's output; its weight is checked."""
+    stack, _ = _layers(2, 2)
+    x, cos, sin, caches, table, qsl, lens, slots = _decode_args(2, 2, torch.Generator().manual_seed(4))
+    w = torch.randn(32, generator=torch.Generator().manual_seed(6))
+    y = native.decode_layers(kernels(ISA), stack, x, cos, sin, [c.clone() for c in caches], table, qsl, lens, slots)
+    normed = native.decode_layers(kernels(ISA), stack, x, cos, sin, [c.clone() for c in caches], table, qsl, lens,
+                                  slots, (w, 1e-5))
+    assert torch.equal(normed, native.rms_norm(kernels(ISA), y, w, 1e-5))
+    with pytest.raises(ValueError, match=r"decode_layers: the final norm's weight must be .* \[32\]; got .* \[16\]"):
+        native.decode_layers(kernels(ISA), stack, x, cos, sin, caches, table, qsl, lens, slots, (w[:16], 1e-5))
+
+
 @pytest.mark.parametrize("fault", ["no layers", "a cache short", "caches differ", "moe hidden", "attention dtype",
                                    "router", "slot"])
 def test_the_layers_call_refuses_what_it_cannot_read(fault):

@@ -85,7 +85,7 @@ CASES = {
         caches = [torch.zeros(2, 4, 32) for _ in range(2)]
         table, qsl, lens = (torch.tensor(v, dtype=torch.int32) for v in ([[0, 1]], [0, 1], [1]))
         lib.ls_decode_layers(stack.attention, stack.moe, b"".join(lie(c, 1 << 20, 4, 32) for c in caches), 2, d(x),
-                             d(cos), d(sin), d(table), d(qsl), d(lens), d(torch.tensor([8])), d(y), 1)
+                             d(cos), d(sin), d(table), d(qsl), d(lens), d(torch.tensor([8])), None, 0.0, d(y), 1)
     """,
 }
 

@@ -36,11 +36,13 @@ class LayerStack:
 
 def decode_layers(kernels: NativeKernels, stack: LayerStack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_caches: list[torch.Tensor], block_table: torch.Tensor, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                  seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                  norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """The hidden states after the stack's layers, for decode tokens x `[T, hidden]` (contiguous, the blocks' dtype)
     entering the first: per layer h = x + attention(input_norm(x)) with the layer's cache (its tokens' latents
     written to it), then x = h + moe(post_norm(h)); the caches one dtype and shape, the metadata as
-    `mla_attention_block` reads it."""
+    `mla_attention_block` reads it. With `norm` (weight `[hidden]` in the blocks' dtype, eps) the last layer's
+    output comes back normed as `rms_norm` norms it."""
     fn = "decode_layers"
     first = stack.blocks[0][0]
     if len(kv_caches) != len(stack.blocks[0]):
@@ -51,10 +53,13 @@ def decode_layers(kernels: NativeKernels, stack: LayerStack, x: torch.Tensor, co
     capacity = [slots(fn, slot_mapping, tokens, cache, block.latent + block.rope)
                 for cache, block in zip(kv_caches, stack.blocks[0])]
     width = decode_tables(fn, kv_caches[0], block_table, query_start_loc, seq_lens)[1]
+    if norm is not None:
+        tensor(fn, "the final norm's weight", norm[0], (x.dtype,), (first.hidden,))
     y = torch.empty_like(x)
     code = call(kernels, "ls_decode_layers", stack.attention, stack.moe, b"".join(map(desc, kv_caches)),
                 len(kv_caches), desc(x), desc(cos), desc(sin), desc(block_table), desc(query_start_loc),
-                desc(seq_lens), desc(slot_mapping), desc(y), torch.get_num_threads())
+                desc(seq_lens), desc(slot_mapping), None if norm is None else desc(norm[0]),
+                0.0 if norm is None else norm[1], desc(y), torch.get_num_threads())
     if code == abi.SLOT_PAST_CACHE:
         raise slot_error(fn, slot_mapping, min(capacity))
     if code == abi.BAD_EXPERT:
