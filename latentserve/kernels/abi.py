@@ -110,6 +110,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_q5k_linear": (_status, [_T, _T, _T, _i32]),
     "ls_q4k_linear": (_status, [_T, _T, _T, _i32]),
     "ls_rms_norm": (_status, [_T, _T, _f32, _T, _i32]),
+    "ls_argmax": (_status, [_T, _T, _i32]),
     "ls_mla_prologue": (_status, [_T, _T, _T, _f32, _T, _T, _i32, _T, _T, _T, _T, _i32]),
     "ls_mla_decode": (_status, [_T, _T, _T, _T, _T, _f32, _T, _i32]),
     "ls_prefill_attention": (_status, [_T, _T, _T, _i32, _i64, _i64, _f32, _T, _T, _i32]),

@@ -181,6 +181,14 @@ LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const 
     return LS_OK;
 }
 
+LS_API int ls_argmax(const ls_tensor *x, const ls_tensor *out, int threads) {
+    TENSORS(bad_tensor("x", x, BIT(LS_F32), 2, 0) || bad_tensor("out", out, BIT(LS_I64), 1, 0));
+    TENSORS(bad_size("out", out, 0, DIM(x, 0)));
+    if (DIM(x, 1) < 1) return refuse(LS_BAD_TENSOR, "x: rows of %lld values", (long long)DIM(x, 1));
+    argmax_rows(x->data, DIM(x, 0), DIM(x, 1), out->data, threads);
+    return LS_OK;
+}
+
 /* cos and sin fp32 [T, R], R even, 0 < R <= LS_MAX_ROPE. */
 static int bad_rotary(const ls_tensor *cos, const ls_tensor *sin, int64_t T, int64_t R) {
     TENSORS(bad_tensor("cos", cos, BIT(LS_F32), 2, 0) || bad_tensor("sin", sin, BIT(LS_F32), 2, 0));

@@ -27,8 +27,8 @@ KERNEL_DIR = Path(__file__).parent
 SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "q6k.c", "q45.c", "amx.c",
                                                "quant_blocks.c", "experts.c", "gemv.c", "mla_decode.c",
                                                "prefill_attention.c", "norm.c", "prologue.c", "attention_block.c",
-                                               "route.c", "moe_block.c", "decode_layers.c", "bounds.c", "scratch.c",
-                                               "api.c"))
+                                               "route.c", "moe_block.c", "decode_layers.c", "argmax.c", "bounds.c",
+                                               "scratch.c", "api.c"))
 HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h",
            KERNEL_DIR / "mla_tiles.h", KERNEL_DIR / "mla_lanes.h", KERNEL_DIR / "int8_nibbles.h",
            KERNEL_DIR / "int8_vnni256.h")

@@ -147,6 +147,9 @@ LS_API int ls_q5k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_t
 LS_API int ls_q4k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* RMSNorm over x's rows [M, N] with w [N] of x's dtype; y like x. */
 LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads);
+/* out int64 [M] = the index of each row's first maximum of fp32 x [M, V], V >= 1 (argmax.c: torch.argmax's, a NaN
+ * the maximum). */
+LS_API int ls_argmax(const ls_tensor *x, const ls_tensor *out, int threads);
 /* MLA's latent prologue (prologue.c): q [T, H, D] rotated in place, kv [T, L + R] -> kv_c [T, L], k_pe [T, R],
  * each token's row to kv_cache [blocks, block_size, L + R] at slots [T] (int64, < 0: padding). A cache is fp32,
  * bf16, fp8 e4m3 or int8; an int8 cache's rows are L + R + LS_INT8_ROW_SCALES wide (kv_rows.h). */

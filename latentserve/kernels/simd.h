@@ -285,6 +285,7 @@ int decode_layers(const MLABlock *const *attention, const MoEBlock *const *moe, 
                   const float *sin, const int32_t *block_table, int64_t bt_stride, const int32_t *qsl,
                   const int32_t *seq_lens, int64_t requests, const int64_t *slots, const void *norm, float eps,
                   void *y, int threads);
+void argmax_rows(const float *x, int64_t M, int64_t V, int64_t *out, int threads);
 int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x, int64_t T, int64_t K, int64_t k,
             const int64_t *ids, const float *weights, void *y, int io, int threads);
 /* bounds.c: the checks of the indices the kernels above follow. */

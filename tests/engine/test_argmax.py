@@ -1,8 +1,21 @@
-"""The chunked argmax gives torch.argmax's index: first maximum, NaN as the maximum, any vocabulary size."""
+"""The engine's argmax gives torch.argmax's index (first maximum, NaN as the maximum, any vocabulary size): through
+latentserve's kernels where they load (fp32 rows), and as chunks where they do not (`chunked`) or for other rows."""
 import pytest
 import torch
 
+from latentserve.engine import argmax as argmax_module
 from latentserve.engine.argmax import CHUNK, argmax
+
+
+class _NoKernels:
+    kernels = None
+
+
+@pytest.fixture(autouse=True, params=["kernels", "chunked"])
+def path(request, monkeypatch):
+    if request.param == "chunked":
+        monkeypatch.setattr(argmax_module, "default_policy", _NoKernels)
+    return request.param
 
 
 @pytest.mark.parametrize("shape", [(1, 102400), (8, 32000), (3, 96), (2, 1), (5, CHUNK), (4, CHUNK + 1), (0, 300),

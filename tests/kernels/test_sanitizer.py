@@ -41,6 +41,11 @@ CASES = {
         x, w, y = torch.randn(1, 100), torch.randn(50), torch.empty(1, 100)
         lib.ls_rms_norm(d(x), lie(w, 100), 1e-6, d(y), 1)
     """,
+    # argmax over rows said far longer than they are: reads past x's end.
+    "argmax": """
+        x, out = torch.randn(2, 16), torch.empty(2, dtype=torch.int64)
+        lib.ls_argmax(lie(x, 2, 1 << 16), d(out), 1)
+    """,
     # mla_prologue with a slot one past the cache (the cache said to be much larger): writes past it.
     "mla_prologue": """
         q, kv, w = torch.randn(1, 2, 32), torch.randn(1, 48), torch.randn(32)

@@ -3,11 +3,11 @@ linears; experts.c: the experts in every format; gemv.c: fp32/bf16 linears for f
 attention over the paged cache; prefill_attention.c: prefill's attention over expanded keys and values; norm.c:
 RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write; attention_block.c: a decode step's whole MLA attention
 block; route.c: MoE routing; moe_block.c: a decode step's whole MoE block; decode_layers.c: a decode step's run of
-decoder layers, both blocks of each). Built and loaded by build.py; the interface is latentserve.h, mirrored by
+decoder layers, both blocks of each; argmax.c: the sampler's argmax). Built and loaded by build.py; the interface is latentserve.h, mirrored by
 abi.py; every wrapper checks what it passes first (checks.py's boundary rule) and passes tensors as descriptors.
 
 The wrappers, one module a room: `linear.py` (int8, int4, Q6_K, Q5_0, Q5_K, Q4_K and dense linears, MLA's per-head
-products, RMSNorm), `attention.py` (MLA's prologue, decode and prefill attention, a decode step's attention block),
+products, RMSNorm, argmax), `attention.py` (MLA's prologue, decode and prefill attention, a decode step's attention block),
 `moe.py` (routing, the experts, a decode step's MoE block), `layers.py` (a decode step's run of decoder layers),
 `packing.py` (the quantized weights' layouts), `calls.py` (what they share). Callers reach all of them, the kernels
 and their build through this package: `native.int8_linear`, `native.native_kernels`.
@@ -21,7 +21,7 @@ from latentserve.kernels.native.attention import (mla_attention_block, mla_decod
                                                   prefill_attention)
 from latentserve.kernels.native.calls import KERNEL_DTYPES, KV_CACHE_DTYPES, PROFILE_PREFIX, activations  # noqa: F401
 from latentserve.kernels.native.layers import LayerStack, decode_layers  # noqa: F401
-from latentserve.kernels.native.linear import (dense_heads, dense_linear, int4_linear, int8_heads,  # noqa: F401
+from latentserve.kernels.native.linear import (argmax, dense_heads, dense_linear, int4_linear, int8_heads,  # noqa: F401
                                                int8_heads_lanes, int8_linear, q4k_linear, q5k_linear,
                                                q6k_linear, q50_linear, rms_norm)
 from latentserve.kernels.native.moe import (DENSE_FORMATS, Experts, Format, expert_table, experts,  # noqa: F401

@@ -122,6 +122,17 @@ q5k_linear = _file_blocks("q5k_linear", check_q5k, "pack_q5k")  # Q5_K
 q4k_linear = _file_blocks("q4k_linear", check_q4k, "pack_q4k")  # Q4_K
 
 
+def argmax(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
+    """int64 `[M]`: the index of each row's first maximum of fp32 x `[M, V]` (V >= 1), as `x.argmax(-1)` (a NaN
+    the maximum)."""
+    rows, size = tensor("argmax", "x", x, (torch.float32,), (None, None))
+    if size == 0:
+        raise ValueError(f"argmax: x must have values in each row, got {list(x.shape)}")
+    out = torch.empty(rows, dtype=torch.int64)
+    refused(kernels, "argmax", call(kernels, "ls_argmax", desc(x), desc(out), torch.get_num_threads()))
+    return out
+
+
 def rms_norm(kernels: NativeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over x's last dimension in fp32, x and `weight` both fp32 or both bf16 (bf16: the normalized x
     rounds to bf16 before the weight multiplies it); in x's dtype and shape."""
