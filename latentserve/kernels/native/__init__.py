@@ -3,14 +3,15 @@ linears; experts.c: the experts in every format; gemv.c: fp32/bf16 linears for f
 attention over the paged cache; prefill_attention.c: prefill's attention over expanded keys and values; norm.c:
 RMSNorm; prologue.c: MLA's latent norm, RoPE and cache write; attention_block.c: a decode step's whole MLA attention
 block; route.c: MoE routing; moe_block.c: a decode step's whole MoE block; decode_layers.c: a decode step's run of
-decoder layers, both blocks of each; argmax.c: the sampler's argmax). Built and loaded by build.py; the interface is latentserve.h, mirrored by
-abi.py; every wrapper checks what it passes first (checks.py's boundary rule) and passes tensors as descriptors.
+decoder layers, both blocks of each; argmax.c: the sampler's argmax). Built and loaded by build.py; the interface is
+latentserve.h, mirrored by abi.py; every wrapper checks what it passes first (checks.py's boundary rule) and passes
+tensors as descriptors.
 
 The wrappers, one module a room: `linear.py` (int8, int4, Q6_K, Q5_0, Q5_K, Q4_K and dense linears, MLA's per-head
-products, RMSNorm, argmax), `attention.py` (MLA's prologue, decode and prefill attention, a decode step's attention block),
-`moe.py` (routing, the experts, a decode step's MoE block), `layers.py` (a decode step's run of decoder layers),
-`packing.py` (the quantized weights' layouts), `calls.py` (what they share). Callers reach all of them, the kernels
-and their build through this package: `native.int8_linear`, `native.native_kernels`.
+products, RMSNorm, argmax), `attention.py` (MLA's prologue, decode and prefill attention, a decode step's attention
+block), `moe.py` (routing, the experts, a decode step's MoE block), `layers.py` (a decode step's run of decoder
+layers), `packing.py` (the quantized weights' layouts), `calls.py` (what they share). Callers reach all of them, the
+kernels and their build through this package: `native.int8_linear`, `native.native_kernels`.
 """
 from latentserve.kernels import abi  # noqa: F401
 from latentserve.kernels.abi import (DENSE, INT4, INT8, INT8_BLOCKS, INT8_LANES, Q4K, Q5K, Q6K, Q50,  # noqa: F401
