@@ -1,4 +1,4 @@
-"""The avx512_amx build (int8 and int4 blocks on AMX tiles, kernels/amx.c) against the avx512_bf16 build (vpdpbusd)
+"""The avx512_amx build (int8, int4, Q5_0, Q5_K and Q4_K blocks on AMX tiles, kernels/amx.c) against the avx512_bf16 build (vpdpbusd)
 in one process, on the same weights and activations, taking turns call by call; checks that both give the same
 outputs bit for bit. Per format, shape (out x in) and row count: each build's best time per call over --repeats, and
 the ratio bf16 / amx of the best times with the range of the per-round ratios.
@@ -7,7 +7,7 @@ the ratio bf16 / amx of the best times with the range of the per-round ratios.
 CPU time over the thread count (set `OMP_WAIT_POLICY=passive`, so that waiting threads do not spin). On a loaded
 machine the wall clock mostly measures the other processes.
 
-Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/amx_ab.py [--rows 512] [--formats int8,int4] [--group 32]
+Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/amx_ab.py [--rows 512] [--formats int8,int4,q5_0,q5_k,q4_k] [--group 32]
 [--shapes 1408x2048,2816x2048] [--threads 1] [--repeats 3]`.
 """
 from __future__ import annotations
@@ -41,6 +41,17 @@ def _product(fmt: str, group: int, n: int, k: int):
     if fmt == "int8":
         packed = native.pack_int8(*quantize_int8(w))
         return lambda kern, x: native.int8_linear(kern, x, packed, n, x.dtype), "int8"
+    if fmt == "q5_0":
+        packed = native.pack_q50(torch.randint(0, 32, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 1e-2).half())
+        return lambda kern, x: native.q50_linear(kern, x, packed, n, x.dtype), "Q5_0"
+    if fmt in ("q5_k", "q4_k"):
+        bits = int(fmt[1])
+        d, dmin = ((torch.rand(n, k // 256) * 1e-3).half().float() for _ in range(2))
+        sc, m = (torch.randint(0, 64, (n, k // 32), dtype=torch.uint8) for _ in range(2))
+        q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+        pack, linear = (native.pack_q5k, native.q5k_linear) if bits == 5 else (native.pack_q4k, native.q4k_linear)
+        packed = pack(q, d, dmin, sc, m)
+        return lambda kern, x: linear(kern, x, packed, n, x.dtype), fmt.replace("q", "Q").replace("_k", "_K")
     packed = native.pack_int4(*quantize_int4(w, group))
     return lambda kern, x: native.int4_linear(kern, x, packed, group, n, x.dtype), f"int4 g{group}"
 
@@ -69,6 +80,8 @@ def main() -> None:
     for fmt in args.formats.split(","):
         for shape in args.shapes.split(","):
             n, k = map(int, shape.split("x"))
+            if fmt in ("q5_k", "q4_k") and k % 256:
+                continue  # the k-quants' superblocks: 256 columns (a file keeps such rows in Q5_0)
             call, name = _product(fmt, args.group, n, k)
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).to(dtype)

@@ -24,7 +24,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "quant.h"
+#include "q45.h"
 
 #ifdef LS_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -235,5 +235,108 @@ void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *b
         }
     }
     amx_end();
+}
+#define Q45_CHUNK 64 /* groups of a q45 block unpacked at a time (2048 columns): 32 KB of B rows, 8 KB of scales */
+
+/* Groups g0..g1 of a q45.c block as B rows of q - centre, signed for TDPBSSD (the vector kernel's integer sum of a
+ * group starts at -centre times the sum of x: the same sums), 8 rows a group (unit c's low nibbles, columns 8c..
+ * 8c+3, then its high ones), and each group's scale and minc (q45_scales, as the vector kernel forms them). */
+static void q45_unpack(const uint8_t *block, Q45Layout l, int64_t g0, int64_t g1, int8_t *b, float (*scale)[16],
+                       float (*minc)[16]) {
+    const __m512i centre = _mm512_set1_epi8((char)q45_centre(l));
+    for (int64_t g = g0; g < g1; g++) {
+        const float *sd;
+        const uint8_t *p = q45_at(block, l, g, &sd);
+        __m512i hb = q45_fifths(p, l), lo, hi;
+        int8_t *rows = b + 512 * (g - g0);
+        for (int c = 0; c < Q45_UNITS; c++) {
+            q45_unit(p, hb, l, c, &lo, &hi);
+            _mm512_storeu_si512(rows + 128 * c, _mm512_sub_epi8(lo, centre));
+            _mm512_storeu_si512(rows + 128 * c + 64, _mm512_sub_epi8(hi, centre));
+        }
+        __m512 mc = _mm512_setzero_ps();
+        _mm512_storeu_ps(scale[g - g0], q45_scales(p, sd, l, &mc));
+        _mm512_storeu_ps(minc[g - g0], mc);
+    }
+    written();
+}
+
+/* Group g's products (TDPBSSD) into C tile `c`, through A tile `a` and B tile `bt`: the 16 rows of xq (K bytes
+ * apart) at column 32 g, b's B rows from group g0. */
+#define Q45_GROUP(c, a, bt, xq, b, g, g0, K)             \
+    do {                                                 \
+        _tile_zero(c);                                   \
+        _tile_loadd(a, (xq) + 32 * (g), K);              \
+        _tile_loadd(bt, (b) + 512 * ((g) - (g0)), 64);   \
+        _tile_dpbssd(c, a, bt);                          \
+    } while (0)
+
+/* The vector kernel's float operations on group g's sums, in its order: res += (scale * xs) * sums, and for the
+ * k-quants res += minc * (the exact sum of x over the group). A macro with its loop unrolled for res to stay in
+ * registers (INT4_SPAN_DONE's reason). xs, fx: row 0's scales (`chunks` a row) and corrections as floats (`corrs`). */
+#define Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, ks)                              \
+    do {                                                                                                      \
+        __m512 sc_ = _mm512_loadu_ps((scale)[(g) - (g0)]), mc_ = _mm512_loadu_ps((minc)[(g) - (g0)]);        \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                               \
+            __m512 s_ = _mm512_mul_ps(sc_, _mm512_set1_ps((xs)[i * (chunks) + (g) / 2]));                     \
+            res[i] = _mm512_fmadd_ps(s_, _mm512_cvtepi32_ps(_mm512_loadu_si512((sums)[i])), res[i]);          \
+            if (ks) res[i] = _mm512_fmadd_ps(mc_, _mm512_set1_ps((fx)[i * (corrs) + 2 * (g) + 1]), res[i]);   \
+        }                                                                                                     \
+    } while (0)
+
+/* The vector kernel's q45_block for 16 rows at once over groups g0..g1, unpacked into b, scale and minc; res starts
+ * at 0 (g0 = 0) or at dots. Groups take C tiles 0-3 in turns, so that a group's product is issued three groups before
+ * its float operations run: with two in turns (int4_rows' spans) the products waited on each other (0.92x). */
+INLINE void q45_tile_rows(QuantActs a, int64_t row, Q45Layout l, int64_t g0, int64_t g1, int64_t K,
+                          const int8_t *b, float (*scale)[16], float (*minc)[16], float *dots) {
+    int64_t chunks = K / XBLOCK, corrs = q45_corrs(l, K);
+    const int8_t *xq = a.q + row * K;
+    const float *xs = a.s + row * chunks, *fx = (const float *)a.corr + row * corrs;
+    __m512 res[16];
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) res[i] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(dots + 16 * i);
+    int32_t sums[16][16];
+    Q45_GROUP(0, 5, 4, xq, b, g0, g0, K);
+    if (g0 + 1 < g1) Q45_GROUP(1, 6, 7, xq, b, g0 + 1, g0, K);
+    if (g0 + 2 < g1) Q45_GROUP(2, 5, 4, xq, b, g0 + 2, g0, K);
+    for (int64_t g = g0; g < g1; g += 4) {
+        if (g + 3 < g1) Q45_GROUP(3, 6, 7, xq, b, g + 3, g0, K);
+        _tile_stored(0, sums, 64);
+        Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        if (g + 1 >= g1) break;
+        if (g + 4 < g1) Q45_GROUP(0, 5, 4, xq, b, g + 4, g0, K);
+        _tile_stored(1, sums, 64);
+        Q45_GROUP_DONE(res, sums, g + 1, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        if (g + 2 >= g1) break;
+        if (g + 5 < g1) Q45_GROUP(1, 6, 7, xq, b, g + 5, g0, K);
+        _tile_stored(2, sums, 64);
+        Q45_GROUP_DONE(res, sums, g + 2, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        if (g + 3 >= g1) break;
+        if (g + 6 < g1) Q45_GROUP(2, 5, 4, xq, b, g + 6, g0, K);
+        _tile_stored(3, sums, 64);
+        Q45_GROUP_DONE(res, sums, g + 3, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+    }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, res[i]);
+}
+
+/* m: a multiple of 16. */
+INLINE void amx_q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots,
+                         Q45Layout l) {
+    int8_t b[512 * Q45_CHUNK] __attribute__((aligned(64)));
+    float scale[Q45_CHUNK][16], minc[Q45_CHUNK][16];
+    amx_begin(32);
+    for (int64_t g0 = 0; g0 < K / 32; g0 += Q45_CHUNK) {
+        int64_t g1 = K / 32 - g0 < Q45_CHUNK ? K / 32 : g0 + Q45_CHUNK;
+        q45_unpack(block, l, g0, g1, b, scale, minc);
+        for (int64_t r0 = 0; r0 < m; r0 += 16)
+            q45_tile_rows(a, first + r0, l, g0, g1, K, b, scale, minc, dots + 16 * r0);
+    }
+    amx_end();
+}
+
+void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K,
+                        float *dots) {
+    Q45_LAYOUTS(f, amx_q45_dots, a, first, m, block, K, dots);
 }
 #endif

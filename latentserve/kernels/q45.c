@@ -25,19 +25,8 @@
  * group's exact sum of x. Per group the sum times the scale (Q5_0: d; k-quants: d * sc, in fp32 as gguf computes it)
  * times x's scale goes into the row's sums, and for the k-quants the exact sum of x times centre * scale - dmin * m
  * (q = (q - centre) + centre). Same operations in the same order on every build: the same bits on AVX2 and AVX-512. */
-#include "quant.h"
+#include "q45.h"
 
-#define Q45_UNITS 4 /* 64-byte units of nibbles a group: 8 columns each */
-
-/* A layout's traits (the dispatch passes them as constants: each layout its own inlined code). fifth: 5 bits (the
- * fifth bits' 64 bytes a group, centre 16), else 4 (centre 8); ks: a k-quant (superblocks of 256 columns, sc and m a
- * group), else Q5_0. */
-typedef struct {
-    int fifth, ks;
-} Q45Layout;
-
-INLINE int64_t q45_group_bytes(Q45Layout l) { return l.fifth ? Q5_GROUP : Q4_GROUP; }
-INLINE int q45_centre(Q45Layout l) { return l.fifth ? 16 : 8; }
 /* Rows up to which a pair of blocks runs group by group (two streams in flight); from more, one block after the
  * other. The 5-bit layouts' pairs stop at 2 rows (the fifth bits' registers beside both blocks' sums); Q4_K's run to
  * the drivers' PAIR_ROWS (AVX-512, kernel against int4's on the same values, 2048 x 2048: 0.79x -> 0.97x at 4 rows,
@@ -60,41 +49,22 @@ INLINE Q45Rows q45_rows(QuantActs a, int64_t r, int64_t K, int64_t corrs) {
 #ifdef LS_AVX512
 #define Q45ROWS 8 /* activation rows a pass: an accumulator and a sum each */
 
-/* q with 16 added where bit r of hb's byte is set: the fifth bits (a byte mask, then a masked add). */
-INLINE __m512i q5_fifth(__m512i q, __m512i hb, int r) {
-    return _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hb, _mm512_set1_epi8((char)(1 << r))), q,
-                                _mm512_set1_epi8(0x10));
-}
-
 /* res[i][j] += group g's part of output j of a block for activation row i, the group's bytes at p, its superblock's
- * d and dmin at sd (Q5_0: none). Unit c's two vectors of q (16 outputs; columns 8c .. 8c + 3, then 8c + 4 .. 8c + 7)
- * are unpacked and met by every row before the next unit's. */
+ * d and dmin at sd (Q5_0: none). Unit c's two vectors of q are unpacked and met by every row before the next unit's. */
 INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
                       __m512 *res) {
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const uint8_t *units = p + (l.fifth ? 96 : 32);
-    __m512i hb = l.fifth ? _mm512_loadu_si512(p + 32) : _mm512_setzero_si512(), acc[Q45ROWS];
+    __m512i hb = q45_fifths(p, l), acc[Q45ROWS];
     for (int i = 0; i < mb; i++) acc[i] = _mm512_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
     for (int c = 0; c < Q45_UNITS; c++) {
-        __m512i v = _mm512_loadu_si512(units + 64 * c);
-        __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        if (l.fifth) lo = q5_fifth(lo, hb, 2 * c), hi = q5_fifth(hi, hb, 2 * c + 1);
+        __m512i lo, hi;
+        q45_unit(p, hb, l, c, &lo, &hi);
         for (int i = 0; i < mb; i++) {
             const int8_t *xi = x.xq + i * K + 32 * g + 8 * c;
             acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(four_bytes(xi)));
             acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(four_bytes(xi + 4)));
         }
     }
-    __m512 scale, minc = _mm512_setzero_ps();
-    if (l.ks) {
-        __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-        __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-        scale = _mm512_mul_ps(_mm512_loadu_ps(sd), sc);
-        minc = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps((float)q45_centre(l)), scale),
-                             _mm512_mul_ps(_mm512_loadu_ps(sd + 16), m));
-    } else {
-        scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-    }
+    __m512 minc = _mm512_setzero_ps(), scale = q45_scales(p, sd, l, &minc);
     for (int i = 0; i < mb; i++) {
         __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
         res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc[i]), res[i]);
@@ -198,19 +168,6 @@ INLINE void q45_store(Q45Sums res, int mb, float (*out)[16]) {
 #define Q45_ZERO(res) for (int i = 0; i < mb; i++) res[0][i] = res[1][i] = _mm256_setzero_ps()
 #endif
 
-/* Group g of the block at p, its superblock's d and dmin into *sd (Q5_0: NULL): Q5_0's groups follow one another;
- * the k-quants' come 8 to a superblock after its header (the 16 d, then the 16 dmin). */
-INLINE const uint8_t *q45_at(const uint8_t *p, Q45Layout l, int64_t g, const float **sd) {
-    int64_t bytes = q45_group_bytes(l);
-    if (!l.ks) {
-        *sd = NULL;
-        return p + g * bytes;
-    }
-    const uint8_t *sp = p + g / 8 * (128 + 8 * bytes);
-    *sd = (const float *)sp;
-    return sp + 128 + g % 8 * bytes;
-}
-
 #ifndef LS_AVX512
 /* q45_block for more rows: the block's half h = 0, then h = 1, each over all its groups with one register of float
  * sums a row (q45_group keeps both halves': 2 registers a row, 4 rows a pass), so Q45_HALF_ROWS rows share each
@@ -259,18 +216,6 @@ INLINE void q45_block_pair(Q45Rows x0, Q45Rows x1, const uint8_t *p0, const uint
     q45_store(res1, mb, out1);
 }
 
-/* The corrections a row holds: per 32 columns the centre (k-quants: and the exact sum). */
-INLINE int64_t q45_corrs(Q45Layout l, int64_t K) { return (1 + l.ks) * (K / 32); }
-
-/* fn over the blocks' rows in passes of Q45ROWS with the layout l a constant (each layout its own code). */
-#define Q45_LAYOUTS(f, fn, ...)                                                                           \
-    if ((f).bits == 4)                                                                                   \
-        fn(__VA_ARGS__, ((Q45Layout){0, 1}));                                                            \
-    else if ((f).group == 256)                                                                           \
-        fn(__VA_ARGS__, ((Q45Layout){1, 1}));                                                            \
-    else                                                                                                 \
-        fn(__VA_ARGS__, ((Q45Layout){1, 0}))
-
 INLINE void q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots, Q45Layout l) {
 #ifndef LS_AVX512
     if (!l.fifth && m >= Q45_HALVES_FROM) {
@@ -306,6 +251,13 @@ INLINE void q45_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
 }
 
 void q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots) {
+#ifdef LS_AMX
+    if (m >= AMX_Q45_ROWS) { /* the rows' whole 16s on tiles, the rest here (a tile for them ran 0.75-0.9x) */
+        int64_t tiles = m & ~(int64_t)15;
+        amx_q45_block_dots(f, a, first, tiles, block, K, dots);
+        first += tiles, m -= tiles, dots += 16 * tiles;
+    }
+#endif
     Q45_LAYOUTS(f, q45_dots, a, first, m, block, K, dots);
 }
 

@@ -158,6 +158,10 @@ void amx_int8_sums(const int8_t *xq, int64_t K, int64_t whole, const int8_t *w0,
 /* int4_block_dots on tiles (m >= 16), the same bits. */
 void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, int64_t G,
                          float *dots);
+/* q45_block_dots on tiles for m rows, a multiple of 16, the same bits; q45_block_dots takes them from AMX_Q45_ROWS. */
+#define AMX_Q45_ROWS 32
+void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K,
+                        float *dots);
 #endif
 
 /* Whether the drivers hand two blocks of format f at once (block_pair_dots) for m rows: up to PAIR_ROWS, two streams

@@ -1,4 +1,4 @@
-"""The avx512_amx build (kernels/amx.c): its int8 and int4 products at many rows run on AMX tiles and must equal the
+"""The avx512_amx build (kernels/amx.c): its int8, int4, Q5_0, Q5_K and Q4_K products at many rows run on AMX tiles and must equal the
 avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the experts, at row counts 16 does not divide,
 input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads; and the build is chosen only where
 the CPU has AMX, and refused with the reason where the tiles cannot be had."""
@@ -15,11 +15,13 @@ from latentserve.kernels.cpu import cpu_features
 from latentserve.layers.quant.int4 import quantize_int4
 from latentserve.layers.quant.int8 import quantize_int8
 from tests.kernels.builds import ISAS, kernels
+from tests.kernels.test_file_blocks import FORMATS
 
 needs_amx = pytest.mark.skipif("avx512_amx" not in ISAS,
                                reason="no AMX here (CPU without amx_tile, AVX512-BF16 or VNNI, or ATEN_CPU_CAPABILITY)")
 ROWS = (16, 17, 31, 64, 256, 300)  # int8 runs on the tiles from 16 rows
 INT4_ROWS = (16, 17, 31, 32, 33, 300)  # int4 from 16 at groups of 64 and 128, from 32 at group 32
+Q45_FORMATS = ("Q5_0", "Q5_K", "Q4_K")  # q45.c's, on the tiles from 16 rows
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +69,30 @@ def test_int4_linear_equals_the_vnni_build_bit_for_bit(m, group, k, threads):
 
 
 @needs_amx
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("k", [512, 2304])  # 2304: past the 2048 columns amx.c unpacks at a time
+@pytest.mark.parametrize("file_type", Q45_FORMATS)
+@pytest.mark.parametrize("m", ROWS)
+def test_q45_linear_equals_the_vnni_build_bit_for_bit(m, file_type, k, threads):
+    f = FORMATS[file_type]
+    g = torch.Generator().manual_seed(m * 3 + k)
+    n = 40
+    values, w = f.values(g, n, k)
+    packed = f.pack(*values)
+    x = torch.randn(m, k, generator=g) * 3
+    x[m - 1, 100] = float("nan")
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = f.linear(kernels("avx512_amx"), xd, packed, n, dtype)
+        want = f.linear(kernels("avx512_bf16"), xd, packed, n, dtype)
+        assert torch.equal(_bits(got), _bits(want))
+    assert got[m - 1].isnan().all() and not got[: m - 1].isnan().any()
+    # and the value: x times the file's weights, within the activations' int8 rounding
+    expected = x[: m - 1].double() @ w.double().T
+    torch.testing.assert_close(got[: m - 1].double(), expected, rtol=0, atol=0.02 * expected.abs().max().item())
+
+
+@needs_amx
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_linears_on_tiles_match_float64_math(fmt):
     """Against x times the dequantized weight in float64: only the activations' rounding to int8 between them."""
@@ -109,6 +135,25 @@ def test_experts_at_prefill_equal_the_vnni_build(fmt, threads):
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
     got = native.experts(kernels("avx512_amx"), x, routed, ids, weights, shared)
     want = native.experts(kernels("avx512_bf16"), x, routed, ids, weights, shared)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+@needs_amx
+@pytest.mark.parametrize("file_type", Q45_FORMATS)
+def test_q45_experts_at_prefill_equal_the_vnni_build(file_type):
+    """A file's MoE at prefill, gate_up and down in the format (Q5_0's rows 1408 / 64 wide as V2's downs are not a
+    multiple of 256), 120 tokens, 2 of 4 experts each: groups of ~60 rows on the tiles."""
+    f = FORMATS[file_type]
+    g = torch.Generator().manual_seed(7)
+    hidden, inter, tokens, count = 256, 192 if f.k == 64 else 256, 120, 4
+    pairs = [(f.pack(*f.values(g, 2 * inter, hidden)[0]), f.pack(*f.values(g, hidden, inter)[0]))
+             for _ in range(count)]
+    table = native.expert_table(pairs, hidden, inter, (f.format, f.format))
+    ids = torch.stack([torch.randperm(count, generator=g)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=g)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    got = native.experts(kernels("avx512_amx"), x, table, ids, weights)
+    want = native.experts(kernels("avx512_bf16"), x, table, ids, weights)
     assert torch.equal(_bits(got), _bits(want))
 
 
