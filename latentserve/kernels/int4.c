@@ -35,30 +35,21 @@
  * 1.17-1.25x, 64 1.12-1.18x, 128 1.22-1.27x; at 8 rows from memory 1.07x (pairs run the halves from 6 rows; at
  * 3-5 the reads bind and the pairs keep int4_group), at 1-4 rows the same.
  *
- * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s
- * in the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep
- * the core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on
- * memory. So each group fetches the lines of the one read_ahead bytes further into L1 (quant.h: on Intel) (fetch_ahead); and on AVX-512
- * a pass takes 8 rows with one integer accumulator a row (two passes of 4 unpacked and read each block twice; two
- * accumulators a row at 8 rows spilled): 8 rows are bound by the sums. Same sums, same float order, same bits. Intel
- * Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes, `benchmarks/stream.py --clock cpu --rounds 5 --group
- * 32` (and 64, alike), int4 / int8 weight GB/s before -> after: 1 row 0.73-0.79 -> 0.86-0.94, 2 rows 0.79-0.85 ->
- * 0.95-1.07, 4 rows 0.80-0.87 -> 0.98-1.16, 8 rows 0.48-0.54 -> 0.72-0.85 (int4 at 1 row mostly about 90 % of the
- * copy bandwidth). The AVX2 build there (ATEN_CPU_CAPABILITY=avx2): 1-2 rows 67-76 % -> 92-93 % of copy. 4 KB ahead
- * or into L2 measured the same, 1 KB less; fetching each unit's line alone (not whole groups) leaves some lines to
- * the prefetchers, slower at 1 row; pairs in turns of 2 KB a block at 1-2 rows (as int8's) no faster. At many rows
- * one accumulator a row and 8 rows a pass: 1.08x (hot, one core). */
+ * At a few rows (decode) the weight's bytes bind, and int4 did read them slower than int8 (int4 / int8 weight GB/s in
+ * the same rounds 0.73-0.79 at 1 row, about 0.5 at 8): its 5-6 vector operations a 64-byte unit (int8: one) keep the
+ * core's loads from running as far ahead of the sums, and the hardware prefetchers alone left them waiting on memory.
+ * So each group fetches the lines of the one read_ahead bytes further into L1 (quant.h fetch_ahead: on Intel); and on
+ * AVX-512 a pass takes 8 rows with one integer accumulator a row (two passes of 4 unpacked and read each block twice;
+ * two accumulators a row at 8 rows spilled): 8 rows are bound by the sums. Same sums, same float order, same bits.
+ * Intel Xeon (AVX-512 VNNI), 2 threads, CPU time, V2-Lite/V3 shapes, `benchmarks/stream.py --clock cpu --rounds 5
+ * --group 32` (and 64, alike), int4 / int8 weight GB/s before -> after: 1 row 0.73-0.79 -> 0.86-0.94, 2 rows 0.79-0.85
+ * -> 0.95-1.07, 4 rows 0.80-0.87 -> 0.98-1.16, 8 rows 0.48-0.54 -> 0.72-0.85 (int4 at 1 row mostly about 90 % of the
+ * copy bandwidth). The AVX2 build there (ATEN_CPU_CAPABILITY=avx2): 1-2 rows 67-76 % -> 92-93 % of copy. 4 KB ahead or
+ * into L2 measured the same, 1 KB less; fetching each unit's line alone (not whole groups) leaves some lines to the
+ * prefetchers, slower at 1 row; pairs in turns of 2 KB a block at 1-2 rows (as int8's) no faster. At many rows one
+ * accumulator a row and 8 rows a pass: 1.08x (hot, one core).
+ */
 #include "quant.h"
-
-/* The 64-byte lines of the group (64 + 8 * G bytes: scales and weights) read_ahead bytes past the one at p (rounded
- * up to whole groups; none where read_ahead is 0), fetched into L1 while this one is summed. Past a block's end it fetches the next block in memory: the one the drivers read
- * next (a share's blocks and both halves of a pair walk forward; the experts walk an expert's blocks in order). A
- * prefetch does not fault, so the address is formed in integers. */
-INLINE void fetch_ahead(const uint8_t *p, int64_t G) {
-    if (!read_ahead) return;
-    const int64_t bytes = 64 + 8 * G, ahead = (read_ahead + bytes - 1) / bytes * bytes;
-    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)((uintptr_t)p + ahead + l), _MM_HINT_T0);
-}
 
 #ifdef LS_AVX512
 #define QROWS 8 /* activation rows per pass over a block: 2 vector registers each */
@@ -79,7 +70,7 @@ INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, con
                        int64_t g, int mb, Sums res) {
     const __m512i low = _mm512_set1_epi8(0x0f), high_half = _mm512_set1_epi32((int)0xffff0000);
     int64_t span = G < XBLOCK ? G : XBLOCK;
-    fetch_ahead(p, G);
+    fetch_ahead(p, 64 + 8 * G);
     __m512i pairs = _mm512_loadu_si512(p);
     __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
     __m512 minimum = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
@@ -198,7 +189,7 @@ INLINE void int4_half_group(const int8_t *xq, const float *xs, const float *corr
 /* As the AVX-512 int4_group, each row's 16 outputs as two halves of 8, the group's halves in turn. */
 INLINE void int4_group(const int8_t *xq, const float *xs, const float *corr, const uint8_t *p, int64_t K, int64_t G,
                        int64_t g, int mb, Sums res) {
-    fetch_ahead(p, G);
+    fetch_ahead(p, 64 + 8 * G);
     for (int h = 0; h < 2; h++) int4_half_group(xq, xs, corr, p, K, G, g, h, mb, res[h]);
 }
 
@@ -211,7 +202,7 @@ INLINE void int4_halves(const int8_t *xq, const float *xs, const float *corr, co
         __m256 res[HROWS];
         for (int i = 0; i < mb; i++) res[i] = _mm256_setzero_ps();
         for (int64_t g = 0; g < K / G; g++) {
-            if (h == 0) fetch_ahead(p + g * (64 + 8 * G), G); /* the second half finds the block in cache */
+            if (h == 0) fetch_ahead(p + g * (64 + 8 * G), 64 + 8 * G); /* the second half finds the block in cache */
             int4_half_group(xq, xs, corr, p + g * (64 + 8 * G), K, G, g, h, mb, res);
         }
         for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);

@@ -179,6 +179,7 @@ INLINE void q45_halves(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int 
         for (int64_t g = 0; g < K / 32; g++) {
             const float *sd;
             const uint8_t *at = q45_at(p, l, g, &sd);
+            if (h == 0) fetch_ahead(at, q45_group_bytes(l)); /* the second half finds the block in cache */
             q45_half(x, at, sd, l, K, g, h, mb, res);
         }
         for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);
@@ -186,10 +187,12 @@ INLINE void q45_halves(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int 
 }
 #endif
 
-/* Group g of the block at p into res. */
+/* Group g of the block at p into res, the group read_ahead bytes on fetched (int4's reason: the unpacking keeps the
+ * loads from running ahead). */
 INLINE void q45_block_group(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int64_t g, int mb, Q45Sums res) {
     const float *sd;
     const uint8_t *at = q45_at(p, l, g, &sd);
+    fetch_ahead(at, q45_group_bytes(l));
     q45_group(x, at, sd, l, K, g, mb, res);
 }
 

@@ -116,6 +116,17 @@ void int8_block_dots(QuantActs a, int64_t first, int64_t m, const int8_t *block,
  * slower on AMD Zen 4. */
 extern int64_t read_ahead;
 
+/* The 64-byte lines of a group of `bytes` at p (a few-row kernel's unit of its weight stream: int4's group of 64 +
+ * 8 G bytes, q45.c's) read_ahead bytes further on (rounded up to whole groups; none where read_ahead is 0), fetched
+ * into L1 while this one is summed. Past a block's end it fetches the next block in memory: the one the drivers read
+ * next (a share's blocks and both halves of a pair walk forward; the experts walk an expert's blocks in order). A
+ * prefetch does not fault, so the address is formed in integers. */
+INLINE void fetch_ahead(const void *p, int64_t bytes) {
+    if (!read_ahead) return;
+    const int64_t ahead = (read_ahead + bytes - 1) / bytes * bytes;
+    for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)((uintptr_t)p + ahead + l), _MM_HINT_T0);
+}
+
 /* int8_block_dots of two blocks at once, each with its own rows (m of each), into dots0 and dots1: two streams of
  * weights in flight; on AMX tiles (from AMX_INT8_ROWS rows), the same rows of both read once for the two. The drivers
  * use it where pairs() says. */

@@ -1,7 +1,7 @@
-"""The avx512_amx build (kernels/amx.c): its int8, int4, Q5_0, Q5_K and Q4_K products at many rows run on AMX tiles and must equal the
-avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the experts, at row counts 16 does not divide,
-input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads; and the build is chosen only where
-the CPU has AMX, and refused with the reason where the tiles cannot be had."""
+"""The avx512_amx build (kernels/amx.c): its int8, int4, Q5_0, Q5_K and Q4_K products at many rows run on AMX tiles
+and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the experts, at row counts 16
+does not divide, input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads; and the build is
+chosen only where the CPU has AMX, and refused with the reason where the tiles cannot be had."""
 from __future__ import annotations
 
 import dataclasses

@@ -9,6 +9,7 @@ from latentserve.kernels import build, cpu, native
 from latentserve.layers.quant.int4 import quantize_int4
 from latentserve.layers.quant.int8 import quantize_int8
 from tests.kernels.builds import ISAS, kernels, needs_a_build
+from tests.kernels.test_file_blocks import FORMATS
 
 # 0: none; 64: inside the unit's own group; 192: not a whole group of int4 (rounded up); 2048: Intel's; 1 MiB: past
 # the end of every weight here (a prefetch does not fault).
@@ -28,24 +29,34 @@ def set_read_ahead():
         lib.ls_set_read_ahead(build.read_ahead_bytes())
 
 
+def _product(fmt: str, g: torch.Generator, n: int, width: int):
+    """x -> x times a weight of `fmt` (n outputs, `width` inputs), on kernels k."""
+    if fmt in FORMATS:
+        f = FORMATS[fmt]
+        packed = f.pack(*f.values(g, n, width)[0])
+        return lambda k, x: f.linear(k, x, packed, n)
+    w = torch.randn(n, width, generator=g) * 0.05
+    if fmt == "int8":
+        packed = native.pack_int8(*quantize_int8(w))
+        return lambda k, x: native.int8_linear(k, x, packed, n)
+    packed = native.pack_int4(*quantize_int4(w, 32))
+    return lambda k, x: native.int4_linear(k, x, packed, 32, n)
+
+
 @needs_a_build
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_every_read_ahead_gives_the_same_bits(isa, bits, set_read_ahead):
+@pytest.mark.parametrize("fmt", ["int8", "int4", "Q5_0", "Q5_K", "Q4_K"])
+def test_every_read_ahead_gives_the_same_bits(isa, fmt, set_read_ahead):
     k = kernels(isa)
-    g = torch.Generator().manual_seed(bits)
-    n, width = 16 * 7, 256  # 7 blocks: a share with a pair and one block alone on each of 2 threads
-    w = torch.randn(n, width, generator=g) * 0.05
-    packed = native.pack_int8(*quantize_int8(w)) if bits == 8 else native.pack_int4(*quantize_int4(w, 32))
+    g = torch.Generator().manual_seed(len(fmt))
+    n, width = 16 * 7, 512  # 7 blocks: a share with a pair and one block alone on each of 2 threads
+    product = _product(fmt, g, n, width)
     for rows in (1, 2, 3, 8, 9):  # pairs at 1-8 rows (two chains at 1-2, int4's halves from 3), single blocks above
         x = torch.randn(rows, width, generator=g)
         outputs = []
         for distance in DISTANCES:
             set_read_ahead(k, distance)
-            if bits == 8:
-                outputs.append(native.int8_linear(k, x, packed, n))
-            else:
-                outputs.append(native.int4_linear(k, x, packed, 32, n))
+            outputs.append(product(k, x))
         for distance, y in zip(DISTANCES[1:], outputs[1:]):
             assert torch.equal(y, outputs[0]), (rows, distance)
 
