@@ -28,9 +28,10 @@
  * slowed them (1.19x -> 1.09x). */
 #define Q6K_FETCH_ROWS 3
 
-/* The lines of `bytes` at p of the block read next, fetched into L2 from Q6K_FETCH_ROWS rows. */
+/* The lines of `bytes` at p of the block read next, fetched into L2 from Q6K_FETCH_ROWS rows; at fewer, those
+ * read_ahead bytes on into L1 (fetch_ahead, int4's: on Intel). */
 INLINE void q6k_fetch(const uint8_t *p, int64_t ahead, int64_t bytes, int mb) {
-    if (mb < Q6K_FETCH_ROWS) return;
+    if (mb < Q6K_FETCH_ROWS) return fetch_ahead(p, bytes);
     for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch((const char *)((uintptr_t)p + ahead + l), _MM_HINT_T1);
 }
 
