@@ -1,14 +1,14 @@
-"""The avx512_amx build (int8, int4, Q5_0, Q5_K and Q4_K blocks on AMX tiles, kernels/amx.c) against the avx512_bf16
-build (vpdpbusd) in one process, on the same weights and activations, taking turns call by call; checks that both
-give the same outputs bit for bit (random weights: the k-quants' shapes need inputs a multiple of 256). Per format,
-shape (out x in) and row count: each build's best time per call over --repeats, and the ratio bf16 / amx of the best
-times with the range of the per-round ratios.
+"""The avx512_amx build (int8, int4, Q6_K, Q5_0, Q5_K and Q4_K blocks on AMX tiles, kernels/amx.c) against the
+avx512_bf16 build (vpdpbusd) in one process, on the same weights and activations, taking turns call by call; checks
+that both give the same outputs bit for bit (random weights: the k-quants' shapes need inputs a multiple of 256). Per
+format, shape (out x in) and row count: each build's best time per call over --repeats, and the ratio bf16 / amx of
+the best times with the range of the per-round ratios.
 
 `--clock thread` (the default at 1 thread) times by the calling thread's CPU time; `--clock cpu` by the process's
 CPU time over the thread count (set `OMP_WAIT_POLICY=passive`, so that waiting threads do not spin). On a loaded
 machine the wall clock mostly measures the other processes.
 
-Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/amx_ab.py [--rows 512] [--formats int8,int4,q5_0,q5_k,q4_k]
+Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/amx_ab.py [--rows 512] [--formats int8,int4,q6_k,q5_0,q5_k,q4_k]
 [--group 32] [--shapes 1408x2048,2816x2048] [--threads 1] [--repeats 3]`.
 """
 from __future__ import annotations
@@ -46,6 +46,10 @@ def _product(fmt: str, group: int, n: int, k: int):
         q, d = torch.randint(0, 32, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 1e-2).half()
         packed = native.pack_q50(q, d)
         return lambda kern, x: native.q50_linear(kern, x, packed, n, x.dtype), "Q5_0"
+    if fmt == "q6_k":
+        q, d = torch.randint(0, 64, (n, k), dtype=torch.uint8), (torch.rand(n, k // 256) * 1e-3).half().float()
+        packed = native.pack_q6k(q, d, torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
+        return lambda kern, x: native.q6k_linear(kern, x, packed, n, x.dtype), "Q6_K"
     if fmt in ("q5_k", "q4_k"):
         bits = int(fmt[1])
         d, dmin = ((torch.rand(n, k // 256) * 1e-3).half().float() for _ in range(2))
@@ -82,7 +86,7 @@ def main() -> None:
     for fmt in args.formats.split(","):
         for shape in args.shapes.split(","):
             n, k = map(int, shape.split("x"))
-            if fmt in ("q5_k", "q4_k") and k % 256:
+            if fmt in ("q6_k", "q5_k", "q4_k") and k % 256:
                 continue  # the k-quants' superblocks: 256 columns (a file keeps such rows in Q5_0)
             call, name = _product(fmt, args.group, n, k)
             for m in map(int, args.rows.split(",")):

@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "q45.h"
+#include "q6k.h"
 
 #ifdef LS_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -263,25 +264,25 @@ static void q45_unpack(const uint8_t *block, Q45Layout l, int64_t g0, int64_t g1
 
 /* Group g's products (TDPBSSD) into C tile `c`, through A tile `a` and B tile `bt`: the 16 rows of xq (K bytes
  * apart) at column 32 g, b's B rows from group g0. */
-#define Q45_GROUP(c, a, bt, xq, b, g, g0, K)             \
-    do {                                                 \
-        _tile_zero(c);                                   \
-        _tile_loadd(a, (xq) + 32 * (g), K);              \
-        _tile_loadd(bt, (b) + 512 * ((g) - (g0)), 64);   \
-        _tile_dpbssd(c, a, bt);                          \
+#define Q45_GROUP(c, a, bt, xq, b, g, g0, K)           \
+    do {                                               \
+        _tile_zero(c);                                 \
+        _tile_loadd(a, (xq) + 32 * (g), K);            \
+        _tile_loadd(bt, (b) + 512 * ((g) - (g0)), 64); \
+        _tile_dpbssd(c, a, bt);                        \
     } while (0)
 
 /* The vector kernel's float operations on group g's sums, in its order: res += (scale * xs) * sums, and for the
  * k-quants res += minc * (the exact sum of x over the group). A macro with its loop unrolled for res to stay in
  * registers (INT4_SPAN_DONE's reason). xs, fx: row 0's scales (`chunks` a row) and corrections as floats (`corrs`). */
-#define Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, ks)                              \
-    do {                                                                                                      \
-        __m512 sc_ = _mm512_loadu_ps((scale)[(g) - (g0)]), mc_ = _mm512_loadu_ps((minc)[(g) - (g0)]);        \
-        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                               \
-            __m512 s_ = _mm512_mul_ps(sc_, _mm512_set1_ps((xs)[i * (chunks) + (g) / 2]));                     \
-            res[i] = _mm512_fmadd_ps(s_, _mm512_cvtepi32_ps(_mm512_loadu_si512((sums)[i])), res[i]);          \
-            if (ks) res[i] = _mm512_fmadd_ps(mc_, _mm512_set1_ps((fx)[i * (corrs) + 2 * (g) + 1]), res[i]);   \
-        }                                                                                                     \
+#define Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, ks)                            \
+    do {                                                                                                    \
+        __m512 sc_ = _mm512_loadu_ps((scale)[(g) - (g0)]), mc_ = _mm512_loadu_ps((minc)[(g) - (g0)]);       \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                             \
+            __m512 s_ = _mm512_mul_ps(sc_, _mm512_set1_ps((xs)[i * (chunks) + (g) / 2]));                   \
+            res[i] = _mm512_fmadd_ps(s_, _mm512_cvtepi32_ps(_mm512_loadu_si512((sums)[i])), res[i]);        \
+            if (ks) res[i] = _mm512_fmadd_ps(mc_, _mm512_set1_ps((fx)[i * (corrs) + 2 * (g) + 1]), res[i]); \
+        }                                                                                                   \
     } while (0)
 
 /* The vector kernel's q45_block for 16 rows at once over groups g0..g1, unpacked into b, scale and minc; res starts
@@ -338,5 +339,89 @@ INLINE void amx_q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *b
 void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K,
                         float *dots) {
     Q45_LAYOUTS(f, amx_q45_dots, a, first, m, block, K, dots);
+}
+#define Q6K_CHUNK 128 /* groups of a Q6_K block unpacked at a time (2048 columns): 32 KB of B rows, 8 KB of scales */
+
+/* Groups g0..g1 of a Q6_K block (16 columns each) as B rows of q - 32, signed for TDPBSSD (the vector kernel's sum
+ * starts at -32 times the sum of x: the same sums), 4 rows a group (q6k_unpack's vectors), and each group's scales. */
+static void q6k_tiles_unpack(const uint8_t *block, int64_t g0, int64_t g1, int8_t *b, float (*scale)[16]) {
+    const __m512i centre = _mm512_set1_epi8(32);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *sp = block + g / Q6K_GROUPS * Q6K_SUPER;
+        __m512i q[4];
+        q6k_unpack(q6k_group(block, g / Q6K_GROUPS, (int)(g % Q6K_GROUPS)), q);
+        for (int r = 0; r < 4; r++) _mm512_storeu_si512(b + 256 * (g - g0) + 64 * r, _mm512_sub_epi8(q[r], centre));
+        _mm512_storeu_ps(scale[g - g0], q6k_scale((const float *)sp, (const int8_t *)sp + 64, (int)(g % Q6K_GROUPS)));
+    }
+    written();
+}
+
+/* Group g's products (TDPBSSD, 16 columns) into C tile `c`, through A tile `a` and B tile `bt`. */
+#define Q6K_GROUP(c, a, bt, xq, b, g, g0, K)           \
+    do {                                               \
+        _tile_zero(c);                                 \
+        _tile_loadd(a, (xq) + 16 * (g), K);            \
+        _tile_loadd(bt, (b) + 256 * ((g) - (g0)), 64); \
+        _tile_dpbssd(c, a, bt);                        \
+    } while (0)
+
+/* The vector kernel's float operations on group g's sums (the j-th of its 64-column span), in its order: t = scale *
+ * sums at the span's first group, t += scale * sums at the others, and after its last the row's sum (in dots: 32
+ * registers would not hold it beside t) += xs * t. xs: row 0's scales, `chunks` a row. A macro with its loops
+ * unrolled, as Q45_GROUP_DONE. */
+#define Q6K_GROUP_DONE(t, sums, g, j, g0, scale, xs, chunks, dots)                                   \
+    do {                                                                                             \
+        __m512 sc_ = _mm512_loadu_ps((scale)[(g) - (g0)]);                                           \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                      \
+            __m512 v_ = _mm512_cvtepi32_ps(_mm512_loadu_si512((sums)[i]));                           \
+            t[i] = (j) == 0 ? _mm512_mul_ps(sc_, v_) : _mm512_fmadd_ps(sc_, v_, t[i]);               \
+        }                                                                                            \
+        if ((j) == 3) {                                                                              \
+            _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) _mm512_storeu_ps(                  \
+                (dots) + 16 * i, _mm512_fmadd_ps(_mm512_set1_ps((xs)[i * (chunks) + (g) / 4]), t[i], \
+                                                 _mm512_loadu_ps((dots) + 16 * i)));                 \
+        }                                                                                            \
+    } while (0)
+
+/* The vector kernel's q6k_block for 16 rows at once over groups g0..g1 (whole spans of 4), unpacked into b and
+ * scale, into dots (zero before the first group). Groups take C tiles 0-3 in turns, as q45_tile_rows'. */
+static void q6k_tile_rows(QuantActs a, int64_t row, int64_t g0, int64_t g1, int64_t K, const int8_t *b,
+                          float (*scale)[16], float *dots) {
+    int64_t chunks = K / XBLOCK;
+    const int8_t *xq = a.q + row * K;
+    const float *xs = a.s + row * chunks;
+    __m512 t[16];
+    if (g0 == 0)
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, _mm512_setzero_ps());
+    int32_t sums[16][16];
+    Q6K_GROUP(0, 5, 4, xq, b, g0, g0, K);
+    Q6K_GROUP(1, 6, 7, xq, b, g0 + 1, g0, K);
+    Q6K_GROUP(2, 5, 4, xq, b, g0 + 2, g0, K);
+    for (int64_t g = g0; g < g1; g += 4) { /* g1 - g0: whole spans of 4 groups */
+        Q6K_GROUP(3, 6, 7, xq, b, g + 3, g0, K);
+        _tile_stored(0, sums, 64);
+        Q6K_GROUP_DONE(t, sums, g, 0, g0, scale, xs, chunks, dots);
+        if (g + 4 < g1) Q6K_GROUP(0, 5, 4, xq, b, g + 4, g0, K);
+        _tile_stored(1, sums, 64);
+        Q6K_GROUP_DONE(t, sums, g + 1, 1, g0, scale, xs, chunks, dots);
+        if (g + 5 < g1) Q6K_GROUP(1, 6, 7, xq, b, g + 5, g0, K);
+        _tile_stored(2, sums, 64);
+        Q6K_GROUP_DONE(t, sums, g + 2, 2, g0, scale, xs, chunks, dots);
+        if (g + 6 < g1) Q6K_GROUP(2, 5, 4, xq, b, g + 6, g0, K);
+        _tile_stored(3, sums, 64);
+        Q6K_GROUP_DONE(t, sums, g + 3, 3, g0, scale, xs, chunks, dots);
+    }
+}
+
+void amx_q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots) {
+    int8_t b[256 * Q6K_CHUNK] __attribute__((aligned(64)));
+    float scale[Q6K_CHUNK][16];
+    amx_begin(16);
+    for (int64_t g0 = 0; g0 < K / 16; g0 += Q6K_CHUNK) {
+        int64_t g1 = K / 16 - g0 < Q6K_CHUNK ? K / 16 : g0 + Q6K_CHUNK;
+        q6k_tiles_unpack(block, g0, g1, b, scale);
+        for (int64_t r0 = 0; r0 < m; r0 += 16) q6k_tile_rows(a, first + r0, g0, g1, K, b, scale, dots + 16 * r0);
+    }
+    amx_end();
 }
 #endif

@@ -31,7 +31,7 @@ SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.
                                                "scratch.c", "api.c"))
 HEADERS = (KERNEL_DIR / "latentserve.h", KERNEL_DIR / "simd.h", KERNEL_DIR / "quant.h", KERNEL_DIR / "kv_rows.h",
            KERNEL_DIR / "mla_tiles.h", KERNEL_DIR / "mla_lanes.h", KERNEL_DIR / "int8_nibbles.h",
-           KERNEL_DIR / "int8_vnni256.h", KERNEL_DIR / "q45.h")
+           KERNEL_DIR / "int8_vnni256.h", KERNEL_DIR / "q45.h", KERNEL_DIR / "q6k.h")
 # "0" keeps PyTorch's kernels (_int_mm, int4pack_mm) even where these build, e.g. to compare them; "1" (default) not.
 NATIVE_ENV = "LATENTSERVE_NATIVE_KERNELS"
 CACHE_ENV = "LATENTSERVE_CACHE_DIR"

@@ -19,9 +19,8 @@
  * q as vpdpbusd's unsigned operand. Per group the sum times d * sc goes into a row's float sum of its 64 columns
  * (t), which is scaled by x's scale once per 64 columns. Same operations in the same order on every build: the same
  * bits on AVX2 and AVX-512. */
-#include "quant.h"
+#include "q6k.h"
 
-#define Q6K_GROUPS 16 /* groups of 16 columns a super-block */
 /* From this many rows the sums bind and the hardware prefetchers fall behind: each group then fetches its lines of the
  * block read next (`ahead` bytes on: the next one in memory) into L2, as int8's fetch_next. lm_head (102400 x 2048)
  * on Zen 4, 2 threads, against int8 in turns: 4 rows 0.62x -> 1.14x, 8 rows 0.46x -> 0.91x; fetching at 2 rows
@@ -38,33 +37,19 @@ INLINE void q6k_fetch(const uint8_t *p, int64_t ahead, int64_t bytes, int mb) {
 #ifdef LS_AVX512
 #define Q6ROWS 8 /* activation rows a pass: 2 vector registers each */
 
-/* The 4 vectors of q (16 outputs, columns 4r .. 4r + 3 in vector r) of the group at p: three held whole in the low
- * 6 bits of a 64-byte unit each, the fourth in their top 2 bits. */
-INLINE void q6k_unpack(const uint8_t *p, __m512i q[4]) {
-    const __m512i six = _mm512_set1_epi8(0x3f);
-    __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), c = _mm512_loadu_si512(p + 128);
-    q[0] = _mm512_and_si512(a, six);
-    q[1] = _mm512_and_si512(b, six);
-    q[2] = _mm512_and_si512(c, six);
-    /* a's top bits to bits 0-1, b's to 2-3, c's to 4-5 (vpternlogd 0xf8: A | (B & C)) */
-    __m512i top = _mm512_and_si512(_mm512_srli_epi16(a, 6), _mm512_set1_epi8(0x03));
-    top = _mm512_ternarylogic_epi32(top, _mm512_srli_epi16(b, 4), _mm512_set1_epi8(0x0c), 0xf8);
-    q[3] = _mm512_ternarylogic_epi32(top, _mm512_srli_epi16(c, 2), _mm512_set1_epi8(0x30), 0xf8);
-}
-
 /* res[i][j] += super-block s's part of output j of a block for activation row i (xq, xs, cen: row 0's; rows K, K / 64,
  * K / 16 apart), its bytes at p. */
 INLINE void q6k_super(const int8_t *xq, const float *xs, const int32_t *cen, const uint8_t *p, int64_t ahead,
                       int64_t K, int64_t s, int mb, __m512 *res) {
     q6k_fetch(p, ahead, 64 + 16 * Q6K_GROUPS, mb);
-    __m512 d = _mm512_loadu_ps((const float *)p), t[Q6ROWS];
+    __m512 t[Q6ROWS];
+    const float *sd = (const float *)p;
     const int8_t *sc = (const int8_t *)p + 64;
     p += 64 + 16 * Q6K_GROUPS;
     for (int g = 0; g < Q6K_GROUPS; g++, p += 192) {
         int64_t c = 256 * s + 16 * g;
         q6k_fetch(p, ahead, 192, mb);
-        __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                            _mm_loadu_si128((const __m128i *)(sc + 16 * g)))));
+        __m512 scale = q6k_scale(sd, sc, g);
         __m512i q[4];
         q6k_unpack(p, q);
         for (int i = 0; i < mb; i++) {
@@ -215,6 +200,13 @@ INLINE void q6k_block_pair(const int8_t *x0, const float *xs0, const int32_t *ce
 #define Q6K_ROW(a, r, K) (a).q + (r) * (K), (a).s + (r) * ((K) / XBLOCK), (const int32_t *)(a).corr + (r) * ((K) / 16)
 
 void q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots) {
+#ifdef LS_AMX
+    if (m >= AMX_Q6K_ROWS) { /* the rows' whole 16s on tiles, the rest here (as q45_block_dots) */
+        int64_t tiles = m & ~(int64_t)15;
+        amx_q6k_block_dots(a, first, tiles, block, K, dots);
+        first += tiles, m -= tiles, dots += 16 * tiles;
+    }
+#endif
 #ifndef LS_AVX512
     if (m >= Q6K_HALVES_FROM) {
         for (int64_t m0 = 0; m0 < m; m0 += Q6K_HROWS) {

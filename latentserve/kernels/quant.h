@@ -173,6 +173,9 @@ void amx_int4_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *b
 #define AMX_Q45_ROWS 32
 void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K,
                         float *dots);
+/* q6k_block_dots on tiles for m rows, a multiple of 16, the same bits; q6k_block_dots takes them from AMX_Q6K_ROWS. */
+#define AMX_Q6K_ROWS 32
+void amx_q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots);
 #endif
 
 /* Whether the drivers hand two blocks of format f at once (block_pair_dots) for m rows: up to PAIR_ROWS, two streams

@@ -1,6 +1,6 @@
-"""The avx512_amx build (kernels/amx.c): its int8, int4, Q5_0, Q5_K and Q4_K products at many rows run on AMX tiles
-and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the experts, at row counts 16
-does not divide, input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads; and the build is
+"""The avx512_amx build (kernels/amx.c): its int8, int4, Q6_K, Q5_0, Q5_K and Q4_K products at many rows run on AMX
+tiles and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the experts, at row counts
+16 does not divide, input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads; and the build is
 chosen only where the CPU has AMX, and refused with the reason where the tiles cannot be had."""
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ needs_amx = pytest.mark.skipif("avx512_amx" not in ISAS,
                                reason="no AMX here (CPU without amx_tile, AVX512-BF16 or VNNI, or ATEN_CPU_CAPABILITY)")
 ROWS = (16, 17, 31, 64, 256, 300)  # int8 runs on the tiles from 16 rows
 INT4_ROWS = (16, 17, 31, 32, 33, 300)  # int4 from 16 at groups of 64 and 128, from 32 at group 32
-Q45_FORMATS = ("Q5_0", "Q5_K", "Q4_K")  # q45.c's, on the tiles from 16 rows
+FILE_FORMATS = ("Q6_K", "Q5_0", "Q5_K", "Q4_K")  # llama.cpp's formats kept as blocks: on the tiles from 32 rows
+FILE_ROWS = (31, 32, 47, 64, 300)  # their whole 16s on tiles, the rest on the vector kernel
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -71,25 +72,26 @@ def test_int4_linear_equals_the_vnni_build_bit_for_bit(m, group, k, threads):
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("k", [512, 2304])  # 2304: past the 2048 columns amx.c unpacks at a time
-@pytest.mark.parametrize("file_type", Q45_FORMATS)
-@pytest.mark.parametrize("m", ROWS)
-def test_q45_linear_equals_the_vnni_build_bit_for_bit(m, file_type, k, threads):
+@pytest.mark.parametrize("file_type", FILE_FORMATS)
+@pytest.mark.parametrize("m", FILE_ROWS)
+def test_file_blocks_linear_equals_the_vnni_build_bit_for_bit(m, file_type, k, threads):
     f = FORMATS[file_type]
     g = torch.Generator().manual_seed(m * 3 + k)
     n = 40
     values, w = f.values(g, n, k)
     packed = f.pack(*values)
     x = torch.randn(m, k, generator=g) * 3
-    x[m - 1, 100] = float("nan")
+    x[m // 2, 100] = float("nan")  # on a tile from 32 rows
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         got = f.linear(kernels("avx512_amx"), xd, packed, n, dtype)
         want = f.linear(kernels("avx512_bf16"), xd, packed, n, dtype)
         assert torch.equal(_bits(got), _bits(want))
-    assert got[m - 1].isnan().all() and not got[: m - 1].isnan().any()
+    others = torch.arange(m) != m // 2
+    assert got[m // 2].isnan().all() and not got[others].isnan().any()
     # and the value: x times the file's weights, within the activations' int8 rounding
-    expected = x[: m - 1].double() @ w.double().T
-    torch.testing.assert_close(got[: m - 1].double(), expected, rtol=0, atol=0.02 * expected.abs().max().item())
+    expected = x[others].double() @ w.double().T
+    torch.testing.assert_close(got[others].double(), expected, rtol=0, atol=0.02 * expected.abs().max().item())
 
 
 @needs_amx
@@ -139,8 +141,8 @@ def test_experts_at_prefill_equal_the_vnni_build(fmt, threads):
 
 
 @needs_amx
-@pytest.mark.parametrize("file_type", Q45_FORMATS)
-def test_q45_experts_at_prefill_equal_the_vnni_build(file_type):
+@pytest.mark.parametrize("file_type", FILE_FORMATS)
+def test_file_blocks_experts_at_prefill_equal_the_vnni_build(file_type):
     """A file's MoE at prefill, gate_up and down in the format (Q5_0's rows 1408 / 64 wide as V2's downs are not a
     multiple of 256), 120 tokens, 2 of 4 experts each: groups of ~60 rows on the tiles."""
     f = FORMATS[file_type]
