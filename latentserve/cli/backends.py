@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     config = SelectorConfig(dtype=parse_dtype(args.dtype), **_V3_SHAPE)
     dtype = str(config.dtype).removeprefix("torch.")
     write(f"prefill backends (dtype {dtype}):\n")
-    write(describe(MLAPrefillBackendEnum, prefill_selector.PRIORITY, config))
+    write(describe(MLAPrefillBackendEnum, prefill_selector.priority(config.dtype), config))
     write(f"decode backends (dtype {dtype}):\n")
     write(describe(MLADecodeBackendEnum, decode_selector.PRIORITY, config))
     write("weights (the kernel policy each layer asks once, as its weights load):\n")

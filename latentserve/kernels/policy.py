@@ -61,6 +61,14 @@ class KernelPolicy:
             return 2 if self.threads > 1 else 1
         return 0
 
+    def native_prefill(self, dtype: torch.dtype) -> bool:
+        """Whether latentserve's prefill attention (kernels/prefill_attention.c) goes before PyTorch's flash kernel
+        for `dtype`: wherever the kernels run, but for bf16 on a CPU with AMX tiles, where oneDNN runs torch's bf16
+        products on them (an Intel Xeon, 2 threads, the backends alone: torch's 2.9-5x ours at 512-4096 tokens, a
+        whole 4096-token prefill 1.5x; fp32 there ours 1.1-1.7x; benchmarks/RESULTS.md "Prefill attention on AMX")."""
+        tiles = dtype == torch.bfloat16 and self.features.amx and self.features.onednn_bf16
+        return self.kernels is not None and not tiles
+
     @property
     def head_tokens(self) -> int:
         """Up to how many tokens MLA's fp32/bf16 absorbed per-head products run latentserve's kernel; 0: never."""
@@ -81,6 +89,8 @@ class KernelPolicy:
             lines.append(f"fp32 / bf16 linears: latentserve's up to {fp32} fp32 rows and {bf16} bf16 rows ({short} "
                          "over inputs of <= 512), MKL / oneDNN above")
             lines.append(f"absorbed per-head products: latentserve's up to {self.head_tokens} tokens, bmm above")
+            if not self.native_prefill(torch.bfloat16):
+                lines.append("prefill attention in bf16: PyTorch's flash kernel first (its products on AMX tiles)")
         return "\n".join(lines)
 
 

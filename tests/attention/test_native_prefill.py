@@ -1,14 +1,18 @@
 """NATIVE prefill attention (kernels/prefill_attention.c) against REFERENCE's fp32 softmax, for each build of the
 kernels this machine runs: causal and not, queries after their keys, sliding windows, queries that see no key,
 shapes off every block size, strided views, fp32 and bf16; and its boundary's refusals."""
+import dataclasses
+
 import pytest
 import torch
 
+from latentserve.attention.prefill import selector
 from latentserve.attention.prefill.native import NativePrefillBackend
 from latentserve.attention.prefill.reference import ReferencePrefillBackend
 from latentserve.attention.prefill.selector import get_mla_prefill_backend
 from latentserve.attention.backend import SelectorConfig
 from latentserve.kernels import native
+from latentserve.kernels.policy import default_policy
 from tests.kernels.builds import ISAS, kernels, needs_a_build, needs_the_engines_kernels
 
 pytestmark = needs_a_build
@@ -129,11 +133,22 @@ def test_kernel_refuses_mismatched_descriptors_itself():
 
 
 def test_selected_first_on_the_cpu_where_the_kernels_run():
-    config = SelectorConfig(torch.bfloat16, 16, 512, 128, 64, 128)
-    chosen = get_mla_prefill_backend("cpu", config)
-    expected = "NATIVE" if NativePrefillBackend.unavailable_reason() is None else "TORCH_SDPA"
-    assert chosen.get_name() == expected
+    """NATIVE first where the kernels run, but in bf16 on AMX tiles (the policy's native_prefill), where PyTorch's
+    flash kernel goes first; a shape that one cannot take (v wider than q) falls to NATIVE there."""
+    available = NativePrefillBackend.unavailable_reason() is None
+    fp32, bf16 = (SelectorConfig(dtype, 16, 512, 128, 64, 128) for dtype in (torch.float32, torch.bfloat16))
+    assert get_mla_prefill_backend("cpu", fp32).get_name() == ("NATIVE" if available else "TORCH_SDPA")
+    native_bf16 = available and default_policy().native_prefill(torch.bfloat16)
+    assert get_mla_prefill_backend("cpu", bf16).get_name() == ("NATIVE" if native_bf16 else "TORCH_SDPA")
     wide = SelectorConfig(torch.bfloat16, 16, 512, 128, 64, 256)  # v wider than q: TORCH_SDPA cannot, NATIVE can
-    assert NativePrefillBackend.validate_configuration("cpu", wide) == ([] if expected == "NATIVE" else
-                                                                         NativePrefillBackend.validate_configuration(
-                                                                             "cpu", config))
+    assert get_mla_prefill_backend("cpu", wide).get_name() == ("NATIVE" if available else "REFERENCE")
+
+
+@needs_the_engines_kernels
+def test_on_amx_tiles_bf16_goes_to_torchs_flash_kernel_first(monkeypatch):
+    """What an AMX CPU's policy makes of the order, wherever this runs: bf16 to TORCH_SDPA, fp32 to NATIVE."""
+    here = default_policy()
+    xeon = dataclasses.replace(here, features=dataclasses.replace(here.features, amx=True, onednn_bf16=True))
+    monkeypatch.setattr(selector, "default_policy", lambda: xeon)
+    for dtype, expected in ((torch.bfloat16, "TORCH_SDPA"), (torch.float32, "NATIVE")):
+        assert get_mla_prefill_backend("cpu", SelectorConfig(dtype, 16, 512, 128, 64, 128)).get_name() == expected

@@ -28,6 +28,18 @@ def test_detect_follows_the_setting_and_the_threads(monkeypatch):
         on.threads = 4
 
 
+def test_native_prefill_gives_bf16_to_torch_on_amx_tiles():
+    zen4 = dataclasses.replace(cpu_features(), capability="AVX512", avx512_bf16=True, amx=False, onednn_bf16=True)
+    xeon = dataclasses.replace(zen4, amx=True)
+    on_zen4 = KernelPolicy(zen4, native.NativeKernels("avx512_bf16", None), "AVX-512", 2)
+    on_xeon = KernelPolicy(xeon, native.NativeKernels("avx512_amx", None), "AMX", 2)
+    assert on_zen4.native_prefill(torch.bfloat16) and on_zen4.native_prefill(torch.float32)
+    assert not on_xeon.native_prefill(torch.bfloat16) and on_xeon.native_prefill(torch.float32)
+    assert "prefill attention in bf16: PyTorch's flash kernel first" in on_xeon.describe()
+    assert "prefill attention" not in on_zen4.describe()
+    assert not KernelPolicy(xeon, None, "off", 2).native_prefill(torch.float32)
+
+
 def test_describe_names_the_build_or_why_there_is_none():
     features = cpu_features()
     none = KernelPolicy(features, None, "no vector build", 2).describe().splitlines()
