@@ -262,14 +262,15 @@ static void q45_unpack(const uint8_t *block, Q45Layout l, int64_t g0, int64_t g1
     written();
 }
 
-/* Group g's products (TDPBSSD) into C tile `c`, through A tile `a` and B tile `bt`: the 16 rows of xq (K bytes
- * apart) at column 32 g, b's B rows from group g0. */
-#define Q45_GROUP(c, a, bt, xq, b, g, g0, K)           \
-    do {                                               \
-        _tile_zero(c);                                 \
-        _tile_loadd(a, (xq) + 32 * (g), K);            \
-        _tile_loadd(bt, (b) + 512 * ((g) - (g0)), 64); \
-        _tile_dpbssd(c, a, bt);                        \
+/* The products of a group of `cols` columns (q45's 32, Q6_K's 16; TDPBSSD) into C tile `c`, through A tile `a` and
+ * B tile `bt`: the 16 rows of xq (K bytes apart) at column cols * g, the group's cols / 4 B rows in b (unpacked from
+ * group g0 on). */
+#define GROUP_PRODUCT(c, a, bt, xq, b, g, g0, K, cols)         \
+    do {                                                       \
+        _tile_zero(c);                                         \
+        _tile_loadd(a, (xq) + (cols) * (g), K);                \
+        _tile_loadd(bt, (b) + 16 * (cols) * ((g) - (g0)), 64); \
+        _tile_dpbssd(c, a, bt);                                \
     } while (0)
 
 /* The vector kernel's float operations on group g's sums, in its order: res += (scale * xs) * sums, and for the
@@ -297,23 +298,23 @@ INLINE void q45_tile_rows(QuantActs a, int64_t row, Q45Layout l, int64_t g0, int
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) res[i] = g0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(dots + 16 * i);
     int32_t sums[16][16];
-    Q45_GROUP(0, 5, 4, xq, b, g0, g0, K);
-    if (g0 + 1 < g1) Q45_GROUP(1, 6, 7, xq, b, g0 + 1, g0, K);
-    if (g0 + 2 < g1) Q45_GROUP(2, 5, 4, xq, b, g0 + 2, g0, K);
+    GROUP_PRODUCT(0, 5, 4, xq, b, g0, g0, K, 32);
+    if (g0 + 1 < g1) GROUP_PRODUCT(1, 6, 7, xq, b, g0 + 1, g0, K, 32);
+    if (g0 + 2 < g1) GROUP_PRODUCT(2, 5, 4, xq, b, g0 + 2, g0, K, 32);
     for (int64_t g = g0; g < g1; g += 4) {
-        if (g + 3 < g1) Q45_GROUP(3, 6, 7, xq, b, g + 3, g0, K);
+        if (g + 3 < g1) GROUP_PRODUCT(3, 6, 7, xq, b, g + 3, g0, K, 32);
         _tile_stored(0, sums, 64);
         Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
         if (g + 1 >= g1) break;
-        if (g + 4 < g1) Q45_GROUP(0, 5, 4, xq, b, g + 4, g0, K);
+        if (g + 4 < g1) GROUP_PRODUCT(0, 5, 4, xq, b, g + 4, g0, K, 32);
         _tile_stored(1, sums, 64);
         Q45_GROUP_DONE(res, sums, g + 1, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
         if (g + 2 >= g1) break;
-        if (g + 5 < g1) Q45_GROUP(1, 6, 7, xq, b, g + 5, g0, K);
+        if (g + 5 < g1) GROUP_PRODUCT(1, 6, 7, xq, b, g + 5, g0, K, 32);
         _tile_stored(2, sums, 64);
         Q45_GROUP_DONE(res, sums, g + 2, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
         if (g + 3 >= g1) break;
-        if (g + 6 < g1) Q45_GROUP(2, 5, 4, xq, b, g + 6, g0, K);
+        if (g + 6 < g1) GROUP_PRODUCT(2, 5, 4, xq, b, g + 6, g0, K, 32);
         _tile_stored(3, sums, 64);
         Q45_GROUP_DONE(res, sums, g + 3, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
     }
@@ -356,15 +357,6 @@ static void q6k_tiles_unpack(const uint8_t *block, int64_t g0, int64_t g1, int8_
     written();
 }
 
-/* Group g's products (TDPBSSD, 16 columns) into C tile `c`, through A tile `a` and B tile `bt`. */
-#define Q6K_GROUP(c, a, bt, xq, b, g, g0, K)           \
-    do {                                               \
-        _tile_zero(c);                                 \
-        _tile_loadd(a, (xq) + 16 * (g), K);            \
-        _tile_loadd(bt, (b) + 256 * ((g) - (g0)), 64); \
-        _tile_dpbssd(c, a, bt);                        \
-    } while (0)
-
 /* The vector kernel's float operations on group g's sums (the j-th of its 64-column span), in its order: t = scale *
  * sums at the span's first group, t += scale * sums at the others, and after its last the row's sum (in dots: 32
  * registers would not hold it beside t) += xs * t. xs: row 0's scales, `chunks` a row. A macro with its loops
@@ -394,20 +386,20 @@ static void q6k_tile_rows(QuantActs a, int64_t row, int64_t g0, int64_t g1, int6
     if (g0 == 0)
         for (int i = 0; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, _mm512_setzero_ps());
     int32_t sums[16][16];
-    Q6K_GROUP(0, 5, 4, xq, b, g0, g0, K);
-    Q6K_GROUP(1, 6, 7, xq, b, g0 + 1, g0, K);
-    Q6K_GROUP(2, 5, 4, xq, b, g0 + 2, g0, K);
+    GROUP_PRODUCT(0, 5, 4, xq, b, g0, g0, K, 16);
+    GROUP_PRODUCT(1, 6, 7, xq, b, g0 + 1, g0, K, 16);
+    GROUP_PRODUCT(2, 5, 4, xq, b, g0 + 2, g0, K, 16);
     for (int64_t g = g0; g < g1; g += 4) { /* g1 - g0: whole spans of 4 groups */
-        Q6K_GROUP(3, 6, 7, xq, b, g + 3, g0, K);
+        GROUP_PRODUCT(3, 6, 7, xq, b, g + 3, g0, K, 16);
         _tile_stored(0, sums, 64);
         Q6K_GROUP_DONE(t, sums, g, 0, g0, scale, xs, chunks, dots);
-        if (g + 4 < g1) Q6K_GROUP(0, 5, 4, xq, b, g + 4, g0, K);
+        if (g + 4 < g1) GROUP_PRODUCT(0, 5, 4, xq, b, g + 4, g0, K, 16);
         _tile_stored(1, sums, 64);
         Q6K_GROUP_DONE(t, sums, g + 1, 1, g0, scale, xs, chunks, dots);
-        if (g + 5 < g1) Q6K_GROUP(1, 6, 7, xq, b, g + 5, g0, K);
+        if (g + 5 < g1) GROUP_PRODUCT(1, 6, 7, xq, b, g + 5, g0, K, 16);
         _tile_stored(2, sums, 64);
         Q6K_GROUP_DONE(t, sums, g + 2, 2, g0, scale, xs, chunks, dots);
-        if (g + 6 < g1) Q6K_GROUP(2, 5, 4, xq, b, g + 6, g0, K);
+        if (g + 6 < g1) GROUP_PRODUCT(2, 5, 4, xq, b, g + 6, g0, K, 16);
         _tile_stored(3, sums, 64);
         Q6K_GROUP_DONE(t, sums, g + 3, 3, g0, scale, xs, chunks, dots);
     }
