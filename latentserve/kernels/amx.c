@@ -273,9 +273,10 @@ static void q45_unpack(const uint8_t *block, Q45Layout l, int64_t g0, int64_t g1
         _tile_dpbssd(c, a, bt);                                \
     } while (0)
 
-/* The vector kernel's float operations on group g's sums, in its order: res += (scale * xs) * sums, and for the
- * k-quants res += minc * (the exact sum of x over the group). A macro with its loop unrolled for res to stay in
- * registers (INT4_SPAN_DONE's reason). xs, fx: row 0's scales (`chunks` a row) and corrections as floats (`corrs`). */
+/* The vector kernel's float operations on group g's sums, in its order: res += (scale * xs) * sums, and where
+ * q45_sums (the k-quants, Q5_1) res += minc * (the exact sum of x over the group). A macro with its loop unrolled for
+ * res to stay in registers (INT4_SPAN_DONE's reason). xs, fx: row 0's scales (`chunks` a row) and corrections as
+ * floats (`corrs`). */
 #define Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, ks)                            \
     do {                                                                                                    \
         __m512 sc_ = _mm512_loadu_ps((scale)[(g) - (g0)]), mc_ = _mm512_loadu_ps((minc)[(g) - (g0)]);       \
@@ -304,19 +305,19 @@ INLINE void q45_tile_rows(QuantActs a, int64_t row, Q45Layout l, int64_t g0, int
     for (int64_t g = g0; g < g1; g += 4) {
         if (g + 3 < g1) GROUP_PRODUCT(3, 6, 7, xq, b, g + 3, g0, K, 32);
         _tile_stored(0, sums, 64);
-        Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        Q45_GROUP_DONE(res, sums, g, g0, scale, minc, xs, fx, chunks, corrs, q45_sums(l));
         if (g + 1 >= g1) break;
         if (g + 4 < g1) GROUP_PRODUCT(0, 5, 4, xq, b, g + 4, g0, K, 32);
         _tile_stored(1, sums, 64);
-        Q45_GROUP_DONE(res, sums, g + 1, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        Q45_GROUP_DONE(res, sums, g + 1, g0, scale, minc, xs, fx, chunks, corrs, q45_sums(l));
         if (g + 2 >= g1) break;
         if (g + 5 < g1) GROUP_PRODUCT(1, 6, 7, xq, b, g + 5, g0, K, 32);
         _tile_stored(2, sums, 64);
-        Q45_GROUP_DONE(res, sums, g + 2, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        Q45_GROUP_DONE(res, sums, g + 2, g0, scale, minc, xs, fx, chunks, corrs, q45_sums(l));
         if (g + 3 >= g1) break;
         if (g + 6 < g1) GROUP_PRODUCT(2, 5, 4, xq, b, g + 6, g0, K, 32);
         _tile_stored(3, sums, 64);
-        Q45_GROUP_DONE(res, sums, g + 3, g0, scale, minc, xs, fx, chunks, corrs, l.ks);
+        Q45_GROUP_DONE(res, sums, g + 3, g0, scale, minc, xs, fx, chunks, corrs, q45_sums(l));
     }
 #pragma GCC unroll 16
     for (int i = 0; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, res[i]);

@@ -131,38 +131,42 @@ LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t g
     if ((group != 32 && group != 64 && group != 128) || K % 64 || K % group)
         return refuse(LS_BAD_TENSOR, "group size %lld with K %lld", (long long)group, (long long)K);
     TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, K / group * (64 + 8 * group)));
-    return quant_linear(x->data, DIM(x, 0), K, packed->data, 4, group, N, y->data, bf(x) | bf(y) << 1, threads);
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, (Format){4, group, 0}, N, y->data, bf(x) | bf(y) << 1,
+                        threads);
 }
 
 /* A linear layer over one of llama.cpp's formats kept as its blocks (Format (bits, group)): K a multiple of `multiple`
  * (the kernel's), the weight as many blocks of 16 outputs as y has, each block_bytes long. */
-static int blocks_linear(const char *name, int64_t multiple, int bits, int64_t group, const ls_tensor *x,
-                         const ls_tensor *packed, const ls_tensor *y, int threads) {
+static int blocks_linear(const char *name, int64_t multiple, Format f, const ls_tensor *x, const ls_tensor *packed,
+                         const ls_tensor *y, int threads) {
     TENSORS(bad_tensor("x", x, ACT, 2, 0) || bad_tensor("packed", packed, BIT(LS_U8), 2, 0));
     TENSORS(bad_tensor("y", y, ACT, 2, 0) || bad_size("y", y, 0, DIM(x, 0)));
     int64_t K = DIM(x, 1), N = DIM(y, 1);
     if (K % multiple)
         return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of %lld (the %s kernel's)", (long long)K,
                       (long long)multiple, name);
-    Format f = {bits, group};
     TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, block_bytes(f, K)));
-    return quant_linear(x->data, DIM(x, 0), K, packed->data, bits, group, N, y->data, bf(x) | bf(y) << 1, threads);
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, f, N, y->data, bf(x) | bf(y) << 1, threads);
 }
 
 LS_API int ls_q6k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
-    return blocks_linear("Q6_K", 256, 6, 16, x, packed, y, threads);
+    return blocks_linear("Q6_K", 256, (Format){6, 16, 0}, x, packed, y, threads);
 }
 
 LS_API int ls_q50_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
-    return blocks_linear("Q5_0", 64, 5, 32, x, packed, y, threads);
+    return blocks_linear("Q5_0", 64, (Format){5, 32, 0}, x, packed, y, threads);
+}
+
+LS_API int ls_q51_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    return blocks_linear("Q5_1", 64, (Format){5, 32, 1}, x, packed, y, threads);
 }
 
 LS_API int ls_q5k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
-    return blocks_linear("Q5_K", 256, 5, 256, x, packed, y, threads);
+    return blocks_linear("Q5_K", 256, (Format){5, 256, 0}, x, packed, y, threads);
 }
 
 LS_API int ls_q4k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
-    return blocks_linear("Q4_K", 256, 4, 256, x, packed, y, threads);
+    return blocks_linear("Q4_K", 256, (Format){4, 256, 0}, x, packed, y, threads);
 }
 
 LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
@@ -171,7 +175,8 @@ LS_API int ls_int8_linear(const ls_tensor *x, const ls_tensor *packed, const ls_
     int64_t K = DIM(x, 1), N = DIM(y, 1);
     if (K % 4) return refuse(LS_BAD_TENSOR, "x: K %lld is not a multiple of 4", (long long)K);
     TENSORS(bad_size("packed", packed, 0, (N + 15) / 16) || bad_size("packed", packed, 1, 128 + 16 * K));
-    return quant_linear(x->data, DIM(x, 0), K, packed->data, 8, 0, N, y->data, bf(x) | bf(y) << 1, threads);
+    return quant_linear(x->data, DIM(x, 0), K, packed->data, (Format){8, 0, 0}, N, y->data, bf(x) | bf(y) << 1,
+                        threads);
 }
 
 LS_API int ls_rms_norm(const ls_tensor *x, const ls_tensor *w, float eps, const ls_tensor *y, int threads) {
@@ -312,22 +317,28 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
 
 /* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (int4: group 32, 64 or 128 dividing
  * in, in a multiple of 64; Q4_K: group 256, in a multiple of 256), 6 (Q6_K: group 16, in a multiple of 256) or 5
- * (Q5_0: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256). */
-static int bad_format(int code, const char *name, int32_t bits, int64_t group, int64_t in) {
-    if (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
-        (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
-        (bits == 6 && group == 16 && in % 256 == 0) || (bits == 5 && group == 32 && in % 64 == 0) ||
-        ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0))
+ * (Q5_0, and Q5_1 with mins: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256); mins 0 but for
+ * Q5_1. */
+static int bad_format(int code, const char *name, Format f, int64_t in) {
+    int32_t bits = f.bits;
+    int64_t group = f.group;
+    int q51 = bits == 5 && group == 32;
+    if ((f.mins == 0 || (f.mins == 1 && q51)) &&
+        (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
+         (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
+         (bits == 6 && group == 16 && in % 256 == 0) || (q51 && in % 64 == 0) ||
+         ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0)))
         return LS_OK;
-    return refuse(code, "%s: bits %d, group %lld over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 with "
-                  "group 32, 64 or 128 dividing them and inputs a multiple of 64 or group 256 and inputs a multiple "
-                  "of 256, 6 with group 16 and inputs a multiple of 256, or 5 with group 32 and inputs a multiple of "
-                  "64 or group 256 and inputs a multiple of 256)", name, bits, (long long)group, (long long)in);
+    return refuse(code, "%s: bits %d, group %lld, mins %d over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 "
+                  "with group 32, 64 or 128 dividing them and inputs a multiple of 64 or group 256 and inputs a "
+                  "multiple of 256, 6 with group 16 and inputs a multiple of 256, or 5 with group 32 and inputs a "
+                  "multiple of 64 or group 256 and inputs a multiple of 256; mins 1 only with 5 and group 32)", name,
+                  bits, (long long)group, f.mins, (long long)in);
 }
 
 /* A projection's weight has what its kind reads, over `in` inputs (a blocked kind's: a multiple its format takes). */
 static int bad_weight(const char *name, const Weight *w, int64_t in) {
-    if (w->kind < LS_DENSE || w->kind > LS_Q4K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
+    if (w->kind < LS_DENSE || w->kind > LS_Q51) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
         return refuse(LS_BAD_BLOCK, "%s: an int8 weight without its scale or qsum", name);
@@ -335,12 +346,12 @@ static int bad_weight(const char *name, const Weight *w, int64_t in) {
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not 32, 64 or 128", name, (long long)w->group);
     if (w->kind == LS_Q6K && w->group != 16)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q6_K's 16", name, (long long)w->group);
-    if (w->kind == LS_Q50 && w->group != 32)
-        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's 32", name, (long long)w->group);
+    if ((w->kind == LS_Q50 || w->kind == LS_Q51) && w->group != 32)
+        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's and Q5_1's 32", name, (long long)w->group);
     if ((w->kind == LS_Q5K || w->kind == LS_Q4K) && w->group != 256)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not the k-quants' 256", name, (long long)w->group);
     Format f = weight_format(w->kind, w->group);
-    return f.bits ? bad_format(LS_BAD_BLOCK, name, f.bits, f.group, in) : LS_OK;
+    return f.bits ? bad_format(LS_BAD_BLOCK, name, f, in) : LS_OK;
 }
 
 static int bad_mla_block(const MLABlock *b) {
@@ -399,9 +410,9 @@ static int bad_table(int code, const char *name, const ExpertTable *t, int64_t e
     if (t->inter <= 0) return refuse(code, "%s: inter %lld", name, (long long)t->inter);
     char what[64];
     snprintf(what, sizeof what, "%s gate_up", name);
-    CHECK(bad_format(code, what, t->bits[0], t->group[0], K));
+    CHECK(bad_format(code, what, (Format){t->bits[0], t->group[0], t->mins[0]}, K));
     snprintf(what, sizeof what, "%s down", name);
-    CHECK(bad_format(code, what, t->bits[1], t->group[1], t->inter));
+    CHECK(bad_format(code, what, (Format){t->bits[1], t->group[1], t->mins[1]}, t->inter));
     if (!t->weights) return refuse(code, "%s: weights is NULL", name);
     for (int64_t i = 0; i < 2 * t->experts; i++)
         if (!t->weights[i]) return refuse(code, "%s: weights[%lld] is NULL", name, (long long)i);
@@ -510,7 +521,7 @@ static const ls_field LAYOUT[] = {
     FIELD(MLABlock, kv_a_eps), FIELD(MLABlock, post_eps), FIELD(MLABlock, scale), FIELD(MLABlock, style),
     FIELD(MLABlock, bf),
     STRUCT(ExpertTable), FIELD(ExpertTable, experts), FIELD(ExpertTable, inter), FIELD(ExpertTable, bits),
-    FIELD(ExpertTable, group), FIELD(ExpertTable, weights),
+    FIELD(ExpertTable, mins), FIELD(ExpertTable, group), FIELD(ExpertTable, weights),
     STRUCT(MoEBlock), FIELD(MoEBlock, hidden), FIELD(MoEBlock, experts), FIELD(MoEBlock, topk),
     FIELD(MoEBlock, groups), FIELD(MoEBlock, topk_groups), FIELD(MoEBlock, sigmoid), FIELD(MoEBlock, norm),
     FIELD(MoEBlock, scaling), FIELD(MoEBlock, router), FIELD(MoEBlock, bias), FIELD(MoEBlock, bf),

@@ -12,7 +12,7 @@ static int product(const Weight *w, const void *x, int64_t M, int64_t H, int64_t
                    int threads) {
     int io = bf ? 0b11 : 0;
     Format f = weight_format(w->kind, w->group);
-    if (f.bits) return quant_linear(x, M, K, w->w, f.bits, f.group, N, y, io, threads);
+    if (f.bits) return quant_linear(x, M, K, w->w, f, N, y, io, threads);
     if (w->kind == LS_INT8) return int8_heads(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
     if (w->kind == LS_INT8_LANES) return int8_heads_lanes(x, M, H, K, w->w, w->scale, w->qsum, N, y, io, threads);
     if (H == 1) return dense_linear(x, M, K, w->w, N, y, io | bf << 2, threads);

@@ -247,7 +247,8 @@ static void run(const Plan *p, float *dots, float *rows, int64_t width) {
 }
 
 static Set make_set(const ExpertTable *t, int64_t begin, int64_t end, int64_t g0, int64_t g1) {
-    Set s = {t, {{t->bits[0], t->group[0]}, {t->bits[1], t->group[1]}}, begin, end, g0, g1, 0, 0, {0}, {0}};
+    Set s = {t, {{t->bits[0], t->group[0], t->mins[0]}, {t->bits[1], t->group[1], t->mins[1]}}, begin, end, g0, g1,
+             0, 0, {0}, {0}};
     return s;
 }
 
@@ -324,7 +325,7 @@ int experts(const ExpertTable *routed, const ExpertTable *shared, const void *x,
      * pairs take their tokens' rows, gathered in grouped order. */
     Format fr = set[0].f[0], fs = set[1].f[0];
     QuantActs xr = quantize_for(fr, x, io & 1, T, K, threads);
-    int same = fs.bits == fr.bits && fs.group == fr.group;
+    int same = fs.bits == fr.bits && fs.group == fr.group && fs.mins == fr.mins;
     set[0].x = xr.q ? gather_acts(fr, xr, token, R, K) : xr;
     set[1].x = same ? xr : quantize_for(fs, x, io & 1, T, K, threads); /* no shared experts: set 1 is routed's */
     int missing = !set[0].x.q || !set[1].x.q;

@@ -1,30 +1,33 @@
 /* llama.cpp's 4- and 5-bit weights in groups of 32 columns (quant_blocks.c and experts.c drive them): y[M, N] =
  * x[M, K] @ w[N, K]^T with the file's values exactly, q an output and column's integer:
  * - Q5_0 (`pack_q50`, Format (5, 32)): w = d * (q - 16), q in [0, 31], per 32 columns an fp16 d. K % 64 == 0.
+ * - Q5_1 (`pack_q51`, Format (5, 32, mins)): w = d * q + m, q in [0, 31], per 32 columns fp16 d and m. K % 64 == 0.
  * - Q5_K (`pack_q5k`, Format (5, 256)): w = d * sc * q - dmin * m, q in [0, 31], per 256 columns an fp16 d and dmin,
  *   per 32 a 6-bit sc and m. K % 256 == 0.
  * - Q4_K (`pack_q4k`, Format (4, 256)): Q5_K's formula with q in [0, 15]. K % 256 == 0.
  *
- * Why their own layouts: as int8 per row a weight read 8 bits where the file holds 4.5-5.5 (Q4_K_M keeps a tensor
- * at Q5_0 where its rows are not a multiple of 256: DeepSeek-V2's experts' down projections, 1408 columns; Q5_K_M
- * files are mostly Q5_K), and its values were rounded again; as int4's groups (a bf16 scale and minimum per 32
- * columns) Q4_K read 5 bits a weight and ran d * sc and dmin * m rounded to bf16.
+ * Why their own layouts: as int8 per row a weight read 8 bits where the file holds 4.5-5.5 (Q4_K_M keeps a tensor at
+ * Q5_0 where its rows are not a multiple of 256: DeepSeek-V2's experts' down projections, 1408 columns; Q5_K_M files
+ * are mostly Q5_K, with Q5_1 where Q4_K_M has Q5_0), and its values were rounded again; as int4's groups (a bf16 scale
+ * and minimum per 32 columns) Q4_K read 5 bits a weight and ran d * sc and dmin * m rounded to bf16.
  *
  * Layout: the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes. Per group of 32
  * columns a 32-byte header, for the 5-bit layouts 64 bytes of fifth bits (Q5_GROUP bytes a group; Q4_K: none,
- * Q4_GROUP), then four 64-byte units of nibbles as int4's: unit c byte 4j + i = low 4 bits of q[j, 8c + i] | those
- * of q[j, 8c + 4 + i] << 4. The fifth bits' byte 4j + i holds in bit 2c + h that of q[j, 8c + 4h + i]: each unit's
- * half finds its fifth bits at the same byte. One 64-byte load feeds all 16 outputs against 4 columns of x broadcast
- * to every lane, as int4's. Q5_0's header is the 16 outputs' d (fp16); the k-quants' their 16 sc then 16 m (a byte
- * each), after, per 256 columns (Q5K_SUPER, Q4K_SUPER bytes), the 16 outputs' d and dmin in fp32 (the file's fp16):
- * 5.5 bits a weight (Q5_0, as the file), 5.75 (Q5_K: the file 5.5), 4.75 (Q4_K: the file 4.5).
+ * Q4_GROUP), then four 64-byte units of nibbles as int4's: unit c byte 4j + i = low 4 bits of q[j, 8c + i] | those of
+ * q[j, 8c + 4 + i] << 4. The fifth bits' byte 4j + i holds in bit 2c + h that of q[j, 8c + 4h + i]: each unit's half
+ * finds its fifth bits at the same byte. One 64-byte load feeds all 16 outputs against 4 columns of x broadcast to
+ * every lane, as int4's. Q5_0's header is the 16 outputs' d (fp16); Q5_1's their d then their m (fp16, a 64-byte
+ * header); the k-quants' their 16 sc then 16 m (a byte each), after, per 256 columns (Q5K_SUPER, Q4K_SUPER bytes), the
+ * 16 outputs' d and dmin in fp32 (the file's fp16): 5.5 bits a weight (Q5_0, as the file), 6 (Q5_1, as the file), 5.75
+ * (Q5_K: the file 5.5), 4.75 (Q4_K: the file 4.5).
  *
  * The activations are int4's (int8 per 64 columns, quant_acts.c) with per 32 columns -centre * the sum of their
  * quantized x (as int32; centre 16 for 5 bits, 8 for 4), which starts a group's integer sum, so that it is the sum of
- * (q - centre) * xq with q as the unsigned operand of vpdpbusd (AVX2: vpmaddubsw); the k-quants' also with the
- * group's exact sum of x. Per group the sum times the scale (Q5_0: d; k-quants: d * sc, in fp32 as gguf computes it)
- * times x's scale goes into the row's sums, and for the k-quants the exact sum of x times centre * scale - dmin * m
- * (q = (q - centre) + centre). Same operations in the same order on every build: the same bits on AVX2 and AVX-512. */
+ * (q - centre) * xq with q as the unsigned operand of vpdpbusd (AVX2: vpmaddubsw); the k-quants' and Q5_1's also with
+ * the group's exact sum of x. Per group the sum times the scale (Q5_0, Q5_1: d; k-quants: d * sc, in fp32 as gguf
+ * computes it) times x's scale goes into the row's sums, and for the k-quants the exact sum of x times centre * scale -
+ * dmin * m, for Q5_1 times centre * d + m (q = (q - centre) + centre). Same operations in the same order on every
+ * build: the same bits on AVX2 and AVX-512. */
 #include "q45.h"
 
 /* Rows up to which a pair of blocks runs group by group (two streams in flight); from more, one block after the
@@ -54,7 +57,7 @@ INLINE Q45Rows q45_rows(QuantActs a, int64_t r, int64_t K, int64_t corrs) {
 INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
                       __m512 *res) {
     __m512i hb = q45_fifths(p, l), acc[Q45ROWS];
-    for (int i = 0; i < mb; i++) acc[i] = _mm512_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_set1_epi32(x.corr[i * x.corrs + (1 + q45_sums(l)) * g]);
     for (int c = 0; c < Q45_UNITS; c++) {
         __m512i lo, hi;
         q45_unit(p, hb, l, c, &lo, &hi);
@@ -68,7 +71,7 @@ INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l,
     for (int i = 0; i < mb; i++) {
         __m512 s = _mm512_mul_ps(scale, _mm512_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
         res[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(acc[i]), res[i]);
-        if (l.ks)
+        if (q45_sums(l))
             res[i] = _mm512_fmadd_ps(minc, _mm512_set1_ps(((const float *)x.corr)[i * x.corrs + 2 * g + 1]), res[i]);
     }
 }
@@ -103,11 +106,11 @@ INLINE __m256i q5_fifth(__m256i q, __m256i hb, int r) {
 INLINE void q45_half(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int h, int mb,
                      __m256 *res) {
     const __m256i low = _mm256_set1_epi8(0x0f);
-    const uint8_t *units = p + (l.fifth ? 96 : 32);
-    __m256i hb = l.fifth ? _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h)) : _mm256_setzero_si256(),
+    const uint8_t *units = p + q45_header(l) + (l.fifth ? 64 : 0);
+    __m256i hb = l.fifth ? _mm256_loadu_si256((const __m256i *)(p + q45_header(l) + 32 * h)) : _mm256_setzero_si256(),
             acc[Q45_HALF_ROWS];
 #ifdef LS_AVXVNNI
-    for (int i = 0; i < mb; i++) acc[i] = _mm256_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g]);
+    for (int i = 0; i < mb; i++) acc[i] = _mm256_set1_epi32(x.corr[i * x.corrs + (1 + q45_sums(l)) * g]);
 #else
     const int run_units = l.fifth ? 2 : 4;
     __m256i run[Q45_HALF_ROWS] = {0}; /* (each run's first unit sets them: for the compiler) */
@@ -128,8 +131,8 @@ INLINE void q45_half(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, 
                 __asm__("" : "+x"(run[i]));
             if (c % run_units == run_units - 1) {
                 __m256i sums = _mm256_madd_epi16(run[i], _mm256_set1_epi16(1));
-                acc[i] = _mm256_add_epi32(c < run_units ? _mm256_set1_epi32(x.corr[i * x.corrs + (1 + l.ks) * g])
-                                                        : acc[i], sums);
+                acc[i] = _mm256_add_epi32(
+                    c < run_units ? _mm256_set1_epi32(x.corr[i * x.corrs + (1 + q45_sums(l)) * g]) : acc[i], sums);
             }
 #endif
         }
@@ -143,11 +146,14 @@ INLINE void q45_half(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, 
                              _mm256_mul_ps(_mm256_loadu_ps(sd + 16 + 8 * h), m));
     } else {
         scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+        if (l.mins)
+            minc = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(16.f), scale),
+                                 _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 32 + 16 * h))));
     }
     for (int i = 0; i < mb; i++) {
         __m256 s = _mm256_mul_ps(scale, _mm256_set1_ps(x.xs[i * (K / XBLOCK) + g / 2]));
         res[i] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(acc[i]), res[i]);
-        if (l.ks)
+        if (q45_sums(l))
             res[i] = _mm256_fmadd_ps(minc, _mm256_set1_ps(((const float *)x.corr)[i * x.corrs + 2 * g + 1]), res[i]);
     }
 }

@@ -46,16 +46,18 @@ typedef struct {
     int32_t bf16;
 } QuantActs;
 
-/* The weight formats, all in blocks of 16 outputs, each block one stream of bytes read once and self-contained
- * (its scales inside): bits 32 or 16, dense fp32 or bf16 rows `[N, K]`, a block 16 consecutive rows (the last one
- * N % 16 where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups
- * of G (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0
- * values (q45.c); 5 (group 256), `pack_q5k`'s: its Q5_K values; 4 (group 256), `pack_q4k`'s: its Q4_K values (q45.c;
- * int4's groups are at most 128). A driver (quant_blocks.c, experts.c) needs of a format only these traits: the bytes
- * of a block, how the activations are prepared for it, and the dot products of a block with some rows of them. */
+/* The weight formats, all in blocks of 16 outputs, each block one stream of bytes read once and self-contained (its
+ * scales inside): bits 32 or 16, dense fp32 or bf16 rows `[N, K]`, a block 16 consecutive rows (the last one N % 16
+ * where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups of G
+ * (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0 values
+ * (q45.c); 5 (group 32, mins), `pack_q51`'s: its Q5_1 values; 5 (group 256), `pack_q5k`'s: its Q5_K values; 4 (group
+ * 256), `pack_q4k`'s: its Q4_K values (q45.c; int4's groups are at most 128). A driver (quant_blocks.c, experts.c)
+ * needs of a format only these traits: the bytes of a block, how the activations are prepared for it, and the dot
+ * products of a block with some rows of them. */
 typedef struct {
     int32_t bits;
     int64_t group; /* int4's group size G; Q6_K's 16 */
+    int32_t mins;  /* 1: Q5_1, whose groups hold an fp16 minimum beside each d (bits and group are Q5_0's); else 0 */
 } Format;
 
 INLINE int dense(Format f) { return f.bits == 32 || f.bits == 16; }
@@ -79,9 +81,10 @@ INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 *
 /* pack_q6k's bytes of 256 columns of a block (q6k.c): 16 fp32 d, 16 x 16 int8 sc, 16 groups of 192 bytes of q. */
 #define Q6K_SUPER (64 + 16 * 16 + 16 * 192)
 /* pack_q50's and pack_q5k's bytes of 32 columns of a block (q45.c): a 32-byte header (Q5_0: 16 fp16 d; Q5_K: 16 sc,
- * 16 m), 64 bytes of fifth bits, 4 units of 64 of nibbles; pack_q4k's the same without the fifth bits; the k-quants'
- * of 256 columns: 16 fp32 d, 16 dmin, 8 groups. */
+ * 16 m), 64 bytes of fifth bits, 4 units of 64 of nibbles; pack_q51's with a 64-byte header (16 fp16 d, 16 fp16 m);
+ * pack_q4k's without the fifth bits; the k-quants' of 256 columns: 16 fp32 d, 16 dmin, 8 groups. */
 #define Q5_GROUP (32 + 64 + 4 * 64)
+#define Q51_GROUP (64 + 64 + 4 * 64)
 #define Q4_GROUP (32 + 4 * 64)
 #define Q5K_SUPER (128 + 8 * Q5_GROUP)
 #define Q4K_SUPER (128 + 8 * Q4_GROUP)
@@ -91,20 +94,28 @@ INLINE Format weight_format(int32_t kind, int64_t group) {
     int32_t bits = kind == LS_INT8_BLOCKS                ? 8
                    : kind == LS_INT4 || kind == LS_Q4K   ? 4
                    : kind == LS_Q6K                      ? 6
-                   : kind == LS_Q50 || kind == LS_Q5K    ? 5
+                   : kind == LS_Q50 || kind == LS_Q51 || kind == LS_Q5K ? 5
                                                          : 0;
-    return (Format){bits, group};
+    return (Format){bits, group, kind == LS_Q51};
 }
 
-/* Formats of q45.c: Q5_0 (5, 32), Q5_K (5, 256), Q4_K (4, 256). */
+/* Formats of q45.c: Q5_0 (5, 32), Q5_1 (5, 32, mins), Q5_K (5, 256), Q4_K (4, 256). */
 INLINE int q45(Format f) { return f.bits == 5 || (f.bits == 4 && f.group == 256); }
+/* Whether q45.c's format f needs each group's exact sum of x beside its centre (a minimum a group: the k-quants',
+ * Q5_1's). */
+INLINE int sums_x(Format f) { return f.group == 256 || f.mins; }
 
 INLINE int64_t block_bytes(Format f, int64_t K) {
     if (dense(f)) return 16 * K * (f.bits / 8);
     if (f.bits == 6) return K / 256 * Q6K_SUPER;
-    if (q45(f)) return f.group == 32 ? K / 32 * Q5_GROUP : K / 256 * (f.bits == 5 ? Q5K_SUPER : Q4K_SUPER);
+    if (q45(f) && f.group == 32) return K / 32 * (f.mins ? Q51_GROUP : Q5_GROUP);
+    if (q45(f)) return K / 256 * (f.bits == 5 ? Q5K_SUPER : Q4K_SUPER);
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
 }
+
+/* The quantized formats' linear layers (quant_blocks.c), io as simd.h's kernels'. */
+int quant_linear(const void *x, int64_t M, int64_t K, const void *w, Format f, int64_t N, void *y, int io,
+                 int threads);
 
 /* The 16 outputs of one block for rows first.. first + m of `a` (prepared for the block's format), into
  * dots[16 * i + j]; dense blocks: their first `outputs` rows. */

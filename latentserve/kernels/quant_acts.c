@@ -111,7 +111,7 @@ static void centred_prepare(const void *x, int bf16, int64_t M, int64_t K, int64
     }
 }
 
-/* x's rows for the Q5_K and Q4_K kernels (q45.c): centred_prepare's per 32 columns (centre 16 or 8), each centre
+/* x's rows for the Q5_K, Q4_K and Q5_1 kernels (q45.c): centred_prepare's per 32 columns (centre 16 or 8), each centre
  * followed by the exact sum of x over its 32 columns (on 8 lanes, as int4_prepare's: the same bits on every build). */
 static void kquant_prepare(const void *x, int bf16, int64_t M, int64_t K, int32_t centre, int8_t *xq, float *xs,
                            float *corr) {
@@ -140,7 +140,7 @@ static int dense_bf16(Format f, int bf16) {
 static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_bytes(K) : K; }
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) {
-    if (q45(f)) return (f.group == 256 ? 2 : 1) * (K / 32); /* the k-quants: the exact sums too */
+    if (q45(f)) return (sums_x(f) ? 2 : 1) * (K / 32);
     return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 ? K / 16 : 0;
 }
 
@@ -168,7 +168,7 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         quantize_int8(x, bf16, M, K, a.q, a.s);
     else if (f.bits == 6)
         centred_prepare(x, bf16, M, K, 16, 32, a.q, a.s, (int32_t *)a.corr);
-    else if (q45(f) && f.group == 256)
+    else if (q45(f) && sums_x(f))
         kquant_prepare(x, bf16, M, K, f.bits == 5 ? 16 : 8, a.q, a.s, a.corr);
     else if (f.bits == 5)
         centred_prepare(x, bf16, M, K, 32, 16, a.q, a.s, (int32_t *)a.corr);
@@ -194,7 +194,7 @@ QuantActs quantize_for(Format f, const void *x, int bf16, int64_t M, int64_t K, 
 }
 
 QuantActs quantize_acts(const void *x, int bf16, int64_t M, int64_t K, int bits, int64_t G, int threads) {
-    return quantize_for((Format){bits, G}, x, bf16, M, K, threads);
+    return quantize_for((Format){bits, G, 0}, x, bf16, M, K, threads);
 }
 
 QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K) {

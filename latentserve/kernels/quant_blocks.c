@@ -19,20 +19,19 @@ static void store_block(void *y, int bf16, int64_t N, int64_t m0, int64_t rows, 
         for (int64_t j = 0; j < outputs; j++) store_out(y, bf16, (m0 + m) * N + 16 * b + j, dots[16 * m + j]);
 }
 
-/* ls_int8_linear, ls_int4_linear and ls_q6k_linear: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format
- * (bits, G). Each thread a contiguous share of the blocks. A few rows are bound by reading the weight, and one
- * stream of it a thread keeps too few reads in flight: up to PAIR_ROWS rows it reads two blocks at once, the i-th of
- * each half of the share (block_pair_dots). Against walking the blocks in order, same run, interleaved call by call,
- * timed by CPU time on a loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): int8 1.04-1.28x faster at
- * 1-2 rows and 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head; int4 (2816 x 2048, group 32) 1.2-1.3x at 1 row,
- * 1.3-1.45x at 4. An earlier measurement under load, by wall time and whole blocks alternating (`two_streams`), had
- * found two streams up to 1.2x slower; wall time under that load mostly measured the other processes. More rows are
- * bound by the arithmetic and walk the blocks in order, but for int8 on AMX tiles (pairs()), which pass two blocks
- * at a time on the same rows (amx.c). Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's
- * result is the same whatever rows it is computed with, and whatever the thread count. */
-int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
-                 int io, int threads) {
-    Format f = {bits, G};
+/* The quantized linear entry points: y[M, N] = x[M, K] @ dequantized(w)[N, K]^T for w in format f. Each thread a
+ * contiguous share of the blocks. A few rows are bound by reading the weight, and one stream of it a thread keeps too
+ * few reads in flight: up to PAIR_ROWS rows it reads two blocks at once, the i-th of each half of the share
+ * (block_pair_dots). Against walking the blocks in order, same run, interleaved call by call, timed by CPU time on a
+ * loaded machine (2026-12-05, benchmarks/RESULTS.md "Weight streaming"): int8 1.04-1.28x faster at 1-2 rows and
+ * 1.14-1.7x at 4-8 on V2-Lite/V3 shapes and lm_head; int4 (2816 x 2048, group 32) 1.2-1.3x at 1 row, 1.3-1.45x at 4. An
+ * earlier measurement under load, by wall time and whole blocks alternating (`two_streams`), had found two streams up
+ * to 1.2x slower; wall time under that load mostly measured the other processes. More rows are bound by the arithmetic
+ * and walk the blocks in order, but for int8 on AMX tiles (pairs()), which pass two blocks at a time on the same rows
+ * (amx.c). Above ROW_CHUNK rows, ROW_CHUNK rows a pass. Each row's result is the same whatever rows it is computed
+ * with, and whatever the thread count. */
+int quant_linear(const void *x, int64_t M, int64_t K, const void *w, Format f, int64_t N, void *y, int io,
+                 int threads) {
     int64_t blocks = (N + 15) / 16, bytes = block_bytes(f, K), per = (M < ROW_CHUNK ? M : ROW_CHUNK) * 16;
     ScratchMark mark = scratch_mark();
     QuantActs a = quantize_for(f, x, io & 1, M, K, threads);

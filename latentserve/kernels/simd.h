@@ -262,8 +262,6 @@ int int8_heads(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, 
                const int32_t *wsum, int64_t N, void *y, int io, int threads);
 int int8_heads_lanes(const void *x, int64_t M, int64_t H, int64_t K, const int8_t *w, const float *scale,
                      const int32_t *wsum, int64_t N, void *y, int io, int threads);
-int quant_linear(const void *x, int64_t M, int64_t K, const void *w, int bits, int64_t G, int64_t N, void *y,
-                 int io, int threads);
 void mla_prologue(void *q, int64_t T, int64_t H, int64_t D, const void *kv, int64_t L, int64_t R, const void *w,
                   float eps, const float *cos, const float *sin, int style, void *kv_c, void *k_pe, void *cache,
                   const int64_t *slots, int io, int threads);

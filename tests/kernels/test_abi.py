@@ -132,7 +132,7 @@ def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
         return
     wrong = {"post_norm": "norm weight", "kv_a_norm": "norm weight", "uk.w": "uk.w is NULL", "o_proj.scale":
              "o_proj: an int8 weight", "q_lora": "q_a.w is NULL|norm weight", "style": "style is 3",
-             "x columns": "x must", "q_b inputs": "q_b: bits 4, group 256 over 32 inputs"}[fault]
+             "x columns": "x must", "q_b inputs": "q_b: bits 4, group 256, mins 0 over 32 inputs"}[fault]
     with pytest.raises(ValueError, match=wrong):
         _attend(block, x)
 
@@ -180,7 +180,8 @@ def test_the_moe_block_refuses_a_struct_that_lacks_what_it_reads(fault):
         return
     wrong = {"router": "router is NULL", "weights": "routed: weights is NULL",
              "one weight": r"routed: weights\[5\] is NULL", "shared": "shared: weights is NULL",
-             "down bits 3": "routed gate_up: bits 4", "int4 group": "routed down: bits 4, group 32 over 16 inputs",
+             "down bits 3": "routed gate_up: bits 4",
+             "int4 group": "routed down: bits 4, group 32, mins 0 over 16 inputs",
              "topk": "5 of 4 experts", "x columns": "x must"}[fault]
     with pytest.raises(ValueError, match=wrong):
         native.moe_block(kernels(ISA), block, x, residual)

@@ -192,10 +192,11 @@ def test_the_experts_entry_point_names_a_table_it_cannot_read():
     descs = [native.desc(t) for t in (x, ids, weights, y)]
     pointers = (ctypes.c_void_p * 4)(*routed.held[0])
     pointers[3] = None
-    broken = native.ExpertTable(2, 8, routed.table.bits, routed.table.group, ctypes.addressof(pointers))
+    broken = native.ExpertTable(2, 8, routed.table.bits, routed.table.mins, routed.table.group,
+                                ctypes.addressof(pointers))
     assert lib.ls_experts(ctypes.byref(broken), None, *descs, 1) == native.abi.BAD_TENSOR
     assert lib.ls_last_error() == b"routed: weights[3] is NULL"
-    two = native.ExpertTable(2, 8, routed.table.bits, routed.table.group, routed.table.weights)
+    two = native.ExpertTable(2, 8, routed.table.bits, routed.table.mins, routed.table.group, routed.table.weights)
     assert lib.ls_experts(ctypes.byref(routed.table), ctypes.byref(two), *descs, 1) == native.abi.BAD_TENSOR
     assert lib.ls_last_error() == b"shared: 2 experts, not 0 or 1"
     assert lib.ls_experts(ctypes.byref(routed.table), None, *descs, 1) == native.abi.OK

@@ -1,7 +1,7 @@
-"""The kernels of llama.cpp's formats kept as their blocks (Q6_K: q6k.c; Q5_0, Q5_K, Q4_K: q45.c), each through its
-linear entry point on every build this machine runs: the exact product of the file's values where x's int8 quantization
-is exact, any x within int8's error, the same bits on every build, and each row's result whatever the thread count and
-the rows beside it; and the experts' driver reading them as the linear entry point does."""
+"""The kernels of llama.cpp's formats kept as their blocks (Q6_K: q6k.c; Q5_0, Q5_1, Q5_K, Q4_K: q45.c), each through
+its linear entry point on every build this machine runs: the exact product of the file's values where x's int8
+quantization is exact, any x within int8's error, the same bits on every build, and each row's result whatever the
+thread count and the rows beside it; and the experts' driver reading them as the linear entry point does."""
 import ctypes
 from dataclasses import dataclass
 from typing import Callable
@@ -12,7 +12,7 @@ import torch
 from latentserve.kernels import native
 from latentserve.layers.quant.int4 import quantize_int4
 from tests.kernels.builds import ISAS, kernels, needs_a_build
-from tests.kernels.test_q45 import q4k_values, q5k_values, q50_values
+from tests.kernels.test_q45 import q4k_values, q5k_values, q50_values, q51_values
 from tests.kernels.test_q6k import exact_x, q6k_values
 
 pytestmark = needs_a_build
@@ -29,6 +29,7 @@ class Blocks:
 
 FORMATS = {"Q6_K": Blocks(q6k_values, native.pack_q6k, native.q6k_linear, 256, native.Q6K_FORMAT),
            "Q5_0": Blocks(q50_values, native.pack_q50, native.q50_linear, 64, native.Q50_FORMAT),
+           "Q5_1": Blocks(q51_values, native.pack_q51, native.q51_linear, 64, native.Q51_FORMAT),
            "Q5_K": Blocks(q5k_values, native.pack_q5k, native.q5k_linear, 256, native.Q5K_FORMAT),
            "Q4_K": Blocks(q4k_values, native.pack_q4k, native.q4k_linear, 256, native.Q4K_FORMAT)}
 
@@ -128,7 +129,8 @@ def _experts(g: torch.Generator, f: Blocks, own_gate_up: bool, hidden: int, inte
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q5_0", False), ("Q5_K", True), ("Q4_K", True)])
+@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q5_0", False), ("Q5_1", False), ("Q5_1", True),
+                                                   ("Q5_K", True), ("Q4_K", True)])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_experts_read_the_format_as_the_linear_kernel(isa, file_type, own_gate_up, tokens):
     """A quantized file's MoE: the down projections in the format (Q5_0 over V2's 1408-wide rows, not a multiple of 256)
@@ -162,8 +164,13 @@ def test_expert_tables_check_the_formats_weights(file_type):
                                          rf"uint8 \[32, {down.shape[1]}\]"):
         native.expert_table([(gate_up, torch.cat([down, down]))], 256, 256, ((4, 32), f.format))
     table = native.expert_table([(gate_up, down)], 256, 256, ((4, 32), f.format))
-    table.table.group[1] = 8  # what the C side checks on its own: each format's group
-    code = kernels(ISAS[0]).lib.ls_experts(ctypes.byref(table.table), None, native.desc(torch.randn(1, 256)),
-                                           native.desc(torch.zeros(1, 1).long()), native.desc(torch.ones(1, 1)),
-                                           native.desc(torch.empty(1, 256)), 1)
-    assert code == native.abi.BAD_TENSOR
+    # What the C side checks on its own: each format's group, and mins (Q5_1's) only on 5 bits in groups of 32.
+    faults = [("group", 8)] + ([] if f.format[:2] == (5, 32) else [("mins", 1)])
+    for field, value in faults:
+        saved = getattr(table.table, field)[1]
+        getattr(table.table, field)[1] = value
+        code = kernels(ISAS[0]).lib.ls_experts(ctypes.byref(table.table), None, native.desc(torch.randn(1, 256)),
+                                               native.desc(torch.zeros(1, 1).long()), native.desc(torch.ones(1, 1)),
+                                               native.desc(torch.empty(1, 256)), 1)
+        getattr(table.table, field)[1] = saved
+        assert code == native.abi.BAD_TENSOR, field

@@ -1,7 +1,8 @@
-"""kernels/q45.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout and Q5_K and Q4_K values (w = d * sc
-* q - dmin * m) in `pack_q5k`'s and `pack_q4k`'s: the test's Q5_0 values against gguf's own dequantization (the
-k-quants' unpacking: tests/models/test_gguf.py) and what their packing refuses (the kernels against float64 on every
-build, their wrappers' checks and the experts' driver reading them: test_file_blocks.py)."""
+"""kernels/q45.c, llama.cpp's Q5_0 values (w = d * (q - 16)) in `pack_q50`'s layout, Q5_1 values (w = d * q + m) in
+`pack_q51`'s and Q5_K and Q4_K values (w = d * sc * q - dmin * m) in `pack_q5k`'s and `pack_q4k`'s: the test's Q5_0
+and Q5_1 values against gguf's own dequantization (the k-quants' unpacking: tests/models/test_gguf.py) and what their
+packing refuses (the kernels against float64 on every build, their wrappers' checks and the experts' driver reading
+them: test_file_blocks.py)."""
 
 import numpy as np
 import pytest
@@ -19,19 +20,46 @@ def q50_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, 
     return (q, d), d.float().repeat_interleave(32, dim=1) * (q.float() - 16)
 
 
-def q50_blocks(q: torch.Tensor, d: torch.Tensor) -> np.ndarray:
-    """The same values as a GGUF's Q5_0 rows (per 32: fp16 d, 4 bytes of fifth bits, 16 bytes of nibbles)."""
+def q51_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, d, m) as a Q5_1 file holds them, the float64 weight they stand for)."""
+    q = torch.randint(0, 32, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 32, generator=g) * 1e-2).half()
+    m = (-16 * torch.rand(n, k // 32, generator=g) * 1e-2).half()
+    per = lambda t: t.double().repeat_interleave(32, dim=1)  # noqa: E731
+    return (q, d, m), per(d) * q.double() + per(m)
+
+
+def _five_bit_blocks(q: torch.Tensor, *head: torch.Tensor) -> np.ndarray:
+    """Q5_0 (head: d) or Q5_1 (d, m) rows as a GGUF holds them: per 32 the fp16 head, 4 bytes of fifth bits, 16
+    bytes of nibbles."""
     n, k = q.shape
     qb = q.view(n, k // 32, 32).numpy()
     nib = (qb[..., :16] & 15) | ((qb[..., 16:] & 15) << 4)
     high = ((qb >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
-    return np.concatenate([d.numpy().reshape(n, -1, 1).view(np.uint8), high[..., None].view(np.uint8), nib],
-                          axis=-1).reshape(n, -1)
+    fp16 = [t.numpy().reshape(n, -1, 1).view(np.uint8) for t in head]
+    return np.concatenate([*fp16, high[..., None].view(np.uint8), nib], axis=-1).reshape(n, -1)
+
+
+def test_the_test_values_are_ggufs_q5_1():
+    (q, d, m), w = q51_values(torch.Generator().manual_seed(0), 8, 128)
+    got = torch.from_numpy(dequantize(_five_bit_blocks(q, d, m), GGMLQuantizationType.Q5_1))
+    assert torch.equal(got, d.float().repeat_interleave(32, dim=1) * q.float() + m.float().repeat_interleave(32, dim=1))
+    torch.testing.assert_close(got.double(), w, rtol=1e-6, atol=0)
+
+
+def test_pack_q51_refuses_what_is_not_q51():
+    q, d, m = q51_values(torch.Generator().manual_seed(0), 16, 128)[0]
+    with pytest.raises(ValueError, match=r"pack_q51 takes uint8 q \[N, K\] with K % 64 == 0 and fp16 d and m"):
+        native.pack_q51(q[:, :96], d[:, :3], m[:, :3])
+    with pytest.raises(ValueError, match=r"pack_q51 takes .* fp16 d and m \[N, K / 32\]"):
+        native.pack_q51(q, d, m.float())
+    with pytest.raises(ValueError, match=r"pack_q51: q holds 32, past 5 bits' 31"):
+        native.pack_q51(q.clone().fill_(32), d, m)
 
 
 def test_the_test_values_are_ggufs_q5_0():
     (q, d), w = q50_values(torch.Generator().manual_seed(0), 8, 128)
-    assert torch.equal(torch.from_numpy(dequantize(q50_blocks(q, d), GGMLQuantizationType.Q5_0)), w)
+    assert torch.equal(torch.from_numpy(dequantize(_five_bit_blocks(q, d), GGMLQuantizationType.Q5_0)), w)
 
 
 def test_pack_q50_refuses_what_is_not_q50():

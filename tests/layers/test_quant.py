@@ -30,10 +30,10 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import blocks_kernel, quantize_linear
 from latentserve.layers.quant.prequantized import Q4KWeight, Q50Weight
-from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear
+from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
-from latentserve.models.formats.gguf_weights import q4k_weight, q5k_weight, q6k_weight, q50_weight
+from latentserve.models.formats.gguf_weights import q4k_weight, q5k_weight, q6k_weight, q50_weight, q51_weight
 from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -288,8 +288,8 @@ def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypa
 
 
 def test_gguf_5_bit_weights_run_latentserves_kernels_or_int8_per_row(monkeypatch):
-    """Q5_0's and Q5_K's blocks as they are where latentserve's kernels run and the inputs are a multiple of 64 (Q5_K:
-    256); elsewhere their values quantized to int8 per row."""
+    """Q5_0's, Q5_1's and Q5_K's blocks as they are where latentserve's kernels run and the inputs are a multiple of 64
+    (Q5_K: 256); elsewhere their values quantized to int8 per row."""
     monkeypatch.delenv(NATIVE_ENV, raising=False)
     gen = np.random.default_rng(0)
     weight = q50_weight(quantize(gen.standard_normal((48, 1408)).astype(np.float32), GGMLQuantizationType.Q5_0))
@@ -305,6 +305,11 @@ def test_gguf_5_bit_weights_run_latentserves_kernels_or_int8_per_row(monkeypatch
     assert isinstance(layer, NativeQ50Linear) and layer.kernels is here.kernels
     torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     assert layer(x.bfloat16()).dtype == torch.bfloat16
+    q51 = q51_weight(quantize(gen.standard_normal((48, 1408)).astype(np.float32), GGMLQuantizationType.Q5_1))
+    layer = quantize_linear("l", q51, None, int4, "cpu", here)
+    assert isinstance(layer, NativeQ51Linear)
+    expected = x @ q51.dequantize().t()
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=2e-2 * expected.abs().max().item())
     k_quant = q5k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q5_K, gen))
     layer = quantize_linear("l", k_quant, None, int4, "cpu", here)
     assert isinstance(layer, NativeQ5KLinear)

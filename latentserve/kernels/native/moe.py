@@ -12,8 +12,9 @@ from latentserve.kernels.abi import ExpertTable, MoEBlock, desc
 from latentserve.kernels.build import NativeKernels
 from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import F32, I64, KERNEL_DTYPES, block_dtype, call, refused
-from latentserve.kernels.native.packing import (Q4K_FORMAT, Q5K_FORMAT, Q6K_FORMAT, Q50_FORMAT, check_int4,
-                                                check_int8, check_q4k, check_q5k, check_q6k, check_q50)
+from latentserve.kernels.native.packing import (Q4K_FORMAT, Q5K_FORMAT, Q6K_FORMAT, Q50_FORMAT, Q51_FORMAT,
+                                                check_int4, check_int8, check_q4k, check_q5k, check_q6k, check_q50,
+                                                check_q51)
 
 
 def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, groups: int, topk_groups: int,
@@ -41,9 +42,10 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
 
 
 # A weight's format as the experts read it: (32, 0) fp32 rows, (16, 0) bf16 rows, (8, 0) `pack_int8`'s layout,
-# (4, group size) `pack_int4`'s, (6, 16) `pack_q6k`'s, (5, 32) `pack_q50`'s, (5, 256) `pack_q5k`'s, (4, 256)
-# `pack_q4k`'s (int4's groups are at most 128).
-Format = tuple[int, int]
+# (4, group size) `pack_int4`'s, (6, 16) `pack_q6k`'s, (5, 32) `pack_q50`'s, (5, 32, 1) `pack_q51`'s, (5, 256)
+# `pack_q5k`'s, (4, 256) `pack_q4k`'s (int4's groups are at most 128): (bits, group[, mins]), mins 0 where left out.
+Format = tuple[int, ...]
+FILE_FORMATS = (Q6K_FORMAT, Q50_FORMAT, Q51_FORMAT, Q5K_FORMAT, Q4K_FORMAT)
 DENSE_FORMATS = {torch.float32: (32, 0), torch.bfloat16: (16, 0)}
 
 
@@ -62,11 +64,10 @@ def expert_table(weights: list[tuple[torch.Tensor, torch.Tensor]], hidden: int, 
     down `[hidden, inter]`, each projection of every expert in its one format (`formats`: gate_up's, down's; dense
     ones as `[N, K]` contiguous rows of the format's dtype, quantized ones packed), each checked here."""
     fn = "expert_table"
-    if not weights or any(f not in (*DENSE_FORMATS.values(), (8, 0), Q6K_FORMAT, Q50_FORMAT, Q5K_FORMAT, Q4K_FORMAT)
-                          and f[0] != 4 for f in formats):
+    if not weights or any(f not in (*DENSE_FORMATS.values(), (8, 0), *FILE_FORMATS)
+                          and not (len(f) == 2 and f[0] == 4) for f in formats):
         raise ValueError(f"{fn} takes at least one expert in formats (32, 0), (16, 0), (8, 0), (4, group size), "
-                         f"{Q6K_FORMAT}, {Q50_FORMAT}, {Q5K_FORMAT} or {Q4K_FORMAT}; got {len(weights)} experts, "
-                         f"formats {formats}")
+                         f"{', '.join(map(str, FILE_FORMATS))}; got {len(weights)} experts, formats {formats}")
     dense = {f: (d,) for d, f in DENSE_FORMATS.items()}
     for e, pair in enumerate(weights):
         for which, (w, fmt) in enumerate(zip(pair, formats)):
@@ -78,6 +79,7 @@ def expert_table(weights: list[tuple[torch.Tensor, torch.Tensor]], hidden: int, 
                 _check_packed(fn, name, w, n, k, fmt)
     pointers = (ctypes.c_void_p * (2 * len(weights)))(*(w.data_ptr() for pair in weights for w in pair))
     table = ExpertTable(len(weights), inter, (ctypes.c_int32 * 2)(*(f[0] for f in formats)),
+                        (ctypes.c_int32 * 2)(*(f[2] if len(f) > 2 else 0 for f in formats)),
                         (ctypes.c_int64 * 2)(*(f[1] for f in formats)), ctypes.addressof(pointers))
     return Experts(table, hidden, [pointers, *(w for pair in weights for w in pair)])
 
@@ -112,6 +114,8 @@ def _check_packed(fn: str, name: str, packed: torch.Tensor, n: int, k: int, fmt:
         check_q6k(fn, name, packed, n, k)
     elif fmt == Q50_FORMAT:
         check_q50(fn, name, packed, n, k)
+    elif fmt == Q51_FORMAT:
+        check_q51(fn, name, packed, n, k)
     elif fmt == Q5K_FORMAT:
         check_q5k(fn, name, packed, n, k)
     elif fmt == Q4K_FORMAT:

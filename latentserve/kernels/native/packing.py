@@ -121,9 +121,11 @@ def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
 
 
 Q5_GROUP = 32 + 64 + 4 * 64  # bytes of 32 columns of a `pack_q50` or `pack_q5k` block
+Q51_GROUP = 64 + 64 + 4 * 64  # of a `pack_q51` block
 Q4_GROUP = 32 + 4 * 64  # of a `pack_q4k` block
 Q5K_SUPER, Q4K_SUPER = 128 + 8 * Q5_GROUP, 128 + 8 * Q4_GROUP  # bytes of 256 columns of a `pack_q5k`, `pack_q4k` block
 Q50_FORMAT, Q5K_FORMAT, Q4K_FORMAT = (5, 32), (5, 256), (4, 256)  # the experts' format tuples (bits, group)
+Q51_FORMAT = (5, 32, 1)  # (bits, group, mins): mins tells `pack_q51`'s layout from `pack_q50`'s
 
 
 def _q45_units(q: torch.Tensor, bits: int, fn: str) -> torch.Tensor:
@@ -165,6 +167,21 @@ def pack_q50(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return torch.cat([_by_block(d), units], dim=2).view(units.shape[0], -1)
 
 
+def pack_q51(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), K / 32 * 384]` from llama.cpp's Q5_1 values w = d * q + m: q `[N, K]` in [0, 31] (K a
+    multiple of 64), fp16 `d`, `m` `[N, K / 32]`. `pack_q50`'s layout with each group's header the 16 d, then the 16
+    m (q45.c)."""
+    n, k = q.shape
+    if (q.dtype != torch.uint8 or k % 64
+            or any(t.dtype != torch.float16 or t.shape != (n, k // 32) for t in (d, m))):
+        raise ValueError(f"pack_q51 takes uint8 q [N, K] with K % 64 == 0 and fp16 d and m [N, K / 32], not "
+                         f"{q.dtype} {tuple(q.shape)}, {d.dtype} {tuple(d.shape)} and {m.dtype} {tuple(m.shape)}")
+    pad = -n % Q50_BLOCK
+    q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, m))
+    units = _q45_units(q, 5, "pack_q51")
+    return torch.cat([_by_block(d), _by_block(m), units], dim=2).view(units.shape[0], -1)
+
+
 def _pack_kquant(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor, bits: int,
                  fn: str) -> torch.Tensor:
     """`pack_q5k` (bits 5) and `pack_q4k` (4)."""
@@ -197,12 +214,21 @@ def pack_q4k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Ten
     return _pack_kquant(q, d, dmin, sc, m, 4, "pack_q4k")
 
 
+def _check_groups_of_32(fn: str, name: str, packed: torch.Tensor, n: int, k: int, kind: str, group_bytes: int) -> None:
+    if k % 64:
+        raise ValueError(f"{fn}: the {kind} kernel takes K a multiple of 64; got K {k}")
+    tensor(fn, f"{name} ({kind} weight of {n} outputs, {k} inputs in pack_{kind.lower().replace('_', '')}'s layout)",
+           packed, U8, (-(-n // Q50_BLOCK), k // 32 * group_bytes))
+
+
 def check_q50(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
     """A weight in `pack_q50`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
-    if k % 64:
-        raise ValueError(f"{fn}: the Q5_0 kernel takes K a multiple of 64; got K {k}")
-    tensor(fn, f"{name} (Q5_0 weight of {n} outputs, {k} inputs in pack_q50's layout)", packed, U8,
-           (-(-n // Q50_BLOCK), k // 32 * Q5_GROUP))
+    _check_groups_of_32(fn, name, packed, n, k, "Q5_0", Q5_GROUP)
+
+
+def check_q51(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_q51`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    _check_groups_of_32(fn, name, packed, n, k, "Q5_1", Q51_GROUP)
 
 
 def _check_kquant(fn: str, name: str, packed: torch.Tensor, n: int, k: int, kind: str, super_bytes: int) -> None:

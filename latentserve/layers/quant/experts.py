@@ -8,7 +8,7 @@ from latentserve import batch_invariant
 from latentserve.kernels import native
 from latentserve.layers.quant.int4 import NativeInt4Linear
 from latentserve.layers.quant.int8 import NativeInt8Linear
-from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear
+from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
 from latentserve.layers.quant.q6k import NativeQ6KLinear
 
 
@@ -102,7 +102,8 @@ TOKENS_PER_CALL = 2048
 
 def packed_format(layer: nn.Module) -> native.Format | None:
     """A layer's weight format as the native experts read it ((8, 0): `pack_int8`; (4, G): `pack_int4`;
-    `native.Q6K_FORMAT`: `pack_q6k`; `native.Q50_FORMAT`: `pack_q50`; `native.Q5K_FORMAT`: `pack_q5k`;
+    `native.Q6K_FORMAT`: `pack_q6k`; `native.Q50_FORMAT`: `pack_q50`; `native.Q51_FORMAT`: `pack_q51`;
+    `native.Q5K_FORMAT`: `pack_q5k`;
     `native.Q4K_FORMAT`: `pack_q4k`), or None where it is not one of latentserve's bias-free quantized layers."""
     if getattr(layer, "bias", None) is not None:
         return None
@@ -114,6 +115,8 @@ def packed_format(layer: nn.Module) -> native.Format | None:
         return native.Q6K_FORMAT
     if type(layer) is NativeQ50Linear:
         return native.Q50_FORMAT
+    if type(layer) is NativeQ51Linear:
+        return native.Q51_FORMAT
     if type(layer) is NativeQ5KLinear:
         return native.Q5K_FORMAT
     if type(layer) is NativeQ4KLinear:

@@ -1,5 +1,6 @@
-"""Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8
-/ Q6_K / Q5_0 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes nothing a second time."""
+"""Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8 /
+Q6_K / Q5_0 / Q5_1 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes nothing a second
+time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -49,7 +50,7 @@ class Int8Weight(_Stored):
         return self.q.float() * self.scale[:, None]
 
 
-class _FileBlocks(_Stored):
+class FileBlocks(_Stored):
     """A GGUF's blocks kept as the file holds them, for latentserve's kernel of that type; `dequantize` gives gguf's
     values to the bit. Where that kernel does not run it runs as `unkept_weight()`, of type `unkept_type`; `unkept`
     says how."""
@@ -76,7 +77,7 @@ Q6K_D_COLUMNS, Q6K_SC_COLUMNS = 256, 16  # input columns per d, per sub-scale sc
 
 
 @dataclass
-class Q6KWeight(_FileBlocks):
+class Q6KWeight(FileBlocks):
     """llama.cpp's Q6_K as a GGUF holds it, w = d * sc * (q - 32): q uint8 `[out, in]` in [0, 63], d fp32
     `[out, in / 256]` (the file's fp16, so exact), sc int8 `[out, in / 16]`."""
 
@@ -96,7 +97,7 @@ Q50_COLUMNS = 32  # input columns per d
 
 
 @dataclass
-class Q50Weight(_FileBlocks):
+class Q50Weight(FileBlocks):
     """llama.cpp's Q5_0 as a GGUF holds it, w = d * (q - 16): q uint8 `[out, in]` in [0, 31], d fp16
     `[out, in / 32]` (the file's)."""
 
@@ -110,11 +111,27 @@ class Q50Weight(_FileBlocks):
         return (self.d.float()[..., None] * q).view(rows, cols)
 
 
+@dataclass
+class Q51Weight(FileBlocks):
+    """llama.cpp's Q5_1 as a GGUF holds it, w = d * q + m: q uint8 `[out, in]` in [0, 31], d and m fp16
+    `[out, in / 32]` (the file's)."""
+
+    d: torch.Tensor
+    m: torch.Tensor
+    method = "q5_1"
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 `[out, in]`, gguf's dequantization to the bit: d times q, plus m."""
+        rows, cols = self.q.shape
+        q = self.q.view(rows, -1, Q50_COLUMNS).float()
+        return (self.d.float()[..., None] * q + self.m.float()[..., None]).view(rows, cols)
+
+
 KQUANT_COLUMNS, KQUANT_SUB_COLUMNS = 256, 32  # input columns per d and dmin, per sc and m
 
 
 @dataclass
-class _KQuant(_FileBlocks):
+class _KQuant(FileBlocks):
     """llama.cpp's Q5_K and Q4_K as a GGUF holds them, w = d * sc * q - dmin * m: q uint8 `[out, in]`, d and dmin
     fp32 `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 32]` (6 bits)."""
 
@@ -157,7 +174,7 @@ class Q4KWeight(_KQuant):
         return Int4Weight(self.q, scale, -minimum)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q5KWeight | Q4KWeight
+QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q51Weight | Q5KWeight | Q4KWeight
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:

@@ -11,13 +11,13 @@ Weights: Q4_0 and Q4_1 map onto latentserve's int4 layout exactly (groups of 32 
 scale d and minimum -8d, Q4_1's d and m) and are repacked, not requantized. The loaded weights hold the file's values
 exactly; latentserve's int4 kernel then keeps each group's scale and minimum in bf16 (as int4pack_mm does), so it runs
 them to bf16's precision. Q4_K (most of a Q4_K_M file), Q6_K (its output matrix, some of its down projections), Q5_0
-(its down projections whose rows are not a multiple of 256) and Q5_K (Q5_K_M's) are kept as their blocks' values,
-exactly, which latentserve's kernels for them run as they are (4.75, 6.625, 5.5 and 5.75 bits a weight read); without
-those kernels a Q4_K layer runs as int4's groups of its values, the others are quantized to int8 per output channel
-(layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values, not per
-row) are dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the router and
-kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The load log counts each; the conversions
-themselves are gguf_weights.py's."""
+(its down projections whose rows are not a multiple of 256), Q5_K (Q5_K_M's) and Q5_1 (Q5_K_M's where Q4_K_M has Q5_0)
+are kept as their blocks' values, exactly, which latentserve's kernels for them run as they are (4.75, 6.625, 5.5, 5.75
+and 6 bits a weight read); without those kernels a Q4_K layer runs as int4's groups of its values, the others are
+quantized to int8 per output channel (layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0
+has one scale per 32 values, not per row) are dequantized with gguf's own code and quantized to int8 per output channel;
+embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The load log
+counts each; the conversions themselves are gguf_weights.py's."""
 from __future__ import annotations
 
 import hashlib
@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from latentserve.kernels.native import CACHE_ENV
 from latentserve.models.formats.gguf_weights import (FLOAT_TYPES, INT4_TYPES, ConversionStats, dequantized,
                                                      int4_weight, int8_weight, q4k_weight, q5k_weight, q6k_weight,
-                                                     q50_weight, release_freed_heap, release_mapped_pages)
+                                                     q50_weight, q51_weight, release_freed_heap, release_mapped_pages)
 from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|
                               r"\.weight|^lm_head\.weight)$")
 # Types whose blocks latentserve's kernels read as the file holds them (layers/quant/linear.py FILE_BLOCKS).
 _KEPT = {GGMLQuantizationType.Q6_K: q6k_weight, GGMLQuantizationType.Q5_0: q50_weight,
-         GGMLQuantizationType.Q5_K: q5k_weight, GGMLQuantizationType.Q4_K: q4k_weight}
+         GGMLQuantizationType.Q5_1: q51_weight, GGMLQuantizationType.Q5_K: q5k_weight,
+         GGMLQuantizationType.Q4_K: q4k_weight}
 
 
 def is_gguf(path: Path) -> bool:
@@ -264,9 +265,9 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight / Q5KWeight / Q4KWeight) for every
-    `wanted` tensor of the GGUF `model_dir` stands for, one at a time. Each file is memory-mapped while its tensors are
-    read, and unmapped after: the pages a mapping touched count as the process's memory until then."""
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight / Q51Weight / Q5KWeight / Q4KWeight)
+    for every `wanted` tensor of the GGUF `model_dir` stands for, one at a time. Each file is memory-mapped while its
+    tensors are read, and unmapped after: the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
     # Each file parsed once: GGUFReader reads all the metadata, the vocabulary's 100k strings included (seconds).
     readers = [GGUFReader(file) for file in files]

@@ -1,8 +1,9 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0 and Q4_1
 repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0 into its q and d
-(`Q50Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized with
-gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output channel), a few rows at a
-time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap) handed back."""
+(`Q50Weight`), Q5_1 into its q, d and m (`Q51Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`,
+`Q4KWeight`), other types dequantized with gguf's own code (and, for the layers latentserve runs quantized, quantized to
+int8 per output channel), a few rows at a time; and the memory a conversion leaves behind (mapped file pages, glibc's
+freed heap) handed back."""
 from __future__ import annotations
 
 import ctypes
@@ -20,7 +21,7 @@ from gguf.quants import Q4_K, dequantize
 from latentserve.layers.quant.int8 import quantize_int8
 from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q6K_D_COLUMNS,
                                                    Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight, Q4KWeight,
-                                                   Q5KWeight, Q6KWeight, Q50Weight)
+                                                   Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
 _Q6K_BYTES = 210  # a Q6_K block's, of 256 values
-_Q50_BYTES = 22  # a Q5_0 block's, of 32 values
 _Q5K_BYTES, _Q4K_BYTES = 176, 144  # a Q5_K block's, a Q4_K block's, of 256 values
 
 
@@ -116,20 +116,33 @@ def q6k_weight(data: np.ndarray) -> Q6KWeight:
     return weight
 
 
-def q50_weight(data: np.ndarray) -> Q50Weight:
-    """Q5_0 rows `[out, bytes]` as their q and d, a few rows at a time."""
-    rows, blocks = data.shape[0], data.shape[1] // _Q50_BYTES
-    weight = Q50Weight(torch.empty(rows, blocks * Q50_COLUMNS, dtype=torch.uint8),
-                       torch.empty(rows, blocks, dtype=torch.float16))
+def _five_bit_weight(data: np.ndarray, kind: type[Q50Weight] | type[Q51Weight]) -> Q50Weight | Q51Weight:
+    """Q5_0 rows `[out, bytes]` as their q and d, Q5_1 rows as their q, d and m, a few rows at a time."""
+    halves = 2 if kind is Q51Weight else 1  # the fp16 values heading a block: d (Q5_1: and m)
+    size = 2 * halves + 20
+    rows, blocks = data.shape[0], data.shape[1] // size
+    weight = kind(torch.empty(rows, blocks * Q50_COLUMNS, dtype=torch.uint8),
+                  *(torch.empty(rows, blocks, dtype=torch.float16) for _ in range(halves)))
     for chunk in _row_chunks(data):
-        # Per 32: fp16 d, 4 bytes whose bit i is value i's fifth, 16 bytes: values 0-15 in the low nibbles, 16-31 in
-        # the high ones.
-        part = data[chunk].reshape(-1, blocks, _Q50_BYTES)
-        fifth = np.unpackbits(part[..., 2:6], axis=-1, bitorder="little")
-        low = np.concatenate([part[..., 6:] & 15, part[..., 6:] >> 4], axis=-1)
+        # Per 32: fp16 d (Q5_1: and m), 4 bytes whose bit i is value i's fifth, 16 bytes: values 0-15 in the low
+        # nibbles, 16-31 in the high ones.
+        part = data[chunk].reshape(-1, blocks, size)
+        head = 2 * halves
+        fifth = np.unpackbits(part[..., head:head + 4], axis=-1, bitorder="little")
+        low = np.concatenate([part[..., head + 4:] & 15, part[..., head + 4:] >> 4], axis=-1)
         weight.q.numpy()[chunk] = (low | (fifth << 4)).reshape(len(part), -1)
         weight.d.numpy()[chunk] = _fp16(part, 0)  # fp16's values back in fp16: exact
+        if kind is Q51Weight:
+            weight.m.numpy()[chunk] = _fp16(part, 2)
     return weight
+
+
+def q50_weight(data: np.ndarray) -> Q50Weight:
+    return _five_bit_weight(data, Q50Weight)
+
+
+def q51_weight(data: np.ndarray) -> Q51Weight:
+    return _five_bit_weight(data, Q51Weight)
 
 
 def _kquant_weight(data: np.ndarray, bits: int) -> Q5KWeight | Q4KWeight:
