@@ -1,4 +1,4 @@
-"""The avx512_amx build (int8, int4, Q6_K, Q5_0, Q5_K and Q4_K blocks on AMX tiles, kernels/amx.c) against the
+"""The avx512_amx build (int8, int4, Q6_K, Q5_0, Q5_1, Q5_K and Q4_K blocks on AMX tiles, kernels/amx.c) against the
 avx512_bf16 build (vpdpbusd) in one process, on the same weights and activations, taking turns call by call; checks
 that both give the same outputs bit for bit (random weights: the k-quants' shapes need inputs a multiple of 256). Per
 format, shape (out x in) and row count: each build's best time per call over --repeats, and the ratio bf16 / amx of
@@ -8,7 +8,7 @@ the best times with the range of the per-round ratios.
 CPU time over the thread count (set `OMP_WAIT_POLICY=passive`, so that waiting threads do not spin). On a loaded
 machine the wall clock mostly measures the other processes.
 
-Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/amx_ab.py [--rows 512] [--formats int8,int4,q6_k,q5_0,q5_k,q4_k]
+Run: `PYTHONPATH=$PWD .venv/bin/python benchmarks/amx_ab.py [--rows 512] [--formats int8,int4,q6_k,q5_0,q5_1,q5_k,q4_k]
 [--group 32] [--shapes 1408x2048,2816x2048] [--threads 1] [--repeats 3]`.
 """
 from __future__ import annotations
@@ -42,10 +42,14 @@ def _product(fmt: str, group: int, n: int, k: int):
     if fmt == "int8":
         packed = native.pack_int8(*quantize_int8(w))
         return lambda kern, x: native.int8_linear(kern, x, packed, n, x.dtype), "int8"
-    if fmt == "q5_0":
+    if fmt in ("q5_0", "q5_1"):
         q, d = torch.randint(0, 32, (n, k), dtype=torch.uint8), (torch.rand(n, k // 32) * 1e-2).half()
-        packed = native.pack_q50(q, d)
-        return lambda kern, x: native.q50_linear(kern, x, packed, n, x.dtype), "Q5_0"
+        if fmt == "q5_0":
+            packed, linear = native.pack_q50(q, d), native.q50_linear
+        else:
+            m = (-16 * d.float() * torch.rand(n, k // 32)).half()
+            packed, linear = native.pack_q51(q, d, m), native.q51_linear
+        return lambda kern, x: linear(kern, x, packed, n, x.dtype), fmt.upper()
     if fmt == "q6_k":
         q, d = torch.randint(0, 64, (n, k), dtype=torch.uint8), (torch.rand(n, k // 256) * 1e-3).half().float()
         packed = native.pack_q6k(q, d, torch.randint(-128, 128, (n, k // 16), dtype=torch.int8))
