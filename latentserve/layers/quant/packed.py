@@ -1,18 +1,11 @@
-"""What the linear layers on latentserve's packed weights share (int8's and the GGUF formats' blocks of 16 outputs):
-the descriptor a one-call block reads, and the forward around the kernel's call; for a GGUF's blocks, their packing
-and their kernel."""
+"""What the linear layers on latentserve's packed weights share (int8's and the GGUF formats' blocks of 16 outputs): the
+descriptor a one-call block reads, and the forward around the kernel's call."""
 from __future__ import annotations
-
-from dataclasses import fields
-from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from latentserve.kernels import native
-
-if TYPE_CHECKING:  # prequantized imports int8.py, which imports this module
-    from latentserve.layers.quant.prequantized import FileBlocks
 
 
 class NativePackedLinear(nn.Module):
@@ -46,24 +39,3 @@ class NativePackedLinear(nn.Module):
         y = self.product(native.activations(x, self.in_features), dtype)
         y = y.view(*x.shape[:-1], self.out_features).to(dtype)
         return y if self.bias is None else y.add_(self.bias)
-
-
-class NativeFileBlocksLinear(NativePackedLinear):
-    """A GGUF weight kept as its file's blocks (`FileBlocks`), packed by `pack` from the weight's fields
-    in their order and run by `linear` at every row count. `file_type`, `columns` (the multiple of inputs the kernel
-    takes) and `read` are what `blocks_kernel` says of it."""
-
-    pack: Callable[..., torch.Tensor]
-    linear: Callable[..., torch.Tensor]
-    file_type: str
-    columns: int
-    read: str
-
-    @classmethod
-    def of(cls, weight: FileBlocks, bias: nn.Parameter | None, kernels: native.NativeKernels,
-           out_dtype: torch.dtype | None) -> NativeFileBlocksLinear:
-        packed = cls.pack(*(getattr(weight, f.name) for f in fields(weight)))
-        return cls(packed, weight.shape[1], weight.shape[0], bias, kernels, out_dtype)
-
-    def product(self, x2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return type(self).linear(self.kernels, x2, self.packed, self.out_features, dtype)

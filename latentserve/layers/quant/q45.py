@@ -9,7 +9,7 @@ columns); Q5_K_M files are mostly Q5_K and keep those at Q5_1."""
 from __future__ import annotations
 
 from latentserve.kernels import native
-from latentserve.layers.quant.packed import NativeFileBlocksLinear
+from latentserve.layers.quant.file_blocks import NativeFileBlocksLinear
 from latentserve.layers.quant.prequantized import KQUANT_COLUMNS
 
 

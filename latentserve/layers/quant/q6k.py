@@ -4,7 +4,7 @@ int8 per row reads 8 and rounds the values again."""
 from __future__ import annotations
 
 from latentserve.kernels import native
-from latentserve.layers.quant.packed import NativeFileBlocksLinear
+from latentserve.layers.quant.file_blocks import NativeFileBlocksLinear
 from latentserve.layers.quant.prequantized import Q6K_D_COLUMNS
 
 
