@@ -6,10 +6,6 @@ from torch import nn
 
 from latentserve import batch_invariant
 from latentserve.kernels import native
-from latentserve.layers.quant.int4 import NativeInt4Linear
-from latentserve.layers.quant.int8 import NativeInt8Linear
-from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-from latentserve.layers.quant.q6k import NativeQ6KLinear
 
 
 def activation_dtype(expert: nn.Module, default: torch.dtype) -> torch.dtype:
@@ -101,27 +97,11 @@ TOKENS_PER_CALL = 2048
 
 
 def packed_format(layer: nn.Module) -> native.Format | None:
-    """A layer's weight format as the native experts read it ((8, 0): `pack_int8`; (4, G): `pack_int4`;
-    `native.Q6K_FORMAT`: `pack_q6k`; `native.Q50_FORMAT`: `pack_q50`; `native.Q51_FORMAT`: `pack_q51`;
-    `native.Q5K_FORMAT`: `pack_q5k`;
-    `native.Q4K_FORMAT`: `pack_q4k`), or None where it is not one of latentserve's bias-free quantized layers."""
+    """A layer's weight format as the native experts read it (its `expert_format`: latentserve's int8, int4 and GGUF
+    block layers have one), or None where it is not one of them or has a bias."""
     if getattr(layer, "bias", None) is not None:
         return None
-    if type(layer) is NativeInt8Linear:
-        return 8, 0
-    if type(layer) is NativeInt4Linear:
-        return 4, layer.group_size
-    if type(layer) is NativeQ6KLinear:
-        return native.Q6K_FORMAT
-    if type(layer) is NativeQ50Linear:
-        return native.Q50_FORMAT
-    if type(layer) is NativeQ51Linear:
-        return native.Q51_FORMAT
-    if type(layer) is NativeQ5KLinear:
-        return native.Q5K_FORMAT
-    if type(layer) is NativeQ4KLinear:
-        return native.Q4K_FORMAT
-    return None
+    return getattr(layer, "expert_format", None)
 
 
 def expert_layers(mlp: nn.Module) -> tuple[nn.Module, nn.Module] | None:

@@ -170,6 +170,11 @@ class NativeInt4Linear(nn.Module):
         self.register_buffer("packed", native.pack_int4(q, scale, minimum))
         self.bias = bias
 
+    @property
+    def expert_format(self) -> native.Format:
+        """Its weight's format as the native experts read it."""
+        return 4, self.group_size
+
     def native_weight(self, dtype: torch.dtype, kernels: native.NativeKernels) -> tuple[native.Weight, None] | None:
         """(this layer as a one-call block reads it, None: it runs latentserve's kernel at any row count) where it
         runs `kernels` without a bias; else None."""

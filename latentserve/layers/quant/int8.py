@@ -102,7 +102,7 @@ class NativeInt8Linear(NativePackedLinear):
     than the one-row-at-a-time kernel at 512 rows and above oneDNN's `_int_mm`: benchmarks/RESULTS.md)."""
 
     kernel = "latentserve int8"
-    weight_kind = native.INT8_BLOCKS
+    weight_kind, expert_format = native.INT8_BLOCKS, (8, 0)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: nn.Parameter | None, kernels: native.NativeKernels,
                  out_dtype: torch.dtype | None = None) -> None:

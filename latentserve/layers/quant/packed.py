@@ -11,10 +11,12 @@ from latentserve.kernels import native
 class NativePackedLinear(nn.Module):
     """A linear layer whose weight is `packed` in one of the kernels' layouts, run by `product` (the subclass's kernel)
     at every row count; fp32 and bf16 activations go in as they are, out in `out_dtype` (None: the activations'
-    dtype). `weight_kind` and `group`: what a one-call block reads (`native.Weight`)."""
+    dtype). `weight_kind` and `group`: what a one-call block reads (`native.Weight`); `expert_format`: what the native
+    experts read (`native.expert_table`)."""
 
     weight_kind: int
     group = 0
+    expert_format: native.Format
 
     def __init__(self, packed: torch.Tensor, in_features: int, out_features: int, bias: nn.Parameter | None,
                  kernels: native.NativeKernels, out_dtype: torch.dtype | None) -> None:

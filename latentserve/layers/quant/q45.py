@@ -17,6 +17,7 @@ class NativeQ50Linear(NativeFileBlocksLinear):
     """latentserve's Q5_0 kernel (`native.pack_q50`'s layout) at every row count."""
 
     kernel, weight_kind, group = "latentserve q5_0", native.Q50, 32
+    expert_format = native.Q50_FORMAT
     file_type, columns, read = "Q5_0", 64, "5.5 bits a weight read; int8 per row reads 8 and rounds the values again"
     pack, linear = staticmethod(native.pack_q50), staticmethod(native.q50_linear)
 
@@ -25,6 +26,7 @@ class NativeQ51Linear(NativeFileBlocksLinear):
     """latentserve's Q5_1 kernel (`native.pack_q51`'s layout) at every row count."""
 
     kernel, weight_kind, group = "latentserve q5_1", native.Q51, 32
+    expert_format = native.Q51_FORMAT
     file_type, columns, read = "Q5_1", 64, "6 bits a weight read; int8 per row reads 8 and rounds the values again"
     pack, linear = staticmethod(native.pack_q51), staticmethod(native.q51_linear)
 
@@ -33,6 +35,7 @@ class NativeQ5KLinear(NativeFileBlocksLinear):
     """latentserve's Q5_K kernel (`native.pack_q5k`'s layout) at every row count."""
 
     kernel, weight_kind, group = "latentserve q5_k", native.Q5K, 256
+    expert_format = native.Q5K_FORMAT
     file_type, columns = "Q5_K", KQUANT_COLUMNS
     read = "5.75 bits a weight read; int8 per row reads 8 and rounds the values again"
     pack, linear = staticmethod(native.pack_q5k), staticmethod(native.q5k_linear)
@@ -42,6 +45,7 @@ class NativeQ4KLinear(NativeFileBlocksLinear):
     """latentserve's Q4_K kernel (`native.pack_q4k`'s layout) at every row count."""
 
     kernel, weight_kind, group = "latentserve q4_k", native.Q4K, 256
+    expert_format = native.Q4K_FORMAT
     file_type, columns = "Q4_K", KQUANT_COLUMNS
     read = "4.75 bits a weight read, d * sc exactly; int4's groups read 5 and round it to bf16"
     pack, linear = staticmethod(native.pack_q4k), staticmethod(native.q4k_linear)

@@ -12,6 +12,7 @@ class NativeQ6KLinear(NativeFileBlocksLinear):
     """latentserve's Q6_K kernel (`native.pack_q6k`'s layout) at every row count."""
 
     kernel, weight_kind, group = "latentserve q6_k", native.Q6K, 16
+    expert_format = native.Q6K_FORMAT
     file_type, columns = "Q6_K", Q6K_D_COLUMNS
     read = "6.625 bits a weight read; int8 per row reads 8 and rounds the values again"
     pack, linear = staticmethod(native.pack_q6k), staticmethod(native.q6k_linear)
