@@ -322,11 +322,11 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
 static int bad_format(int code, const char *name, Format f, int64_t in) {
     int32_t bits = f.bits;
     int64_t group = f.group;
-    int q51 = bits == 5 && group == 32;
-    if ((f.mins == 0 || (f.mins == 1 && q51)) &&
+    int groups32 = bits == 5 && group == 32; /* Q5_0's, Q5_1's */
+    if ((f.mins == 0 || (f.mins == 1 && groups32)) &&
         (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
          (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
-         (bits == 6 && group == 16 && in % 256 == 0) || (q51 && in % 64 == 0) ||
+         (bits == 6 && group == 16 && in % 256 == 0) || (groups32 && in % 64 == 0) ||
          ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0)))
         return LS_OK;
     return refuse(code, "%s: bits %d, group %lld, mins %d over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 "

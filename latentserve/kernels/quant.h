@@ -91,11 +91,11 @@ INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 *
 
 /* The Format a one-call block's Weight (latentserve.h) of a blocked kind is read as; bits 0 for the other kinds. */
 INLINE Format weight_format(int32_t kind, int64_t group) {
-    int32_t bits = kind == LS_INT8_BLOCKS                ? 8
-                   : kind == LS_INT4 || kind == LS_Q4K   ? 4
-                   : kind == LS_Q6K                      ? 6
+    int32_t bits = kind == LS_INT8_BLOCKS                               ? 8
+                   : kind == LS_INT4 || kind == LS_Q4K                  ? 4
+                   : kind == LS_Q6K                                     ? 6
                    : kind == LS_Q50 || kind == LS_Q51 || kind == LS_Q5K ? 5
-                                                         : 0;
+                                                                        : 0;
     return (Format){bits, group, kind == LS_Q51};
 }
 

@@ -45,7 +45,9 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
 # (4, group size) `pack_int4`'s, (6, 16) `pack_q6k`'s, (5, 32) `pack_q50`'s, (5, 32, 1) `pack_q51`'s, (5, 256)
 # `pack_q5k`'s, (4, 256) `pack_q4k`'s (int4's groups are at most 128): (bits, group[, mins]), mins 0 where left out.
 Format = tuple[int, ...]
-FILE_FORMATS = (Q6K_FORMAT, Q50_FORMAT, Q51_FORMAT, Q5K_FORMAT, Q4K_FORMAT)
+# The GGUF block formats and what checks a weight of each (`packing.py`).
+FILE_FORMATS = {Q6K_FORMAT: check_q6k, Q50_FORMAT: check_q50, Q51_FORMAT: check_q51, Q5K_FORMAT: check_q5k,
+                Q4K_FORMAT: check_q4k}
 DENSE_FORMATS = {torch.float32: (32, 0), torch.bfloat16: (16, 0)}
 
 
@@ -110,16 +112,8 @@ def experts(kernels: NativeKernels, x: torch.Tensor, routed: Experts, ids: torch
 def _check_packed(fn: str, name: str, packed: torch.Tensor, n: int, k: int, fmt: Format) -> None:
     if fmt[0] == 8:
         check_int8(fn, name, packed, n, k)
-    elif fmt == Q6K_FORMAT:
-        check_q6k(fn, name, packed, n, k)
-    elif fmt == Q50_FORMAT:
-        check_q50(fn, name, packed, n, k)
-    elif fmt == Q51_FORMAT:
-        check_q51(fn, name, packed, n, k)
-    elif fmt == Q5K_FORMAT:
-        check_q5k(fn, name, packed, n, k)
-    elif fmt == Q4K_FORMAT:
-        check_q4k(fn, name, packed, n, k)
+    elif fmt in FILE_FORMATS:
+        FILE_FORMATS[fmt](fn, name, packed, n, k)
     else:
         check_int4(fn, name, packed, n, k, fmt[1])
 
