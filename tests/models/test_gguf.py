@@ -139,7 +139,7 @@ def test_release_freed_heap_returns_what_numpy_temporaries_left():
 
 # Big enough for K-quants (256 values a row): every type on some weight.
 SHAPES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, q_lora_rank=256)
-TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q6_K), (r"attn_output", T.Q4_0),
+TYPES = [(r"attn_q_a\.", T.Q4_K), (r"attn_q_b\.", T.Q5_K), (r"attn_kv_a_mqa", T.Q3_K), (r"attn_output", T.Q4_0),
          (r"ffn_(gate|up)_exps", T.Q4_K), (r"ffn_down_exps", T.Q5_0), (r"ffn_(gate|up)_shexp", T.Q4_1),
          (r"ffn_down_shexp", T.Q5_1), (r"ffn_(gate|up)\.", T.Q4_K),
          (r"ffn_down\.", T.Q8_0), (r"^output\.", T.Q6_K), (r"token_embd", T.Q8_0), (r"attn_k_b", T.BF16),
@@ -159,14 +159,15 @@ KEPT = {"Q6_K": (T.Q6_K, lambda shape, gen: k_quant_blocks(shape, T.Q6_K, gen), 
         "Q5_0": (T.Q5_0, _gguf_quantized(T.Q5_0), gguf_weights.q50_weight, 5, 1408),
         "Q5_1": (T.Q5_1, _gguf_quantized(T.Q5_1), gguf_weights.q51_weight, 5, 1408),
         "Q5_K": (T.Q5_K, lambda shape, gen: k_quant_blocks(shape, T.Q5_K, gen), gguf_weights.q5k_weight, 5, 1024),
-        "Q4_K": (T.Q4_K, lambda shape, gen: k_quant_blocks(shape, T.Q4_K, gen), gguf_weights.q4k_weight, 4, 1024)}
+        "Q4_K": (T.Q4_K, lambda shape, gen: k_quant_blocks(shape, T.Q4_K, gen), gguf_weights.q4k_weight, 4, 1024),
+        "Q3_K": (T.Q3_K, lambda shape, gen: k_quant_blocks(shape, T.Q3_K, gen), gguf_weights.q3k_weight, 6, 1024)}
 
 
 @pytest.mark.parametrize("file_type", KEPT)
 def test_kept_blocks_unpack_to_ggufs_dequantization(monkeypatch, file_type):
-    """Q6_K's, Q5_0's, Q5_1's, Q5_K's and Q4_K's unpacked values give gguf's values to the bit, unpacked a few rows at a
-    time or all at once; gate and up joined stay exact; without latentserve's kernel the weight is int8 per row, as
-    gguf's values quantized (Q4_K: int4's groups of its values, exactly)."""
+    """Q6_K's, Q5_0's, Q5_1's, Q5_K's, Q4_K's and Q3_K's (as Q6_K's) unpacked values give gguf's values to the bit,
+    unpacked a few rows at a time or all at once; gate and up joined stay exact; without latentserve's kernel the weight
+    is int8 per row, as gguf's values quantized (Q4_K: int4's groups of its values, exactly)."""
     kind, blocks, unpack, bits, width = KEPT[file_type]
     gen = np.random.default_rng(0)
     data = blocks((37, width), gen)
@@ -199,7 +200,7 @@ def _held(weight: QuantizedWeight, native: bool) -> torch.Tensor:
 
 
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
-    """Q4_0 / Q4_1 weights become int4, Q4_K, Q6_K, Q5_0, Q5_1 and Q5_K ones their blocks, with exactly gguf's
+    """Q4_0 / Q4_1 weights become int4, Q4_K, Q6_K, Q5_0, Q5_1 and Q5_K ones their blocks (Q3_K Q6_K's), exactly gguf's
     dequantized values; Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs those weights as
     transformers does (the kept blocks as int8 per row, without latentserve's kernels)."""
     monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
@@ -211,7 +212,7 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
     with caplog.at_level(logging.INFO):
         read = dict(read_tensors(folder, lambda name: True))
     assert re.search(r"repacked into int4 groups of 32 without requantizing: 2 Q4_0, 2 Q4_1; kept as their blocks: "
-                     r"20 Q4_K, 8 Q5_0, 1 Q5_1, 2 Q5_K, 3 Q6_K; dequantized and quantized to int8 per output "
+                     r"2 Q3_K, 20 Q4_K, 8 Q5_0, 1 Q5_1, 2 Q5_K, 1 Q6_K; dequantized and quantized to int8 per output "
                      r"channel: 1 Q8_0; dequantized to the compute dtype: 1 Q8_0", caplog.text)
     experts = values["blk.1.ffn_gate_exps.weight"]
     for name, expected in [

@@ -1,6 +1,7 @@
 """llama.cpp's Q6_K weights (a GGUF's, `Q6KWeight`) as the file holds them: w = d * sc * (q - 32), an fp16 d per 256
 input columns, an int8 sub-scale sc per 16, q in [0, 63]: 6.5625 bits a weight (6.625 in the kernel's layout), where
-int8 per row reads 8 and rounds the values again."""
+int8 per row reads 8 and rounds the values again. A GGUF's Q3_K weights load as Q6_K values (gguf_weights.q3k_weight).
+"""
 from __future__ import annotations
 
 from latentserve.kernels import native

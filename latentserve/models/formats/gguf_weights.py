@@ -1,9 +1,9 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0 and Q4_1
-repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q5_0 into its q and d
-(`Q50Weight`), Q5_1 into its q, d and m (`Q51Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`,
-`Q4KWeight`), other types dequantized with gguf's own code (and, for the layers latentserve runs quantized, quantized to
-int8 per output channel), a few rows at a time; and the memory a conversion leaves behind (mapped file pages, glibc's
-freed heap) handed back."""
+repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q3_K into Q6_K's q, d
+and sc exactly, Q5_0 into its q and d (`Q50Weight`), Q5_1 into its q, d and m (`Q51Weight`), Q5_K and Q4_K into their q,
+d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized with gguf's own code (and, for the layers
+latentserve runs quantized, quantized to int8 per output channel), a few rows at a time; and the memory a conversion
+leaves behind (mapped file pages, glibc's freed heap) handed back."""
 from __future__ import annotations
 
 import ctypes
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
-_Q6K_BYTES = 210  # a Q6_K block's, of 256 values
+_Q6K_BYTES, _Q3K_BYTES = 210, 110  # a Q6_K block's, a Q3_K block's, of 256 values
 _Q5K_BYTES, _Q4K_BYTES = 176, 144  # a Q5_K block's, a Q4_K block's, of 256 values
 
 
@@ -113,6 +113,32 @@ def q6k_weight(data: np.ndarray) -> Q6KWeight:
         weight.q.numpy()[chunk] = q.reshape(len(part), -1)
         weight.sc.numpy()[chunk] = part[..., 192:208].view(np.int8).reshape(len(part), -1)
         weight.d.numpy()[chunk] = _fp16(part, 208)
+    return weight
+
+
+def q3k_weight(data: np.ndarray) -> Q6KWeight:
+    """Q3_K rows `[out, bytes]` as Q6_K's blocks, exactly: Q3_K's w = d * (sc - 32) * (q - 4) (6-bit sc, 3-bit q, groups
+    of 16, an fp16 d per 256) is Q6_K's w = d * sc' * (q' - 32) with sc' = sc - 32 and q' = q + 28, which latentserve's
+    Q6_K kernel runs (6.625 bits a weight read, where int8 per row read 8 and rounded the values again)."""
+    rows, blocks = data.shape[0], data.shape[1] // _Q3K_BYTES
+    weight = Q6KWeight(torch.empty(rows, blocks * Q6K_D_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+                       torch.empty(rows, blocks * (Q6K_D_COLUMNS // Q6K_SC_COLUMNS), dtype=torch.int8))
+    for chunk in _row_chunks(data):
+        # Per 256: 32 bytes whose bit j of byte i is value 32j + i's third bit, 64 bytes of low bit pairs (each half
+        # of 128 values: bits 2j, 2j + 1 of its byte i are value 32j + i's), 12 bytes of 6-bit scales (groups 0-7's
+        # low 4 bits in bytes 0-7's low nibbles, 8-15's in their high ones; the top 2 bits of group g in bits
+        # 2 (g // 4), + 1 of byte 8 + g % 4), fp16 d.
+        part = data[chunk].reshape(-1, blocks, _Q3K_BYTES)
+        third = part[..., :32].reshape(-1, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+        low = part[..., 32:96].reshape(-1, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        q = (low & 3).reshape(-1, blocks, 8, 32) | ((third & 1) << 2)
+        weight.q.numpy()[chunk] = (q + 28).reshape(len(part), -1)
+        scales = part[..., 96:108]
+        sc = ((scales[..., :8, None] >> np.array([0, 4], np.uint8)) & 15).transpose(0, 1, 3, 2).reshape(-1, blocks, 16)
+        top = ((scales[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).transpose(0, 1, 3, 2)
+        sc = sc | (top.reshape(-1, blocks, 16) << 4)
+        weight.sc.numpy()[chunk] = (sc.astype(np.int8) - 32).reshape(len(part), -1)
+        weight.d.numpy()[chunk] = _fp16(part, 108)
     return weight
 
 
