@@ -133,10 +133,9 @@ def q3k_weight(data: np.ndarray) -> Q6KWeight:
         low = part[..., 32:96].reshape(-1, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
         q = (low & 3).reshape(-1, blocks, 8, 32) | ((third & 1) << 2)
         weight.q.numpy()[chunk] = (q + 28).reshape(len(part), -1)
-        scales = part[..., 96:108]
-        sc = ((scales[..., :8, None] >> np.array([0, 4], np.uint8)) & 15).transpose(0, 1, 3, 2).reshape(-1, blocks, 16)
-        top = ((scales[..., 8:12, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).transpose(0, 1, 3, 2)
-        sc = sc | (top.reshape(-1, blocks, 16) << 4)
+        low4, top2 = part[..., 96:104], part[..., 104:108]
+        sc = np.concatenate([low4 & 15, low4 >> 4], axis=-1) | (
+            np.concatenate([(top2 >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1) << 4)
         weight.sc.numpy()[chunk] = (sc.astype(np.int8) - 32).reshape(len(part), -1)
         weight.d.numpy()[chunk] = _fp16(part, 108)
     return weight
