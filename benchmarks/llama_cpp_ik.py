@@ -1,5 +1,5 @@
-"""latentserve beside mainline llama.cpp and ik_llama.cpp on the same GGUF files (Q8_0, Q4_K_M, Q5_K_M, Q3_K_M) of a
-DeepSeek-V3-shaped random checkpoint: prefill, batch-1 decode after a context, batched decode throughput, and
+"""latentserve beside mainline llama.cpp and ik_llama.cpp on the same GGUF files (Q8_0, Q4_K_M, Q5_K_M, Q3_K_M, Q2_K)
+of a DeepSeek-V3-shaped random checkpoint: prefill, batch-1 decode after a context, batched decode throughput, and
 optionally long context.
 
 The checkpoint is benchmarks/weights.py's V2-Lite shape with DeepSeek-V3's q LoRA (hidden 2048, 16 heads, q_lora
@@ -63,8 +63,9 @@ from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
 V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
 # (our name, the file type): int8 and int4 are the methods latentserve loads Q8_0 and Q4_K_M files as; a Q5_K_M
-# file's Q5_K, Q6_K and Q5_0 blocks run as they are, a Q3_K_M file's Q3_K blocks as Q6_K's.
-PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"), ("q5_k", "Q5_K_M"), ("q3_k", "Q3_K_M"))
+# file's Q5_K, Q6_K and Q5_0 blocks run as they are, a Q3_K_M file's Q3_K blocks as Q6_K's, a Q2_K file's Q2_K blocks
+# (and its Q3_K and Q4_K ones) as they are.
+PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"), ("q5_k", "Q5_K_M"), ("q3_k", "Q3_K_M"), ("q2_k", "Q2_K"))
 ENGINES = ("latentserve", "llama.cpp", "ik_llama.cpp")
 IK_BENCH = ["-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"]
 LONG = 4096
@@ -266,7 +267,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-len", type=int, default=64)
     parser.add_argument("--batches", default="8,32", help="batched decode sizes (comma-separated)")
     parser.add_argument("--formats", default="int8,int4", help="from int8 (vs Q8_0), int4 (vs Q4_K_M), q5_k (vs "
-                        "Q5_K_M), q3_k (vs Q3_K_M)")
+                        "Q5_K_M), q3_k (vs Q3_K_M), q2_k (vs Q2_K)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per format; best counts")
     parser.add_argument("--long", action="store_true", help=f"also prefill {LONG} and decode at {LONG} depth (slow)")
     parser.add_argument("--only-long", action="store_true", help=f"only prefill {LONG} and decode at {LONG} depth: "

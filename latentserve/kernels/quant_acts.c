@@ -111,16 +111,17 @@ static void centred_prepare(const void *x, int bf16, int64_t M, int64_t K, int64
     }
 }
 
-/* x's rows for the Q5_K, Q4_K and Q5_1 kernels (q45.c): centred_prepare's per 32 columns (centre 16 or 8), each centre
- * followed by the exact sum of x over its 32 columns (on 8 lanes, as int4_prepare's: the same bits on every build). */
-static void kquant_prepare(const void *x, int bf16, int64_t M, int64_t K, int32_t centre, int8_t *xq, float *xs,
-                           float *corr) {
+/* x's rows for the Q5_K, Q4_K and Q5_1 kernels (q45.c) and Q2_K's (q6k.c): centred_prepare's per `span` columns (32:
+ * centre 16 or 8; Q2_K's 16: centre 2), each centre followed by the exact sum of x over its columns (on 8 lanes, as
+ * int4_prepare's: the same bits on every build). */
+static void kquant_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t span, int32_t centre, int8_t *xq,
+                           float *xs, float *corr) {
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
-    for (int64_t g = 0; g < M * K / 32; g++) {
+    for (int64_t g = 0; g < M * K / span; g++) {
         int32_t qsum = 0;
         __m256 sum = _mm256_setzero_ps();
-        for (int64_t k = 32 * g; k < 32 * g + 32; k += 8) sum = _mm256_add_ps(sum, vload8(x, bf16, k));
-        for (int64_t k = 32 * g; k < 32 * g + 32; k++) qsum += xq[k];
+        for (int64_t k = span * g; k < span * g + span; k += 8) sum = _mm256_add_ps(sum, vload8(x, bf16, k));
+        for (int64_t k = span * g; k < span * g + span; k++) qsum += xq[k];
         ((int32_t *)corr)[2 * g] = -centre * qsum;
         corr[2 * g + 1] = vreduce8_add(sum);
     }
@@ -141,7 +142,7 @@ static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_by
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) {
     if (q45(f)) return (sums_x(f) ? 2 : 1) * (K / 32);
-    return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 ? K / 16 : 0;
+    return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 ? K / 16 : f.bits == 2 ? 2 * (K / 16) : 0;
 }
 
 QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K) {
@@ -168,8 +169,10 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         quantize_int8(x, bf16, M, K, a.q, a.s);
     else if (f.bits == 6)
         centred_prepare(x, bf16, M, K, 16, 32, a.q, a.s, (int32_t *)a.corr);
+    else if (f.bits == 2)
+        kquant_prepare(x, bf16, M, K, 16, 2, a.q, a.s, a.corr);
     else if (q45(f) && sums_x(f))
-        kquant_prepare(x, bf16, M, K, f.bits == 5 ? 16 : 8, a.q, a.s, a.corr);
+        kquant_prepare(x, bf16, M, K, 32, f.bits == 5 ? 16 : 8, a.q, a.s, a.corr);
     else if (f.bits == 5)
         centred_prepare(x, bf16, M, K, 32, 16, a.q, a.s, (int32_t *)a.corr);
     else

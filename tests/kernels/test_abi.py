@@ -110,7 +110,7 @@ def _attend(block: native.MLABlock, x: torch.Tensor):
 
 
 @pytest.mark.parametrize("fault", [None, "post_norm", "kv_a_norm", "uk.w", "o_proj.scale", "q_lora", "style",
-                                   "x columns", "q_b inputs"])
+                                   "x columns", "q_b inputs", "kv_a group", "kind"])
 def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
     block, held = _mla_block(torch.Generator().manual_seed(0))
     x = torch.randn(2, 33 if fault == "x columns" else 32)
@@ -126,13 +126,19 @@ def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
         block.style = 3
     elif fault == "q_b inputs":
         block.q_b.kind, block.q_b.group = native.Q4K, 256  # Q4_K over the block's 32 inputs: not a multiple of 256
+    elif fault == "kv_a group":
+        block.kv_a.kind, block.kv_a.group = native.Q2K, 32  # Q2_K's groups are 16 columns
+    elif fault == "kind":
+        block.o_proj.kind = native.Q2K + 1  # past the last kind
     if fault is None:
         y, normed = _attend(block, x)
         assert torch.isfinite(y).all() and torch.isfinite(normed).all()
         return
     wrong = {"post_norm": "norm weight", "kv_a_norm": "norm weight", "uk.w": "uk.w is NULL", "o_proj.scale":
              "o_proj: an int8 weight", "q_lora": "q_a.w is NULL|norm weight", "style": "style is 3",
-             "x columns": "x must", "q_b inputs": "q_b: bits 4, group 256, mins 0 over 32 inputs"}[fault]
+             "x columns": "x must", "q_b inputs": "q_b: bits 4, group 256, mins 0 over 32 inputs",
+             "kv_a group": "kv_a.group is 32, not Q6_K's and Q2_K's 16",
+             "kind": f"o_proj.kind is {native.Q2K + 1}"}[fault]
     with pytest.raises(ValueError, match=wrong):
         _attend(block, x)
 

@@ -1,5 +1,5 @@
-"""The kernels of llama.cpp's formats kept as their blocks (Q6_K: q6k.c; Q5_0, Q5_1, Q5_K, Q4_K: q45.c), each through
-its linear entry point on every build this machine runs: the exact product of the file's values where x's int8
+"""The kernels of llama.cpp's formats kept as their blocks (Q6_K, Q2_K: q6k.c; Q5_0, Q5_1, Q5_K, Q4_K: q45.c), each
+through its linear entry point on every build this machine runs: the exact product of the file's values where x's int8
 quantization is exact, any x within int8's error, the same bits on every build, and each row's result whatever the
 thread count and the rows beside it; and the experts' driver reading them as the linear entry point does."""
 import ctypes
@@ -13,7 +13,7 @@ from latentserve.kernels import native
 from latentserve.layers.quant.int4 import quantize_int4
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 from tests.kernels.test_q45 import q4k_values, q5k_values, q50_values, q51_values
-from tests.kernels.test_q6k import exact_x, q6k_values
+from tests.kernels.test_q6k import exact_x, q2k_values, q6k_values
 
 pytestmark = needs_a_build
 
@@ -28,6 +28,7 @@ class Blocks:
 
 
 FORMATS = {"Q6_K": Blocks(q6k_values, native.pack_q6k, native.q6k_linear, 256, native.Q6K_FORMAT),
+           "Q2_K": Blocks(q2k_values, native.pack_q2k, native.q2k_linear, 256, native.Q2K_FORMAT),
            "Q5_0": Blocks(q50_values, native.pack_q50, native.q50_linear, 64, native.Q50_FORMAT),
            "Q5_1": Blocks(q51_values, native.pack_q51, native.q51_linear, 64, native.Q51_FORMAT),
            "Q5_K": Blocks(q5k_values, native.pack_q5k, native.q5k_linear, 256, native.Q5K_FORMAT),
@@ -129,8 +130,8 @@ def _experts(g: torch.Generator, f: Blocks, own_gate_up: bool, hidden: int, inte
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q5_0", False), ("Q5_1", False), ("Q5_1", True),
-                                                   ("Q5_K", True), ("Q4_K", True)])
+@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q2_K", True), ("Q5_0", False), ("Q5_1", False),
+                                                   ("Q5_1", True), ("Q5_K", True), ("Q4_K", True)])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_experts_read_the_format_as_the_linear_kernel(isa, file_type, own_gate_up, tokens):
     """A quantized file's MoE: the down projections in the format (Q5_0 over V2's 1408-wide rows, not a multiple of 256)

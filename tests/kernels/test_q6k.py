@@ -1,9 +1,13 @@
-"""kernels/q6k.c, llama.cpp's Q6_K values (w = d * sc * (q - 32)) in `pack_q6k`'s layout: the test's values, and what
-its packing refuses (its kernel against float64 on every build, its wrappers' checks and the experts' driver
-reading it: test_file_blocks.py)."""
+"""kernels/q6k.c, llama.cpp's Q6_K values (w = d * sc * (q - 32)) in `pack_q6k`'s layout and Q2_K values (w = d * sc
+* q - dmin * m) in `pack_q2k`'s: the test's values (Q2_K's against gguf's own dequantization), and what their packing
+refuses (the kernel against float64 on every build, its wrappers' checks and the experts' driver reading them:
+test_file_blocks.py)."""
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from latentserve.kernels import native
 
@@ -32,3 +36,42 @@ def test_pack_q6k_refuses_what_is_not_q6k():
         native.pack_q6k(q, d, sc.to(torch.int16))
     with pytest.raises(ValueError, match=r"pack_q6k: q holds 64, past Q6_K's 63"):
         native.pack_q6k(q.clone().fill_(64), d, sc)
+
+
+def q2k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, d, dmin, sc, m) as a Q2_K file holds them, the fp32 weight they stand for, as gguf dequantizes it)."""
+    q = torch.randint(0, 4, (n, k), dtype=torch.uint8, generator=g)
+    d, dmin = ((torch.rand(n, k // 256, generator=g) * 1e-2).half().float() for _ in range(2))  # the file's fp16
+    sc, m = (torch.randint(0, 16, (n, k // 16), dtype=torch.uint8, generator=g) for _ in range(2))
+    scale = d.repeat_interleave(16, dim=1) * sc.float()  # exact in fp32
+    minimum = dmin.repeat_interleave(16, dim=1) * m.float()
+    return (q, d, dmin, sc, m), scale.repeat_interleave(16, dim=1) * q.float() - minimum.repeat_interleave(16, dim=1)
+
+
+def q2k_blocks(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> np.ndarray:
+    """Q2_K rows as a GGUF holds them: per 256 values 16 bytes sc | m << 4, 64 bytes of bit pairs (each half of 128:
+    bits 2j, 2j + 1 of byte i hold value 32j + i), fp16 d, fp16 dmin."""
+    n, k = q.shape
+    pairs = q.view(n, k // 256, 2, 4, 32).numpy().astype(np.uint8) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    qs = pairs.sum(axis=3, dtype=np.uint8).reshape(n, k // 256, 64)
+    subs = (sc | (m << 4)).view(n, k // 256, 16).numpy()
+    heads = [t.half().numpy().reshape(n, -1, 1).view(np.uint8) for t in (d, dmin)]
+    return np.concatenate([subs, qs, *heads], axis=-1).reshape(n, -1)
+
+
+def test_the_test_values_are_ggufs_q2_k():
+    values, w = q2k_values(torch.Generator().manual_seed(0), 8, 512)
+    got = torch.from_numpy(dequantize(q2k_blocks(*values), GGMLQuantizationType.Q2_K))
+    assert torch.equal(got, w)
+
+
+def test_pack_q2k_refuses_what_is_not_q2k():
+    q, d, dmin, sc, m = q2k_values(torch.Generator().manual_seed(0), 16, 256)[0]
+    with pytest.raises(ValueError, match=r"pack_q2k takes uint8 q \[N, K\] with K % 256 == 0"):
+        native.pack_q2k(q[:, :128], d, dmin, sc[:, :8], m[:, :8])
+    with pytest.raises(ValueError, match=r"pack_q2k takes .* uint8 sc and m \[N, K / 16\], not .* torch.int16"):
+        native.pack_q2k(q, d, dmin, sc.to(torch.int16), m)
+    with pytest.raises(ValueError, match=r"pack_q2k: q holds 4, past Q2_K's 3"):
+        native.pack_q2k(q.clone().fill_(4), d, dmin, sc, m)
+    with pytest.raises(ValueError, match=r"pack_q2k: m holds 16, past Q2_K's 15"):
+        native.pack_q2k(q, d, dmin, sc, m.clone().fill_(16))

@@ -29,11 +29,12 @@ from latentserve.layers.quant.int4 import (
 )
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import blocks_kernel, quantize_linear
-from latentserve.layers.quant.prequantized import Q4KWeight, Q50Weight
+from latentserve.layers.quant.prequantized import Q2KWeight, Q4KWeight, Q50Weight
 from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-from latentserve.layers.quant.q6k import NativeQ6KLinear
+from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
-from latentserve.models.formats.gguf_weights import q4k_weight, q5k_weight, q6k_weight, q50_weight, q51_weight
+from latentserve.models.formats.gguf_weights import (q2k_weight, q4k_weight, q5k_weight, q6k_weight, q50_weight,
+                                                     q51_weight)
 from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -285,6 +286,22 @@ def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypa
         return
     head = quantize_linear("lm_head", weight, None, int4, "cpu", here)
     assert isinstance(head, NativeQ6KLinear) and head(x.bfloat16()).dtype == torch.float32
+
+
+def test_a_gguf_q2k_weight_runs_latentserves_q2k_kernel_or_int8_per_row(monkeypatch):
+    """Q2_K's blocks as they are where latentserve's kernels run and the inputs are a multiple of 256; elsewhere its
+    values quantized to int8 per row."""
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    weight = q2k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q2_K, np.random.default_rng(0)))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    expected = x @ weight.dequantize().t()
+    layer = quantize_linear("l", weight, None, QuantConfig("int4", 32), "cpu", _policy(cpu_features(), kernels=False))
+    assert isinstance(layer, IntMMInt8Linear) and torch.equal(layer.scale, quantize_int8(weight.dequantize())[1])
+    here = _runs_on_the_kernels(weight, NativeQ2KLinear, x, expected)
+    if here is None:
+        return
+    choice = blocks_kernel(Q2KWeight, here, torch.device("cpu"), 128)
+    assert choice.reason.startswith("latentserve's kernels: 128 inputs, latentserve's Q2_K kernel needs a multiple")
 
 
 def test_gguf_5_bit_weights_run_latentserves_kernels_or_int8_per_row(monkeypatch):

@@ -19,7 +19,8 @@ from latentserve.models.loader import SINGLE_FILE
 # gguf-py quantizes F32, F16, BF16, Q8_0, Q4_0, Q4_1 itself; K-quants it only dequantizes, so their blocks are
 # random (valid: finite fp16 super-block scales) and gguf's dequantization is their value. Byte offsets of each
 # K-quant block's fp16 super-block scales, and the block size:
-K_QUANTS = {T.Q3_K: ((108,), 110), T.Q4_K: ((0, 2), 144), T.Q5_K: ((0, 2), 176), T.Q6_K: ((208,), 210)}
+K_QUANTS = {T.Q2_K: ((80, 82), 84), T.Q3_K: ((108,), 110), T.Q4_K: ((0, 2), 144), T.Q5_K: ((0, 2), 176),
+            T.Q6_K: ((208,), 210)}
 
 
 def k_quant_blocks(shape: tuple[int, ...], kind: T, gen: np.random.Generator) -> np.ndarray:

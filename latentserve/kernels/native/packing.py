@@ -1,6 +1,6 @@
 """The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c), `pack_int4`'s
-(int4.c), `pack_q6k`'s (q6k.c), `pack_q50`'s, `pack_q5k`'s and `pack_q4k`'s (q45.c), and the checks that a packed weight
-has the shape its layout gives it."""
+(int4.c), `pack_q6k`'s and `pack_q2k`'s (q6k.c), `pack_q50`'s, `pack_q5k`'s and `pack_q4k`'s (q45.c), and the checks
+that a packed weight has the shape its layout gives it."""
 from __future__ import annotations
 
 import torch
@@ -114,10 +114,44 @@ def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor
 
 def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
     """A weight in `pack_q6k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
-    if k % 256:
-        raise ValueError(f"{fn}: the Q6_K kernel takes K a multiple of 256; got K {k}")
-    tensor(fn, f"{name} (Q6_K weight of {n} outputs, {k} inputs in pack_q6k's layout)", packed, U8,
-           (-(-n // Q6K_BLOCK), k // 256 * Q6K_SUPER))
+    _check_kquant(fn, name, packed, n, k, "Q6_K", Q6K_SUPER)
+
+
+Q2K_SUPER = 128 + 16 * 16 + 16 * 64  # bytes of 256 columns of a `pack_q2k` block
+Q2K_FORMAT = (2, 16)  # the experts' format tuple (bits, group) of `pack_q2k`'s layout
+
+
+def pack_q2k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), K / 256 * 1408]` from llama.cpp's Q2_K values w = d * sc * q - dmin * m: q `[N, K]` in
+    [0, 3] (K a multiple of 256), fp32 `d`, `dmin` `[N, K / 256]`, uint8 `sc`, `m` `[N, K / 16]` (4 bits). The outputs
+    in blocks of 16 (zero rows pad the last), each block per 256 columns the 16 d, the 16 dmin, the 16 x 16 bytes sc |
+    m << 4 (group-major), then per 16 columns a 64-byte unit whose byte 4j + i holds output j's column 4r + i in bits
+    2r, 2r + 1 (q6k.c)."""
+    n, k = q.shape
+    if (q.dtype != torch.uint8 or k % 256
+            or any(t.dtype != torch.float32 or t.shape != (n, k // 256) for t in (d, dmin))
+            or any(t.dtype != torch.uint8 or t.shape != (n, k // 16) for t in (sc, m))):
+        given = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, d, dmin, sc, m))
+        raise ValueError(f"pack_q2k takes uint8 q [N, K] with K % 256 == 0, fp32 d and dmin [N, K / 256], uint8 sc "
+                         f"and m [N, K / 16], not {given}")
+    for name, t, top in (("q", q, 3), ("sc", sc, 15), ("m", m, 15)):
+        if t.numel() and int(t.max()) > top:
+            raise ValueError(f"pack_q2k: {name} holds {int(t.max())}, past Q2_K's {top}")
+    pad = -n % Q6K_BLOCK
+    q, d, dmin, sc, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, dmin, sc, m))
+    blocks, supers = (n + pad) // Q6K_BLOCK, k // 256
+    q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)  # [block, output, super-block, group, r, column i]
+    units = (q << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)).sum(dim=4, dtype=torch.uint8)
+    units = units.permute(0, 2, 3, 1, 4).reshape(blocks, supers, 16 * 64)  # [block, super-block, group, j, i]
+    heads = [t.contiguous().view(blocks, Q6K_BLOCK, supers).transpose(1, 2).contiguous().view(torch.uint8)
+             for t in (d, dmin)]
+    subs = (sc | (m << 4)).view(blocks, Q6K_BLOCK, supers, 16).permute(0, 2, 3, 1).reshape(blocks, supers, 256)
+    return torch.cat([*(h.view(blocks, supers, 64) for h in heads), subs, units], dim=2).view(blocks, -1)
+
+
+def check_q2k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_q2k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    _check_kquant(fn, name, packed, n, k, "Q2_K", Q2K_SUPER)
 
 
 Q5_GROUP = 32 + 64 + 4 * 64  # bytes of 32 columns of a `pack_q50` or `pack_q5k` block

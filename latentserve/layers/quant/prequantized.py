@@ -1,6 +1,6 @@
 """Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8 /
-Q6_K / Q5_0 / Q5_1 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes nothing a second
-time."""
+Q6_K / Q2_K / Q5_0 / Q5_1 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes nothing a
+second time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -93,6 +93,29 @@ class Q6KWeight(FileBlocks):
         return (scale.view(rows, -1, 1) * q).view(rows, cols)
 
 
+Q2K_D_COLUMNS, Q2K_SC_COLUMNS = 256, 16  # input columns per d and dmin, per sc and m
+
+
+@dataclass
+class Q2KWeight(FileBlocks):
+    """llama.cpp's Q2_K as a GGUF holds it, w = d * sc * q - dmin * m: q uint8 `[out, in]` in [0, 3], d and dmin
+    fp32 `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 16]` (4 bits)."""
+
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+    method = "q2_k"
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 `[out, in]`, gguf's dequantization to the bit: (d * sc) * q - dmin * m."""
+        rows, cols = self.q.shape
+        per = Q2K_D_COLUMNS // Q2K_SC_COLUMNS
+        scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1, 1)
+        minimum = (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1, 1)
+        return (scale * self.q.view(rows, -1, Q2K_SC_COLUMNS).float() - minimum).view(rows, cols)
+
+
 Q50_COLUMNS = 32  # input columns per d
 
 
@@ -174,7 +197,7 @@ class Q4KWeight(_KQuant):
         return Int4Weight(self.q, scale, -minimum)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q50Weight | Q51Weight | Q5KWeight | Q4KWeight
+QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q2KWeight | Q50Weight | Q51Weight | Q5KWeight | Q4KWeight
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:

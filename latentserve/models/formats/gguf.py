@@ -35,9 +35,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from latentserve.kernels.native import CACHE_ENV
 from latentserve.models.formats.gguf_weights import (FLOAT_TYPES, INT4_TYPES, ConversionStats, dequantized,
-                                                     int4_weight, int8_weight, q3k_weight, q4k_weight, q5k_weight,
-                                                     q6k_weight, q50_weight, q51_weight, release_freed_heap,
-                                                     release_mapped_pages)
+                                                     int4_weight, int8_weight, q2k_weight, q3k_weight, q4k_weight,
+                                                     q5k_weight, q6k_weight, q50_weight, q51_weight,
+                                                     release_freed_heap, release_mapped_pages)
 from latentserve.models.formats.gguf_tokenizer import build_tokenizer, unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,9 @@ _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|
 # Types whose blocks latentserve's kernels read as the file holds them (layers/quant/linear.py FILE_BLOCKS; Q3_K's as
 # Q6_K's).
 _KEPT = {GGMLQuantizationType.Q6_K: q6k_weight, GGMLQuantizationType.Q3_K: q3k_weight,
-         GGMLQuantizationType.Q5_0: q50_weight, GGMLQuantizationType.Q5_1: q51_weight,
-         GGMLQuantizationType.Q5_K: q5k_weight, GGMLQuantizationType.Q4_K: q4k_weight}
+         GGMLQuantizationType.Q2_K: q2k_weight, GGMLQuantizationType.Q5_0: q50_weight,
+         GGMLQuantizationType.Q5_1: q51_weight, GGMLQuantizationType.Q5_K: q5k_weight,
+         GGMLQuantizationType.Q4_K: q4k_weight}
 
 
 def is_gguf(path: Path) -> bool:
@@ -268,8 +269,8 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight / Q6KWeight / Q50Weight / Q51Weight / Q5KWeight / Q4KWeight)
-    for every `wanted` tensor of the GGUF `model_dir` stands for, one at a time. Each file is memory-mapped while its
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / a `FileBlocks` weight: Q6KWeight, Q2KWeight, ...) for
+    every `wanted` tensor of the GGUF `model_dir` stands for, one at a time. Each file is memory-mapped while its
     tensors are read, and unmapped after: the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]
     # Each file parsed once: GGUFReader reads all the metadata, the vocabulary's 100k strings included (seconds).

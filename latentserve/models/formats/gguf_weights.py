@@ -1,9 +1,9 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0 and Q4_1
 repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q3_K into Q6_K's q, d
-and sc exactly, Q5_0 into its q and d (`Q50Weight`), Q5_1 into its q, d and m (`Q51Weight`), Q5_K and Q4_K into their q,
-d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized with gguf's own code (and, for the layers
-latentserve runs quantized, quantized to int8 per output channel), a few rows at a time; and the memory a conversion
-leaves behind (mapped file pages, glibc's freed heap) handed back."""
+and sc exactly, Q2_K into its q, d, dmin, sc and m (`Q2KWeight`), Q5_0 into its q and d (`Q50Weight`), Q5_1 into its q,
+d and m (`Q51Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized
+with gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output channel), a few rows
+at a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap) handed back."""
 from __future__ import annotations
 
 import ctypes
@@ -19,16 +19,16 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q6K_D_COLUMNS,
-                                                   Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight, Q4KWeight,
-                                                   Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
+from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q2K_D_COLUMNS, Q2K_SC_COLUMNS,
+                                                   Q6K_D_COLUMNS, Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight,
+                                                   Q2KWeight, Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
 
 logger = logging.getLogger(__name__)
 
 FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 INT4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
 _CHUNK_BYTES = 1 << 20  # of a GGUF tensor's data dequantized at a time
-_Q6K_BYTES, _Q3K_BYTES = 210, 110  # a Q6_K block's, a Q3_K block's, of 256 values
+_Q6K_BYTES, _Q3K_BYTES, _Q2K_BYTES = 210, 110, 84  # a Q6_K block's, a Q3_K block's, a Q2_K block's, of 256 values
 _Q5K_BYTES, _Q4K_BYTES = 176, 144  # a Q5_K block's, a Q4_K block's, of 256 values
 
 
@@ -138,6 +138,26 @@ def q3k_weight(data: np.ndarray) -> Q6KWeight:
             np.concatenate([(top2 >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1) << 4)
         weight.sc.numpy()[chunk] = (sc.astype(np.int8) - 32).reshape(len(part), -1)
         weight.d.numpy()[chunk] = _fp16(part, 108)
+    return weight
+
+
+def q2k_weight(data: np.ndarray) -> Q2KWeight:
+    """Q2_K rows `[out, bytes]` as their q, d, dmin, sc and m, a few rows at a time."""
+    rows, blocks = data.shape[0], data.shape[1] // _Q2K_BYTES
+    subs = blocks * (Q2K_D_COLUMNS // Q2K_SC_COLUMNS)
+    weight = Q2KWeight(torch.empty(rows, blocks * Q2K_D_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+                       torch.empty(rows, blocks), torch.empty(rows, subs, dtype=torch.uint8),
+                       torch.empty(rows, subs, dtype=torch.uint8))
+    for chunk in _row_chunks(data):
+        # Per 256: 16 bytes of sub-scales (group g's sc in byte g's low nibble, m in its high one), 64 bytes of bit
+        # pairs (each half of 128 values: bits 2j, 2j + 1 of its byte i are value 32j + i's), fp16 d, fp16 dmin.
+        part = data[chunk].reshape(-1, blocks, _Q2K_BYTES)
+        pairs = part[..., 16:80].reshape(-1, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
+        weight.q.numpy()[chunk] = (pairs & 3).reshape(len(part), -1)
+        weight.sc.numpy()[chunk] = (part[..., :16] & 15).reshape(len(part), -1)
+        weight.m.numpy()[chunk] = (part[..., :16] >> 4).reshape(len(part), -1)
+        weight.d.numpy()[chunk] = _fp16(part, 80)
+        weight.dmin.numpy()[chunk] = _fp16(part, 82)
     return weight
 
 
