@@ -342,18 +342,20 @@ void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const u
                         float *dots) {
     Q45_LAYOUTS(f, amx_q45_dots, a, first, m, block, K, dots);
 }
-#define Q6K_CHUNK 128 /* groups of a Q6_K block unpacked at a time (2048 columns): 32 KB of B rows, 8 KB of scales */
+#define Q6K_CHUNK 128 /* groups of a block unpacked at a time (2048 columns): 32 KB of B rows, 8 KB of scales */
 
 /* Groups g0..g1 of a Q6_K block (16 columns each) as B rows of q - 32, signed for TDPBSSD (the vector kernel's sum
- * starts at -32 times the sum of x: the same sums), 4 rows a group (q6k_unpack's vectors), and each group's scales. */
+ * starts at -32 times the sum of x: the same sums), 4 rows a group (k_unpack's vectors), and each group's scales. */
 static void q6k_tiles_unpack(const uint8_t *block, int64_t g0, int64_t g1, int8_t *b, float (*scale)[16]) {
-    const __m512i centre = _mm512_set1_epi8(32);
+    const KLayout l = {6};
     for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *sp = block + g / Q6K_GROUPS * Q6K_SUPER;
+        int64_t s = g / Q6K_GROUPS;
         __m512i q[4];
-        q6k_unpack(q6k_group(block, g / Q6K_GROUPS, (int)(g % Q6K_GROUPS)), q);
-        for (int r = 0; r < 4; r++) _mm512_storeu_si512(b + 256 * (g - g0) + 64 * r, _mm512_sub_epi8(q[r], centre));
-        _mm512_storeu_ps(scale[g - g0], q6k_scale((const float *)sp, (const int8_t *)sp + 64, (int)(g % Q6K_GROUPS)));
+        __m512 no_minimum;
+        k_unpack(k_group(block, l, s, (int)(g % Q6K_GROUPS)), l, q);
+        for (int r = 0; r < 4; r++)
+            _mm512_storeu_si512(b + 256 * (g - g0) + 64 * r, _mm512_sub_epi8(q[r], _mm512_set1_epi8(32)));
+        _mm512_storeu_ps(scale[g - g0], k_scale(block + s * k_super(l), l, (int)(g % Q6K_GROUPS), &no_minimum));
     }
     written();
 }
@@ -406,14 +408,95 @@ static void q6k_tile_rows(QuantActs a, int64_t row, int64_t g0, int64_t g1, int6
     }
 }
 
-void amx_q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots) {
+/* Groups g0..g1 of a Q2_K block as B rows of sc * (q - 2) (at most 30 in size: a byte), so that a tile sums a whole
+ * 64-column span, 4 groups, into the integer the vector kernel's t holds (the sum over the span of sc times each
+ * group's sum); per span its super-block's d, per group the factor of its exact sum of x (k_scale's minc). */
+static void q2k_tiles_unpack(const uint8_t *block, int64_t g0, int64_t g1, int8_t *b, float (*d)[16],
+                             float (*minc)[16]) {
+    const KLayout l = {2};
+    for (int64_t g = g0; g < g1; g++) {
+        int64_t s = g / Q6K_GROUPS;
+        const uint8_t *sp = block + s * k_super(l);
+        __m512i q[4];
+        __m512 mc;
+        k_scale(sp, l, (int)(g % Q6K_GROUPS), &mc);
+        _mm512_storeu_ps(minc[g - g0], mc);
+        k_unpack(k_group(block, l, s, (int)(g % Q6K_GROUPS)), l, q);
+        /* sc in each output's 4 bytes; q * sc from q's two bits as masked adds, less 2 sc */
+        const __m128i *sub = (const __m128i *)(sp + 128 + 16 * (g % Q6K_GROUPS));
+        __m512i sc = _mm512_and_si512(_mm512_cvtepu8_epi32(_mm_loadu_si128(sub)), _mm512_set1_epi32(15));
+        sc = _mm512_mullo_epi32(sc, _mm512_set1_epi32(0x01010101));
+        __m512i two = _mm512_add_epi8(sc, sc), base = _mm512_sub_epi8(_mm512_setzero_si512(), two);
+        for (int r = 0; r < 4; r++) {
+            __m512i v = _mm512_mask_add_epi8(base, _mm512_test_epi8_mask(q[r], _mm512_set1_epi8(1)), base, sc);
+            v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(q[r], _mm512_set1_epi8(2)), v, two);
+            _mm512_storeu_si512(b + 256 * (g - g0) + 64 * r, v);
+        }
+        if (g % 4 == 0) _mm512_storeu_ps(d[(g - g0) / 4], _mm512_loadu_ps((const float *)sp));
+    }
+    written();
+}
+
+/* The vector kernel's float operations at the end of span s (of its super-block's d at d, its groups' minc from
+ * minc): the row's sum += (d * xs) * t, then += minc * (the exact sum of x) for each of its 4 groups. */
+#define Q2K_SPAN_DONE(sums, s, s0, d, minc, xs, fx, chunks, corrs, dots)                                     \
+    do {                                                                                                     \
+        __m512 d_ = _mm512_loadu_ps((d)[(s) - (s0)]), mc_[4];                                                \
+        for (int j = 0; j < 4; j++) mc_[j] = _mm512_loadu_ps((minc)[4 * ((s) - (s0)) + j]);                  \
+        _Pragma("GCC unroll 16") for (int i = 0; i < 16; i++) {                                              \
+            __m512 r_ = _mm512_fmadd_ps(_mm512_mul_ps(d_, _mm512_set1_ps((xs)[i * (chunks) + (s)])),         \
+                                        _mm512_cvtepi32_ps(_mm512_loadu_si512((sums)[i])),                   \
+                                        _mm512_loadu_ps((dots) + 16 * i));                                   \
+            for (int j = 0; j < 4; j++)                                                                      \
+                r_ = _mm512_fmadd_ps(mc_[j], _mm512_set1_ps((fx)[i * (corrs) + 2 * (4 * (s) + j) + 1]), r_); \
+            _mm512_storeu_ps((dots) + 16 * i, r_);                                                           \
+        }                                                                                                    \
+    } while (0)
+
+/* The vector kernel's q6k_block of a Q2_K block for 16 rows at once over spans s0..s1 (a multiple of 4 of them),
+ * unpacked into b, d and minc, into dots (zero before the first span). Spans take C tiles 0-3 in turns. */
+static void q2k_tile_rows(QuantActs a, int64_t row, int64_t s0, int64_t s1, int64_t K, const int8_t *b,
+                          float (*d)[16], float (*minc)[16], float *dots) {
+    int64_t chunks = K / XBLOCK, corrs = k_corrs((KLayout){2}, K);
+    const int8_t *xq = a.q + row * K;
+    const float *xs = a.s + row * chunks, *fx = a.corr + row * corrs;
+    if (s0 == 0)
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(dots + 16 * i, _mm512_setzero_ps());
+    int32_t sums[16][16];
+    GROUP_PRODUCT(0, 5, 4, xq, b, s0, s0, K, 64);
+    GROUP_PRODUCT(1, 6, 7, xq, b, s0 + 1, s0, K, 64);
+    GROUP_PRODUCT(2, 5, 4, xq, b, s0 + 2, s0, K, 64);
+    for (int64_t s = s0; s < s1; s += 4) {
+        GROUP_PRODUCT(3, 6, 7, xq, b, s + 3, s0, K, 64);
+        _tile_stored(0, sums, 64);
+        Q2K_SPAN_DONE(sums, s, s0, d, minc, xs, fx, chunks, corrs, dots);
+        if (s + 4 < s1) GROUP_PRODUCT(0, 5, 4, xq, b, s + 4, s0, K, 64);
+        _tile_stored(1, sums, 64);
+        Q2K_SPAN_DONE(sums, s + 1, s0, d, minc, xs, fx, chunks, corrs, dots);
+        if (s + 5 < s1) GROUP_PRODUCT(1, 6, 7, xq, b, s + 5, s0, K, 64);
+        _tile_stored(2, sums, 64);
+        Q2K_SPAN_DONE(sums, s + 2, s0, d, minc, xs, fx, chunks, corrs, dots);
+        if (s + 6 < s1) GROUP_PRODUCT(2, 5, 4, xq, b, s + 6, s0, K, 64);
+        _tile_stored(3, sums, 64);
+        Q2K_SPAN_DONE(sums, s + 3, s0, d, minc, xs, fx, chunks, corrs, dots);
+    }
+}
+
+void amx_q6k_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K,
+                        float *dots) {
     int8_t b[256 * Q6K_CHUNK] __attribute__((aligned(64)));
-    float scale[Q6K_CHUNK][16];
-    amx_begin(16);
+    float scale[Q6K_CHUNK][16], d[Q6K_CHUNK / 4][16];
+    amx_begin(f.bits == 2 ? 64 : 16);
     for (int64_t g0 = 0; g0 < K / 16; g0 += Q6K_CHUNK) {
         int64_t g1 = K / 16 - g0 < Q6K_CHUNK ? K / 16 : g0 + Q6K_CHUNK;
-        q6k_tiles_unpack(block, g0, g1, b, scale);
-        for (int64_t r0 = 0; r0 < m; r0 += 16) q6k_tile_rows(a, first + r0, g0, g1, K, b, scale, dots + 16 * r0);
+        if (f.bits == 2) {
+            q2k_tiles_unpack(block, g0, g1, b, d, scale);
+            for (int64_t r0 = 0; r0 < m; r0 += 16)
+                q2k_tile_rows(a, first + r0, g0 / 4, g1 / 4, K, b, d, scale, dots + 16 * r0);
+        } else {
+            q6k_tiles_unpack(block, g0, g1, b, scale);
+            for (int64_t r0 = 0; r0 < m; r0 += 16) q6k_tile_rows(a, first + r0, g0, g1, K, b, scale, dots + 16 * r0);
+        }
     }
     amx_end();
 }

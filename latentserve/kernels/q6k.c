@@ -24,29 +24,11 @@
  * quantized x (`corr`, as int32; centre 32, Q2_K 2), Q2_K's each followed by the exact sum of x over the 16 columns:
  * a group's integer sum starts there, so that it is the sum of (q - centre) * xq with q as vpdpbusd's unsigned
  * operand. Per group the sum times d * sc goes into a row's float sum of its 64 columns (t), which is scaled by x's
- * scale once per 64 columns; Q2_K adds the exact sum of x times centre * d * sc - dmin * m to the row's sum each group
- * (q = (q - centre) + centre). Same operations in the same order on every build: the same bits on AVX2 and AVX-512. */
+ * scale once per 64 columns. Q2_K's t is the sum times sc alone, an integer below 2^24 and so exact in fp32 (amx.c
+ * sums it in int32 on tiles, 64 columns at once: the same value), scaled by d times x's scale; after it the row's sum
+ * takes each group's exact sum of x times centre * d * sc - dmin * m (q = (q - centre) + centre). Same operations in
+ * the same order on every build: the same bits on AVX2, AVX-512 and AMX. */
 #include "q6k.h"
-
-/* A layout's traits (the dispatch passes them as constants: each layout its own inlined code): bits 6 (Q6_K) or 2
- * (Q2_K, whose groups have a minimum, met by the exact sum of x). */
-typedef struct {
-    int bits;
-} KLayout;
-
-INLINE int k_mins(KLayout l) { return l.bits == 2; }
-INLINE int64_t k_super(KLayout l) { return l.bits == 2 ? Q2K_SUPER : Q6K_SUPER; }
-INLINE int64_t k_header(KLayout l) { return (k_mins(l) ? 128 : 64) + 16 * Q6K_GROUPS; } /* d (dmin), sub-scales */
-INLINE int64_t k_group_bytes(KLayout l) { return l.bits == 2 ? 64 : 192; }
-/* The corrections a row of activations holds: per 16 columns the centre (and where k_mins, the exact sum). */
-INLINE int64_t k_corrs(KLayout l, int64_t K) { return (1 + k_mins(l)) * (K / 16); }
-
-/* fn(..., layout) with the layout of format f a constant. */
-#define K_LAYOUTS(f, fn, ...)                   \
-    if ((f).bits == 2)                          \
-        fn(__VA_ARGS__, ((KLayout){2}));        \
-    else                                        \
-        fn(__VA_ARGS__, ((KLayout){6}))
 
 /* A pass's activations: row 0's quantized x, scales and corrections (rows K, K / 64 and `corrs` apart; per group the
  * centre, and for Q2_K then the exact sum as a float). */
@@ -62,7 +44,7 @@ INLINE KRows k_rows(QuantActs a, int64_t r, int64_t K, KLayout l) {
 }
 
 /* Row i's integer start and (Q2_K) exact sum of x of the group at column c. */
-INLINE int32_t k_centre(KRows x, KLayout l, int i, int64_t c) {
+INLINE int32_t k_start(KRows x, KLayout l, int i, int64_t c) {
     return x.corr[i * x.corrs + (1 + k_mins(l)) * (c / 16)];
 }
 INLINE float k_sum_x(KRows x, int i, int64_t c) { return ((const float *)x.corr)[i * x.corrs + 2 * (c / 16) + 1]; }
@@ -83,46 +65,28 @@ INLINE void q6k_fetch(const uint8_t *p, int64_t ahead, int64_t bytes, int mb) {
 #ifdef LS_AVX512
 #define Q6ROWS 8 /* activation rows a pass: 2 vector registers each */
 
-/* The 4 vectors of q of the group at p (as q6k_unpack's): Q2_K's bit pairs 2r, 2r + 1 in vector r. */
-INLINE void k_unpack(const uint8_t *p, KLayout l, __m512i q[4]) {
-    if (l.bits == 6) return q6k_unpack(p, q);
-    const __m512i two = _mm512_set1_epi8(0x03);
-    __m512i v = _mm512_loadu_si512(p);
-    for (int r = 0; r < 4; r++) q[r] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * r), two);
-}
-
-/* Group g's 16 scales d * sc of the super-block at sp (exact in fp32) and, for Q2_K, in *minc what the exact sum of x
- * is multiplied by: centre * d * sc - dmin * m. */
-INLINE __m512 k_scale(const uint8_t *sp, KLayout l, int g, __m512 *minc) {
-    if (l.bits == 6) return q6k_scale((const float *)sp, (const int8_t *)sp + 64, g);
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sp + 128 + 16 * g)));
-    __m512 scale = _mm512_mul_ps(_mm512_loadu_ps((const float *)sp),
-                                 _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15))));
-    __m512 m = _mm512_mul_ps(_mm512_loadu_ps((const float *)sp + 16), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
-    *minc = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(2.f), scale), m);
-    return scale;
-}
-
 /* res[i][j] += super-block s's part of output j of a block for activation row i, its bytes at p. */
 INLINE void q6k_super(KRows x, const uint8_t *p, int64_t ahead, int64_t K, int64_t s, KLayout l, int mb, __m512 *res) {
     q6k_fetch(p, ahead, k_header(l), mb);
-    __m512 t[Q6ROWS];
+    __m512 t[Q6ROWS], minc[4] = {0}; /* the span's groups' (Q2_K) */
     const uint8_t *sp = p;
     p += k_header(l);
     for (int g = 0; g < Q6K_GROUPS; g++, p += k_group_bytes(l)) {
         int64_t c = 256 * s + 16 * g;
         q6k_fetch(p, ahead, k_group_bytes(l), mb);
-        __m512 minc = _mm512_setzero_ps(), scale = k_scale(sp, l, g, &minc);
+        __m512 scale = k_scale(sp, l, g, &minc[g % 4]);
         __m512i q[4];
         k_unpack(p, l, q);
         for (int i = 0; i < mb; i++) {
             const int8_t *xi = x.xq + i * K + c;
-            __m512i acc = _mm512_set1_epi32(k_centre(x, l, i, c));
+            __m512i acc = _mm512_set1_epi32(k_start(x, l, i, c));
             for (int r = 0; r < 4; r++) acc = _mm512_dpbusd_epi32(acc, q[r], _mm512_set1_epi32(four_bytes(xi + 4 * r)));
             t[i] = g % 4 == 0 ? _mm512_mul_ps(scale, _mm512_cvtepi32_ps(acc))
                               : _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(acc), t[i]);
-            if (g % 4 == 3) res[i] = _mm512_fmadd_ps(_mm512_set1_ps(x.xs[i * (K / XBLOCK) + c / XBLOCK]), t[i], res[i]);
-            if (k_mins(l)) res[i] = _mm512_fmadd_ps(minc, _mm512_set1_ps(k_sum_x(x, i, c)), res[i]);
+            if (g % 4 < 3) continue;
+            res[i] = _mm512_fmadd_ps(k_span_scale(sp, l, x.xs[i * (K / XBLOCK) + c / XBLOCK]), t[i], res[i]);
+            for (int j = 0; k_mins(l) && j < 4; j++)
+                res[i] = _mm512_fmadd_ps(minc[j], _mm512_set1_ps(k_sum_x(x, i, c - 16 * (3 - j))), res[i]);
         }
     }
 }
@@ -162,11 +126,17 @@ INLINE __m256 k_scale(const uint8_t *sp, KLayout l, int g, int h, __m256 *minc) 
     __m256 d = _mm256_loadu_ps((const float *)sp + 8 * h);
     if (l.bits == 6) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sub))));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sub));
-    __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))));
+    __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     __m256 m = _mm256_mul_ps(_mm256_loadu_ps((const float *)sp + 16 + 8 * h),
                              _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)));
-    *minc = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(2.f), scale), m);
-    return scale;
+    *minc = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps((float)k_centre(l)), _mm256_mul_ps(d, sc)), m);
+    return sc;
+}
+
+/* Half h of the AVX-512 k_span_scale. */
+INLINE __m256 k_span_scale(const uint8_t *sp, KLayout l, int h, float xs) {
+    return l.bits == 2 ? _mm256_mul_ps(_mm256_loadu_ps((const float *)sp + 8 * h), _mm256_set1_ps(xs))
+                       : _mm256_set1_ps(xs);
 }
 
 /* acc + the products of q[2r], q[2r + 1] with x's columns 8r .. 8r + 7. Plain AVX2: vpmaddubsw's pairs are at most
@@ -182,20 +152,22 @@ INLINE __m256i q6k_step(__m256i acc, const __m256i *q, const int8_t *x) {
 }
 
 /* Group g (at p, column c) of half h of the super-block at sp for rows i < mb: t[i] and res[i] as the AVX-512
- * q6k_super's, `stride` registers apart. */
+ * q6k_super's, `stride` registers apart; minc: the half's factors of the span's 4 groups (Q2_K). */
 INLINE void q6k_half_group(KRows x, const uint8_t *sp, const uint8_t *p, int64_t K, int64_t c, int g, int h, KLayout l,
-                           int mb, int stride, __m256 *t, __m256 *res) {
-    __m256 minc = _mm256_setzero_ps(), scale = k_scale(sp, l, g, h, &minc);
+                           int mb, int stride, __m256 *t, __m256 *res, __m256 *minc) {
+    __m256 scale = k_scale(sp, l, g, h, &minc[g % 4]);
     __m256i q[4];
     k_unpack(p, l, h, q);
     for (int i = 0; i < mb; i++) {
         const int8_t *xi = x.xq + i * K + c;
-        __m256i acc = q6k_step(q6k_step(_mm256_set1_epi32(k_centre(x, l, i, c)), q, xi), q + 2, xi + 8);
+        __m256i acc = q6k_step(q6k_step(_mm256_set1_epi32(k_start(x, l, i, c)), q, xi), q + 2, xi + 8);
         __m256 *ti = t + stride * i, *ri = res + stride * i;
         *ti = g % 4 == 0 ? _mm256_mul_ps(scale, _mm256_cvtepi32_ps(acc))
                          : _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(acc), *ti);
-        if (g % 4 == 3) *ri = _mm256_fmadd_ps(_mm256_set1_ps(x.xs[i * (K / XBLOCK) + c / XBLOCK]), *ti, *ri);
-        if (k_mins(l)) *ri = _mm256_fmadd_ps(minc, _mm256_set1_ps(k_sum_x(x, i, c)), *ri);
+        if (g % 4 < 3) continue;
+        *ri = _mm256_fmadd_ps(k_span_scale(sp, l, h, x.xs[i * (K / XBLOCK) + c / XBLOCK]), *ti, *ri);
+        for (int j = 0; k_mins(l) && j < 4; j++)
+            *ri = _mm256_fmadd_ps(minc[j], _mm256_set1_ps(k_sum_x(x, i, c - 16 * (3 - j))), *ri);
     }
 }
 
@@ -203,11 +175,12 @@ INLINE void q6k_half_group(KRows x, const uint8_t *sp, const uint8_t *p, int64_t
 INLINE void q6k_super(KRows x, const uint8_t *p, int64_t ahead, int64_t K, int64_t s, KLayout l, int mb, __m256 *res) {
     q6k_fetch(p, ahead, k_header(l), mb);
     const uint8_t *sp = p;
-    __m256 t[2 * Q6ROWS];
+    __m256 t[2 * Q6ROWS], minc[2][4] = {{0}};
     p += k_header(l);
     for (int g = 0; g < Q6K_GROUPS; g++, p += k_group_bytes(l)) {
         q6k_fetch(p, ahead, k_group_bytes(l), mb);
-        for (int h = 0; h < 2; h++) q6k_half_group(x, sp, p, K, 256 * s + 16 * g, g, h, l, mb, 2, t + h, res + h);
+        for (int h = 0; h < 2; h++)
+            q6k_half_group(x, sp, p, K, 256 * s + 16 * g, g, h, l, mb, 2, t + h, res + h, minc[h]);
     }
 }
 
@@ -219,7 +192,7 @@ INLINE void q6k_super(KRows x, const uint8_t *p, int64_t ahead, int64_t K, int64
 INLINE void q6k_halves(KRows x, const uint8_t *p, int64_t K, KLayout l, int mb, float (*out)[16]) {
     const int64_t super = k_super(l), ahead = K / 256 * super;
     for (int h = 0; h < 2; h++) {
-        __m256 res[Q6K_HROWS], t[Q6K_HROWS];
+        __m256 res[Q6K_HROWS], t[Q6K_HROWS], minc[4] = {0};
         for (int i = 0; i < mb; i++) res[i] = _mm256_setzero_ps();
         for (int64_t s = 0; s < K / 256; s++) {
             const uint8_t *sp = p + s * super;
@@ -227,7 +200,7 @@ INLINE void q6k_halves(KRows x, const uint8_t *p, int64_t K, KLayout l, int mb, 
             for (int g = 0; g < Q6K_GROUPS; g++) {
                 const uint8_t *gp = sp + k_header(l) + k_group_bytes(l) * g;
                 if (h == 0) q6k_fetch(gp, ahead, k_group_bytes(l), mb);
-                q6k_half_group(x, sp, gp, K, 256 * s + 16 * g, g, h, l, mb, 1, t, res);
+                q6k_half_group(x, sp, gp, K, 256 * s + 16 * g, g, h, l, mb, 1, t, res, minc);
             }
         }
         for (int i = 0; i < mb; i++) _mm256_storeu_ps(out[i] + 8 * h, res[i]);
@@ -272,9 +245,9 @@ INLINE void q6k_block_pair(KRows x0, KRows x1, const uint8_t *p0, const uint8_t 
 
 INLINE void k_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots, KLayout l) {
 #ifdef LS_AMX
-    if (l.bits == 6 && m >= AMX_Q6K_ROWS) { /* the rows' whole 16s on tiles, the rest here (as q45_block_dots) */
+    if (m >= AMX_Q6K_ROWS) { /* the rows' whole 16s on tiles, the rest here (as q45_block_dots) */
         int64_t tiles = m & ~(int64_t)15;
-        amx_q6k_block_dots(a, first, tiles, block, K, dots);
+        amx_q6k_block_dots((Format){l.bits, 16, 0}, a, first, tiles, block, K, dots);
         first += tiles, m -= tiles, dots += 16 * tiles;
     }
 #endif

@@ -1,21 +1,47 @@
-/* The layout of Q6_K blocks (q6k.c's header says what they hold), shared by its vector kernels and amx.c's tile
- * kernel: where a group's bytes are, and on AVX-512 how a group and its scales unpack, so that both form the same
- * values in the same way. */
+/* The layouts of q6k.c's formats (Q6_K, Q2_K; q6k.c's header says what they hold), shared by its vector kernels and
+ * amx.c's tile kernel: where a group's bytes are, and on AVX-512 how a group and its scales unpack, so that both form
+ * the same values in the same way. */
 #pragma once
 
 #include "quant.h"
 
 #define Q6K_GROUPS 16 /* groups of 16 columns a super-block */
 
-/* Super-block s's group g of the block at p: its 3 units (after the super-block's 16 d and 16 x 16 sc). */
-INLINE const uint8_t *q6k_group(const uint8_t *p, int64_t s, int g) {
-    return p + s * Q6K_SUPER + 64 + 16 * Q6K_GROUPS + 192 * g;
+/* A layout's traits (the dispatch passes them as constants: each layout its own inlined code): bits 6 (Q6_K) or 2
+ * (Q2_K, whose groups have a minimum, met by the exact sum of x). */
+typedef struct {
+    int bits;
+} KLayout;
+
+INLINE int k_mins(KLayout l) { return l.bits == 2; }
+INLINE int k_centre(KLayout l) { return l.bits == 2 ? 2 : 32; }
+INLINE int64_t k_super(KLayout l) { return l.bits == 2 ? Q2K_SUPER : Q6K_SUPER; }
+INLINE int64_t k_header(KLayout l) { return (k_mins(l) ? 128 : 64) + 16 * Q6K_GROUPS; } /* d (dmin), sub-scales */
+INLINE int64_t k_group_bytes(KLayout l) { return l.bits == 2 ? 64 : 192; }
+/* The corrections a row of activations holds: per 16 columns the centre (and where k_mins, the exact sum). */
+INLINE int64_t k_corrs(KLayout l, int64_t K) { return (1 + k_mins(l)) * (K / 16); }
+
+/* Super-block s's group g of the block at p. */
+INLINE const uint8_t *k_group(const uint8_t *p, KLayout l, int64_t s, int g) {
+    return p + s * k_super(l) + k_header(l) + k_group_bytes(l) * g;
 }
 
+/* fn(..., layout) with the layout of format f a constant. */
+#define K_LAYOUTS(f, fn, ...)            \
+    if ((f).bits == 2)                   \
+        fn(__VA_ARGS__, ((KLayout){2})); \
+    else                                 \
+        fn(__VA_ARGS__, ((KLayout){6}))
+
 #ifdef LS_AVX512
-/* The 4 vectors of q (16 outputs, columns 4r .. 4r + 3 in vector r) of the group at p: three held whole in the low
- * 6 bits of a 64-byte unit each, the fourth in their top 2 bits. */
-INLINE void q6k_unpack(const uint8_t *p, __m512i q[4]) {
+/* The 4 vectors of q (16 outputs, columns 4r .. 4r + 3 in vector r) of the group at p. Q6_K: three held whole in the
+ * low 6 bits of a 64-byte unit each, the fourth in their top 2 bits; Q2_K: bit pairs 2r, 2r + 1 of one unit. */
+INLINE void k_unpack(const uint8_t *p, KLayout l, __m512i q[4]) {
+    if (l.bits == 2) {
+        __m512i v = _mm512_loadu_si512(p);
+        for (int r = 0; r < 4; r++) q[r] = _mm512_and_si512(_mm512_srli_epi16(v, 2 * r), _mm512_set1_epi8(0x03));
+        return;
+    }
     const __m512i six = _mm512_set1_epi8(0x3f);
     __m512i a = _mm512_loadu_si512(p), b = _mm512_loadu_si512(p + 64), c = _mm512_loadu_si512(p + 128);
     q[0] = _mm512_and_si512(a, six);
@@ -27,9 +53,24 @@ INLINE void q6k_unpack(const uint8_t *p, __m512i q[4]) {
     q[3] = _mm512_ternarylogic_epi32(top, _mm512_srli_epi16(c, 2), _mm512_set1_epi8(0x30), 0xf8);
 }
 
-/* Group g's 16 scales d * sc (exact in fp32), d the super-block's at sd and its sc at sc. */
-INLINE __m512 q6k_scale(const float *sd, const int8_t *sc, int g) {
-    return _mm512_mul_ps(_mm512_loadu_ps(sd),
-                         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * g)))));
+/* Group g's 16 scales of the super-block at sp: Q6_K's d * sc (exact in fp32); Q2_K's sc (its groups' sums times sc
+ * add up to an integer below 2^24, exact in fp32 as in int32: amx.c sums them so) and in *minc what the exact sum of x
+ * is multiplied by, centre * d * sc - dmin * m. */
+INLINE __m512 k_scale(const uint8_t *sp, KLayout l, int g, __m512 *minc) {
+    __m512 d = _mm512_loadu_ps((const float *)sp);
+    if (l.bits == 6)
+        return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                    _mm_loadu_si128((const __m128i *)(sp + 64 + 16 * g)))));
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sp + 128 + 16 * g)));
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    __m512 m = _mm512_mul_ps(_mm512_loadu_ps((const float *)sp + 16), _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+    *minc = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps((float)k_centre(l)), _mm512_mul_ps(d, sc)), m);
+    return sc;
+}
+
+/* What a row's sum t of a 64-column span is multiplied by: x's scale there (Q6_K, whose t holds d * sc), or d times
+ * it (Q2_K, whose t holds sc). */
+INLINE __m512 k_span_scale(const uint8_t *sp, KLayout l, float xs) {
+    return l.bits == 2 ? _mm512_mul_ps(_mm512_loadu_ps((const float *)sp), _mm512_set1_ps(xs)) : _mm512_set1_ps(xs);
 }
 #endif

@@ -194,7 +194,8 @@ void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const u
                         float *dots);
 /* q6k_block_dots on tiles for m rows, a multiple of 16, the same bits; q6k_block_dots takes them from AMX_Q6K_ROWS. */
 #define AMX_Q6K_ROWS 32
-void amx_q6k_block_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K, float *dots);
+void amx_q6k_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const uint8_t *block, int64_t K,
+                        float *dots);
 #endif
 
 /* Whether the drivers hand two blocks of format f at once (block_pair_dots) for m rows: up to PAIR_ROWS, two streams
