@@ -36,25 +36,12 @@
  * 0.91x -> 1.24x at 8). */
 INLINE int q45_pair_rows(Q45Layout l) { return l.fifth ? 2 : PAIR_ROWS; }
 
-/* A pass's activations: row 0's quantized x, scales and corrections (rows K, K / 64 and `corrs` apart; per group
- * the centre, and for the k-quants then the exact sum as a float). */
-typedef struct {
-    const int8_t *xq;
-    const float *xs;
-    const int32_t *corr;
-    int64_t corrs;
-} Q45Rows;
-
-INLINE Q45Rows q45_rows(QuantActs a, int64_t r, int64_t K, int64_t corrs) {
-    return (Q45Rows){a.q + r * K, a.s + r * (K / XBLOCK), (const int32_t *)a.corr + r * corrs, corrs};
-}
-
 #ifdef LS_AVX512
 #define Q45ROWS 8 /* activation rows a pass: an accumulator and a sum each */
 
 /* res[i][j] += group g's part of output j of a block for activation row i, the group's bytes at p, its superblock's
  * d and dmin at sd (Q5_0: none). Unit c's two vectors of q are unpacked and met by every row before the next unit's. */
-INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
+INLINE void q45_group(FileRows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
                       __m512 *res) {
     __m512i hb = q45_fifths(p, l), acc[Q45ROWS];
     for (int i = 0; i < mb; i++) acc[i] = _mm512_set1_epi32(x.corr[i * x.corrs + (1 + q45_sums(l)) * g]);
@@ -103,7 +90,7 @@ INLINE __m256i q5_fifth(__m256i q, __m256i hb, int r) {
  * half of each unit. Plain AVX2 multiplies with vpmaddubsw: its pairs are at most 2 * 31 * 127 = 7874 (4 bits:
  * 3810), so a run of them stays in int16 over 2 units (4 bits: all 4, 30480 < 32767), exact, then one vpmaddwd to
  * int32 a run (the integer sums in any order: the same bits). */
-INLINE void q45_half(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int h, int mb,
+INLINE void q45_half(FileRows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int h, int mb,
                      __m256 *res) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *units = p + q45_header(l) + (l.fifth ? 64 : 0);
@@ -161,7 +148,7 @@ INLINE void q45_half(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, 
 typedef __m256 Q45Sums[2][Q45ROWS]; /* a block's two halves of 8 outputs, for each row of a pass */
 
 /* As the AVX-512 q45_group, a group's halves in turn. */
-INLINE void q45_group(Q45Rows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
+INLINE void q45_group(FileRows x, const uint8_t *p, const float *sd, Q45Layout l, int64_t K, int64_t g, int mb,
                       Q45Sums res) {
     for (int h = 0; h < 2; h++) q45_half(x, p, sd, l, K, g, h, mb, res[h]);
 }
@@ -180,7 +167,7 @@ INLINE void q45_store(Q45Sums res, int mb, float (*out)[16]) {
 /* q45_block for more rows: the block's half h = 0, then h = 1, each over all its groups with one register of float
  * sums a row (q45_group keeps both halves': 2 registers a row, 4 rows a pass), so Q45_HALF_ROWS rows share each
  * unpacked half-unit. The same operations on each output in the same order: the same bits. */
-INLINE void q45_halves(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int mb, float (*out)[16]) {
+INLINE void q45_halves(FileRows x, const uint8_t *p, Q45Layout l, int64_t K, int mb, float (*out)[16]) {
     /* Unrolled, each half's unit offsets are constants, not 4 of the 16 general registers the rows' pointers spilled
      * from (Q4_K 2816 x 2048, one core, in turns: AVX-VNNI 1.06-1.10x at 64-512 rows, plain AVX2 1.02x). */
 #pragma GCC unroll 2
@@ -200,7 +187,7 @@ INLINE void q45_halves(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int 
 
 /* Group g of the block at p into res, the group read_ahead bytes on fetched (int4's reason: the unpacking keeps the
  * loads from running ahead). */
-INLINE void q45_block_group(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int64_t g, int mb, Q45Sums res) {
+INLINE void q45_block_group(FileRows x, const uint8_t *p, Q45Layout l, int64_t K, int64_t g, int mb, Q45Sums res) {
     const float *sd;
     const uint8_t *at = q45_at(p, l, g, &sd);
     fetch_ahead(at, q45_group_bytes(l));
@@ -208,7 +195,7 @@ INLINE void q45_block_group(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K,
 }
 
 /* out[i][j] = output j of the block at p for activation row i. */
-INLINE void q45_block(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int mb, float (*out)[16]) {
+INLINE void q45_block(FileRows x, const uint8_t *p, Q45Layout l, int64_t K, int mb, float (*out)[16]) {
     Q45Sums res;
     Q45_ZERO(res);
     for (int64_t g = 0; g < K / 32; g++) q45_block_group(x, p, l, K, g, mb, res);
@@ -217,7 +204,7 @@ INLINE void q45_block(Q45Rows x, const uint8_t *p, Q45Layout l, int64_t K, int m
 
 /* q45_block of two blocks, p0 with rows x0 (into out) and p1 with rows x1 (into out1), group by group: two streams
  * of weights in flight, each block's arithmetic as it is alone. */
-INLINE void q45_block_pair(Q45Rows x0, Q45Rows x1, const uint8_t *p0, const uint8_t *p1, Q45Layout l, int64_t K,
+INLINE void q45_block_pair(FileRows x0, FileRows x1, const uint8_t *p0, const uint8_t *p1, Q45Layout l, int64_t K,
                            float (*out1)[16], int mb, float (*out)[16]) {
     Q45Sums res0, res1;
     Q45_ZERO(res0);
@@ -236,7 +223,7 @@ INLINE void q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block
         for (int64_t m0 = 0; m0 < m; m0 += Q45_HALF_ROWS) {
             int mb = m - m0 < Q45_HALF_ROWS ? (int)(m - m0) : Q45_HALF_ROWS;
             float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-            FOR_ROWS_UPTO(Q45_HALF_ROWS, q45_halves, q45_rows(a, first + m0, K, q45_corrs(l, K)), block, l, K)
+            FOR_ROWS_UPTO(Q45_HALF_ROWS, q45_halves, file_rows(a, first + m0, K, q45_corrs(l, K)), block, l, K)
         }
         return;
     }
@@ -244,7 +231,7 @@ INLINE void q45_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block
     for (int64_t m0 = 0; m0 < m; m0 += Q45ROWS) {
         int mb = m - m0 < Q45ROWS ? (int)(m - m0) : Q45ROWS;
         float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-        FOR_ROWS_UPTO(Q45ROWS, q45_block, q45_rows(a, first + m0, K, q45_corrs(l, K)), block, l, K)
+        FOR_ROWS_UPTO(Q45ROWS, q45_block, file_rows(a, first + m0, K, q45_corrs(l, K)), block, l, K)
     }
 }
 
@@ -259,8 +246,8 @@ INLINE void q45_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t fi
     for (int64_t m0 = 0; m0 < m; m0 += Q45ROWS) {
         int mb = m - m0 < Q45ROWS ? (int)(m - m0) : Q45ROWS;
         float(*out)[16] = (float(*)[16])(dots0 + 16 * m0), (*out1)[16] = (float(*)[16])(dots1 + 16 * m0);
-        FOR_ROWS_UPTO(Q45ROWS, q45_block_pair, q45_rows(a0, first0 + m0, K, q45_corrs(l, K)),
-                      q45_rows(a1, first1 + m0, K, q45_corrs(l, K)), block0, block1, l, K, out1)
+        FOR_ROWS_UPTO(Q45ROWS, q45_block_pair, file_rows(a0, first0 + m0, K, q45_corrs(l, K)),
+                      file_rows(a1, first1 + m0, K, q45_corrs(l, K)), block0, block1, l, K, out1)
     }
 }
 

@@ -30,24 +30,11 @@
  * the same order on every build: the same bits on AVX2, AVX-512 and AMX. */
 #include "q6k.h"
 
-/* A pass's activations: row 0's quantized x, scales and corrections (rows K, K / 64 and `corrs` apart; per group the
- * centre, and for Q2_K then the exact sum as a float). */
-typedef struct {
-    const int8_t *xq;
-    const float *xs;
-    const int32_t *corr;
-    int64_t corrs;
-} KRows;
-
-INLINE KRows k_rows(QuantActs a, int64_t r, int64_t K, KLayout l) {
-    return (KRows){a.q + r * K, a.s + r * (K / XBLOCK), (const int32_t *)a.corr + r * k_corrs(l, K), k_corrs(l, K)};
-}
-
 /* Row i's integer start and (Q2_K) exact sum of x of the group at column c. */
-INLINE int32_t k_start(KRows x, KLayout l, int i, int64_t c) {
+INLINE int32_t k_start(FileRows x, KLayout l, int i, int64_t c) {
     return x.corr[i * x.corrs + (1 + k_mins(l)) * (c / 16)];
 }
-INLINE float k_sum_x(KRows x, int i, int64_t c) { return ((const float *)x.corr)[i * x.corrs + 2 * (c / 16) + 1]; }
+INLINE float k_sum_x(FileRows x, int i, int64_t c) { return ((const float *)x.corr)[i * x.corrs + 2 * (c / 16) + 1]; }
 
 /* From this many rows the sums bind and the hardware prefetchers fall behind: each group then fetches its lines of the
  * block read next (`ahead` bytes on: the next one in memory) into L2, as int8's fetch_next. lm_head (102400 x 2048)
@@ -66,7 +53,8 @@ INLINE void q6k_fetch(const uint8_t *p, int64_t ahead, int64_t bytes, int mb) {
 #define Q6ROWS 8 /* activation rows a pass: 2 vector registers each */
 
 /* res[i][j] += super-block s's part of output j of a block for activation row i, its bytes at p. */
-INLINE void q6k_super(KRows x, const uint8_t *p, int64_t ahead, int64_t K, int64_t s, KLayout l, int mb, __m512 *res) {
+INLINE void q6k_super(FileRows x, const uint8_t *p, int64_t ahead, int64_t K, int64_t s, KLayout l, int mb,
+                      __m512 *res) {
     q6k_fetch(p, ahead, k_header(l), mb);
     __m512 t[Q6ROWS], minc[4] = {0}; /* the span's groups' (Q2_K) */
     const uint8_t *sp = p;
@@ -153,8 +141,8 @@ INLINE __m256i q6k_step(__m256i acc, const __m256i *q, const int8_t *x) {
 
 /* Group g (at p, column c) of half h of the super-block at sp for rows i < mb: t[i] and res[i] as the AVX-512
  * q6k_super's, `stride` registers apart; minc: the half's factors of the span's 4 groups (Q2_K). */
-INLINE void q6k_half_group(KRows x, const uint8_t *sp, const uint8_t *p, int64_t K, int64_t c, int g, int h, KLayout l,
-                           int mb, int stride, __m256 *t, __m256 *res, __m256 *minc) {
+INLINE void q6k_half_group(FileRows x, const uint8_t *sp, const uint8_t *p, int64_t K, int64_t c, int g, int h,
+                           KLayout l, int mb, int stride, __m256 *t, __m256 *res, __m256 *minc) {
     __m256 scale = k_scale(sp, l, g, h, &minc[g % 4]);
     __m256i q[4];
     k_unpack(p, l, h, q);
@@ -172,7 +160,8 @@ INLINE void q6k_half_group(KRows x, const uint8_t *sp, const uint8_t *p, int64_t
 }
 
 /* As the AVX-512 q6k_super, each row's 16 outputs as two halves of 8 (res[2 i + h]), a group's halves in turn. */
-INLINE void q6k_super(KRows x, const uint8_t *p, int64_t ahead, int64_t K, int64_t s, KLayout l, int mb, __m256 *res) {
+INLINE void q6k_super(FileRows x, const uint8_t *p, int64_t ahead, int64_t K, int64_t s, KLayout l, int mb,
+                      __m256 *res) {
     q6k_fetch(p, ahead, k_header(l), mb);
     const uint8_t *sp = p;
     __m256 t[2 * Q6ROWS], minc[2][4] = {{0}};
@@ -189,7 +178,7 @@ INLINE void q6k_super(KRows x, const uint8_t *p, int64_t ahead, int64_t K, int64
  * half-group; the first half fetches the next block. The same operations on each output in the same order: the same
  * bits. lm_head (102400 x 2048) on Zen 4 capped to AVX2, 2 threads, against int8 in turns: 8 rows 0.76x -> 0.96x,
  * 32 rows 0.84x; 4 rows 0.77x -> 0.95-1.3x. */
-INLINE void q6k_halves(KRows x, const uint8_t *p, int64_t K, KLayout l, int mb, float (*out)[16]) {
+INLINE void q6k_halves(FileRows x, const uint8_t *p, int64_t K, KLayout l, int mb, float (*out)[16]) {
     const int64_t super = k_super(l), ahead = K / 256 * super;
     for (int h = 0; h < 2; h++) {
         __m256 res[Q6K_HROWS], t[Q6K_HROWS], minc[4] = {0};
@@ -219,7 +208,7 @@ typedef __m256 Q6Sums[2 * Q6ROWS];
 #endif
 
 /* out[i][j] = output j of the block at p for activation row i. */
-INLINE void q6k_block(KRows x, const uint8_t *p, int64_t K, KLayout l, int mb, float (*out)[16]) {
+INLINE void q6k_block(FileRows x, const uint8_t *p, int64_t K, KLayout l, int mb, float (*out)[16]) {
     Q6Sums res;
     Q6K_ZERO(res);
     const int64_t super = k_super(l);
@@ -229,7 +218,7 @@ INLINE void q6k_block(KRows x, const uint8_t *p, int64_t K, KLayout l, int mb, f
 
 /* q6k_block of two blocks, p0 with rows x0 (into out) and p1 with rows x1 (into out1), super-block by super-block:
  * two streams of weights in flight, each block's arithmetic as it is alone. */
-INLINE void q6k_block_pair(KRows x0, KRows x1, const uint8_t *p0, const uint8_t *p1, int64_t K, float (*out1)[16],
+INLINE void q6k_block_pair(FileRows x0, FileRows x1, const uint8_t *p0, const uint8_t *p1, int64_t K, float (*out1)[16],
                            KLayout l, int mb, float (*out)[16]) {
     Q6Sums res0, res1;
     Q6K_ZERO(res0);
@@ -256,7 +245,7 @@ INLINE void k_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, 
         for (int64_t m0 = 0; m0 < m; m0 += Q6K_HROWS) {
             int mb = m - m0 < Q6K_HROWS ? (int)(m - m0) : Q6K_HROWS;
             float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-            FOR_ROWS_UPTO(Q6K_HROWS, q6k_halves, k_rows(a, first + m0, K, l), block, K, l)
+            FOR_ROWS_UPTO(Q6K_HROWS, q6k_halves, file_rows(a, first + m0, K, k_corrs(l, K)), block, K, l)
         }
         return;
     }
@@ -264,7 +253,7 @@ INLINE void k_dots(QuantActs a, int64_t first, int64_t m, const uint8_t *block, 
     for (int64_t m0 = 0; m0 < m; m0 += Q6ROWS) {
         int mb = m - m0 < Q6ROWS ? (int)(m - m0) : Q6ROWS;
         float(*out)[16] = (float(*)[16])(dots + 16 * m0);
-        FOR_ROWS_UPTO(Q6ROWS, q6k_block, k_rows(a, first + m0, K, l), block, K, l)
+        FOR_ROWS_UPTO(Q6ROWS, q6k_block, file_rows(a, first + m0, K, k_corrs(l, K)), block, K, l)
     }
 }
 
@@ -280,8 +269,8 @@ INLINE void k_pair_dots(QuantActs a0, int64_t first0, QuantActs a1, int64_t firs
     for (int64_t m0 = 0; m0 < m; m0 += Q6ROWS) {
         int mb = m - m0 < Q6ROWS ? (int)(m - m0) : Q6ROWS;
         float(*out)[16] = (float(*)[16])(dots0 + 16 * m0), (*out1)[16] = (float(*)[16])(dots1 + 16 * m0);
-        FOR_ROWS_UPTO(Q6ROWS, q6k_block_pair, k_rows(a0, first0 + m0, K, l), k_rows(a1, first1 + m0, K, l), block0,
-                      block1, K, out1, l)
+        FOR_ROWS_UPTO(Q6ROWS, q6k_block_pair, file_rows(a0, first0 + m0, K, k_corrs(l, K)),
+                      file_rows(a1, first1 + m0, K, k_corrs(l, K)), block0, block1, K, out1, l)
     }
 }
 

@@ -120,6 +120,20 @@ INLINE int64_t block_bytes(Format f, int64_t K) {
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);
 }
 
+/* A pass's activations for the file formats' kernels (q6k.c, q45.c): row 0's quantized x, scales and corrections
+ * (rows K, K / 64 and `corrs` apart; per group the centre, and where the format has minimums then the exact sum as a
+ * float). */
+typedef struct {
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *corr;
+    int64_t corrs;
+} FileRows;
+
+INLINE FileRows file_rows(QuantActs a, int64_t r, int64_t K, int64_t corrs) {
+    return (FileRows){a.q + r * K, a.s + r * (K / XBLOCK), (const int32_t *)a.corr + r * corrs, corrs};
+}
+
 /* The quantized formats' linear layers (quant_blocks.c), io as simd.h's kernels'. */
 int quant_linear(const void *x, int64_t M, int64_t K, const void *w, Format f, int64_t N, void *y, int io,
                  int threads);

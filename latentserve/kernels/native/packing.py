@@ -117,6 +117,19 @@ def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
     _check_kquant(fn, name, packed, n, k, "Q6_K", Q6K_SUPER)
 
 
+def _check_kquant_values(fn: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,
+                         m: torch.Tensor, group: int) -> None:
+    """The k-quants' values (w = d * sc * q - dmin * m, sc and m per `group` columns) as `fn` takes them, or a
+    ValueError naming what it got."""
+    n, k = q.shape
+    if (q.dtype != torch.uint8 or k % 256
+            or any(t.dtype != torch.float32 or t.shape != (n, k // 256) for t in (d, dmin))
+            or any(t.dtype != torch.uint8 or t.shape != (n, k // group) for t in (sc, m))):
+        given = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, d, dmin, sc, m))
+        raise ValueError(f"{fn} takes uint8 q [N, K] with K % 256 == 0, fp32 d and dmin [N, K / 256], uint8 sc "
+                         f"and m [N, K / {group}], not {given}")
+
+
 Q2K_SUPER = 128 + 16 * 16 + 16 * 64  # bytes of 256 columns of a `pack_q2k` block
 Q2K_FORMAT = (2, 16)  # the experts' format tuple (bits, group) of `pack_q2k`'s layout
 
@@ -128,12 +141,7 @@ def pack_q2k(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Ten
     m << 4 (group-major), then per 16 columns a 64-byte unit whose byte 4j + i holds output j's column 4r + i in bits
     2r, 2r + 1 (q6k.c)."""
     n, k = q.shape
-    if (q.dtype != torch.uint8 or k % 256
-            or any(t.dtype != torch.float32 or t.shape != (n, k // 256) for t in (d, dmin))
-            or any(t.dtype != torch.uint8 or t.shape != (n, k // 16) for t in (sc, m))):
-        given = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, d, dmin, sc, m))
-        raise ValueError(f"pack_q2k takes uint8 q [N, K] with K % 256 == 0, fp32 d and dmin [N, K / 256], uint8 sc "
-                         f"and m [N, K / 16], not {given}")
+    _check_kquant_values("pack_q2k", q, d, dmin, sc, m, 16)
     for name, t, top in (("q", q, 3), ("sc", sc, 15), ("m", m, 15)):
         if t.numel() and int(t.max()) > top:
             raise ValueError(f"pack_q2k: {name} holds {int(t.max())}, past Q2_K's {top}")
@@ -220,12 +228,7 @@ def _pack_kquant(q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch
                  fn: str) -> torch.Tensor:
     """`pack_q5k` (bits 5) and `pack_q4k` (4)."""
     n, k = q.shape
-    if (q.dtype != torch.uint8 or k % 256
-            or any(t.dtype != torch.float32 or t.shape != (n, k // 256) for t in (d, dmin))
-            or any(t.dtype != torch.uint8 or t.shape != (n, k // 32) for t in (sc, m))):
-        given = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in (q, d, dmin, sc, m))
-        raise ValueError(f"{fn} takes uint8 q [N, K] with K % 256 == 0, fp32 d and dmin [N, K / 256], uint8 sc "
-                         f"and m [N, K / 32], not {given}")
+    _check_kquant_values(fn, q, d, dmin, sc, m, 32)
     pad = -n % Q50_BLOCK
     q, d, dmin, sc, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, dmin, sc, m))
     groups = torch.cat([_by_block(sc), _by_block(m), _q45_units(q, bits, fn)], dim=2)  # [blocks, K / 32, group]

@@ -93,29 +93,6 @@ class Q6KWeight(FileBlocks):
         return (scale.view(rows, -1, 1) * q).view(rows, cols)
 
 
-Q2K_D_COLUMNS, Q2K_SC_COLUMNS = 256, 16  # input columns per d and dmin, per sc and m
-
-
-@dataclass
-class Q2KWeight(FileBlocks):
-    """llama.cpp's Q2_K as a GGUF holds it, w = d * sc * q - dmin * m: q uint8 `[out, in]` in [0, 3], d and dmin
-    fp32 `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 16]` (4 bits)."""
-
-    d: torch.Tensor
-    dmin: torch.Tensor
-    sc: torch.Tensor
-    m: torch.Tensor
-    method = "q2_k"
-
-    def dequantize(self) -> torch.Tensor:
-        """fp32 `[out, in]`, gguf's dequantization to the bit: (d * sc) * q - dmin * m."""
-        rows, cols = self.q.shape
-        per = Q2K_D_COLUMNS // Q2K_SC_COLUMNS
-        scale = (self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1, 1)
-        minimum = (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1, 1)
-        return (scale * self.q.view(rows, -1, Q2K_SC_COLUMNS).float() - minimum).view(rows, cols)
-
-
 Q50_COLUMNS = 32  # input columns per d
 
 
@@ -150,22 +127,24 @@ class Q51Weight(FileBlocks):
         return (self.d.float()[..., None] * q + self.m.float()[..., None]).view(rows, cols)
 
 
-KQUANT_COLUMNS, KQUANT_SUB_COLUMNS = 256, 32  # input columns per d and dmin, per sc and m
+KQUANT_COLUMNS, KQUANT_SUB_COLUMNS = 256, 32  # input columns per d and dmin, per sc and m (Q5_K, Q4_K)
+Q2K_SUB_COLUMNS = 16  # Q2_K's input columns per sc and m
 
 
 @dataclass
 class _KQuant(FileBlocks):
-    """llama.cpp's Q5_K and Q4_K as a GGUF holds them, w = d * sc * q - dmin * m: q uint8 `[out, in]`, d and dmin
-    fp32 `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / 32]` (6 bits)."""
+    """llama.cpp's Q5_K, Q4_K and Q2_K as a GGUF holds them, w = d * sc * q - dmin * m: q uint8 `[out, in]`, d and
+    dmin fp32 `[out, in / 256]` (the file's fp16, so exact), sc and m uint8 `[out, in / sub_columns]`."""
 
     d: torch.Tensor
     dmin: torch.Tensor
     sc: torch.Tensor
     m: torch.Tensor
+    sub_columns = KQUANT_SUB_COLUMNS
 
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d * sc, dmin * m) fp32 `[out, in / 32]`: each group's scale and minimum as gguf forms them."""
-        rows, per = self.q.shape[0], KQUANT_COLUMNS // KQUANT_SUB_COLUMNS
+        """(d * sc, dmin * m) fp32 `[out, in / sub_columns]`: each group's scale and minimum as gguf forms them."""
+        rows, per = self.q.shape[0], KQUANT_COLUMNS // self.sub_columns
         return ((self.d[..., None] * self.sc.view(rows, -1, per).float()).view(rows, -1),
                 (self.dmin[..., None] * self.m.view(rows, -1, per).float()).view(rows, -1))
 
@@ -173,7 +152,7 @@ class _KQuant(FileBlocks):
         """fp32 `[out, in]`, gguf's dequantization to the bit: (d * sc) * q - dmin * m."""
         rows, cols = self.q.shape
         scale, minimum = self.group_scales()
-        q = self.q.view(rows, -1, KQUANT_SUB_COLUMNS).float()
+        q = self.q.view(rows, -1, self.sub_columns).float()
         return (scale[..., None] * q - minimum[..., None]).view(rows, cols)
 
 
@@ -182,6 +161,13 @@ class Q5KWeight(_KQuant):
     """Q5_K: q in [0, 31]."""
 
     method = "q5_k"
+
+
+@dataclass
+class Q2KWeight(_KQuant):
+    """Q2_K: q in [0, 3], sc and m 4 bits per 16 columns."""
+
+    method, sub_columns = "q2_k", Q2K_SUB_COLUMNS
 
 
 @dataclass

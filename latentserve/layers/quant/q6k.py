@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from latentserve.kernels import native
 from latentserve.layers.quant.file_blocks import NativeFileBlocksLinear
-from latentserve.layers.quant.prequantized import Q2K_D_COLUMNS, Q6K_D_COLUMNS
+from latentserve.layers.quant.prequantized import KQUANT_COLUMNS, Q6K_D_COLUMNS
 
 
 class NativeQ6KLinear(NativeFileBlocksLinear):
@@ -26,6 +26,6 @@ class NativeQ2KLinear(NativeFileBlocksLinear):
 
     kernel, weight_kind, group = "latentserve q2_k", native.Q2K, 16
     expert_format = native.Q2K_FORMAT
-    file_type, columns = "Q2_K", Q2K_D_COLUMNS
+    file_type, columns = "Q2_K", KQUANT_COLUMNS
     read = "2.75 bits a weight read; int8 per row reads 8 and rounds the values again"
     pack, linear = staticmethod(native.pack_q2k), staticmethod(native.q2k_linear)

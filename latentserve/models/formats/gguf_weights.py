@@ -19,9 +19,9 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from latentserve.layers.quant.int8 import quantize_int8
-from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q2K_D_COLUMNS, Q2K_SC_COLUMNS,
-                                                   Q6K_D_COLUMNS, Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight,
-                                                   Q2KWeight, Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
+from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q2K_SUB_COLUMNS, Q6K_D_COLUMNS,
+                                                   Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight, Q2KWeight,
+                                                   Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ def q3k_weight(data: np.ndarray) -> Q6KWeight:
 def q2k_weight(data: np.ndarray) -> Q2KWeight:
     """Q2_K rows `[out, bytes]` as their q, d, dmin, sc and m, a few rows at a time."""
     rows, blocks = data.shape[0], data.shape[1] // _Q2K_BYTES
-    subs = blocks * (Q2K_D_COLUMNS // Q2K_SC_COLUMNS)
-    weight = Q2KWeight(torch.empty(rows, blocks * Q2K_D_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+    subs = blocks * (KQUANT_COLUMNS // Q2K_SUB_COLUMNS)
+    weight = Q2KWeight(torch.empty(rows, blocks * KQUANT_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
                        torch.empty(rows, blocks), torch.empty(rows, subs, dtype=torch.uint8),
                        torch.empty(rows, subs, dtype=torch.uint8))
     for chunk in _row_chunks(data):
