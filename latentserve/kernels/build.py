@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent
 SOURCES = tuple(KERNEL_DIR / name for name in ("quant_acts.c", "qgemm.c", "int4.c", "q6k.c", "q45.c", "amx.c",
-                                               "quant_blocks.c", "experts.c", "gemv.c", "mla_decode.c",
+                                               "amx_blocks.c", "quant_blocks.c", "experts.c", "gemv.c", "mla_decode.c",
                                                "prefill_attention.c", "norm.c", "prologue.c", "attention_block.c",
                                                "route.c", "moe_block.c", "decode_layers.c", "argmax.c", "bounds.c",
                                                "scratch.c", "api.c"))

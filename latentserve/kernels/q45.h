@@ -1,5 +1,5 @@
 /* The layouts of q45.c's formats (Q5_0, Q5_1, Q5_K, Q4_K; q45.c's header says what they hold), shared by its vector
- * kernels and amx.c's tile kernel: where a group's bytes are, and on AVX-512 how a unit and a group's scales
+ * kernels and amx_blocks.c's tile kernel: where a group's bytes are, and on AVX-512 how a unit and a group's scales
  * unpack, so that both form the same values in the same way. */
 #pragma once
 

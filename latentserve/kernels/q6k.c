@@ -21,13 +21,13 @@
  * columns of x broadcast to every lane, as int4's.
  *
  * The activations are int4's (int8 per 64 columns, quant_acts.c), with per 16 columns -centre * the sum of their
- * quantized x (`corr`, as int32; centre 32, Q2_K 2), Q2_K's each followed by the exact sum of x over the 16 columns:
- * a group's integer sum starts there, so that it is the sum of (q - centre) * xq with q as vpdpbusd's unsigned
- * operand. Per group the sum times d * sc goes into a row's float sum of its 64 columns (t), which is scaled by x's
- * scale once per 64 columns. Q2_K's t is the sum times sc alone, an integer below 2^24 and so exact in fp32 (amx.c
- * sums it in int32 on tiles, 64 columns at once: the same value), scaled by d times x's scale; after it the row's sum
- * takes each group's exact sum of x times centre * d * sc - dmin * m (q = (q - centre) + centre). Same operations in
- * the same order on every build: the same bits on AVX2, AVX-512 and AMX. */
+ * quantized x (`corr`, as int32; centre 32, Q2_K 2), Q2_K's each followed by the exact sum of x over the 16 columns: a
+ * group's integer sum starts there, so that it is the sum of (q - centre) * xq with q as vpdpbusd's unsigned operand.
+ * Per group the sum times d * sc goes into a row's float sum of its 64 columns (t), which is scaled by x's scale once
+ * per 64 columns. Q2_K's t is the sum times sc alone, an integer below 2^24 and so exact in fp32 (amx_blocks.c sums it
+ * in int32 on tiles, 64 columns at once: the same value), scaled by d times x's scale; after it the row's sum takes
+ * each group's exact sum of x times centre * d * sc - dmin * m (q = (q - centre) + centre). Same operations in the same
+ * order on every build: the same bits on AVX2, AVX-512 and AMX. */
 #include "q6k.h"
 
 /* Row i's integer start and (Q2_K) exact sum of x of the group at column c. */

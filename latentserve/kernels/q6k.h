@@ -1,6 +1,6 @@
 /* The layouts of q6k.c's formats (Q6_K, Q2_K; q6k.c's header says what they hold), shared by its vector kernels and
- * amx.c's tile kernel: where a group's bytes are, and on AVX-512 how a group and its scales unpack, so that both form
- * the same values in the same way. */
+ * amx_blocks.c's tile kernel: where a group's bytes are, and on AVX-512 how a group and its scales unpack, so that
+ * both form the same values in the same way. */
 #pragma once
 
 #include "quant.h"
@@ -54,8 +54,8 @@ INLINE void k_unpack(const uint8_t *p, KLayout l, __m512i q[4]) {
 }
 
 /* Group g's 16 scales of the super-block at sp: Q6_K's d * sc (exact in fp32); Q2_K's sc (its groups' sums times sc
- * add up to an integer below 2^24, exact in fp32 as in int32: amx.c sums them so) and in *minc what the exact sum of x
- * is multiplied by, centre * d * sc - dmin * m. */
+ * add up to an integer below 2^24, exact in fp32 as in int32: amx_blocks.c sums them so) and in *minc what the exact
+ * sum of x is multiplied by, centre * d * sc - dmin * m. */
 INLINE __m512 k_scale(const uint8_t *sp, KLayout l, int g, __m512 *minc) {
     __m512 d = _mm512_loadu_ps((const float *)sp);
     if (l.bits == 6)

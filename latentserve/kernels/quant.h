@@ -194,6 +194,8 @@ void dense_block_dots(QuantActs a, int64_t first, int64_t m, const void *block, 
 #define AMX_INT8_ROWS 16
 INLINE int64_t amx_int4_rows(int64_t G) { return G == 32 ? 32 : 16; }
 #define AMX_CHUNK 64 /* rows a pass: four row tiles of sums */
+/* A compiler barrier after writing what tile loads read: the compiler takes _tile_loadd to read no memory. */
+INLINE void written(void) { __asm__ volatile("" ::: "memory"); }
 int amx_request(void);
 void amx_begin(int span);
 void amx_end(void);

@@ -142,7 +142,8 @@ static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_by
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) {
     if (q45(f)) return (sums_x(f) ? 2 : 1) * (K / 32);
-    return f.bits == 4 ? 2 * (K / f.group) : f.bits == 6 ? K / 16 : f.bits == 2 ? 2 * (K / 16) : 0;
+    if (kq16(f)) return (f.bits == 2 ? 2 : 1) * (K / 16);
+    return f.bits == 4 ? 2 * (K / f.group) : 0;
 }
 
 QuantActs take_acts(Format f, int bf16, int64_t M, int64_t K) {

@@ -1,7 +1,8 @@
-"""The avx512_amx build (kernels/amx.c): its int8, int4, Q6_K, Q2_K, Q5_0, Q5_1, Q5_K and Q4_K products at many rows run
-on AMX tiles and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the experts, at row
-counts 16 does not divide, input widths 64 does not divide (int8), every int4 group size and 1 or 2 threads; and the
-build is chosen only where the CPU has AMX, and refused with the reason where the tiles cannot be had."""
+"""The avx512_amx build (kernels/amx.c, amx_blocks.c): its int8, int4, Q6_K, Q2_K, Q5_0, Q5_1, Q5_K and Q4_K products at
+many rows run on AMX tiles and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the
+experts, at row counts 16 does not divide, input widths 64 does not divide (int8), every int4 group size and 1 or 2
+threads; and the build is chosen only where the CPU has AMX, and refused with the reason where the tiles cannot be had.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -53,7 +54,7 @@ def test_int8_linear_equals_the_vnni_build_bit_for_bit(m, k, threads):
 
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("k", [384, 2304])  # 2304: past the 2048 columns amx.c unpacks at a time
+@pytest.mark.parametrize("k", [384, 2304])  # 2304: past the 2048 columns the tiles unpack at a time
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", INT4_ROWS)
 def test_int4_linear_equals_the_vnni_build_bit_for_bit(m, group, k, threads):
@@ -72,7 +73,7 @@ def test_int4_linear_equals_the_vnni_build_bit_for_bit(m, group, k, threads):
 
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("k", [512, 2304])  # 2304: past the 2048 columns amx.c unpacks at a time
+@pytest.mark.parametrize("k", [512, 2304])  # 2304: past the 2048 columns the tiles unpack at a time
 @pytest.mark.parametrize("file_type", FILE_FORMATS)
 @pytest.mark.parametrize("m", FILE_ROWS)
 def test_file_blocks_linear_equals_the_vnni_build_bit_for_bit(m, file_type, k, threads):
