@@ -63,8 +63,7 @@ from benchmarks.weights import V2_LITE, write_checkpoint  # noqa: E402
 
 V3_SHAPE = {**V2_LITE, "q_lora_rank": 1536, "max_position_embeddings": 8192}
 # (our name, the file type): int8 and int4 are the methods latentserve loads Q8_0 and Q4_K_M files as; a Q5_K_M
-# file's Q5_K, Q6_K and Q5_0 blocks run as they are, a Q3_K_M file's Q3_K blocks as Q6_K's, a Q2_K file's Q2_K blocks
-# (and its Q3_K and Q4_K ones) as they are.
+# file's Q5_K, Q6_K and Q5_0 blocks run as they are, as do a Q3_K_M file's Q3_K blocks and a Q2_K file's Q2_K ones.
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_K_M"), ("q5_k", "Q5_K_M"), ("q3_k", "Q3_K_M"), ("q2_k", "Q2_K"))
 ENGINES = ("latentserve", "llama.cpp", "ik_llama.cpp")
 IK_BENCH = ["-mla", "3", "-fa", "1", "-fmoe", "1", "-rtr", "1"]

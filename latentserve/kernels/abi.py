@@ -13,7 +13,7 @@ MAX_DIMS, MAX_ROPE, MAX_LATENT = 5, 1024, 2048  # LS_MAX_DIMS, LS_MAX_ROPE, LS_M
 MAX_POSITIONS = 1 << 40  # LS_MAX_POSITIONS: prefill attention's distance and window
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.int8: 3, torch.uint8: 4,
           torch.int32: 5, torch.int64: 6}  # ls_dtype
-DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS, Q6K, Q50, Q5K, Q4K, Q51, Q2K = range(11)  # ls_weight_kind
+DENSE, INT8, INT4, INT8_LANES, INT8_BLOCKS, Q6K, Q50, Q5K, Q4K, Q51, Q2K, Q3K = range(12)  # ls_weight_kind
 ROPE_STYLES = ("gptj", "interleave", "neox")  # ls_rope_style's order: DeepSeek's rope layouts (layers/rotary.py)
 # ls_status
 (OK, BAD_QUERY_START, NEGATIVE_SEQ_LEN, SEQ_PAST_TABLE, BLOCK_PAST_CACHE, SLOT_PAST_CACHE, BAD_EXPERT, BAD_TENSOR,
@@ -44,7 +44,8 @@ class Weight(ctypes.Structure):
     bmm's `[H, K, N]`), INT8 (per-head products' w `[H, N, K]`, per-row fp32 scale and int32 sum), INT8_LANES (the
     same in `int8_lanes`' layout), INT8_BLOCKS (w in `pack_int8`'s layout), INT4 (w in `pack_int4`'s layout, group
     size), Q6K (w in `pack_q6k`'s layout, group 16), Q50 (`pack_q50`'s, group 32), Q5K (`pack_q5k`'s, group 256),
-    Q4K (`pack_q4k`'s, group 256), Q51 (`pack_q51`'s, group 32) or Q2K (`pack_q2k`'s, group 16)."""
+    Q4K (`pack_q4k`'s, group 256), Q51 (`pack_q51`'s, group 32), Q2K (`pack_q2k`'s, group 16) or Q3K (`pack_q3k`'s,
+    group 16)."""
 
     _fields_ = [("kind", ctypes.c_int32), ("w", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("qsum", ctypes.c_void_p), ("group", ctypes.c_int64)]
@@ -107,6 +108,7 @@ SIGNATURES = {  # name: (restype, argtypes), as latentserve.h declares them
     "ls_int4_linear": (_status, [_T, _T, _i64, _T, _i32]),
     "ls_q6k_linear": (_status, [_T, _T, _T, _i32]),
     "ls_q2k_linear": (_status, [_T, _T, _T, _i32]),
+    "ls_q3k_linear": (_status, [_T, _T, _T, _i32]),
     "ls_q50_linear": (_status, [_T, _T, _T, _i32]),
     "ls_q51_linear": (_status, [_T, _T, _T, _i32]),
     "ls_q5k_linear": (_status, [_T, _T, _T, _i32]),

@@ -1,9 +1,9 @@
 /* AMX tiles (the avx512_amx build) for llama.cpp's formats kept as their blocks at many rows: q45.c's (Q5_0, Q5_1,
- * Q5_K, Q4_K: a group of 32 columns a TDPBSSD) and q6k.c's (Q6_K: a group of 16; Q2_K: a span of 64, its sub-scales in
- * the B rows). Each block's groups are unpacked once into B rows of q - centre (signed: the vector kernels' integer
- * sums start at -centre times the sum of x, so the sums are theirs) and its scales, read from L1 by every row tile;
- * the float operations after the sums are the vector kernels', in their order: the same bits as the avx512_bf16
- * build. The tile state and configuration are amx.c's (amx_begin, amx_end). */
+ * Q5_K, Q4_K: a group of 32 columns a TDPBSSD) and q6k.c's (Q6_K, Q3_K: a group of 16; Q2_K: a span of 64, its
+ * sub-scales in the B rows). Each block's groups are unpacked once into B rows of q - centre (signed: the vector
+ * kernels' integer sums start at -centre times the sum of x, so the sums are theirs) and its scales, read from L1 by
+ * every row tile; the float operations after the sums are the vector kernels', in their order: the same bits as the
+ * avx512_bf16 build. The tile state and configuration are amx.c's (amx_begin, amx_end). */
 #include "q45.h"
 #include "q6k.h"
 
@@ -115,17 +115,17 @@ void amx_q45_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const u
 }
 #define Q6K_CHUNK 128 /* groups of a block unpacked at a time (2048 columns): 32 KB of B rows, 8 KB of scales */
 
-/* Groups g0..g1 of a Q6_K block (16 columns each) as B rows of q - 32, signed for TDPBSSD (the vector kernel's sum
- * starts at -32 times the sum of x: the same sums), 4 rows a group (k_unpack's vectors), and each group's scales. */
-static void q6k_tiles_unpack(const uint8_t *block, int64_t g0, int64_t g1, int8_t *b, float (*scale)[16]) {
-    const KLayout l = {6};
+/* Groups g0..g1 of a Q6_K or Q3_K block (16 columns each) as B rows of q - centre, signed for TDPBSSD (the vector
+ * kernel's sum starts at -centre times the sum of x: the same sums), 4 rows a group (k_unpack's vectors), and each
+ * group's scales. */
+static void q6k_tiles_unpack(const uint8_t *block, KLayout l, int64_t g0, int64_t g1, int8_t *b, float (*scale)[16]) {
     for (int64_t g = g0; g < g1; g++) {
         int64_t s = g / Q6K_GROUPS;
         __m512i q[4];
         __m512 no_minimum;
         k_unpack(k_group(block, l, s, (int)(g % Q6K_GROUPS)), l, q);
         for (int r = 0; r < 4; r++)
-            _mm512_storeu_si512(b + 256 * (g - g0) + 64 * r, _mm512_sub_epi8(q[r], _mm512_set1_epi8(32)));
+            _mm512_storeu_si512(b + 256 * (g - g0) + 64 * r, _mm512_sub_epi8(q[r], _mm512_set1_epi8(k_centre(l))));
         _mm512_storeu_ps(scale[g - g0], k_scale(block + s * k_super(l), l, (int)(g % Q6K_GROUPS), &no_minimum));
     }
     written();
@@ -265,7 +265,7 @@ void amx_q6k_block_dots(Format f, QuantActs a, int64_t first, int64_t m, const u
             for (int64_t r0 = 0; r0 < m; r0 += 16)
                 q2k_tile_rows(a, first + r0, g0 / 4, g1 / 4, K, b, d, scale, dots + 16 * r0);
         } else {
-            q6k_tiles_unpack(block, g0, g1, b, scale);
+            q6k_tiles_unpack(block, (KLayout){f.bits}, g0, g1, b, scale);
             for (int64_t r0 = 0; r0 < m; r0 += 16) q6k_tile_rows(a, first + r0, g0, g1, K, b, scale, dots + 16 * r0);
         }
     }

@@ -157,6 +157,10 @@ LS_API int ls_q2k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_t
     return blocks_linear("Q2_K", 256, (Format){2, 16, 0}, x, packed, y, threads);
 }
 
+LS_API int ls_q3k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
+    return blocks_linear("Q3_K", 256, (Format){3, 16, 0}, x, packed, y, threads);
+}
+
 LS_API int ls_q50_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads) {
     return blocks_linear("Q5_0", 64, (Format){5, 32, 0}, x, packed, y, threads);
 }
@@ -319,11 +323,10 @@ LS_API int ls_route(const ls_tensor *logits, int sigmoid, int64_t groups, int64_
                   weights->data, ids->data);
 }
 
-/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (int4: group 32, 64 or 128 dividing
- * in, in a multiple of 64; Q4_K: group 256, in a multiple of 256), 6 or 2 (Q6_K, Q2_K: group 16, in a multiple of
- * 256) or 5
- * (Q5_0, and Q5_1 with mins: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256); mins 0 but for
- * Q5_1. */
+/* A format's weights over `in` inputs: bits 32, 16, 8 (in a multiple of 4), 4 (int4: group 32, 64 or 128 dividing in,
+ * in a multiple of 64; Q4_K: group 256, in a multiple of 256), 6, 3 or 2 (Q6_K, Q3_K, Q2_K: group 16, in a multiple of
+ * 256) or 5 (Q5_0, and Q5_1 with mins: group 32, in a multiple of 64; Q5_K: group 256, in a multiple of 256); mins 0
+ * but for Q5_1. */
 static int bad_format(int code, const char *name, Format f, int64_t in) {
     int32_t bits = f.bits;
     int64_t group = f.group;
@@ -331,26 +334,26 @@ static int bad_format(int code, const char *name, Format f, int64_t in) {
     if ((f.mins == 0 || (f.mins == 1 && groups32)) &&
         (bits == 32 || bits == 16 || (bits == 8 && in % 4 == 0) ||
          (bits == 4 && (group == 32 || group == 64 || group == 128) && in % group == 0 && in % 64 == 0) ||
-         ((bits == 6 || bits == 2) && group == 16 && in % 256 == 0) || (groups32 && in % 64 == 0) ||
+         ((bits == 6 || bits == 3 || bits == 2) && group == 16 && in % 256 == 0) || (groups32 && in % 64 == 0) ||
          ((bits == 5 || bits == 4) && group == 256 && in % 256 == 0)))
         return LS_OK;
     return refuse(code, "%s: bits %d, group %lld, mins %d over %lld inputs (32, 16, 8 with inputs a multiple of 4, 4 "
                   "with group 32, 64 or 128 dividing them and inputs a multiple of 64 or group 256 and inputs a "
-                  "multiple of 256, 6 or 2 with group 16 and inputs a multiple of 256, or 5 with group 32 and inputs a "
-                  "multiple of 64 or group 256 and inputs a multiple of 256; mins 1 only with 5 and group 32)", name,
-                  bits, (long long)group, f.mins, (long long)in);
+                  "multiple of 256, 6, 3 or 2 with group 16 and inputs a multiple of 256, or 5 with group 32 and "
+                  "inputs a multiple of 64 or group 256 and inputs a multiple of 256; mins 1 only with 5 and group "
+                  "32)", name, bits, (long long)group, f.mins, (long long)in);
 }
 
 /* A projection's weight has what its kind reads, over `in` inputs (a blocked kind's: a multiple its format takes). */
 static int bad_weight(const char *name, const Weight *w, int64_t in) {
-    if (w->kind < LS_DENSE || w->kind > LS_Q2K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
+    if (w->kind < LS_DENSE || w->kind > LS_Q3K) return refuse(LS_BAD_BLOCK, "%s.kind is %d", name, w->kind);
     if (!w->w) return refuse(LS_BAD_BLOCK, "%s.w is NULL", name);
     if ((w->kind == LS_INT8 || w->kind == LS_INT8_LANES) && (!w->scale || !w->qsum))
         return refuse(LS_BAD_BLOCK, "%s: an int8 weight without its scale or qsum", name);
     if (w->kind == LS_INT4 && w->group != 32 && w->group != 64 && w->group != 128)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not 32, 64 or 128", name, (long long)w->group);
-    if ((w->kind == LS_Q6K || w->kind == LS_Q2K) && w->group != 16)
-        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q6_K's and Q2_K's 16", name, (long long)w->group);
+    if ((w->kind == LS_Q6K || w->kind == LS_Q3K || w->kind == LS_Q2K) && w->group != 16)
+        return refuse(LS_BAD_BLOCK, "%s.group is %lld, not the 16 of Q6_K, Q3_K and Q2_K", name, (long long)w->group);
     if ((w->kind == LS_Q50 || w->kind == LS_Q51) && w->group != 32)
         return refuse(LS_BAD_BLOCK, "%s.group is %lld, not Q5_0's and Q5_1's 32", name, (long long)w->group);
     if ((w->kind == LS_Q5K || w->kind == LS_Q4K) && w->group != 256)

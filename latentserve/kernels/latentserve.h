@@ -48,10 +48,11 @@ typedef enum {
  * INT8_LANES: the same in ls_int8_heads_lanes' layout; INT8_BLOCKS: w in `pack_int8`'s layout (linear layers);
  * INT4: w in `pack_int4`'s layout with its group size; Q6K: w in `pack_q6k`'s layout, group 16; Q50: w in
  * `pack_q50`'s layout, group 32; Q5K: w in `pack_q5k`'s layout, group 256; Q4K: w in `pack_q4k`'s layout, group
- * 256; Q51: w in `pack_q51`'s layout, group 32; Q2K: w in `pack_q2k`'s layout, group 16. */
+ * 256; Q51: w in `pack_q51`'s layout, group 32; Q2K: w in `pack_q2k`'s layout, group 16; Q3K: w in `pack_q3k`'s
+ * layout, group 16. */
 typedef enum {
     LS_DENSE = 0, LS_INT8 = 1, LS_INT4 = 2, LS_INT8_LANES = 3, LS_INT8_BLOCKS = 4, LS_Q6K = 5, LS_Q50 = 6, LS_Q5K = 7,
-    LS_Q4K = 8, LS_Q51 = 9, LS_Q2K = 10
+    LS_Q4K = 8, LS_Q51 = 9, LS_Q2K = 10, LS_Q3K = 11
 } ls_weight_kind;
 
 /* DeepSeek's rope layouts (layers/rotary.py): rotated pairs (2j, 2j + 1), interleaved pairs read as halves, halves. */
@@ -77,9 +78,9 @@ typedef struct {
 /* A set of experts of one shape and one format per projection: `experts` of them, intermediate size `inter`; per expert
  * two pointers in `weights`: gate_up `[2 * inter, K]` (gate's rows, then up's) and down `[K, inter]`. bits: gate_up's,
  * down's (32 fp32 rows, 16 bf16 rows, 8 `pack_int8`'s layout, 4 `pack_int4`'s with group size group, 6 `pack_q6k`'s
- * with group 16, 5 `pack_q50`'s with group 32 or `pack_q5k`'s with group 256, 4 with group 256 `pack_q4k`'s, 2
- * `pack_q2k`'s with group 16); mins: 1 where bits 5, group 32 is `pack_q51`'s (Q5_1: a minimum beside each d), else 0.
- */
+ * with group 16, 3 `pack_q3k`'s with group 16, 5 `pack_q50`'s with group 32 or `pack_q5k`'s with group 256, 4 with
+ * group 256 `pack_q4k`'s, 2 `pack_q2k`'s with group 16); mins: 1 where bits 5, group 32 is `pack_q51`'s (Q5_1: a
+ * minimum beside each d), else 0. */
 typedef struct {
     int64_t experts, inter;
     int32_t bits[2], mins[2];
@@ -142,6 +143,8 @@ LS_API int ls_int4_linear(const ls_tensor *x, const ls_tensor *packed, int64_t g
 LS_API int ls_q6k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* y [M, N] = x [M, K] times the uint8 weight in pack_q2k's layout [ceil(N / 16), K / 256 * 1408] (K % 256 == 0). */
 LS_API int ls_q2k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
+/* y [M, N] = x [M, K] times the uint8 weight in pack_q3k's layout [ceil(N / 16), K / 256 * 1856] (K % 256 == 0). */
+LS_API int ls_q3k_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* y [M, N] = x [M, K] times the uint8 weight in pack_q50's layout [ceil(N / 16), K / 32 * 352] (K % 64 == 0). */
 LS_API int ls_q50_linear(const ls_tensor *x, const ls_tensor *packed, const ls_tensor *y, int threads);
 /* y [M, N] = x [M, K] times the uint8 weight in pack_q51's layout [ceil(N / 16), K / 32 * 384] (K % 64 == 0). */

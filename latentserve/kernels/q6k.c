@@ -1,33 +1,37 @@
-/* llama.cpp's 16-column k-quants (`pack_q6k`, `pack_q2k`; quant_blocks.c and experts.c drive them): y[M, N] =
- * x[M, K] @ w[N, K]^T with the file's values exactly, K % 256 == 0:
+/* llama.cpp's 16-column k-quants (`pack_q6k`, `pack_q3k`, `pack_q2k`; quant_blocks.c and experts.c drive them): y[M,
+ * N] = x[M, K] @ w[N, K]^T with the file's values exactly, K % 256 == 0:
  * - Q6_K (Format (6, 16)): w = d * sc * (q - 32), per 256 columns an fp32 d an output (the file's fp16), per 16 columns
  *   an int8 sc, q in [0, 63].
+ * - Q3_K (Format (3, 16)): w = d * sc * (q - 4), Q6_K's with sc in [-32, 31] (the file's 6 bits less 32), q in [0, 7].
  * - Q2_K (Format (2, 16)): w = d * sc * q - dmin * m, per 256 columns fp32 d and dmin (the file's fp16), per 16
  *   columns a 4-bit sc and m, q in [0, 3].
  *
  * Why their own layouts and not int4's with more bits: int4 keeps a (scale, minimum) bf16 pair an output and group,
  * 2 bits a weight at groups of 16, so a Q6_K tensor would read 8 bits a weight, as many as int8 (and lose the file's
- * values to bf16). Here Q6_K reads 6.625 (the file 6.5625), and d * sc is exact in fp32 (11 by 8 bits); Q2_K reads
- * 2.75 (the file 2.625) where int8 per row read 8.06 and rounded the values again.
+ * values to bf16). Here Q6_K reads 6.625 (the file 6.5625), and d * sc is exact in fp32 (11 by 8 bits); Q3_K reads
+ * 3.625 (the file 3.4375; as Q6_K's values it read 6.625), Q2_K 2.75 (the file 2.625) where int8 per row read 8.06
+ * and rounded the values again.
  *
- * Layout: the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes; per 256 columns
- * (a super-block, Q6K_SUPER or Q2K_SUPER bytes) the 16 outputs' d (64 bytes of fp32; Q2_K: then their dmin), their
- * sub-scales (16 groups of 16 bytes, group-major: Q6_K's int8 sc, Q2_K's sc | m << 4), then per group of 16 columns
- * its q. Q6_K: three 64-byte units, unit u (u < 3) byte 4j + i = q[j, 4u + i] | 2 bits of q[j, 12 + i] << 6 (its bits
- * 2u, 2u + 1). Columns 0-11 come out with one AND a vector, 12-15 from the three units' top bits; as nibble planes
- * (int4's units and a plane of high bit pairs) the unpacking took 13 operations a group on AVX-512 (AVX2: 17 a half)
- * where this takes 9 (11), which bound the AVX2 build at one row. Q2_K: one 64-byte unit, byte 4j + i holding
- * q[j, 4r + i] at bits 2r, 2r + 1 (four shifts and ANDs). One 64-byte vector of q feeds all 16 outputs against 4
- * columns of x broadcast to every lane, as int4's.
- *
+ * Layout: the outputs in blocks of 16 (N padded with zero rows), each block one stream of bytes; per 256 columns (a
+ * super-block, Q6K_SUPER, Q3K_SUPER or Q2K_SUPER bytes) the 16 outputs' d (64 bytes of fp32; Q2_K: then their dmin),
+ * their sub-scales (16 groups of 16 bytes, group-major: Q6_K's and Q3_K's int8 sc, Q2_K's sc | m << 4), then per group
+ * of 16 columns its q. Q6_K: three 64-byte units, unit u (u < 3) byte 4j + i = q[j, 4u + i] | 2 bits of q[j, 12 + i] <<
+ * 6 (its bits 2u, 2u + 1). Columns 0-11 come out with one AND a vector, 12-15 from the three units' top bits; as nibble
+ * planes (int4's units and a plane of high bit pairs) the unpacking took 13 operations a group on AVX-512 (AVX2: 17 a
+ * half) where this takes 9 (11), which bound the AVX2 build at one row. Q2_K: one 64-byte unit, byte 4j + i holding
+ * q[j, 4r + i] at bits 2r, 2r + 1 (four shifts and ANDs). Q3_K: a 64-byte unit, byte 4j + i = q[j, i] | q[j, 4 + i] <<
+ * 3 | the low 2 bits of q[j, 8 + i] << 6, then 32 bytes of nibbles q[j, 12 + i] | the third bit of q[j, 8 + i] << 3,
+ * for position p = 4j + i in byte 16h + k's low nibble where p = 32h + k and its high one where p = 32h + 16 + k: each
+ * half of 8 outputs reads its 16 bytes and their shift as one vector (12 operations a group on AVX-512, AVX2 12 a
+ * half). One 64-byte vector of q feeds all 16 outputs against 4 columns of x broadcast to every lane, as int4's. *
  * The activations are int4's (int8 per 64 columns, quant_acts.c), with per 16 columns -centre * the sum of their
- * quantized x (`corr`, as int32; centre 32, Q2_K 2), Q2_K's each followed by the exact sum of x over the 16 columns: a
- * group's integer sum starts there, so that it is the sum of (q - centre) * xq with q as vpdpbusd's unsigned operand.
- * Per group the sum times d * sc goes into a row's float sum of its 64 columns (t), which is scaled by x's scale once
- * per 64 columns. Q2_K's t is the sum times sc alone, an integer below 2^24 and so exact in fp32 (amx_blocks.c sums it
- * in int32 on tiles, 64 columns at once: the same value), scaled by d times x's scale; after it the row's sum takes
- * each group's exact sum of x times centre * d * sc - dmin * m (q = (q - centre) + centre). Same operations in the same
- * order on every build: the same bits on AVX2, AVX-512 and AMX. */
+ * quantized x (`corr`, as int32; centre 32, Q3_K 4, Q2_K 2), Q2_K's each followed by the exact sum of x over the 16
+ * columns: a group's integer sum starts there, so that it is the sum of (q - centre) * xq with q as vpdpbusd's unsigned
+ * operand. Per group the sum times d * sc goes into a row's float sum of its 64 columns (t), which is scaled by x's
+ * scale once per 64 columns. Q2_K's t is the sum times sc alone, an integer below 2^24 and so exact in fp32
+ * (amx_blocks.c sums it in int32 on tiles, 64 columns at once: the same value), scaled by d times x's scale; after it
+ * the row's sum takes each group's exact sum of x times centre * d * sc - dmin * m (q = (q - centre) + centre). Same
+ * operations in the same order on every build: the same bits on AVX2, AVX-512 and AMX. */
 #include "q6k.h"
 
 /* Row i's integer start and (Q2_K) exact sum of x of the group at column c. */
@@ -98,6 +102,17 @@ INLINE void k_unpack(const uint8_t *p, KLayout l, int h, __m256i q[4]) {
         for (int r = 0; r < 4; r++) q[r] = _mm256_and_si256(_mm256_srli_epi16(a, 2 * r), _mm256_set1_epi8(0x03));
         return;
     }
+    if (l.bits == 3) {
+        const __m256i seven = _mm256_set1_epi8(0x07);
+        __m128i n = _mm_loadu_si128((const __m128i *)(p + 64 - 16 * h)); /* the half's 16 bytes of nibbles */
+        __m256i nib = _mm256_inserti128_si256(_mm256_castsi128_si256(n), _mm_srli_epi16(n, 4), 1);
+        q[0] = _mm256_and_si256(a, seven);
+        q[1] = _mm256_and_si256(_mm256_srli_epi16(a, 3), seven);
+        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 6), _mm256_set1_epi8(0x03)),
+                               _mm256_and_si256(_mm256_srli_epi16(nib, 1), _mm256_set1_epi8(0x04)));
+        q[3] = _mm256_and_si256(nib, seven);
+        return;
+    }
     const __m256i six = _mm256_set1_epi8(0x3f);
     __m256i b = _mm256_loadu_si256((const __m256i *)(p + 64)), c = _mm256_loadu_si256((const __m256i *)(p + 128));
     q[0] = _mm256_and_si256(a, six);
@@ -112,7 +127,7 @@ INLINE void k_unpack(const uint8_t *p, KLayout l, int h, __m256i q[4]) {
 INLINE __m256 k_scale(const uint8_t *sp, KLayout l, int g, int h, __m256 *minc) {
     const __m128i *sub = (const __m128i *)(sp + k_header(l) - 16 * Q6K_GROUPS + 16 * g + 8 * h);
     __m256 d = _mm256_loadu_ps((const float *)sp + 8 * h);
-    if (l.bits == 6) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sub))));
+    if (!k_mins(l)) return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sub))));
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(sub));
     __m256 sc = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
     __m256 m = _mm256_mul_ps(_mm256_loadu_ps((const float *)sp + 16 + 8 * h),
@@ -123,7 +138,7 @@ INLINE __m256 k_scale(const uint8_t *sp, KLayout l, int g, int h, __m256 *minc) 
 
 /* Half h of the AVX-512 k_span_scale. */
 INLINE __m256 k_span_scale(const uint8_t *sp, KLayout l, int h, float xs) {
-    return l.bits == 2 ? _mm256_mul_ps(_mm256_loadu_ps((const float *)sp + 8 * h), _mm256_set1_ps(xs))
+    return k_mins(l) ? _mm256_mul_ps(_mm256_loadu_ps((const float *)sp + 8 * h), _mm256_set1_ps(xs))
                        : _mm256_set1_ps(xs);
 }
 

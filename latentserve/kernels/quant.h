@@ -36,7 +36,7 @@ INLINE int64_t int8_row_bytes(int64_t K) {
 /* For int8 weights: q = round(x / s) + INT8_OFFSET per row (int8_row_bytes' layout), scale s one a row. For int4:
  * q = round(x / s) per XBLOCK columns, scales s one a block, and per group of G columns the corrections corr (see
  * int4.c). For Q6_K: int4's q and s, and in corr's room per 16 columns -32 * the sum of q, as int32 (q6k.c; Q2_K:
- * -2 * it, each followed by the exact sum of x over the 16 columns); for
+ * -2 * it, each followed by the exact sum of x over the 16 columns; Q3_K: -4 * it); for
  * Q5_0 the same per 32 columns with -16, and for Q5_K (Q4_K: -8) each followed by the exact sum of x over them
  * (q45.c). For dense weights: `rows`, the rows themselves, fp32, or bf16 (`bf16`) where the weights are and vdpbf16ps
  * takes both. */
@@ -50,8 +50,8 @@ typedef struct {
 /* The weight formats, all in blocks of 16 outputs, each block one stream of bytes read once and self-contained (its
  * scales inside): bits 32 or 16, dense fp32 or bf16 rows `[N, K]`, a block 16 consecutive rows (the last one N % 16
  * where 16 does not divide N); 8, `pack_int8`'s layout (qgemm.c); 4, `pack_int4`'s with K inputs in groups of G
- * (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 2 (group 16), `pack_q2k`'s: its Q2_K values
- * (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0 values
+ * (int4.c); 6 (group 16), `pack_q6k`'s: llama.cpp's Q6_K values (q6k.c); 3 (group 16), `pack_q3k`'s: its Q3_K values
+ * (q6k.c); 2 (group 16), `pack_q2k`'s: its Q2_K values (q6k.c); 5 (group 32), `pack_q50`'s: its Q5_0 values
  * (q45.c); 5 (group 32, mins), `pack_q51`'s: its Q5_1 values; 5 (group 256), `pack_q5k`'s: its Q5_K values; 4 (group
  * 256), `pack_q4k`'s: its Q4_K values (q45.c; int4's groups are at most 128). A driver (quant_blocks.c, experts.c)
  * needs of a format only these traits: the bytes of a block, how the activations are prepared for it, and the dot
@@ -81,8 +81,10 @@ QuantActs acts_row(Format f, QuantActs a, int64_t row, int64_t K);
 INLINE int64_t int4_block_bytes(int64_t K, int64_t G) { return K / G * (64 + 8 * G); }
 
 /* pack_q6k's bytes of 256 columns of a block (q6k.c): 16 fp32 d, 16 x 16 int8 sc, 16 groups of 192 bytes of q;
- * pack_q2k's: 16 fp32 d, 16 dmin, 16 x 16 bytes of sc | m << 4, 16 groups of 64 bytes of q. */
+ * pack_q3k's: the same with groups of 96 bytes; pack_q2k's: 16 fp32 d, 16 dmin, 16 x 16 bytes of sc | m << 4, 16
+ * groups of 64 bytes of q. */
 #define Q6K_SUPER (64 + 16 * 16 + 16 * 192)
+#define Q3K_SUPER (64 + 16 * 16 + 16 * 96)
 #define Q2K_SUPER (128 + 16 * 16 + 16 * 64)
 /* pack_q50's and pack_q5k's bytes of 32 columns of a block (q45.c): a 32-byte header (Q5_0: 16 fp16 d; Q5_K: 16 sc,
  * 16 m), 64 bytes of fifth bits, 4 units of 64 of nibbles; pack_q51's with a 64-byte header (16 fp16 d, 16 fp16 m);
@@ -100,6 +102,7 @@ INLINE Format weight_format(int32_t kind, int64_t group) {
                    : kind == LS_Q6K                                     ? 6
                    : kind == LS_Q50 || kind == LS_Q51 || kind == LS_Q5K ? 5
                    : kind == LS_Q2K                                     ? 2
+                   : kind == LS_Q3K                                     ? 3
                                                                         : 0;
     return (Format){bits, group, kind == LS_Q51};
 }
@@ -109,12 +112,12 @@ INLINE int q45(Format f) { return f.bits == 5 || (f.bits == 4 && f.group == 256)
 /* Whether q45.c's format f needs each group's exact sum of x beside its centre (a minimum a group: the k-quants',
  * Q5_1's). */
 INLINE int sums_x(Format f) { return f.group == 256 || f.mins; }
-/* Formats of q6k.c: Q6_K (6, 16), Q2_K (2, 16). */
-INLINE int kq16(Format f) { return f.bits == 6 || f.bits == 2; }
+/* Formats of q6k.c: Q6_K (6, 16), Q3_K (3, 16), Q2_K (2, 16). */
+INLINE int kq16(Format f) { return f.bits == 6 || f.bits == 3 || f.bits == 2; }
 
 INLINE int64_t block_bytes(Format f, int64_t K) {
     if (dense(f)) return 16 * K * (f.bits / 8);
-    if (kq16(f)) return K / 256 * (f.bits == 6 ? Q6K_SUPER : Q2K_SUPER);
+    if (kq16(f)) return K / 256 * (f.bits == 6 ? Q6K_SUPER : f.bits == 3 ? Q3K_SUPER : Q2K_SUPER);
     if (q45(f) && f.group == 32) return K / 32 * (f.mins ? Q51_GROUP : Q5_GROUP);
     if (q45(f)) return K / 256 * (f.bits == 5 ? Q5K_SUPER : Q4K_SUPER);
     return f.bits == 8 ? INT8_HEADER + 16 * K : int4_block_bytes(K, f.group);

@@ -98,9 +98,9 @@ static void int4_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t 
     }
 }
 
-/* x's rows for the Q6_K and Q5_0 kernels (q6k.c, q45.c): int4's quantization per XBLOCK columns, and per `span`
- * columns (Q6_K's 16, Q5_0's 32) -centre * the sum of the quantized x (centre: the weights' offset, 32 and 16), the
- * integer sums' start (int32, in corr's room). */
+/* x's rows for the Q6_K, Q3_K and Q5_0 kernels (q6k.c, q45.c): int4's quantization per XBLOCK columns, and per `span`
+ * columns (Q6_K's and Q3_K's 16, Q5_0's 32) -centre * the sum of the quantized x (centre: the weights' offset, 32, 4
+ * and 16), the integer sums' start (int32, in corr's room). */
 static void centred_prepare(const void *x, int bf16, int64_t M, int64_t K, int64_t span, int32_t centre, int8_t *xq,
                             float *xs, int32_t *cen) {
     quantize_blocks(x, bf16, M, K, XBLOCK, 0, xq, xs);
@@ -168,8 +168,8 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         for (int64_t i = 0; i < M * K; i++) ((float *)a.rows)[i] = load_act(x, bf16, i);
     else if (f.bits == 8)
         quantize_int8(x, bf16, M, K, a.q, a.s);
-    else if (f.bits == 6)
-        centred_prepare(x, bf16, M, K, 16, 32, a.q, a.s, (int32_t *)a.corr);
+    else if (f.bits == 6 || f.bits == 3)
+        centred_prepare(x, bf16, M, K, 16, f.bits == 6 ? 32 : 4, a.q, a.s, (int32_t *)a.corr);
     else if (f.bits == 2)
         kquant_prepare(x, bf16, M, K, 16, 2, a.q, a.s, a.corr);
     else if (q45(f) && sums_x(f))

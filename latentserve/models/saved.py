@@ -29,7 +29,7 @@ from latentserve.layers.quant.heads import Int8HeadProducts
 from latentserve.layers.quant.int4 import Int4Linear, Int4PackLinear, NativeInt4Linear, int4pack_block_n
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts
 from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ6KLinear
+from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ3KLinear, NativeQ6KLinear
 from latentserve.models.config import ModelConfig
 from latentserve.models.deepseek import DeepseekForCausalLM
 from latentserve.models.loader import empty_model, process_weights_after_loading
@@ -43,8 +43,8 @@ COPIED = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "chat_tem
           "generation_config.json")
 # The quantized layers, whose state is plain tensors and plain attributes.
 SAVABLE = {cls.__name__: cls for cls in (Int8Linear, IntMMInt8Linear, NativeInt8Linear, Int4Linear, Int4PackLinear,
-                                         NativeInt4Linear, NativeQ6KLinear, NativeQ2KLinear, NativeQ50Linear,
-                                         NativeQ51Linear, NativeQ5KLinear, NativeQ4KLinear)}
+                                         NativeInt4Linear, NativeQ6KLinear, NativeQ3KLinear, NativeQ2KLinear,
+                                         NativeQ50Linear, NativeQ51Linear, NativeQ5KLinear, NativeQ4KLinear)}
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
                        torch.int8: "I8", torch.uint8: "U8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
                        torch.bool: "BOOL"}

@@ -127,9 +127,9 @@ def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
     elif fault == "q_b inputs":
         block.q_b.kind, block.q_b.group = native.Q4K, 256  # Q4_K over the block's 32 inputs: not a multiple of 256
     elif fault == "kv_a group":
-        block.kv_a.kind, block.kv_a.group = native.Q2K, 32  # Q2_K's groups are 16 columns
+        block.kv_a.kind, block.kv_a.group = native.Q3K, 32  # Q3_K's groups are 16 columns
     elif fault == "kind":
-        block.o_proj.kind = native.Q2K + 1  # past the last kind
+        block.o_proj.kind = native.Q3K + 1  # past the last kind
     if fault is None:
         y, normed = _attend(block, x)
         assert torch.isfinite(y).all() and torch.isfinite(normed).all()
@@ -137,8 +137,8 @@ def test_the_attention_block_refuses_a_struct_that_lacks_what_it_reads(fault):
     wrong = {"post_norm": "norm weight", "kv_a_norm": "norm weight", "uk.w": "uk.w is NULL", "o_proj.scale":
              "o_proj: an int8 weight", "q_lora": "q_a.w is NULL|norm weight", "style": "style is 3",
              "x columns": "x must", "q_b inputs": "q_b: bits 4, group 256, mins 0 over 32 inputs",
-             "kv_a group": "kv_a.group is 32, not Q6_K's and Q2_K's 16",
-             "kind": f"o_proj.kind is {native.Q2K + 1}"}[fault]
+             "kv_a group": "kv_a.group is 32, not the 16 of Q6_K, Q3_K and Q2_K",
+             "kind": f"o_proj.kind is {native.Q3K + 1}"}[fault]
     with pytest.raises(ValueError, match=wrong):
         _attend(block, x)
 

@@ -1,8 +1,8 @@
-"""The avx512_amx build (kernels/amx.c, amx_blocks.c): its int8, int4, Q6_K, Q2_K, Q5_0, Q5_1, Q5_K and Q4_K products at
-many rows run on AMX tiles and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears and the
-experts, at row counts 16 does not divide, input widths 64 does not divide (int8), every int4 group size and 1 or 2
-threads; and the build is chosen only where the CPU has AMX, and refused with the reason where the tiles cannot be had.
-"""
+"""The avx512_amx build (kernels/amx.c, amx_blocks.c): its int8, int4, Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, Q5_K and Q4_K
+products at many rows run on AMX tiles and must equal the avx512_bf16 build's (vpdpbusd) to the bit, through the linears
+and the experts, at row counts 16 does not divide, input widths 64 does not divide (int8), every int4 group size and 1
+or 2 threads; and the build is chosen only where the CPU has AMX, and refused with the reason where the tiles cannot be
+had."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +23,7 @@ needs_amx = pytest.mark.skipif("avx512_amx" not in ISAS,
 ROWS = (16, 17, 31, 64, 256, 300)  # int8 runs on the tiles from 16 rows
 INT4_ROWS = (16, 17, 31, 32, 33, 300)  # int4 from 16 at groups of 64 and 128, from 32 at group 32
 # llama.cpp's formats kept as blocks: on the tiles from 32 rows
-FILE_FORMATS = ("Q6_K", "Q2_K", "Q5_0", "Q5_1", "Q5_K", "Q4_K")
+FILE_FORMATS = ("Q6_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1", "Q5_K", "Q4_K")
 FILE_ROWS = (31, 32, 47, 64, 300)  # their whole 16s on tiles, the rest on the vector kernel
 
 

@@ -1,6 +1,6 @@
-"""The kernels of llama.cpp's formats kept as their blocks (Q6_K, Q2_K: q6k.c; Q5_0, Q5_1, Q5_K, Q4_K: q45.c), each
-through its linear entry point on every build this machine runs: the exact product of the file's values where x's int8
-quantization is exact, any x within int8's error, the same bits on every build, and each row's result whatever the
+"""The kernels of llama.cpp's formats kept as their blocks (Q6_K, Q3_K, Q2_K: q6k.c; Q5_0, Q5_1, Q5_K, Q4_K: q45.c),
+each through its linear entry point on every build this machine runs: the exact product of the file's values where x's
+int8 quantization is exact, any x within int8's error, the same bits on every build, and each row's result whatever the
 thread count and the rows beside it; and the experts' driver reading them as the linear entry point does."""
 import ctypes
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ from latentserve.kernels import native
 from latentserve.layers.quant.int4 import quantize_int4
 from tests.kernels.builds import ISAS, kernels, needs_a_build
 from tests.kernels.test_q45 import q4k_values, q5k_values, q50_values, q51_values
-from tests.kernels.test_q6k import exact_x, q2k_values, q6k_values
+from tests.kernels.test_q6k import exact_x, q2k_values, q3k_values, q6k_values
 
 pytestmark = needs_a_build
 
@@ -28,6 +28,7 @@ class Blocks:
 
 
 FORMATS = {"Q6_K": Blocks(q6k_values, native.pack_q6k, native.q6k_linear, 256, native.Q6K_FORMAT),
+           "Q3_K": Blocks(q3k_values, native.pack_q3k, native.q3k_linear, 256, native.Q3K_FORMAT),
            "Q2_K": Blocks(q2k_values, native.pack_q2k, native.q2k_linear, 256, native.Q2K_FORMAT),
            "Q5_0": Blocks(q50_values, native.pack_q50, native.q50_linear, 64, native.Q50_FORMAT),
            "Q5_1": Blocks(q51_values, native.pack_q51, native.q51_linear, 64, native.Q51_FORMAT),
@@ -101,6 +102,20 @@ def test_every_build_gives_the_same_bits(file_type):
             assert torch.equal(f.linear(kernels(isa), x, packed, 70), want), (isa, m)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_q3k_gives_the_bits_of_its_values_as_q6k(isa):
+    """Q3_K's w = d * sc * (q - 4) is Q6_K's with q + 28: its own layout and unpacking, Q6_K's arithmetic, the same bits
+    at every row count (AMX tiles from 32 rows, read-ahead from 3, pairs of blocks at few)."""
+    g = torch.Generator().manual_seed(4)
+    (q, d, sc), _ = q3k_values(g, 70, 1024)
+    three, six = native.pack_q3k(q, d, sc), native.pack_q6k(q + 28, d, sc)
+    assert three.numel() / six.numel() == 3.625 / 6.625
+    for m in (1, 2, 3, 8, 40, 64):
+        x = torch.randn(m, 1024, generator=g)
+        got = native.q3k_linear(kernels(isa), x, three, 70)
+        assert torch.equal(got, native.q6k_linear(kernels(isa), x, six, 70)), m
+
+
 @pytest.mark.parametrize("file_type", FORMATS)
 def test_a_row_does_not_depend_on_the_thread_count_or_the_other_rows(file_type):
     f = FORMATS[file_type]
@@ -130,8 +145,9 @@ def _experts(g: torch.Generator, f: Blocks, own_gate_up: bool, hidden: int, inte
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q2_K", True), ("Q5_0", False), ("Q5_1", False),
-                                                   ("Q5_1", True), ("Q5_K", True), ("Q4_K", True)])
+@pytest.mark.parametrize("file_type, own_gate_up", [("Q6_K", False), ("Q3_K", False), ("Q3_K", True), ("Q2_K", True),
+                                                   ("Q5_0", False), ("Q5_1", False), ("Q5_1", True), ("Q5_K", True),
+                                                   ("Q4_K", True)])
 @pytest.mark.parametrize("tokens", [1, 3, 40])
 def test_experts_read_the_format_as_the_linear_kernel(isa, file_type, own_gate_up, tokens):
     """A quantized file's MoE: the down projections in the format (Q5_0 over V2's 1408-wide rows, not a multiple of 256)

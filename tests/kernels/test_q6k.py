@@ -1,5 +1,6 @@
-"""kernels/q6k.c, llama.cpp's Q6_K values (w = d * sc * (q - 32)) in `pack_q6k`'s layout and Q2_K values (w = d * sc
-* q - dmin * m) in `pack_q2k`'s: the test's values (Q2_K's against gguf's own dequantization), and what their packing
+"""kernels/q6k.c, llama.cpp's Q6_K values (w = d * sc * (q - 32)) in `pack_q6k`'s layout, Q3_K values (w = d * sc *
+(q - 4)) in `pack_q3k`'s and Q2_K values (w = d * sc * q - dmin * m) in `pack_q2k`'s: the test's values (Q3_K's and
+Q2_K's against gguf's own dequantization), Q3_K's kernel against Q6_K's on the same values, and what their packing
 refuses (the kernel against float64 on every build, its wrappers' checks and the experts' driver reading them:
 test_file_blocks.py)."""
 
@@ -75,3 +76,46 @@ def test_pack_q2k_refuses_what_is_not_q2k():
         native.pack_q2k(q.clone().fill_(4), d, dmin, sc, m)
     with pytest.raises(ValueError, match=r"pack_q2k: m holds 16, past Q2_K's 15"):
         native.pack_q2k(q, d, dmin, sc, m.clone().fill_(16))
+
+
+def q3k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, d, sc) as a Q3_K file holds them, sc less 32, the fp32 weight they stand for, as gguf dequantizes it)."""
+    q = torch.randint(0, 8, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 256, generator=g) * 1e-2).half().float()  # the file's fp16 d
+    sc = torch.randint(-32, 32, (n, k // 16), dtype=torch.int8, generator=g)
+    scale = d.repeat_interleave(16, dim=1) * sc.float()  # exact in fp32
+    return (q, d, sc), scale.repeat_interleave(16, dim=1) * (q.float() - 4)
+
+
+def q3k_blocks(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> np.ndarray:
+    """Q3_K rows as a GGUF holds them: per 256 values 32 bytes of third bits (bit j of byte i: value 32j + i's), 64
+    bytes of low bit pairs (each half of 128: bits 2j, 2j + 1 of byte i hold value 32j + i's), 12 bytes of 6-bit
+    scales sc + 32 (groups 0-7's low 4 bits in bytes 0-7's low nibbles, 8-15's in their high ones, the top 2 bits of
+    group g in bits 2 (g // 4), + 1 of byte 8 + g % 4), fp16 d."""
+    n, k = q.shape
+    q = q.view(n, k // 256, 256).numpy().astype(np.uint8)
+    third = ((q >> 2).reshape(n, -1, 8, 32) << np.arange(8, dtype=np.uint8).reshape(8, 1)).sum(axis=2, dtype=np.uint8)
+    pairs = (q & 3).reshape(n, -1, 2, 4, 32) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    low = pairs.sum(axis=3, dtype=np.uint8).reshape(n, -1, 64)
+    six = (sc.numpy().astype(np.int16) + 32).astype(np.uint8).reshape(n, -1, 16)
+    nibbles = (six[..., :8] & 15) | ((six[..., 8:] & 15) << 4)
+    tops = ((six >> 4).reshape(n, -1, 4, 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)).sum(
+        axis=2, dtype=np.uint8)
+    head = d.half().numpy().reshape(n, -1, 1).view(np.uint8)
+    return np.concatenate([third, low, nibbles, tops, head], axis=-1).reshape(n, -1)
+
+
+def test_the_test_values_are_ggufs_q3_k():
+    values, w = q3k_values(torch.Generator().manual_seed(0), 8, 512)
+    got = torch.from_numpy(dequantize(q3k_blocks(*values), GGMLQuantizationType.Q3_K))
+    assert torch.equal(got, w)
+
+
+def test_pack_q3k_refuses_what_is_not_q3k():
+    q, d, sc = q3k_values(torch.Generator().manual_seed(0), 16, 256)[0]
+    with pytest.raises(ValueError, match=r"pack_q3k takes uint8 q \[N, K\] with K % 256 == 0"):
+        native.pack_q3k(q[:, :128], d, sc[:, :8])
+    with pytest.raises(ValueError, match=r"pack_q3k: q holds 8, past Q3_K's 7"):
+        native.pack_q3k(q.clone().fill_(8), d, sc)
+    with pytest.raises(ValueError, match=r"pack_q3k: sc holds -33 .. 31, past Q3_K's -32 .. 31"):
+        native.pack_q3k(q, d, sc.clone().clamp_(-32, 31).index_fill_(1, torch.tensor([0]), -33))

@@ -45,7 +45,7 @@ def _product(fmt: str, g: torch.Generator, n: int, width: int):
 
 @needs_a_build
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", ["int8", "int4", "Q6_K", "Q2_K", "Q5_0", "Q5_1", "Q5_K", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "Q6_K", "Q3_K", "Q2_K", "Q5_0", "Q5_1", "Q5_K", "Q4_K"])
 def test_every_read_ahead_gives_the_same_bits(isa, fmt, set_read_ahead):
     k = kernels(isa)
     g = torch.Generator().manual_seed(len(fmt))

@@ -72,7 +72,8 @@ CASES = {
         packed = torch.zeros(1, {width}, dtype=torch.uint8)
         x, y = torch.randn(1, 256), torch.empty(1, 128)
         lib.ls_{fmt}_linear(d(x), lie(packed, 8, {width}), d(y), 1)
-    """ for fmt, width in (("q6k", 3392), ("q2k", 1408), ("q50", 2816), ("q51", 3072), ("q5k", 2944), ("q4k", 2432))},
+    """ for fmt, width in (("q6k", 3392), ("q3k", 1856), ("q2k", 1408), ("q50", 2816), ("q51", 3072), ("q5k", 2944),
+                           ("q4k", 2432))},
     # experts whose table says them wider than their weights: reads past gate_up's end.
     "experts": """
         w13, w2 = torch.randn(1, 16, 16), torch.randn(1, 16, 8)

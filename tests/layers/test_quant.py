@@ -29,12 +29,12 @@ from latentserve.layers.quant.int4 import (
 )
 from latentserve.layers.quant.int8 import Int8Linear, IntMMInt8Linear, NativeInt8Linear, quantize_int8, quantize_rows
 from latentserve.layers.quant.linear import blocks_kernel, quantize_linear
-from latentserve.layers.quant.prequantized import Q2KWeight, Q4KWeight, Q50Weight
+from latentserve.layers.quant.prequantized import Q2KWeight, Q3KWeight, Q4KWeight, Q6KWeight, Q50Weight
 from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ6KLinear
+from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ3KLinear, NativeQ6KLinear
 from latentserve.kernels.native import NATIVE_ENV, native_kernels
-from latentserve.models.formats.gguf_weights import (q2k_weight, q4k_weight, q5k_weight, q6k_weight, q50_weight,
-                                                     q51_weight)
+from latentserve.models.formats.gguf_weights import (q2k_weight, q3k_weight, q4k_weight, q5k_weight, q6k_weight,
+                                                     q50_weight, q51_weight)
 from tests.models.gguf_checkpoint import k_quant_blocks
 
 FP8 = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
@@ -288,20 +288,43 @@ def test_a_gguf_q6k_weight_runs_latentserves_q6k_kernel_or_int8_per_row(monkeypa
     assert isinstance(head, NativeQ6KLinear) and head(x.bfloat16()).dtype == torch.float32
 
 
-def test_a_gguf_q2k_weight_runs_latentserves_q2k_kernel_or_int8_per_row(monkeypatch):
-    """Q2_K's blocks as they are where latentserve's kernels run and the inputs are a multiple of 256; elsewhere its
-    values quantized to int8 per row."""
+# The 16-column k-quants beside Q6_K: the unpacking, the weight's type, its layer.
+SIXTEEN_COLUMN = {"Q2_K": (q2k_weight, Q2KWeight, NativeQ2KLinear), "Q3_K": (q3k_weight, Q3KWeight, NativeQ3KLinear)}
+
+
+@pytest.mark.parametrize("file_type", SIXTEEN_COLUMN)
+def test_a_gguf_q2k_or_q3k_weight_runs_its_kernel_or_int8_per_row(monkeypatch, file_type):
+    """Q2_K's and Q3_K's blocks as they are where latentserve's kernels run and the inputs are a multiple of 256;
+    elsewhere their values quantized to int8 per row."""
     monkeypatch.delenv(NATIVE_ENV, raising=False)
-    weight = q2k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q2_K, np.random.default_rng(0)))
+    unpack, kind, layer_type = SIXTEEN_COLUMN[file_type]
+    weight = unpack(k_quant_blocks((48, 512), GGMLQuantizationType[file_type], np.random.default_rng(0)))
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     expected = x @ weight.dequantize().t()
     layer = quantize_linear("l", weight, None, QuantConfig("int4", 32), "cpu", _policy(cpu_features(), kernels=False))
     assert isinstance(layer, IntMMInt8Linear) and torch.equal(layer.scale, quantize_int8(weight.dequantize())[1])
-    here = _runs_on_the_kernels(weight, NativeQ2KLinear, x, expected)
+    here = _runs_on_the_kernels(weight, layer_type, x, expected)
     if here is None:
         return
-    choice = blocks_kernel(Q2KWeight, here, torch.device("cpu"), 128)
-    assert choice.reason.startswith("latentserve's kernels: 128 inputs, latentserve's Q2_K kernel needs a multiple")
+    choice = blocks_kernel(kind, here, torch.device("cpu"), 128)
+    assert choice.reason.startswith(f"latentserve's kernels: 128 inputs, latentserve's {file_type} kernel needs a "
+                                    "multiple")
+
+
+@pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
+def test_a_q3k_layer_gives_the_bits_its_values_gave_as_q6k(monkeypatch):
+    """Q3_K's own kernel reads 3.625 bits a weight where its values as Q6_K's (q + 28, the same d and sc) read 6.625:
+    the same arithmetic, so the same bits, at one row, a few and many."""
+    monkeypatch.delenv(NATIVE_ENV, raising=False)
+    weight = q3k_weight(k_quant_blocks((48, 512), GGMLQuantizationType.Q3_K, np.random.default_rng(0)))
+    here = _policy(cpu_features())
+    q3k, q6k = (quantize_linear("l", w, None, QuantConfig("int8"), "cpu", here)
+                for w in (weight, Q6KWeight(weight.q + 28, weight.d, weight.sc)))
+    assert type(q3k) is NativeQ3KLinear and type(q6k) is NativeQ6KLinear
+    assert q3k.packed.numel() * 6625 == q6k.packed.numel() * 3625
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(q3k(x), q6k(x)), rows
 
 
 def test_gguf_5_bit_weights_run_latentserves_kernels_or_int8_per_row(monkeypatch):

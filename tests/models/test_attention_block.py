@@ -148,10 +148,10 @@ def test_a_replaced_weight_rebuilds_the_block(tmp_path, monkeypatch, quantizatio
 
 @pytest.mark.skipif(default_policy().kernels is None, reason="latentserve's kernels do not build here")
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("file_type", ["Q6_K", "Q5_0", "Q5_K", "Q4_K"])
+@pytest.mark.parametrize("file_type", ["Q6_K", "Q3_K", "Q5_0", "Q5_K", "Q4_K"])
 def test_file_block_projections_run_in_the_block_as_the_modules(tmp_path, monkeypatch, threads, file_type):
-    """A GGUF whose attention projections are Q6_K, Q5_0, Q5_K or Q4_K (inputs of 256: the k-quants' super-blocks): the
-    block reads them in their `pack_*` layout and equals the modules (the block takes the steps
+    """A GGUF whose attention projections are Q6_K, Q3_K, Q5_0, Q5_K or Q4_K (inputs of 256: the k-quants'
+    super-blocks): the block reads them in their `pack_*` layout and equals the modules (the block takes the steps
     of 1 and 2 tokens: its dense per-head products' limit)."""
     from gguf import GGMLQuantizationType as T
 

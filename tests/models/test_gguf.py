@@ -25,10 +25,10 @@ from latentserve.layers.quant.config import QuantConfig
 from latentserve.layers.quant.int4 import Int4Linear
 from latentserve.layers.quant.int8 import Int8Linear, quantize_int8
 from latentserve.layers.quant.linear import FILE_BLOCKS
-from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q2KWeight, Q4KWeight, Q5KWeight, Q6KWeight,
-                                                   Q50Weight, Q51Weight, QuantizedWeight, concat)
+from latentserve.layers.quant.prequantized import (Int4Weight, Int8Weight, Q2KWeight, Q3KWeight, Q4KWeight, Q5KWeight,
+                                                   Q6KWeight, Q50Weight, Q51Weight, QuantizedWeight, concat)
 from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ6KLinear
+from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ3KLinear, NativeQ6KLinear
 from latentserve.models import load_model
 from latentserve.models.config import ModelConfig
 from latentserve.models.formats import model_folder
@@ -160,14 +160,14 @@ KEPT = {"Q6_K": (T.Q6_K, lambda shape, gen: k_quant_blocks(shape, T.Q6_K, gen), 
         "Q5_1": (T.Q5_1, _gguf_quantized(T.Q5_1), gguf_weights.q51_weight, 5, 1408),
         "Q5_K": (T.Q5_K, lambda shape, gen: k_quant_blocks(shape, T.Q5_K, gen), gguf_weights.q5k_weight, 5, 1024),
         "Q4_K": (T.Q4_K, lambda shape, gen: k_quant_blocks(shape, T.Q4_K, gen), gguf_weights.q4k_weight, 4, 1024),
-        "Q3_K": (T.Q3_K, lambda shape, gen: k_quant_blocks(shape, T.Q3_K, gen), gguf_weights.q3k_weight, 6, 1024),
+        "Q3_K": (T.Q3_K, lambda shape, gen: k_quant_blocks(shape, T.Q3_K, gen), gguf_weights.q3k_weight, 3, 1024),
         "Q2_K": (T.Q2_K, lambda shape, gen: k_quant_blocks(shape, T.Q2_K, gen), gguf_weights.q2k_weight, 2, 1024)}
 
 
 @pytest.mark.parametrize("file_type", KEPT)
 def test_kept_blocks_unpack_to_ggufs_dequantization(monkeypatch, file_type):
-    """Q6_K's, Q5_0's, Q5_1's, Q5_K's, Q4_K's, Q2_K's and Q3_K's (as Q6_K's) unpacked values give gguf's values to the
-    bit, unpacked a few rows at a time or all at once; gate and up joined stay exact; without latentserve's kernel the
+    """Q6_K's, Q5_0's, Q5_1's, Q5_K's, Q4_K's, Q3_K's and Q2_K's unpacked values give gguf's values to the bit,
+    unpacked a few rows at a time or all at once; gate and up joined stay exact; without latentserve's kernel the
     weight is int8 per row, as gguf's values quantized (Q4_K: int4's groups of its values, exactly)."""
     kind, blocks, unpack, bits, width = KEPT[file_type]
     gen = np.random.default_rng(0)
@@ -201,8 +201,8 @@ def _held(weight: QuantizedWeight, native: bool) -> torch.Tensor:
 
 
 def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog):
-    """Q4_0 / Q4_1 weights become int4, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K and Q2_K ones their blocks (Q3_K Q6_K's), exactly
-    gguf's dequantized values; Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs those
+    """Q4_0 / Q4_1 weights become int4, Q4_K, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K and Q2_K ones their blocks, exactly gguf's
+    dequantized values; Q8_0 ones are dequantized by gguf and quantized to int8 per row; the model runs those
     weights as transformers does (the kept blocks as int8 per row, without latentserve's kernels)."""
     monkeypatch.setattr(gguf_weights, "_CHUNK_BYTES", 1000)  # big tensors are dequantized a few rows at a time
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
@@ -233,9 +233,9 @@ def test_quantized_gguf_loads_gguf_dequantization(tmp_path, monkeypatch, caplog)
                            ("model.layers.1.mlp.experts.3.gate_proj.weight", experts[3]),
                            ("model.layers.0.mlp.up_proj.weight", values["blk.0.ffn_up.weight"])]:
         kind = (Q2KWeight if "layers.0.mlp" in name else Q4KWeight if "q_a_proj" in name or "gate_proj" in name
-                else Q50Weight if ".experts." in name
+                else Q50Weight if ".experts." in name else Q3KWeight if "kv_a_proj" in name
                 else Q5KWeight if "q_b_proj" in name else Q51Weight if "shared_experts" in name else Q6KWeight)
-        assert isinstance(read[name], kind), name
+        assert type(read[name]) is kind, name
         assert torch.equal(read[name].dequantize(), torch.from_numpy(expected)), name
     q, scale = quantize_int8(torch.from_numpy(values["blk.0.ffn_down.weight"]))
     weight = read["model.layers.0.mlp.down_proj.weight"]
@@ -299,8 +299,8 @@ def test_gguf_errors_name_what_is_wrong(tmp_path):
 
 
 def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
-    """The kept blocks (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K, Q2_K) through latentserve's kernels for them where they build
-    (int8 activations), int4pack_mm and int8 per row elsewhere: close to the exact weights."""
+    """The kept blocks (Q4_K, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K) through latentserve's kernels for them where they
+    build (int8 activations), int4pack_mm and int8 per row elsewhere: close to the exact weights."""
     src = make_checkpoint(tmp_path, "v3", **SHAPES)
     path = tmp_path / "model.gguf"
     write_gguf(src, path, _kind)
@@ -323,6 +323,7 @@ def test_quantized_gguf_with_this_cpus_kernels_stays_close(tmp_path):
         assert isinstance(model.model.layers[1].self_attn.q_b_proj, NativeQ5KLinear)
         assert isinstance(model.model.layers[1].self_attn.q_a_proj, NativeQ4KLinear)
         assert isinstance(model.model.layers[0].mlp.gate_up_proj, NativeQ2KLinear)
+        assert all(isinstance(layer.self_attn.kv_a_proj_with_mqa, NativeQ3KLinear) for layer in model.model.layers)
         assert model.lm_head.out_dtype == torch.float32  # the logits stay fp32
         # Q4_K gate and up beside Q5_0 down, the shared Q4_1 (int4) beside Q5_1: still the one-call block
         built, _ = build_moe_block(moe, torch.float32)

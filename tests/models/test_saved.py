@@ -193,12 +193,12 @@ def test_saving_needs_a_quantized_model(checkpoint, tmp_path):
 
 @pytest.mark.skipif(quant_linear.default_policy().kernels is None, reason="latentserve's kernels do not build here")
 def test_a_gguf_s_kept_blocks_save_and_run_bit_identically(tmp_path, monkeypatch):
-    """A GGUF whose layers latentserve runs in the file's blocks (Q6_K, Q2_K, Q5_0, Q5_1, Q5_K, Q4_K) saves them as
-    packed and runs the saved model as the file loaded."""
+    """A GGUF whose layers latentserve runs in the file's blocks (Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, Q5_K, Q4_K) saves them
+    as packed and runs the saved model as the file loaded."""
     from gguf import GGMLQuantizationType as T
 
     from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-    from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ6KLinear
+    from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ3KLinear, NativeQ6KLinear
     from latentserve.models.formats import gguf as gguf_format
     from tests.models.gguf_checkpoint import write_gguf
 
@@ -206,7 +206,7 @@ def test_a_gguf_s_kept_blocks_save_and_run_bit_identically(tmp_path, monkeypatch
     src = make_checkpoint(tmp_path, "v3", hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
                           q_lora_rank=256)
     kinds = {"attn_q_b.": T.Q5_K, "ffn_down_exps": T.Q5_0, "ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K,
-             "ffn_down_shexp": T.Q5_1, "ffn_gate.": T.Q2_K, "ffn_up.": T.Q2_K}
+             "ffn_down_shexp": T.Q5_1, "ffn_gate.": T.Q2_K, "ffn_up.": T.Q2_K, "attn_kv_a_mqa": T.Q3_K}
     write_gguf(src, tmp_path / "model.gguf", lambda name, t: T.Q6_K if name == "output.weight" else next(
         (k for p, k in kinds.items() if p in name), T.F32))
     llm = LLM(tmp_path / "model.gguf", dtype="float32", **ENGINE)
@@ -216,6 +216,7 @@ def test_a_gguf_s_kept_blocks_save_and_run_bit_identically(tmp_path, monkeypatch
             type(layer.mlp.experts[0].gate_up_proj), type(layer.mlp.shared_experts.down_proj)) == (
         NativeQ5KLinear, NativeQ6KLinear, NativeQ50Linear, NativeQ4KLinear, NativeQ51Linear)
     assert type(model.model.layers[0].mlp.gate_up_proj) is NativeQ2KLinear
+    assert type(layer.self_attn.kv_a_proj_with_mqa) is NativeQ3KLinear
     expected = outputs(llm)
     path = llm.save_quantized(tmp_path / "saved")
     forbid_quantizing(monkeypatch)

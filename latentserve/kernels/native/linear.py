@@ -10,8 +10,8 @@ from latentserve.kernels.abi import desc
 from latentserve.kernels.build import NativeKernels
 from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import F32, I8, I32, KERNEL_DTYPES, call, refused, written_dtype
-from latentserve.kernels.native.packing import (check_int4, check_int8, check_q2k, check_q4k, check_q5k, check_q6k,
-                                                check_q50, check_q51)
+from latentserve.kernels.native.packing import (check_int4, check_int8, check_q2k, check_q3k, check_q4k, check_q5k,
+                                                check_q6k, check_q50, check_q51)
 
 
 def _packed_linear(kernels: NativeKernels, fn: str, x: torch.Tensor, check, out_features: int,
@@ -119,6 +119,7 @@ def _file_blocks(fn: str, check: Callable[[str, str, torch.Tensor, int, int], No
 
 q6k_linear = _file_blocks("q6k_linear", check_q6k, "pack_q6k")  # Q6_K
 q2k_linear = _file_blocks("q2k_linear", check_q2k, "pack_q2k")  # Q2_K
+q3k_linear = _file_blocks("q3k_linear", check_q3k, "pack_q3k")  # Q3_K
 q50_linear = _file_blocks("q50_linear", check_q50, "pack_q50")  # Q5_0
 q51_linear = _file_blocks("q51_linear", check_q51, "pack_q51")  # Q5_1
 q5k_linear = _file_blocks("q5k_linear", check_q5k, "pack_q5k")  # Q5_K

@@ -12,9 +12,9 @@ from latentserve.kernels.abi import ExpertTable, MoEBlock, desc
 from latentserve.kernels.build import NativeKernels
 from latentserve.kernels.checks import tensor
 from latentserve.kernels.native.calls import F32, I64, KERNEL_DTYPES, block_dtype, call, refused
-from latentserve.kernels.native.packing import (Q2K_FORMAT, Q4K_FORMAT, Q5K_FORMAT, Q6K_FORMAT, Q50_FORMAT,
-                                                Q51_FORMAT, check_int4, check_int8, check_q2k, check_q4k, check_q5k,
-                                                check_q6k, check_q50, check_q51)
+from latentserve.kernels.native.packing import (Q2K_FORMAT, Q3K_FORMAT, Q4K_FORMAT, Q5K_FORMAT, Q6K_FORMAT,
+                                                Q50_FORMAT, Q51_FORMAT, check_int4, check_int8, check_q2k, check_q3k,
+                                                check_q4k, check_q5k, check_q6k, check_q50, check_q51)
 
 
 def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, groups: int, topk_groups: int,
@@ -41,14 +41,14 @@ def route(kernels: NativeKernels, logits: torch.Tensor, k: int, sigmoid: bool, g
     return weights, ids
 
 
-# A weight's format as the experts read it: (32, 0) fp32 rows, (16, 0) bf16 rows, (8, 0) `pack_int8`'s layout,
-# (4, group size) `pack_int4`'s, (6, 16) `pack_q6k`'s, (2, 16) `pack_q2k`'s, (5, 32) `pack_q50`'s, (5, 32, 1)
-# `pack_q51`'s, (5, 256) `pack_q5k`'s, (4, 256) `pack_q4k`'s (int4's groups are at most 128): (bits, group[, mins]),
+# A weight's format as the experts read it: (32, 0) fp32 rows, (16, 0) bf16 rows, (8, 0) `pack_int8`'s layout, (4, group
+# size) `pack_int4`'s, (6, 16) `pack_q6k`'s, (3, 16) `pack_q3k`'s, (2, 16) `pack_q2k`'s, (5, 32) `pack_q50`'s, (5, 32,
+# 1) `pack_q51`'s, (5, 256) `pack_q5k`'s, (4, 256) `pack_q4k`'s (int4's groups are at most 128): (bits, group[, mins]),
 # mins 0 where left out.
 Format = tuple[int, ...]
 # The GGUF block formats and what checks a weight of each (`packing.py`).
 FILE_FORMATS = {Q6K_FORMAT: check_q6k, Q50_FORMAT: check_q50, Q51_FORMAT: check_q51, Q5K_FORMAT: check_q5k,
-                Q4K_FORMAT: check_q4k, Q2K_FORMAT: check_q2k}
+                Q4K_FORMAT: check_q4k, Q2K_FORMAT: check_q2k, Q3K_FORMAT: check_q3k}
 DENSE_FORMATS = {torch.float32: (32, 0), torch.bfloat16: (16, 0)}
 
 

@@ -1,6 +1,6 @@
 """The quantized weights' layouts the kernels read, blocks of 16 outputs: `pack_int8`'s (qgemm.c), `pack_int4`'s
-(int4.c), `pack_q6k`'s and `pack_q2k`'s (q6k.c), `pack_q50`'s, `pack_q5k`'s and `pack_q4k`'s (q45.c), and the checks
-that a packed weight has the shape its layout gives it."""
+(int4.c), `pack_q6k`'s, `pack_q3k`'s and `pack_q2k`'s (q6k.c), `pack_q50`'s, `pack_q5k`'s and `pack_q4k`'s (q45.c), and
+the checks that a packed weight has the shape its layout gives it."""
 from __future__ import annotations
 
 import torch
@@ -84,37 +84,79 @@ Q6K_SUPER = 64 + 16 * 16 + 16 * 192  # bytes of 256 columns of a `pack_q6k` bloc
 Q6K_FORMAT = (6, 16)  # the experts' format tuple (bits, group) of `pack_q6k`'s layout
 
 
+def _q6k_heads(fn: str, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, q_top: int, sc_range: tuple[int, int],
+               file_type: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(blocks, super-blocks, per block and super-block the 64 bytes of d and the 256 of sc (group-major)) of values
+    w = d * sc * (q - centre) as `fn` takes them (q in [0, q_top], sc in sc_range), or a ValueError naming what it
+    got; q, d and sc padded with zero rows to whole blocks of 16."""
+    n, k = q.shape
+    if (q.dtype != torch.uint8 or k % 256 or d.dtype != torch.float32 or d.shape != (n, k // 256)
+            or sc.dtype != torch.int8 or sc.shape != (n, k // 16)):
+        raise ValueError(f"{fn} takes uint8 q [N, K] with K % 256 == 0, fp32 d [N, K / 256] and int8 sc "
+                         f"[N, K / 16], not {q.dtype} {tuple(q.shape)}, {d.dtype} {tuple(d.shape)}, {sc.dtype} "
+                         f"{tuple(sc.shape)}")
+    if q.numel() and int(q.max()) > q_top:
+        raise ValueError(f"{fn}: q holds {int(q.max())}, past {file_type}'s {q_top}")
+    if sc.numel() and not sc_range[0] <= int(sc.min()) <= int(sc.max()) <= sc_range[1]:
+        raise ValueError(f"{fn}: sc holds {int(sc.min())} .. {int(sc.max())}, past {file_type}'s "
+                         f"{sc_range[0]} .. {sc_range[1]}")
+    pad = -n % Q6K_BLOCK
+    blocks, supers = (n + pad) // Q6K_BLOCK, k // 256
+    d, sc = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (d, sc))
+    d = d.contiguous().view(blocks, Q6K_BLOCK, supers).transpose(1, 2).contiguous().view(torch.uint8)
+    sc = sc.view(blocks, Q6K_BLOCK, supers, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+    return blocks, supers, d.view(blocks, supers, 64), sc.view(blocks, supers, 256)
+
+
 def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
     """uint8 `[ceil(N / 16), K / 256 * 3392]` from llama.cpp's Q6_K values w = d * sc * (q - 32): q `[N, K]` in
     [0, 63] (K a multiple of 256), fp32 `d` `[N, K / 256]`, int8 `sc` `[N, K / 16]`. The outputs in blocks of 16 (zero
     rows pad the last), each block per 256 columns the 16 d, the 16 x 16 sc (group-major), then per 16 columns three
     64-byte units, byte 4j + i of unit u output j's column 4u + i in its low 6 bits and bits 2u, 2u + 1 of its
     column 12 + i in the top 2 (q6k.c)."""
-    n, k = q.shape
-    if (q.dtype != torch.uint8 or k % 256 or d.dtype != torch.float32 or d.shape != (n, k // 256)
-            or sc.dtype != torch.int8 or sc.shape != (n, k // 16)):
-        raise ValueError(f"pack_q6k takes uint8 q [N, K] with K % 256 == 0, fp32 d [N, K / 256] and int8 sc "
-                         f"[N, K / 16], not {q.dtype} {tuple(q.shape)}, {d.dtype} {tuple(d.shape)}, {sc.dtype} "
-                         f"{tuple(sc.shape)}")
-    if q.numel() and int(q.max()) > 63:
-        raise ValueError(f"pack_q6k: q holds {int(q.max())}, past Q6_K's 63")
-    pad = -n % Q6K_BLOCK
-    q, d, sc = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, sc))
-    blocks, supers = (n + pad) // Q6K_BLOCK, k // 256
+    blocks, supers, d, sc = _q6k_heads("pack_q6k", q, d, sc, 63, (-128, 127), "Q6_K")
+    q = torch.nn.functional.pad(q, (0, 0, 0, -q.shape[0] % Q6K_BLOCK))
     # [block, output, super-block, group, quarter of the group, column]
     q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)
     last = q[..., 3, :]
     units = torch.stack([q[..., 0, :] | ((last & 3) << 6), q[..., 1, :] | (((last >> 2) & 3) << 6),
                          q[..., 2, :] | ((last >> 4) << 6)], dim=4)  # [block, output, super-block, group, unit, column]
     units = units.permute(0, 2, 3, 4, 1, 5).reshape(blocks, supers, 16 * 192)
-    d = d.contiguous().view(blocks, Q6K_BLOCK, supers).transpose(1, 2).contiguous().view(torch.uint8)
-    sc = sc.view(blocks, Q6K_BLOCK, supers, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-    return torch.cat([d.view(blocks, supers, 64), sc.view(blocks, supers, 256), units], dim=2).view(blocks, -1)
+    return torch.cat([d, sc, units], dim=2).view(blocks, -1)
 
 
 def check_q6k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
     """A weight in `pack_q6k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
     _check_kquant(fn, name, packed, n, k, "Q6_K", Q6K_SUPER)
+
+
+Q3K_SUPER = 64 + 16 * 16 + 16 * 96  # bytes of 256 columns of a `pack_q3k` block
+Q3K_FORMAT = (3, 16)  # the experts' format tuple (bits, group) of `pack_q3k`'s layout
+
+
+def pack_q3k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """uint8 `[ceil(N / 16), K / 256 * 1856]` from llama.cpp's Q3_K values w = d * sc * (q - 4): q `[N, K]` in [0, 7]
+    (K a multiple of 256), fp32 `d` `[N, K / 256]`, int8 `sc` `[N, K / 16]` in [-32, 31] (the file's 6-bit scale less
+    32). As `pack_q6k`'s, per 256 columns the 16 d and the 16 x 16 sc, then per 16 columns 96 bytes: a 64-byte unit
+    whose byte 4j + i holds output j's columns i, 4 + i (3 bits each) and the low 2 bits of 8 + i, then 32 bytes of
+    nibbles, column 12 + i and the third bit of 8 + i, for position p = 4j + i in byte 16h + k's low nibble where p =
+    32h + k and its high nibble where p = 32h + 16 + k, so that each half of 8 outputs finds its nibbles in 16 bytes
+    (q6k.c)."""
+    blocks, supers, d, sc = _q6k_heads("pack_q3k", q, d, sc, 7, (-32, 31), "Q3_K")
+    q = torch.nn.functional.pad(q, (0, 0, 0, -q.shape[0] % Q6K_BLOCK))
+    q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)  # [block, output j, super-block, group, r, column i]
+    unit = q[..., 0, :] | (q[..., 1, :] << 3) | ((q[..., 2, :] & 3) << 6)
+    nibble = q[..., 3, :] | ((q[..., 2, :] >> 2) << 3)
+    unit, nibble = (t.permute(0, 2, 3, 1, 4).reshape(blocks, supers, 16, 64) for t in (unit, nibble))
+    nibble = nibble.view(blocks, supers, 16, 2, 2, 16)  # [..., h, which nibble, k]
+    nibbles = nibble[..., 0, :] | (nibble[..., 1, :] << 4)
+    groups = torch.cat([unit, nibbles.reshape(blocks, supers, 16, 32)], dim=3).view(blocks, supers, 16 * 96)
+    return torch.cat([d, sc, groups], dim=2).view(blocks, -1)
+
+
+def check_q3k(fn: str, name: str, packed: torch.Tensor, n: int, k: int) -> None:
+    """A weight in `pack_q3k`'s layout of n outputs and k inputs, or a ValueError naming what differs."""
+    _check_kquant(fn, name, packed, n, k, "Q3_K", Q3K_SUPER)
 
 
 def _check_kquant_values(fn: str, q: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor, sc: torch.Tensor,

@@ -1,5 +1,5 @@
-"""The linear layers on a GGUF's weights kept as the file's blocks (`FileBlocks`: Q6_K, Q5_0, Q5_1, Q5_K, Q4_K): each
-format's layer (q6k.py, q45.py) names its packing and its kernel; this is the rest."""
+"""The linear layers on a GGUF's weights kept as the file's blocks (`FileBlocks`: Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, Q5_K,
+Q4_K): each format's layer (q6k.py, q45.py) names its packing and its kernel; this is the rest."""
 from __future__ import annotations
 
 from dataclasses import fields

@@ -16,10 +16,10 @@ from latentserve.layers.quant.int4 import (
 from latentserve.layers.quant.int8 import (
     Int8Linear, IntMMInt8Linear, NativeInt8Linear, int_mm_parts, quantize_int8,
 )
-from latentserve.layers.quant.prequantized import (FileBlocks, Int4Weight, Int8Weight, Q2KWeight, Q4KWeight, Q5KWeight,
-                                                   Q6KWeight, Q50Weight, Q51Weight, QuantizedWeight)
+from latentserve.layers.quant.prequantized import (FileBlocks, Int4Weight, Int8Weight, Q2KWeight, Q3KWeight, Q4KWeight,
+                                                   Q5KWeight, Q6KWeight, Q50Weight, Q51Weight, QuantizedWeight)
 from latentserve.layers.quant.q45 import NativeQ4KLinear, NativeQ5KLinear, NativeQ50Linear, NativeQ51Linear
-from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ6KLinear
+from latentserve.layers.quant.q6k import NativeQ2KLinear, NativeQ3KLinear, NativeQ6KLinear
 
 INT4PACK_OUT_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs 16 output rows at a time
 LM_HEAD = "lm_head"
@@ -70,14 +70,15 @@ def int4_kernel(policy: KernelPolicy, device: torch.device, out_features: int | 
 
 
 # A GGUF's weights latentserve runs in their file's blocks: the weight's type, its layer.
-FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q2KWeight: NativeQ2KLinear, Q50Weight: NativeQ50Linear,
-               Q51Weight: NativeQ51Linear, Q5KWeight: NativeQ5KLinear, Q4KWeight: NativeQ4KLinear}
+FILE_BLOCKS = {Q6KWeight: NativeQ6KLinear, Q3KWeight: NativeQ3KLinear, Q2KWeight: NativeQ2KLinear,
+               Q50Weight: NativeQ50Linear, Q51Weight: NativeQ51Linear, Q5KWeight: NativeQ5KLinear,
+               Q4KWeight: NativeQ4KLinear}
 
 
 def blocks_kernel(weight: type[FileBlocks], policy: KernelPolicy, device: torch.device,
                   in_features: int | None = None) -> KernelChoice:
-    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q2_K, Q5_0, Q5_1, Q5_K, Q4_K): latentserve's kernel for it on its
-    blocks as they are, else the kernel of its `unkept_type` (int8 per output row; Q4_K int4's groups)."""
+    """A GGUF weight of a type in `FILE_BLOCKS` (Q6_K, Q3_K, Q2_K, Q5_0, Q5_1, Q5_K, Q4_K): latentserve's kernel for it
+    on its blocks as they are, else the kernel of its `unkept_type` (int8 per output row; Q4_K int4's groups)."""
     layer = FILE_BLOCKS[weight]
     unkept = (int4_kernel(policy, device, None, in_features) if weight.unkept_type is Int4Weight
               else int8_kernel(policy, device, in_features)).kernel
@@ -99,7 +100,7 @@ def quantize_linear(
 ) -> nn.Module:
     """The quantized stand-in for the linear layer `name` with this weight: full precision (quantized as `config` says),
     or already quantized by the checkpoint (kept as it is, in its own format: a GGUF may mix int4 and int8 layers; a
-    Q6_K, Q5_0, Q5_1, Q5_K or Q4_K one runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
+    weight of a type in `FILE_BLOCKS` runs `blocks_kernel`'s choice). `lm_head` is int8 under int4 too, as llama.cpp's
     Q4_K_M keeps its output matrix at 6 bits: int4pack_mm's cost grows with every 4 rows (one row per sequence here),
     int8's barely (benchmarks/RESULTS.md), and the logits keep int8's accuracy. `policy`: the loader's (None: the
     default one)."""

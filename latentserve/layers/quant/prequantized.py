@@ -1,9 +1,10 @@
 """Weights a checkpoint stores already quantized (GPTQ, AWQ, compressed-tensors, GGUF), unpacked into the int4 / int8 /
-Q6_K / Q2_K / Q5_0 / Q5_1 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes nothing a
-second time."""
+Q6_K / Q3_K / Q2_K / Q5_0 / Q5_1 / Q5_K / Q4_K layouts latentserve's layers take, so that loading them quantizes
+nothing a second time."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -73,24 +74,39 @@ class FileBlocks(_Stored):
         return weight
 
 
-Q6K_D_COLUMNS, Q6K_SC_COLUMNS = 256, 16  # input columns per d, per sub-scale sc
+Q6K_D_COLUMNS, Q6K_SC_COLUMNS = 256, 16  # input columns per d, per sub-scale sc (Q6_K's and Q3_K's)
 
 
 @dataclass
-class Q6KWeight(FileBlocks):
-    """llama.cpp's Q6_K as a GGUF holds it, w = d * sc * (q - 32): q uint8 `[out, in]` in [0, 63], d fp32
-    `[out, in / 256]` (the file's fp16, so exact), sc int8 `[out, in / 16]`."""
+class _CentredKQuant(FileBlocks):
+    """llama.cpp's Q6_K and Q3_K as a GGUF holds them, w = d * sc * (q - centre): q uint8 `[out, in]`, d fp32
+    `[out, in / 256]` (the file's fp16, so exact), sc int8 `[out, in / 16]`. Siblings, neither a subclass of the
+    other: their kernels pack different layouts, so no isinstance check may take one for the other."""
 
     d: torch.Tensor
     sc: torch.Tensor
-    method = "q6_k"
+    centre: ClassVar[int]
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc rounded to fp32 first, then times q - 32."""
+        """fp32 `[out, in]`, gguf's dequantization to the bit: d * sc rounded to fp32 first, then times q - centre."""
         rows, cols = self.q.shape
         scale = self.d[..., None] * self.sc.view(rows, -1, Q6K_D_COLUMNS // Q6K_SC_COLUMNS).float()
-        q = self.q.view(rows, -1, Q6K_SC_COLUMNS).float().sub_(32)
+        q = self.q.view(rows, -1, Q6K_SC_COLUMNS).float().sub_(self.centre)
         return (scale.view(rows, -1, 1) * q).view(rows, cols)
+
+
+@dataclass
+class Q6KWeight(_CentredKQuant):
+    """Q6_K: q in [0, 63], w = d * sc * (q - 32)."""
+
+    method, centre = "q6_k", 32
+
+
+@dataclass
+class Q3KWeight(_CentredKQuant):
+    """Q3_K: q in [0, 7], sc in [-32, 31] (the file's 6-bit scale less 32), w = d * sc * (q - 4)."""
+
+    method, centre = "q3_k", 4
 
 
 Q50_COLUMNS = 32  # input columns per d
@@ -183,7 +199,8 @@ class Q4KWeight(_KQuant):
         return Int4Weight(self.q, scale, -minimum)
 
 
-QuantizedWeight = Int4Weight | Int8Weight | Q6KWeight | Q2KWeight | Q50Weight | Q51Weight | Q5KWeight | Q4KWeight
+QuantizedWeight = (Int4Weight | Int8Weight | Q6KWeight | Q3KWeight | Q2KWeight | Q50Weight | Q51Weight | Q5KWeight
+                   | Q4KWeight)
 
 
 def concat(parts: list[QuantizedWeight | torch.Tensor]) -> QuantizedWeight | torch.Tensor:

@@ -13,12 +13,12 @@ exactly; latentserve's int4 kernel then keeps each group's scale and minimum in 
 them to bf16's precision. Q4_K (most of a Q4_K_M file), Q6_K (its output matrix, some of its down projections), Q5_0
 (its down projections whose rows are not a multiple of 256), Q5_K (Q5_K_M's) and Q5_1 (Q5_K_M's where Q4_K_M has Q5_0)
 are kept as their blocks' values, exactly, which latentserve's kernels for them run as they are (4.75, 6.625, 5.5, 5.75
-and 6 bits a weight read); Q3_K (most of a Q3_K_M file) becomes Q6_K's blocks exactly (its values are Q6_K values: 6.625
-bits a weight read, where the file holds 3.44). Without those kernels a Q4_K layer runs as int4's groups of its values,
-the others are quantized to int8 per output channel (layers/quant/linear.py). Other quantized types of an attention or
-MLP weight (Q8_0 has one scale per 32 values, not per row) are dequantized with gguf's own code and quantized to int8
-per output channel; embeddings, norms, the router and kv_b_proj (which decode absorbs) are dequantized to the compute
-dtype. The load log counts each; the conversions themselves are gguf_weights.py's."""
+and 6 bits a weight read), as are Q3_K (most of a Q3_K_M file: 3.625 bits read) and Q2_K (a Q2_K file's: 2.75). Without
+those kernels a Q4_K layer runs as int4's groups of its values, the others are quantized to int8 per output channel
+(layers/quant/linear.py). Other quantized types of an attention or MLP weight (Q8_0 has one scale per 32 values, not
+per row) are dequantized with gguf's own code and quantized to int8 per output channel; embeddings, norms, the router
+and kv_b_proj (which decode absorbs) are dequantized to the compute dtype. The load log counts each; the conversions
+themselves are gguf_weights.py's."""
 from __future__ import annotations
 
 import hashlib
@@ -75,8 +75,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 # The weights latentserve runs as int8/int4 layers (kv_b_proj stays in the compute dtype: decode absorbs it).
 _QUANTIZED_LAYER = re.compile(r"(\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj|gate_proj|up_proj|down_proj)"
                               r"\.weight|^lm_head\.weight)$")
-# Types whose blocks latentserve's kernels read as the file holds them (layers/quant/linear.py FILE_BLOCKS; Q3_K's as
-# Q6_K's).
+# Types whose blocks latentserve's kernels read as the file holds them (layers/quant/linear.py FILE_BLOCKS).
 _KEPT = {GGMLQuantizationType.Q6_K: q6k_weight, GGMLQuantizationType.Q3_K: q3k_weight,
          GGMLQuantizationType.Q2_K: q2k_weight, GGMLQuantizationType.Q5_0: q50_weight,
          GGMLQuantizationType.Q5_1: q51_weight, GGMLQuantizationType.Q5_K: q5k_weight,
@@ -269,7 +268,7 @@ def _kv_b(k_b: torch.Tensor, v_b: torch.Tensor) -> torch.Tensor:
 
 
 def read_tensors(model_dir: Path, wanted: Callable[[str], bool]) -> Iterator[tuple[str, Any]]:
-    """(Hugging Face name, tensor / Int4Weight / Int8Weight / a `FileBlocks` weight: Q6KWeight, Q2KWeight, ...) for
+    """(Hugging Face name, tensor / Int4Weight / Int8Weight / a `FileBlocks` weight: Q6KWeight, Q3KWeight, ...) for
     every `wanted` tensor of the GGUF `model_dir` stands for, one at a time. Each file is memory-mapped while its
     tensors are read, and unmapped after: the pages a mapping touched count as the process's memory until then."""
     files = [Path(f) for f in json.loads((model_dir / GGUF_INDEX).read_text())["files"]]

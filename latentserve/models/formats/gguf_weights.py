@@ -1,7 +1,7 @@
 """How a GGUF tensor's data becomes latentserve's weights (gguf.py decides which way each tensor goes): Q4_0 and Q4_1
-repacked into int4 groups of 32 exactly, Q6_K unpacked into its q, d and sc exactly (`Q6KWeight`), Q3_K into Q6_K's q, d
-and sc exactly, Q2_K into its q, d, dmin, sc and m (`Q2KWeight`), Q5_0 into its q and d (`Q50Weight`), Q5_1 into its q,
-d and m (`Q51Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized
+repacked into int4 groups of 32 exactly, Q6_K and Q3_K unpacked into their q, d and sc exactly (`Q6KWeight`,
+`Q3KWeight`), Q2_K into its q, d, dmin, sc and m (`Q2KWeight`), Q5_0 into its q and d (`Q50Weight`), Q5_1 into its q, d
+and m (`Q51Weight`), Q5_K and Q4_K into their q, d, dmin, sc and m (`Q5KWeight`, `Q4KWeight`), other types dequantized
 with gguf's own code (and, for the layers latentserve runs quantized, quantized to int8 per output channel), a few rows
 at a time; and the memory a conversion leaves behind (mapped file pages, glibc's freed heap) handed back."""
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gguf.quants import Q4_K, dequantize
 from latentserve.layers.quant.int8 import quantize_int8
 from latentserve.layers.quant.prequantized import (KQUANT_COLUMNS, KQUANT_SUB_COLUMNS, Q2K_SUB_COLUMNS, Q6K_D_COLUMNS,
                                                    Q6K_SC_COLUMNS, Q50_COLUMNS, Int4Weight, Int8Weight, Q2KWeight,
-                                                   Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
+                                                   Q3KWeight, Q4KWeight, Q5KWeight, Q6KWeight, Q50Weight, Q51Weight)
 
 logger = logging.getLogger(__name__)
 
@@ -116,12 +116,12 @@ def q6k_weight(data: np.ndarray) -> Q6KWeight:
     return weight
 
 
-def q3k_weight(data: np.ndarray) -> Q6KWeight:
-    """Q3_K rows `[out, bytes]` as Q6_K's blocks, exactly: Q3_K's w = d * (sc - 32) * (q - 4) (6-bit sc, 3-bit q, groups
-    of 16, an fp16 d per 256) is Q6_K's w = d * sc' * (q' - 32) with sc' = sc - 32 and q' = q + 28, which latentserve's
-    Q6_K kernel runs (6.625 bits a weight read, where int8 per row read 8 and rounded the values again)."""
+def q3k_weight(data: np.ndarray) -> Q3KWeight:
+    """Q3_K rows `[out, bytes]` as their q, d and sc, exactly, a few rows at a time: the file's w = d * (sc - 32) *
+    (q - 4) (a 6-bit sc per 16 columns, a 3-bit q, an fp16 d per 256) with sc held less 32, as int8 in [-32, 31], the
+    form Q6_K's values take too."""
     rows, blocks = data.shape[0], data.shape[1] // _Q3K_BYTES
-    weight = Q6KWeight(torch.empty(rows, blocks * Q6K_D_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
+    weight = Q3KWeight(torch.empty(rows, blocks * Q6K_D_COLUMNS, dtype=torch.uint8), torch.empty(rows, blocks),
                        torch.empty(rows, blocks * (Q6K_D_COLUMNS // Q6K_SC_COLUMNS), dtype=torch.int8))
     for chunk in _row_chunks(data):
         # Per 256: 32 bytes whose bit j of byte i is value 32j + i's third bit, 64 bytes of low bit pairs (each half
@@ -132,7 +132,7 @@ def q3k_weight(data: np.ndarray) -> Q6KWeight:
         third = part[..., :32].reshape(-1, blocks, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
         low = part[..., 32:96].reshape(-1, blocks, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
         q = (low & 3).reshape(-1, blocks, 8, 32) | ((third & 1) << 2)
-        weight.q.numpy()[chunk] = (q + 28).reshape(len(part), -1)
+        weight.q.numpy()[chunk] = q.reshape(len(part), -1)
         low4, top2 = part[..., 96:104], part[..., 104:108]
         sc = np.concatenate([low4 & 15, low4 >> 4], axis=-1) | (
             np.concatenate([(top2 >> shift) & 3 for shift in (0, 2, 4, 6)], axis=-1) << 4)
