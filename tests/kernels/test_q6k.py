@@ -13,13 +13,20 @@ from gguf.quants import dequantize
 from latentserve.kernels import native
 
 
+def _centred_values(g: torch.Generator, n: int, k: int, bits: int, sc_bits: int,
+                    d_size: float) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """((q, d, sc), the fp32 weight w = d * sc * (q - centre) they stand for, as gguf dequantizes it) of q of `bits`
+    (centre half their range), sc signed of `sc_bits`, an fp16 d below `d_size`."""
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // 256, generator=g) * d_size).half().float()  # the file's fp16 d
+    sc = torch.randint(-(1 << sc_bits - 1), 1 << sc_bits - 1, (n, k // 16), dtype=torch.int8, generator=g)
+    scale = d.repeat_interleave(16, dim=1) * sc.float()  # exact in fp32
+    return (q, d, sc), scale.repeat_interleave(16, dim=1) * (q.float() - (1 << bits - 1))
+
+
 def q6k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((q, d, sc) as a Q6_K file holds them, the fp32 weight they stand for, as gguf dequantizes it)."""
-    q = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=g)
-    d = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()  # the file's fp16 d
-    sc = torch.randint(-128, 128, (n, k // 16), dtype=torch.int8, generator=g)
-    scale = d.repeat_interleave(16, dim=1) * sc.float()  # exact in fp32
-    return (q, d, sc), scale.repeat_interleave(16, dim=1) * (q.float() - 32)
+    return _centred_values(g, n, k, 6, 8, 1e-3)
 
 
 def exact_x(g: torch.Generator, m: int, k: int) -> torch.Tensor:
@@ -80,11 +87,7 @@ def test_pack_q2k_refuses_what_is_not_q2k():
 
 def q3k_values(g: torch.Generator, n: int, k: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """((q, d, sc) as a Q3_K file holds them, sc less 32, the fp32 weight they stand for, as gguf dequantizes it)."""
-    q = torch.randint(0, 8, (n, k), dtype=torch.uint8, generator=g)
-    d = (torch.rand(n, k // 256, generator=g) * 1e-2).half().float()  # the file's fp16 d
-    sc = torch.randint(-32, 32, (n, k // 16), dtype=torch.int8, generator=g)
-    scale = d.repeat_interleave(16, dim=1) * sc.float()  # exact in fp32
-    return (q, d, sc), scale.repeat_interleave(16, dim=1) * (q.float() - 4)
+    return _centred_values(g, n, k, 3, 6, 1e-2)
 
 
 def q3k_blocks(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> np.ndarray:

@@ -28,6 +28,6 @@ from latentserve.kernels.native.linear import (argmax, dense_heads, dense_linear
 from latentserve.kernels.native.moe import (DENSE_FORMATS, Experts, Format, expert_table, experts,  # noqa: F401
                                             moe_block, route)
 from latentserve.kernels.native.packing import (Q2K_FORMAT, Q3K_FORMAT, Q4K_FORMAT, Q5K_FORMAT,  # noqa: F401
-                                                Q6K_FORMAT, Q50_FORMAT, Q51_FORMAT, check_q3k, int8_lanes, pack_int4,
-                                                pack_int8, pack_q2k, pack_q3k, pack_q4k, pack_q5k, pack_q6k, pack_q50,
-                                                pack_q51, unpack_int8)
+                                                Q6K_FORMAT, Q50_FORMAT, Q51_FORMAT, int8_lanes, pack_int4, pack_int8,
+                                                pack_q2k, pack_q3k, pack_q4k, pack_q5k, pack_q6k, pack_q50, pack_q51,
+                                                unpack_int8)
