@@ -1,5 +1,6 @@
 /* Activations prepared for each weight format (quant.h): quantized to int8 for the integer dot products of the int8
  * and int4 kernels, fp32 or bf16 rows for the dense ones. */
+#include "q6k.h" /* the 16-column k-quants' centres and corrections (their layout traits) */
 #include "quant.h"
 
 /* Each row of x in blocks of `block` columns (block divides K): xq = round(x / s) + offset with round(...) in
@@ -142,7 +143,7 @@ static int64_t row_bytes(Format f, int64_t K) { return f.bits == 8 ? int8_row_by
 static int64_t row_scales(Format f, int64_t K) { return f.bits == 8 ? 1 : K / XBLOCK; }
 static int64_t row_corrs(Format f, int64_t K) {
     if (q45(f)) return (sums_x(f) ? 2 : 1) * (K / 32);
-    if (kq16(f)) return (f.bits == 2 ? 2 : 1) * (K / 16);
+    if (kq16(f)) return k_corrs((KLayout){f.bits}, K);
     return f.bits == 4 ? 2 * (K / f.group) : 0;
 }
 
@@ -168,10 +169,10 @@ void quantize_into(Format f, const void *x, int bf16, int64_t M, int64_t K, Quan
         for (int64_t i = 0; i < M * K; i++) ((float *)a.rows)[i] = load_act(x, bf16, i);
     else if (f.bits == 8)
         quantize_int8(x, bf16, M, K, a.q, a.s);
-    else if (f.bits == 6 || f.bits == 3)
-        centred_prepare(x, bf16, M, K, 16, f.bits == 6 ? 32 : 4, a.q, a.s, (int32_t *)a.corr);
-    else if (f.bits == 2)
-        kquant_prepare(x, bf16, M, K, 16, 2, a.q, a.s, a.corr);
+    else if (kq16(f) && k_mins((KLayout){f.bits}))
+        kquant_prepare(x, bf16, M, K, 16, k_centre((KLayout){f.bits}), a.q, a.s, a.corr);
+    else if (kq16(f))
+        centred_prepare(x, bf16, M, K, 16, k_centre((KLayout){f.bits}), a.q, a.s, (int32_t *)a.corr);
     else if (q45(f) && sums_x(f))
         kquant_prepare(x, bf16, M, K, 32, f.bits == 5 ? 16 : 8, a.q, a.s, a.corr);
     else if (f.bits == 5)

@@ -84,11 +84,12 @@ Q6K_SUPER = 64 + 16 * 16 + 16 * 192  # bytes of 256 columns of a `pack_q6k` bloc
 Q6K_FORMAT = (6, 16)  # the experts' format tuple (bits, group) of `pack_q6k`'s layout
 
 
-def _q6k_heads(fn: str, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, q_top: int, sc_range: tuple[int, int],
-               file_type: str) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """(blocks, super-blocks, per block and super-block the 64 bytes of d and the 256 of sc (group-major)) of values
-    w = d * sc * (q - centre) as `fn` takes them (q in [0, q_top], sc in sc_range), or a ValueError naming what it
-    got; q, d and sc padded with zero rows to whole blocks of 16."""
+def _q6k_heads(fn: str, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, q_top: int,
+               sc_range: tuple[int, int] | None, file_type: str) -> tuple[int, int, torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor]:
+    """(blocks, super-blocks, q padded with zero rows to whole blocks of 16, per block and super-block the 64 bytes of
+    d and the 256 of sc (group-major)) of values w = d * sc * (q - centre) as `fn` takes them (q in [0, q_top], sc in
+    sc_range where int8's whole range is not the format's), or a ValueError naming what it got."""
     n, k = q.shape
     if (q.dtype != torch.uint8 or k % 256 or d.dtype != torch.float32 or d.shape != (n, k // 256)
             or sc.dtype != torch.int8 or sc.shape != (n, k // 16)):
@@ -97,15 +98,15 @@ def _q6k_heads(fn: str, q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, q_to
                          f"{tuple(sc.shape)}")
     if q.numel() and int(q.max()) > q_top:
         raise ValueError(f"{fn}: q holds {int(q.max())}, past {file_type}'s {q_top}")
-    if sc.numel() and not sc_range[0] <= int(sc.min()) <= int(sc.max()) <= sc_range[1]:
+    if sc_range and sc.numel() and not sc_range[0] <= int(sc.min()) <= int(sc.max()) <= sc_range[1]:
         raise ValueError(f"{fn}: sc holds {int(sc.min())} .. {int(sc.max())}, past {file_type}'s "
                          f"{sc_range[0]} .. {sc_range[1]}")
     pad = -n % Q6K_BLOCK
     blocks, supers = (n + pad) // Q6K_BLOCK, k // 256
-    d, sc = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (d, sc))
+    q, d, sc = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, sc))
     d = d.contiguous().view(blocks, Q6K_BLOCK, supers).transpose(1, 2).contiguous().view(torch.uint8)
     sc = sc.view(blocks, Q6K_BLOCK, supers, 16).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
-    return blocks, supers, d.view(blocks, supers, 64), sc.view(blocks, supers, 256)
+    return blocks, supers, q, d.view(blocks, supers, 64), sc.view(blocks, supers, 256)
 
 
 def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
@@ -114,8 +115,7 @@ def pack_q6k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor
     rows pad the last), each block per 256 columns the 16 d, the 16 x 16 sc (group-major), then per 16 columns three
     64-byte units, byte 4j + i of unit u output j's column 4u + i in its low 6 bits and bits 2u, 2u + 1 of its
     column 12 + i in the top 2 (q6k.c)."""
-    blocks, supers, d, sc = _q6k_heads("pack_q6k", q, d, sc, 63, (-128, 127), "Q6_K")
-    q = torch.nn.functional.pad(q, (0, 0, 0, -q.shape[0] % Q6K_BLOCK))
+    blocks, supers, q, d, sc = _q6k_heads("pack_q6k", q, d, sc, 63, None, "Q6_K")
     # [block, output, super-block, group, quarter of the group, column]
     q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)
     last = q[..., 3, :]
@@ -142,8 +142,7 @@ def pack_q3k(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor
     nibbles, column 12 + i and the third bit of 8 + i, for position p = 4j + i in byte 16h + k's low nibble where p =
     32h + k and its high nibble where p = 32h + 16 + k, so that each half of 8 outputs finds its nibbles in 16 bytes
     (q6k.c)."""
-    blocks, supers, d, sc = _q6k_heads("pack_q3k", q, d, sc, 7, (-32, 31), "Q3_K")
-    q = torch.nn.functional.pad(q, (0, 0, 0, -q.shape[0] % Q6K_BLOCK))
+    blocks, supers, q, d, sc = _q6k_heads("pack_q3k", q, d, sc, 7, (-32, 31), "Q3_K")
     q = q.view(blocks, Q6K_BLOCK, supers, 16, 4, 4)  # [block, output j, super-block, group, r, column i]
     unit = q[..., 0, :] | (q[..., 1, :] << 3) | ((q[..., 2, :] & 3) << 6)
     nibble = q[..., 3, :] | ((q[..., 2, :] >> 2) << 3)
